@@ -1,0 +1,177 @@
+"""Model registry: built-in names and ``path/to/file.py:factory``.
+
+Every model is a `ModelSpec`: an ordered list of blocks, the loss applied to the
+last block's output, and a way to make a synthetic batch (for check, bench, tune).
+
+A user's file may define, beside its factory:
+    batch(batch_size: int, generator: torch.Generator) -> (inputs, targets)
+    loss(output, targets) -> scalar mean over the batch
+Without them, brigade infers an input from the first Linear / Conv2d / Embedding
+and uses mean-squared error against random targets (as the tutorial does).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brigade.errors import BrigadeError
+from brigade.models.gpt import GPTConfig, gpt, gpt_loss
+from brigade.models.resnet import resnet50
+from brigade.models.toy import mlp, toy
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+BUILTIN = ("gpt", "resnet50", "toy", "mlp")
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    blocks: list[nn.Module]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    make_batch: Callable[[int, torch.Generator], Batch]
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def _gpt(gpt_cfg: GPTConfig | None, **_) -> ModelSpec:
+    cfg = gpt_cfg or GPTConfig()
+
+    def make_batch(n: int, g: torch.Generator) -> Batch:
+        seq = torch.randint(cfg.vocab_size, (n, cfg.block_size + 1), generator=g)
+        return seq[:, :-1], seq[:, 1:]
+
+    return ModelSpec("gpt", gpt(cfg), gpt_loss, make_batch)
+
+
+def _resnet(image_size: int = 64, **_) -> ModelSpec:
+    def make_batch(n: int, g: torch.Generator) -> Batch:
+        x = torch.randn(n, 3, image_size, image_size, generator=g)
+        return x, torch.randint(1000, (n,), generator=g)
+
+    return ModelSpec("resnet50", resnet50(), F.cross_entropy, make_batch)
+
+
+def _randn_pair(d_in: int, d_out: int) -> Callable[[int, torch.Generator], Batch]:
+    def make_batch(n: int, g: torch.Generator) -> Batch:
+        return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
+
+    return make_batch
+
+
+def _toy(**_) -> ModelSpec:
+    return ModelSpec("toy", toy(), _mse, _randn_pair(10, 5))
+
+
+def _mlp(width: int = 1024, depth: int = 8, **_) -> ModelSpec:
+    return ModelSpec("mlp", mlp(width, depth), _mse, _randn_pair(width, width))
+
+
+def load_model(name: str, seed: int = 0, **options) -> ModelSpec:
+    """Build a model by built-in name or ``FILE:FACTORY``, with weights drawn from `seed`.
+
+    Options: gpt_cfg (GPTConfig) for gpt, image_size for resnet50, width/depth for mlp.
+
+    Raises:
+        BrigadeError: unknown name, missing file or factory, factory failure, or a non-block result.
+    """
+    torch.manual_seed(seed)
+    builders = {"gpt": _gpt, "resnet50": _resnet, "toy": _toy, "mlp": _mlp}
+    if name in builders:
+        return builders[name](**options)
+    if ":" not in name:
+        raise BrigadeError(
+            f"unknown model {name!r}: expected one of {', '.join(BUILTIN)} or path/to/file.py:factory"
+        )
+    return _from_file(name)
+
+
+def _import_file(path: Path):
+    spec = importlib.util.spec_from_file_location(f"brigade_user_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: any error is theirs to see, in one line
+        raise BrigadeError(f"model file {path} failed to import: {type(exc).__name__}: {exc}") from None
+    return module
+
+
+def _from_file(spec_text: str) -> ModelSpec:
+    file_part, _, factory_name = spec_text.rpartition(":")
+    path = Path(file_part)
+    if not path.is_file():
+        raise BrigadeError(f"model file {file_part!r} not found: give path/to/file.py:factory")
+    module = _import_file(path)
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        names = sorted(n for n in vars(module) if callable(getattr(module, n)) and not n.startswith("_"))
+        raise BrigadeError(
+            f"{path} has no factory {factory_name!r}: define it, or pick one of {', '.join(names) or '(none)'}"
+        )
+    try:
+        made = factory()
+    except Exception as exc:
+        raise BrigadeError(f"factory {spec_text} raised {type(exc).__name__}: {exc}") from None
+    blocks = as_blocks(made, spec_text)
+    loss_fn = getattr(module, "loss", _mse)
+    make_batch = getattr(module, "batch", None) or _infer_batch(blocks)
+    return ModelSpec(spec_text, blocks, loss_fn, make_batch)
+
+
+def as_blocks(made: object, where: str = "model") -> list[nn.Module]:
+    """An nn.Sequential or a list/tuple of modules → list of blocks.
+
+    Raises:
+        BrigadeError: for anything else, or an empty list.
+    """
+    if isinstance(made, nn.Sequential):
+        blocks = list(made)
+    elif isinstance(made, (list, tuple)) and all(isinstance(b, nn.Module) for b in made):
+        blocks = list(made)
+    else:
+        raise BrigadeError(
+            f"{where} returned {type(made).__name__}: expected an nn.Sequential or a list of nn.Module blocks"
+        )
+    if not blocks:
+        raise BrigadeError(f"{where} returned no blocks: expected at least one nn.Module")
+    return blocks
+
+
+def _infer_batch(blocks: list[nn.Module]) -> Callable[[int, torch.Generator], Batch]:
+    first = next(
+        (m for b in blocks for m in b.modules() if isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding))),
+        None,
+    )
+    if first is None:
+        raise BrigadeError(
+            "cannot infer the model's input: define batch(batch_size, generator) -> (inputs, targets) "
+            "in the model file"
+        )
+
+    def make_input(n: int, g: torch.Generator) -> torch.Tensor:
+        if isinstance(first, nn.Linear):
+            return torch.randn(n, first.in_features, generator=g)
+        if isinstance(first, nn.Conv2d):
+            return torch.randn(n, first.in_channels, 32, 32, generator=g)
+        return torch.randint(first.num_embeddings, (n, 16), generator=g)
+
+    def make_batch(n: int, g: torch.Generator) -> Batch:
+        x = make_input(n, g)
+        model = nn.Sequential(*blocks)
+        was_training = model.training
+        with torch.no_grad():
+            y = model.eval()(x[:1])  # eval: leave BatchNorm statistics untouched
+        model.train(was_training)
+        return x, torch.randn((n, *y.shape[1:]), generator=g)
+
+    return make_batch

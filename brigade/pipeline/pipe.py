@@ -1,0 +1,159 @@
+"""User-facing pipelines: one stage per process, or all stages in one process.
+
+    Pipeline       one process per stage, under torchrun or brigade.launch; P2P transport.
+    LocalPipeline  the tutorial's "model parallel": stages on a list of devices in one
+                   process, one worker thread per device, so stages overlap on CPU too.
+
+Both build the schedule's plan once, validate it, and hand each stage its own
+action list; `step(inputs, targets)` runs forward and backward of one batch and
+returns the mean loss, `forward(inputs)` runs inference.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from brigade.pipeline import microbatch
+from brigade.pipeline.runtime import StageRunner, StepResult
+from brigade.pipeline.schedule import build, forward_only, validate
+from brigade.pipeline.transport import LocalTransport, P2PTransport
+
+
+class Pipeline:
+    """This process's stage of a multi-process pipeline (stage = rank within `group`).
+
+    Args:
+        module: this stage's blocks, already on `device` (may be DDP-wrapped).
+        schedule: "gpipe" or "1f1b"; n_microbatches: micro-batches per step.
+        loss_fn: (output, target) -> mean loss, applied on the last stage.
+        group: the pipeline's process group (default: the whole world).
+    """
+
+    def __init__(self, module: nn.Module, schedule: str, n_microbatches: int, loss_fn,
+                 group=None, device: torch.device | str = "cpu"):
+        self.group = group
+        self.device = torch.device(device)
+        self.n_stages = dist.get_world_size(group)
+        self.stage = dist.get_rank(group)
+        self.n_microbatches = n_microbatches
+        self.peers = [dist.get_global_rank(group, i) if group else i for i in range(self.n_stages)]
+        self.plan = validate(build(schedule, self.n_stages, n_microbatches))[self.stage]
+        self.inference_plan = validate(forward_only(self.n_stages, n_microbatches))[self.stage]
+        transport = P2PTransport(self.peers, self.device, group)
+        self.runner = StageRunner(module, self.stage, self.n_stages, transport, loss_fn)
+        self.last_result: StepResult | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
+             trace: bool = False) -> torch.Tensor:
+        """Forward and backward of one batch. Returns the batch's mean loss on every rank.
+
+        Only the first stage reads `inputs` and only the last reads `targets`; others may pass None.
+        """
+        m = self.n_microbatches
+        xs = microbatch.split(inputs.to(self.device), m) if self.is_first else None
+        ys = microbatch.split(targets.to(self.device), m) if self.is_last else None
+        ws = microbatch.weights(targets.shape[0], m) if self.is_last else None
+        self.last_result = self.runner.run(self.plan, xs, ys, ws, trace=trace)
+        loss = self.last_result.loss if self.is_last else torch.zeros((), device=self.device)
+        loss = loss.detach().float().reshape(())
+        if self.n_stages > 1:
+            dist.broadcast(loss, self.peers[-1], group=self.group)
+        return loss
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
+        """Inference: returns the merged outputs on the last stage, None elsewhere."""
+        xs = microbatch.split(inputs.to(self.device), self.n_microbatches) if self.is_first else None
+        result = self.runner.run(self.inference_plan, xs, keep_outputs=self.is_last)
+        return microbatch.merge(result.outputs) if self.is_last else None
+
+
+class LocalPipeline:
+    """All stages in this process, stage i on devices[i], one worker thread per device.
+
+    Args:
+        stages: one module per stage (moved to its device here).
+        devices: one device per stage; "cpu" may repeat (each stage still gets a thread).
+        schedule, n_microbatches, loss_fn: as for `Pipeline`.
+    """
+
+    def __init__(self, stages: list[nn.Module], devices: list[torch.device | str], schedule: str,
+                 n_microbatches: int, loss_fn, timeout_s: float = 300.0):
+        if len(devices) != len(stages):
+            raise ValueError(f"{len(stages)} stages need {len(stages)} devices, got {len(devices)}")
+        self.devices = [torch.device(d) for d in devices]
+        self.stages = [s.to(d) for s, d in zip(stages, self.devices)]
+        self.n_stages = len(stages)
+        self.n_microbatches = n_microbatches
+        self.transport = LocalTransport(self.devices, timeout_s)
+        self.plan = validate(build(schedule, self.n_stages, n_microbatches))
+        self.inference_plan = validate(forward_only(self.n_stages, n_microbatches))
+        self.runners = [
+            StageRunner(s, i, self.n_stages, self.transport.endpoint(i), loss_fn)
+            for i, s in enumerate(self.stages)
+        ]
+        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"stage{i}") for i in range(self.n_stages)]
+        self.last_results: list[StepResult] = []
+
+    def _run_all(self, plan, xs, ys, ws, keep_outputs: bool, trace: bool) -> list[StepResult]:
+        def job(i: int) -> StepResult:
+            if self.devices[i].type == "cuda":
+                torch.cuda.set_device(self.devices[i])
+            try:
+                return self.runners[i].run(
+                    plan[i],
+                    xs if i == 0 else None,
+                    ys if i == self.n_stages - 1 else None,
+                    ws,
+                    keep_outputs=keep_outputs and i == self.n_stages - 1,
+                    trace=trace,
+                )
+            except BaseException:
+                self.transport.abort.set()  # unblock the other stages
+                raise
+
+        self.transport.abort.clear()
+        futures = [pool.submit(job, i) for i, pool in enumerate(self._pools)]
+        return [f.result() for f in futures]
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, trace: bool = False) -> torch.Tensor:
+        """Forward and backward of one batch; returns the batch's mean loss."""
+        m = self.n_microbatches
+        xs = microbatch.split(inputs.to(self.devices[0]), m)
+        ys = microbatch.split(targets.to(self.devices[-1]), m)
+        self.last_results = self._run_all(self.plan, xs, ys, microbatch.weights(targets.shape[0], m),
+                                          False, trace)
+        return self.last_results[-1].loss.detach().reshape(())
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Inference: the merged outputs, on the last device."""
+        xs = microbatch.split(inputs.to(self.devices[0]), self.n_microbatches)
+        results = self._run_all(self.inference_plan, xs, None, None, True, False)
+        return microbatch.merge(results[-1].outputs)
+
+    def parameters(self):
+        for s in self.stages:
+            yield from s.parameters()
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> LocalPipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,138 @@
+"""The interpreter: runs one stage's list of actions for one step.
+
+`StageRunner.run` walks the actions in order and does exactly what each says;
+it never decides the order itself, so every schedule runs through this one
+loop. It talks to neighbours only through a transport (`send`, `recv`,
+`flush`), so the same code serves processes and device threads.
+
+Loss convention: on the last stage each micro-batch's mean loss is multiplied
+by its share of the batch (`microbatch.weights`) before backward, so the
+gradients add up to those of the mean loss over the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from brigade.pipeline.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action
+
+
+@dataclass
+class StepResult:
+    """What one stage got out of one step."""
+
+    loss: torch.Tensor | None = None  # last stage: weighted sum of micro-batch losses
+    outputs: list[torch.Tensor] = field(default_factory=list)  # last stage, if asked
+    trace: list[tuple[Action, float, float]] = field(default_factory=list)
+
+
+class StageRunner:
+    """Runs one stage's actions.
+
+    Args:
+        module: this stage's blocks (possibly wrapped in DistributedDataParallel).
+        stage: index of this stage; n_stages: pipeline depth.
+        transport: object with send(tensor, stage), recv(stage), flush().
+        loss_fn: (output, target) -> mean loss; used on the last stage only.
+    """
+
+    def __init__(self, module: nn.Module, stage: int, n_stages: int, transport, loss_fn=None):
+        self.module = module
+        self.stage = stage
+        self.n_stages = n_stages
+        self.transport = transport
+        self.loss_fn = loss_fn
+        self.is_first = stage == 0
+        self.is_last = stage == n_stages - 1
+        self.current: Action | None = None  # what this stage is doing now (for hang reports)
+
+    def run(
+        self,
+        actions: list[Action],
+        inputs: list[torch.Tensor] | None = None,
+        targets: list[torch.Tensor] | None = None,
+        weights: list[float] | None = None,
+        keep_outputs: bool = False,
+        trace: bool = False,
+    ) -> StepResult:
+        """Execute `actions` (with comms inserted) for one step.
+
+        Args:
+            inputs: the micro-batches (first stage only).
+            targets: the micro-batch targets (last stage only; omit for pure inference).
+            weights: each micro-batch's share of the batch (last stage, with targets).
+            keep_outputs: keep the last stage's outputs (inference).
+            trace: record (action, start, end) in perf_counter seconds.
+        """
+        training = any(a.op == B for a in actions)
+        result = StepResult()
+        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (stage input, output or loss)
+        inbox: dict[int, torch.Tensor] = {}  # received activations or gradients
+        n_backward = sum(a.op == B for a in actions)
+        backward_done = 0
+        total = None
+        grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
+        with grad_ctx:
+            for a in actions:
+                self.current = a
+                start = time.perf_counter() if trace else 0.0
+                i = a.microbatch
+                if a.op in (RECV_F, RECV_B):
+                    inbox[i] = self.transport.recv(self.stage + (-1 if a.op == RECV_F else 1))
+                elif a.op == F:
+                    x = inputs[i] if self.is_first else inbox.pop(i)
+                    if training and not self.is_first and x.is_floating_point():
+                        x.requires_grad_(True)
+                    y = self._forward(x)
+                    if self.is_last:
+                        if keep_outputs:
+                            result.outputs.append(y.detach())
+                        if targets is not None:
+                            y = self.loss_fn(y, targets[i]) * (weights[i] if weights else 1.0)
+                            total = y.detach() if total is None else total + y.detach()
+                    if training or not self.is_last:
+                        held[i] = (x, y)
+                elif a.op == SEND_F:
+                    _, y = held[i] if training else held.pop(i)
+                    self.transport.send(y, self.stage + 1)
+                elif a.op == B:
+                    backward_done += 1
+                    x, y = held.pop(i)
+                    grad = None if self.is_last else inbox.pop(i)
+                    self._backward(y, grad, last=backward_done == n_backward)
+                    if not self.is_first:
+                        inbox[i] = x.grad
+                elif a.op == SEND_B:
+                    self.transport.send(inbox.pop(i), self.stage - 1)
+                if trace:
+                    result.trace.append((a, start, time.perf_counter()))
+            self.transport.flush()
+        self.current = None
+        result.loss = total
+        return result
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.module, DistributedDataParallel):
+            # Gradients are reduced once per step, on the last backward (see _backward).
+            with self.module.no_sync():
+                return self.module(x)
+        return self.module(x)
+
+    def _backward(self, y: torch.Tensor, grad: torch.Tensor | None, last: bool) -> None:
+        ddp = self.module if isinstance(self.module, DistributedDataParallel) else None
+        if ddp is None:
+            torch.autograd.backward(y, grad)
+        elif last:
+            # DDP arms its reducer at forward time; forwards ran under no_sync, so arm it
+            # here for the one backward that should all-reduce (torch's pipelining does the same).
+            ddp.reducer.prepare_for_backward([y])
+            torch.autograd.backward(y, grad)
+        else:
+            with ddp.no_sync():
+                torch.autograd.backward(y, grad)
