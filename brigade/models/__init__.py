@@ -116,7 +116,8 @@ def _from_file(spec_text: str) -> ModelSpec:
     if not callable(factory):
         names = sorted(n for n in vars(module) if callable(getattr(module, n)) and not n.startswith("_"))
         raise BrigadeError(
-            f"{path} has no factory {factory_name!r}: define it, or pick one of {', '.join(names) or '(none)'}"
+            f"{path} has no factory {factory_name!r}: define it, or pick one of "
+            f"{', '.join(names) or '(none)'}"
         )
     try:
         made = factory()

@@ -20,7 +20,7 @@ from torch import nn
 from brigade.pipeline import microbatch
 from brigade.pipeline.runtime import StageRunner, StepResult
 from brigade.pipeline.schedule import build, forward_only, validate
-from brigade.pipeline.transport import LocalTransport, P2PTransport
+from brigade.pipeline.transport import LocalTransport, P2PTransport, StageAborted
 
 
 class Pipeline:
@@ -126,6 +126,11 @@ class LocalPipeline:
 
         self.transport.abort.clear()
         futures = [pool.submit(job, i) for i, pool in enumerate(self._pools)]
+        errors = [f.exception() for f in futures]
+        # Raise the stage that failed first, not the neighbours it left waiting.
+        root = [e for e in errors if e is not None and not isinstance(e, StageAborted)]
+        if root or any(errors):
+            raise (root or [e for e in errors if e])[0]
         return [f.result() for f in futures]
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, trace: bool = False) -> torch.Tensor:

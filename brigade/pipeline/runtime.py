@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from brigade.pipeline.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from brigade.pipeline.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F
 
 
 @dataclass
@@ -78,6 +78,11 @@ class StageRunner:
         backward_done = 0
         total = None
         grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
+        if hasattr(self.transport, "begin_step"):
+            self.transport.begin_step({
+                self.stage - 1: sum(a.op == RECV_F for a in actions),
+                self.stage + 1: sum(a.op == RECV_B for a in actions),
+            })
         with grad_ctx:
             for a in actions:
                 self.current = a

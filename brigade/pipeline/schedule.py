@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from brigade.errors import BrigadeError
+
 F, B = "F", "B"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE_OPS = (F, B)
@@ -30,7 +32,7 @@ Plan = dict[int, list["Action"]]
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
 
 
-class PlanError(ValueError):
+class PlanError(BrigadeError, ValueError):
     """A plan that cannot run: the message names the offending action."""
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from brigade.cli import main
+
+sys.exit(main())

@@ -1,0 +1,134 @@
+"""Processes and groups: torchrun's environment in, process groups and devices out.
+
+`launch(fn, nproc)` starts `nproc` workers through torch's elastic agent (what
+torchrun runs), so a brigade script behaves the same whether it launches
+itself or runs under `torchrun`. Inside a worker, `init()` reads the
+environment the agent set and joins the process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from brigade.errors import BrigadeError, RunError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def pick_backend(requested: str | None = None) -> tuple[str, str]:
+    """(backend, device type): NCCL on CUDA when GPUs exist, else gloo on CPU."""
+    if requested in (None, "auto"):
+        return ("nccl", "cuda") if torch.cuda.is_available() else ("gloo", "cpu")
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise BrigadeError("backend nccl needs CUDA GPUs and none is visible: use --backend gloo")
+    if requested not in ("nccl", "gloo"):
+        raise BrigadeError(f"unknown backend {requested!r}: expected auto, gloo or nccl")
+    return requested, ("cuda" if requested == "nccl" else "cpu")
+
+
+def init(backend: str | None = None, threads: int | None = None) -> DistInfo:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, ...)."""
+    backend, device_type = pick_backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if threads:
+        torch.set_num_threads(threads)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if device_type == "cuda" else {}
+        dist.init_process_group(backend, **kwargs)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port(port: int, host: str = "127.0.0.1") -> None:
+    """Raise BrigadeError if `port` cannot be bound on `host`."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise BrigadeError(
+                f"port {port} on {host} is already in use: pick another with --port, or omit it"
+            ) from None
+
+
+def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0,
+           port: int | None = None, log_dir: str | None = None,
+           threads_per_proc: int = 1) -> dict[int, Any]:
+    """Run `fn(*args)` in `nproc` processes under torch's elastic agent; returns {rank: result}.
+
+    Single-node: the rendezvous binds to loopback. `fn` must be importable (module level).
+
+    Raises:
+        BrigadeError: the port is taken. RunError: a worker failed (its message, one line).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise BrigadeError(f"nproc={nproc}: need at least 1 process")
+    if port is None:
+        port = free_port()
+    else:
+        check_port(port)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_proc))  # also silences torchrun's note
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex[:8], rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_configs={"timeout": 120}, max_restarts=max_restarts, monitor_interval=0.1,
+        start_method="spawn", logs_specs=_logs_specs(log_dir),
+    )
+    try:
+        return elastic_launch(config, fn)(*args)
+    except ChildFailedError as exc:
+        raise RunError(_first_failure(exc)) from None
+
+
+def _logs_specs(log_dir: str | None):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    return DefaultLogsSpecs(log_dir=log_dir) if log_dir else DefaultLogsSpecs()
+
+
+def _first_failure(exc) -> str:
+    """One line from a ChildFailedError: which rank, and its exception message."""
+    rank, failure = min(exc.failures.items(), key=lambda kv: kv[1].timestamp or 0)
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    text = str(message).strip()
+    last = text.splitlines()[-1] if text else ""
+    if failure.signal_name() != "<N/A>" and failure.signal_name():
+        return f"worker rank {rank} died ({failure.signal_name()})"
+    return f"worker rank {rank} failed: {last or 'exit code ' + str(failure.exitcode)}"

@@ -1,0 +1,134 @@
+"""Pipelines compute what one device computes: loss, every gradient, one optimizer step.
+
+Process runtime: one process start per (model, stages), running every case inside.
+"""
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from brigade import dist as bdist
+from brigade.check import CheckConfig, run_check
+from brigade.models import load_model
+from brigade.models.gpt import GPTConfig
+from brigade.pipeline.partition import split
+from brigade.pipeline.pipe import LocalPipeline, Pipeline
+
+CASES = list(itertools.product(["gpipe", "1f1b"], [1, 3, 8]))
+TINY_GPT = {"gpt_cfg": GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)}
+MODELS = {  # id -> (model, stages, options)
+    "gpt-2": ("gpt", 2, TINY_GPT),
+    "gpt-4": ("gpt", 4, TINY_GPT),
+    "toy-2": ("toy", 2, {}),
+}
+_cache: dict = {}
+
+
+def config(key, runtime):
+    model, stages, options = MODELS[key]
+    return CheckConfig(model=model, stages=stages, runtime=runtime, batch_size=8,
+                       model_options=options)
+
+
+def process_results(key):
+    if key not in _cache:
+        _cache[key] = run_check(config(key, "process"), CASES)
+    return _cache[key]
+
+
+def assert_transparent(result):
+    assert result["reference"] == "full batch"
+    assert result["max_abs_loss_diff"] <= 1e-5
+    assert result["max_abs_grad_diff"] <= 1e-5
+    assert result["max_abs_param_diff"] <= 1e-5
+    assert result["ok"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule,m", CASES)
+@pytest.mark.parametrize("key", MODELS)
+def test_process_runtime_matches_single_device(key, schedule, m):
+    result = process_results(key)[CASES.index((schedule, m))]
+    assert (result["schedule"], result["microbatches"]) == (schedule, m)
+    assert_transparent(result)
+
+
+@pytest.mark.parametrize("schedule,m", CASES)
+@pytest.mark.parametrize("key", MODELS)
+def test_local_runtime_matches_single_device(key, schedule, m):
+    (result,) = run_check(config(key, "local"), [(schedule, m)])
+    assert_transparent(result)
+
+
+@pytest.mark.timeout(240)
+def test_resnet50_batchnorm_per_microbatch():
+    cfg = CheckConfig(model="resnet50", stages=2, batch_size=4, model_options={"image_size": 32})
+    full, per_mb = run_check(cfg, [("1f1b", 1), ("gpipe", 2)])
+    assert full["reference"] == "full batch" and full["ok"], full
+    assert per_mb["reference"] == "micro-batched (BatchNorm)" and per_mb["ok"], per_mb
+    cfg.runtime = "local"
+    (local,) = run_check(cfg, [("1f1b", 2)])
+    assert local["reference"] == "micro-batched (BatchNorm)" and local["ok"], local
+
+
+def test_check_detects_a_wrong_pipeline(monkeypatch):
+    """The comparison can fail: drop one micro-batch's loss weight and it must say so."""
+    from brigade.pipeline import microbatch
+
+    monkeypatch.setattr(microbatch, "weights", lambda n, m: [1.0] * m)
+    (result,) = run_check(config("toy-2", "local"), [("1f1b", 3)])
+    assert not result["ok"] and result["max_abs_loss_diff"] > 1e-3
+
+
+def _reference(spec, x, y):
+    ref = nn.Sequential(*copy.deepcopy(spec.blocks))
+    loss = spec.loss_fn(ref(x), y)
+    return ref, float(loss)
+
+
+def shapes_worker():
+    """Variable batch and sequence length between steps, then inference, on 2 processes."""
+    info = bdist.init(threads=1)
+    spec = load_model("gpt", seed=0, **TINY_GPT)
+    stage = split(spec.blocks, [2, 2])[info.rank]
+    pipe = Pipeline(stage, "1f1b", 3, spec.loss_fn)
+    out = []
+    for n, t in ((7, 16), (5, 9)):
+        x, y = (z[:, :t] for z in spec.make_batch(n, torch.Generator().manual_seed(n)))
+        ref, ref_loss = _reference(spec, x, y)
+        out.append(abs(float(pipe.step(x, y)) - ref_loss))
+        for p in stage.parameters():
+            p.grad = None
+    logits = pipe.forward(x)
+    if pipe.is_last:
+        out.append((logits - ref(x)).abs().max().item())
+    bdist.destroy()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_process_runtime_handles_changing_shapes_and_inference():
+    results = bdist.launch(shapes_worker, 2)
+    assert len(results[1]) == 3, "the last stage returns the inference outputs"
+    for diffs in results.values():
+        assert max(diffs) <= 1e-5
+
+
+def test_local_runtime_inference_matches():
+    spec = load_model("gpt", seed=0, **TINY_GPT)
+    x, _ = spec.make_batch(5, torch.Generator().manual_seed(0))
+    ref = nn.Sequential(*copy.deepcopy(spec.blocks))
+    with LocalPipeline(split(spec.blocks, [1, 2, 1]), ["cpu"] * 3, "gpipe", 2, spec.loss_fn) as pipe:
+        assert torch.allclose(pipe.forward(x), ref(x), atol=1e-6)
+        assert torch.allclose(pipe.forward(x[:, :5]), ref(x[:, :5]), atol=1e-6)
+
+
+def test_local_runtime_reports_a_stage_failure():
+    blocks = [nn.Linear(4, 4), nn.Linear(3, 2)]  # second block cannot take the first's output
+    with LocalPipeline(split(blocks, [1, 1]), ["cpu", "cpu"], "1f1b", 2, nn.functional.mse_loss,
+                       timeout_s=30) as pipe:
+        with pytest.raises(RuntimeError):
+            pipe.step(torch.randn(4, 4), torch.randn(4, 2))

@@ -1,0 +1,129 @@
+"""Plans are data: built, validated, simulated and drawn without torch or processes."""
+
+import itertools
+
+import pytest
+
+from brigade.pipeline.schedule import (
+    Action,
+    PlanError,
+    build,
+    forward_only,
+    gpipe,
+    one_f_one_b,
+    render,
+    simulate,
+    validate,
+    with_comms,
+)
+
+GRID = list(itertools.product(range(1, 6), range(1, 10)))
+
+
+def plan_str(plan):
+    return {r: " ".join(map(str, acts)) for r, acts in plan.items()}
+
+
+def test_action_prints_and_parses():
+    assert str(Action(1, "F", 3)) == "1F3"
+    assert str(Action(0, "B", 2)) == "0B2"
+    for text in ("1F3", "0B2", "2SEND_F11", "3RECV_B0"):
+        assert str(Action.parse(text)) == text
+    with pytest.raises(PlanError, match="cannot parse"):
+        Action.parse("F3")
+
+
+def test_gpipe_two_stages_three_microbatches():
+    assert plan_str(gpipe(2, 3)) == {0: "0F0 0F1 0F2 0B0 0B1 0B2", 1: "1F0 1F1 1F2 1B0 1B1 1B2"}
+
+
+def test_1f1b_warms_up_then_alternates():
+    assert plan_str(one_f_one_b(3, 4)) == {
+        0: "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3",
+        1: "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3",
+        2: "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3",
+    }
+
+
+def test_1f1b_with_fewer_microbatches_than_stages():
+    assert plan_str(one_f_one_b(4, 2))[0] == "0F0 0F1 0B0 0B1"
+    validate(one_f_one_b(4, 2))
+
+
+def test_1f1b_keeps_at_most_depth_in_flight():
+    for p, m in GRID:
+        for rank, acts in one_f_one_b(p, m).items():
+            in_flight = peak = 0
+            for a in acts:
+                in_flight += 1 if a.op == "F" else -1
+                peak = max(peak, in_flight)
+            assert peak <= min(p - rank, m)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_uniform_bubble_matches_formula(schedule, p, m):
+    sim = simulate(build(schedule, p, m), 1.0, 1.0)
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert sim.makespan == pytest.approx(2 * (m + p - 1))
+
+
+def test_simulate_uses_per_stage_costs_and_comm():
+    sim = simulate(gpipe(2, 1), [1.0, 3.0], [2.0, 6.0], comm=0.5)
+    # 0F0 [0,1] → comm → 1F0 [1.5,4.5] → 1B0 [4.5,10.5] → comm → 0B0 [11,13]
+    assert sim.makespan == pytest.approx(13.0)
+    assert sim.busy == {0: pytest.approx(3.0), 1: pytest.approx(9.0)}
+    assert sim.timeline[0][1][1:] == (pytest.approx(11.0), pytest.approx(13.0))
+
+
+def test_with_comms_pairs_every_send_with_a_receive():
+    full = with_comms(one_f_one_b(3, 5))
+    for s in range(2):
+        sends = [a.microbatch for a in full[s] if a.op == "SEND_F"]
+        recvs = [a.microbatch for a in full[s + 1] if a.op == "RECV_F"]
+        assert sends == recvs
+        sends_b = [a.microbatch for a in full[s + 1] if a.op == "SEND_B"]
+        recvs_b = [a.microbatch for a in full[s] if a.op == "RECV_B"]
+        assert sends_b == recvs_b
+    assert validate(full) == full
+
+
+def test_forward_only_plan_has_no_backward():
+    full = validate(forward_only(3, 2))
+    assert plan_str(full) == {0: "0F0 0SEND_F0 0F1 0SEND_F1", 1: "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 "
+                              "1SEND_F1", 2: "2RECV_F0 2F0 2RECV_F1 2F1"}
+
+
+def parse_plan(rows):
+    return {r: [Action.parse(t) for t in row.split()] for r, row in enumerate(rows)}
+
+
+@pytest.mark.parametrize("rows,message", [
+    (["0B0 0F0", "1F0 1B0"], "0B0 comes before its forward 0F0"),
+    (["0F0 0F1 0B0 0B1", "1F1 1F0 1B0 1B1"], "1F1: stage 1 runs micro-batch 1 as its #0 F"),
+    (["0F0 0B0 0F1 0B1", "1F0 1F1 1B0 1B1"], "deadlock: ranks wait forever at 0RECV_B0"),
+    (["0F0 0F1 0B0", "1F0 1F1 1B0 1B1"], "rank 0 never runs 0B1"),
+    (["0F0 0F0 0B0", "1F0 1B0"], "0F0 appears twice on rank 0"),
+    (["0F0 0B0", "0F0 1B0"], "0F0 is listed under rank 1"),
+    (["0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"], "rank 0: found 0B0 where 0RECV_B0 belongs"),
+])
+def test_validate_names_the_offending_action(rows, message):
+    with pytest.raises(PlanError, match=message):
+        validate(parse_plan(rows))
+
+
+@pytest.mark.parametrize("args,message", [
+    (("zigzag", 2, 2), "unknown schedule 'zigzag'"),
+    (("gpipe", 0, 2), "stages=0"),
+    (("1f1b", 2, 0), "microbatches=0"),
+])
+def test_build_rejects_bad_input(args, message):
+    with pytest.raises(PlanError, match=message):
+        build(*args)
+
+
+def test_render_draws_time_across_ranks_down():
+    text = render(gpipe(2, 2))
+    assert text.splitlines()[1].split() == ["rank", "0", "|", "0F0", "0F1", ".", ".", "0B0", "0B1"]
+    assert text.splitlines()[2].split() == ["rank", "1", "|", ".", "1F0", "1F1", "1B0", "1B1", "."]
+    assert "bubble 0.333" in text

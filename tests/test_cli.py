@@ -1,0 +1,78 @@
+"""The CLI as a user runs it: output, JSON, exit codes, one-line errors."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def brigade(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "brigade", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_schedule_grid_and_json():
+    out = brigade("schedule", "--schedule", "gpipe", "--stages", "2", "--microbatches", "3")
+    assert out.returncode == 0
+    assert "rank 1 | .   1F0" in out.stdout and "bubble 0.250" in out.stdout
+    data = json.loads(brigade("schedule", "--stages", "4", "--microbatches", "8", "--json").stdout)
+    assert data["schedule"] == "1f1b" and data["stages"] == 4 and data["microbatches"] == 8
+    assert data["bubble_fraction"] == pytest.approx(3 / 11) and data["makespan"] == 22
+
+
+@pytest.mark.timeout(120)
+def test_check_gpt_two_processes_json():
+    out = brigade("check", "--model", "gpt", "--stages", "2", "--schedule", "gpipe",
+                  "--microbatches", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["ok"] and data["max_abs_loss_diff"] <= 1e-5 and data["max_abs_grad_diff"] <= 1e-5
+
+
+def test_check_local_runtime_user_factory(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import torch.nn as nn\ndef make():\n"
+                 "    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))\n")
+    out = brigade("check", "--model", f"{f}:make", "--runtime", "local", "--stages", "3",
+                  "--balance", "1,2,1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("OK:") and "balance [1, 2, 1]" in out.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["check", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+    (["check", "--model", "vgg"], "unknown model 'vgg'"),
+    (["check", "--stages", "0"], "stages=0"),
+    (["check", "--microbatches", "0"], "microbatches=0"),
+    (["check", "--microbatches", "9", "--batch-size", "8"], "larger than the batch"),
+    (["check", "--model", "toy", "--stages", "4"], "only 3 blocks"),
+    (["check", "--model", "toy", "--balance", "1,1"], "sums to 2 but the model has 3 blocks"),
+    (["check", "--model", "missing.py:make"], "model file 'missing.py' not found"),
+    (["check", "--stages", "two"], "invalid int value: 'two'"),
+    (["check", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["schedule", "--stages", "-1"], "stages=-1"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    out = brigade(*args)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_check_port_in_use():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = brigade("check", "--model", "toy", "--port", str(port))
+    assert out.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_factory_named():
+    out = brigade("check", "--model", "brigade/models/toy.py:nothing")
+    assert out.returncode == 2 and "has no factory 'nothing'" in out.stderr and "mlp, toy" in out.stderr
