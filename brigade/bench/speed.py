@@ -51,15 +51,15 @@ def _activations(stages: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]
 
 
 def _measured_costs(stages, rank, x, y, loss_fn, m):
-    """Every stage's (forward, backward) seconds per micro-batch, gathered from all ranks."""
+    """Every stage's (forward, backward, weight) seconds per micro-batch, gathered from all ranks."""
     xs, ys = microbatch.split(x, m), microbatch.split(y, m)
     inp = _activations(stages, xs[0])[rank]
     is_last = rank == len(stages) - 1
-    f, b = stage_costs(stages[rank], inp, loss_fn if is_last else None, ys[0] if is_last else None)
-    costs = torch.tensor([f, b], dtype=torch.float64)
-    gathered = [torch.zeros(2, dtype=torch.float64) for _ in stages]
-    dist.all_gather(gathered, costs)
-    return [g[0].item() for g in gathered], [g[1].item() for g in gathered]
+    costs = stage_costs(stages[rank], inp, loss_fn if is_last else None, ys[0] if is_last else None,
+                        first=rank == 0)
+    gathered = [torch.zeros(3, dtype=torch.float64) for _ in stages]
+    dist.all_gather(gathered, torch.tensor(costs, dtype=torch.float64))
+    return tuple([g[k].item() for g in gathered] for k in range(3))
 
 
 def worker(cfg: SpeedConfig) -> dict:
@@ -81,8 +81,8 @@ def worker(cfg: SpeedConfig) -> dict:
     rows = []
     for schedule, m in cfg.cases:
         stages = split(copy.deepcopy(spec.blocks), balance)
-        fwd, bwd = _measured_costs(stages, rank, x, y, spec.loss_fn, m)
-        ideal = simulate(build(schedule, cfg.stages, m), fwd, bwd).makespan
+        fwd, bwd, wgt = _measured_costs(stages, rank, x, y, spec.loss_fn, m)
+        ideal = simulate(build(schedule, cfg.stages, m), fwd, bwd, weight=wgt).makespan
         mine = stages[rank]
         pipe = Pipeline(mine, schedule, m, spec.loss_fn)
 
@@ -91,12 +91,15 @@ def worker(cfg: SpeedConfig) -> dict:
             mine.zero_grad(set_to_none=True)
 
         ours = measure(brigade_step, cfg.repeats, cfg.warmup, distributed=True)
-        peer = TorchPipelining(copy.deepcopy(mine), rank, cfg.stages, schedule, m, spec.loss_fn,
+        peer_schedule = schedule if schedule in ("gpipe", "1f1b") else "1f1b"
+        peer = TorchPipelining(copy.deepcopy(mine), rank, cfg.stages, peer_schedule, m, spec.loss_fn,
                                info.device)
         theirs = measure(lambda peer=peer: peer.step(x, y), cfg.repeats, cfg.warmup, distributed=True)
         rows.append({"schedule": schedule, "microbatches": m, "balance": balance,
-                     "stage_forward_s": fwd, "stage_backward_s": bwd, "ideal_s": ideal,
-                     "brigade": asdict(ours), "torch_pipelining": asdict(theirs)})
+                     "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_weight_s": wgt,
+                     "ideal_s": ideal,
+                     "brigade": asdict(ours), "torch_pipelining": asdict(theirs),
+                     "torch_schedule": peer_schedule})
     bdist.destroy()
     return {"single": single, "rows": rows}
 
@@ -109,7 +112,7 @@ def summarise(cfg: SpeedConfig, raw: dict) -> dict:
         ours, theirs = r["brigade"]["mean_s"], r["torch_pipelining"]["mean_s"]
         out["cases"].append({
             **{k: r[k] for k in ("schedule", "microbatches", "balance", "stage_forward_s",
-                                 "stage_backward_s")},
+                                 "stage_backward_s", "stage_weight_s", "torch_schedule")},
             "brigade_mean_s": ours, "brigade_std_s": r["brigade"]["std_s"],
             "torch_pipelining_mean_s": theirs, "torch_pipelining_std_s": r["torch_pipelining"]["std_s"],
             "ideal_s": r["ideal_s"],
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     for c in result["cases"]:
         print(f"{c['schedule']} m={c['microbatches']}: brigade {c['brigade_mean_s'] * 1e3:.1f} ms "
               f"(×{c['speedup_vs_single']:.2f} vs single, efficiency {c['efficiency']:.2f}), "
-              f"torch.distributed.pipelining {c['torch_pipelining_mean_s'] * 1e3:.1f} ms "
+              f"torch.distributed.pipelining ({c['torch_schedule']}) "
+              f"{c['torch_pipelining_mean_s'] * 1e3:.1f} ms "
               f"→ brigade ×{c['vs_torch_pipelining']:.2f}")
     print(f"wrote {out / 'speed.json'}")
 

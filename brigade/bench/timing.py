@@ -48,19 +48,31 @@ def measure(fn: Callable[[], object], repeats: int = 5, warmup: int = 2, group=N
 
 
 def stage_costs(module: torch.nn.Module, x: torch.Tensor, loss_fn=None, target=None,
-                repeats: int = 5) -> tuple[float, float]:
-    """Median forward and backward seconds of one stage on one micro-batch `x`, no communication."""
-    fwd, bwd = [], []
-    for _ in range(repeats + 1):
-        inp = x.detach().requires_grad_(x.is_floating_point())
+                first: bool = False, repeats: int = 10) -> tuple[float, float, float]:
+    """Median forward, backward and weight-gradient seconds of one stage on one micro-batch.
+
+    The weight-gradient part is the W half of a split backward (see pipeline.backward);
+    no communication is included.
+    """
+    from brigade.pipeline.backward import backward_split
+
+    fwd, bwd, wgt = [], [], []
+    for k in range(2 * (repeats + 2)):
+        inp = x.detach().requires_grad_(x.is_floating_point() and not first)
         t0 = time.perf_counter()
         y = module(inp)
         if loss_fn is not None:
             y = loss_fn(y, target)
         t1 = time.perf_counter()
-        y.backward(None if loss_fn is not None else torch.ones_like(y))
-        t2 = time.perf_counter()
-        fwd.append(t1 - t0)
-        bwd.append(t2 - t1)
+        grad = None if loss_fn is not None else torch.ones_like(y)
+        if k % 2 == 0:
+            torch.autograd.backward(y, grad)
+            bwd.append(time.perf_counter() - t1)
+            fwd.append(t1 - t0)
+        else:
+            _, weight_step = backward_split(y, grad, None if first else inp, list(module.parameters()))
+            t2 = time.perf_counter()
+            weight_step()
+            wgt.append(time.perf_counter() - t2)
     module.zero_grad(set_to_none=True)
-    return statistics.median(fwd[1:]), statistics.median(bwd[1:])
+    return statistics.median(fwd[2:]), statistics.median(bwd[2:]), statistics.median(wgt[2:])

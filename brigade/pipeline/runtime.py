@@ -20,7 +20,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from brigade.pipeline.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F
+from brigade.errors import BrigadeError
+from brigade.pipeline.backward import backward_split
+from brigade.pipeline.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, W
 
 
 @dataclass
@@ -70,7 +72,10 @@ class StageRunner:
             keep_outputs: keep the last stage's outputs (inference).
             trace: record (action, start, end) in perf_counter seconds.
         """
-        training = any(a.op == B for a in actions)
+        training = any(a.op in (B, I) for a in actions)
+        if isinstance(self.module, DistributedDataParallel) and any(a.op == I for a in actions):
+            raise BrigadeError("the zb schedule cannot be combined with data parallel yet: use 1f1b")
+        weight_steps: dict[int, object] = {}
         result = StepResult()
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (stage input, output or loss)
         inbox: dict[int, torch.Tensor] = {}  # received activations or gradients
@@ -113,6 +118,16 @@ class StageRunner:
                     self._backward(y, grad, last=backward_done == n_backward)
                     if not self.is_first:
                         inbox[i] = x.grad
+                elif a.op == I:
+                    x, y = held[i]  # kept until W
+                    grad = None if self.is_last else inbox.pop(i)
+                    dx, weight_steps[i] = backward_split(
+                        y, grad, None if self.is_first else x, list(self.module.parameters()))
+                    if not self.is_first:
+                        inbox[i] = dx
+                elif a.op == W:
+                    weight_steps.pop(i)()
+                    held.pop(i)
                 elif a.op == SEND_B:
                     self.transport.send(inbox.pop(i), self.stage - 1)
                 if trace:

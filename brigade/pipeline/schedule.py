@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from brigade.errors import BrigadeError
 
 F, B = "F", "B"
+I, W = "I", "W"  # noqa: E741 -- B split in two: input gradient (sent upstream), weight gradient
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE_OPS = (F, B)
+COMPUTE_OPS = (F, B, I, W)
 COMM_OPS = (SEND_F, RECV_F, SEND_B, RECV_B)
 
 Plan = dict[int, list["Action"]]
 
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
 class PlanError(BrigadeError, ValueError):
@@ -100,7 +101,41 @@ def forward_only(n_stages: int, n_microbatches: int) -> Plan:
     return {s: [Action(s, F, i) for i in range(n_microbatches)] for s in range(n_stages)}
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zero_bubble(n_stages: int, n_microbatches: int) -> Plan:
+    """ZB-H1-style: 1F1B with each backward split into I (input gradient) and W (weight).
+
+    Built by a greedy list schedule under unit costs: a stage runs an I as soon as
+    its gradient is there, else a forward while it holds activations of at most
+    p - s micro-batches (a micro-batch is held until its W: one more than 1F1B
+    holds), else a pending W, which fills what would be bubble.
+    """
+    _check_sizes(n_stages, n_microbatches)
+    p, m = n_stages, n_microbatches
+    f_done = [[-1] * m for _ in range(p)]  # slot in which F / I finished, -1 = not yet
+    i_done = [[-1] * m for _ in range(p)]
+    next_f, next_i, w_count = [0] * p, [0] * p, [0] * p
+    pending_w: list[list[int]] = [[] for _ in range(p)]
+    plan: Plan = {s: [] for s in range(p)}
+    t = 0
+    while any(next_i[s] < m or pending_w[s] for s in range(p)):
+        for s in range(p):
+            i, f = next_i[s], next_f[s]
+            grad_ready = s == p - 1 or -1 < i_done[s + 1][i] < t if i < m else False
+            if i < f and -1 < f_done[s][i] < t and grad_ready:
+                i_done[s][i], next_i[s] = t, i + 1
+                pending_w[s].append(i)
+                plan[s].append(Action(s, I, i))
+            elif f < m and f - w_count[s] <= p - s and (s == 0 or -1 < f_done[s - 1][f] < t):
+                f_done[s][f], next_f[s] = t, f + 1
+                plan[s].append(Action(s, F, f))
+            elif pending_w[s]:
+                plan[s].append(Action(s, W, pending_w[s].pop(0)))
+                w_count[s] += 1
+        t += 1
+    return plan
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}
 
 
 def build(schedule: str, n_stages: int, n_microbatches: int) -> Plan:
@@ -128,6 +163,8 @@ def with_comms(plan: Plan) -> Plan:
                 seq += [Action(s, RECV_F, i)] if s > 0 else []
                 seq.append(a)
                 seq += [Action(s, SEND_F, i)] if s < last else []
+            elif a.op == W:
+                seq.append(a)
             else:
                 seq += [Action(s, RECV_B, i)] if s < last else []
                 seq.append(a)
@@ -151,8 +188,28 @@ class Simulation:
     idle: dict[int, float] = field(default_factory=dict)
 
 
+def _grad_op(a: Action) -> bool:
+    """The action that produces the gradient sent upstream: B, or I when B is split."""
+    return a.op in (B, I)
+
+
+def _check_backwards(rank: int, seen: dict, n_mb: int) -> None:
+    for i in range(n_mb):
+        if (F, i) not in seen:
+            raise PlanError(f"rank {rank} never runs {Action(rank, F, i)}")
+        has_b, has_i, has_w = ((op, i) in seen for op in (B, I, W))
+        if has_b and (has_i or has_w):
+            raise PlanError(f"{Action(rank, B, i)} and a split backward {Action(rank, I, i)}/"
+                            f"{Action(rank, W, i)} both present: use one or the other")
+        if not has_b and not has_i:
+            raise PlanError(f"rank {rank} never runs {Action(rank, B, i)}")
+        if has_i != has_w:
+            missing = Action(rank, W if has_i else I, i)
+            raise PlanError(f"rank {rank} never runs {missing}")
+
+
 def _check_structure(plan: Plan) -> tuple[int, int, bool]:
-    """Stage/rank agreement, micro-batch ranges, F-before-B. Returns (p, m, training)."""
+    """Stage/rank agreement, micro-batch ranges, F before B (or I before W). Returns (p, m, training)."""
     if not plan:
         raise PlanError("empty plan: expected one action list per rank")
     n_stages = len(plan)
@@ -160,7 +217,8 @@ def _check_structure(plan: Plan) -> tuple[int, int, bool]:
         raise PlanError(f"ranks {sorted(plan)}: expected 0..{n_stages - 1}")
     fwd = {r: [a.microbatch for a in acts if a.op == F] for r, acts in plan.items()}
     n_mb = max((len(v) for v in fwd.values()), default=0)
-    training = any(a.op == B for acts in plan.values() for a in acts)
+    training = any(a.op in (B, I, W) for acts in plan.values() for a in acts)
+    needs = {B: F, I: F, W: I}
     for rank, actions in plan.items():
         seen: dict[tuple[str, int], Action] = {}
         for a in actions:
@@ -171,30 +229,32 @@ def _check_structure(plan: Plan) -> tuple[int, int, bool]:
             if a.op in COMPUTE_OPS:
                 if (a.op, a.microbatch) in seen:
                     raise PlanError(f"{a} appears twice on rank {rank}")
-                if a.op == B and (F, a.microbatch) not in seen:
-                    raise PlanError(f"{a} comes before its forward {Action(rank, F, a.microbatch)}")
+                before = needs.get(a.op)
+                if before and (before, a.microbatch) not in seen:
+                    raise PlanError(f"{a} comes before {Action(rank, before, a.microbatch)}")
             seen[(a.op, a.microbatch)] = a
-        for i in range(n_mb):
-            for op in (F, B) if training else (F,):
-                if (op, i) not in seen:
-                    raise PlanError(f"rank {rank} never runs {Action(rank, op, i)}")
+        if training:
+            _check_backwards(rank, seen, n_mb)
+        else:
+            for i in range(n_mb):
+                if (F, i) not in seen:
+                    raise PlanError(f"rank {rank} never runs {Action(rank, F, i)}")
     return n_stages, n_mb, training
 
 
 def _check_order(plan: Plan) -> None:
     """Neighbours must agree on the order of what crosses between them (FIFO links)."""
-    def seq(rank: int, op: str) -> list[int]:
-        return [a.microbatch for a in plan[rank] if a.op == op]
+    def seq(rank: int, forward: bool) -> list[Action]:
+        return [a for a in plan[rank] if (a.op == F if forward else _grad_op(a))]
 
     for s in range(len(plan) - 1):
-        for op, left, right in ((F, s, s + 1), (B, s + 1, s)):
-            sent, used = seq(left, op), seq(right, op)
-            for k, (i, j) in enumerate(zip(sent, used)):
-                if i != j:
+        for forward, left, right in ((True, s, s + 1), (False, s + 1, s)):
+            for k, (a, b) in enumerate(zip(seq(left, forward), seq(right, forward))):
+                if a.microbatch != b.microbatch:
                     raise PlanError(
-                        f"{Action(right, op, j)}: stage {right} runs micro-batch {j} "
-                        f"as its #{k} {op} but stage {left} produces {i} there; "
-                        "neighbouring stages must agree on order"
+                        f"{b}: stage {right} runs micro-batch {b.microbatch} as its "
+                        f"#{k} {'F' if forward else 'B'} but stage {left} produces {a.microbatch} "
+                        "there; neighbouring stages must agree on order"
                     )
 
 
@@ -202,9 +262,10 @@ def _waiting_on(a: Action) -> Action:
     return Action(a.stage, RECV_F if a.op == F else RECV_B, a.microbatch)
 
 
-def _execute(plan: Plan, fwd_cost, bwd_cost, comm: float) -> dict[int, list]:
+def _execute(plan: Plan, cost) -> dict[int, list]:
     """List-schedule the compute actions; sends never block, receives wait.
 
+    `cost(rank, op)` is an action's duration; `cost(rank, "comm")` the link delay.
     Raises PlanError naming every blocked action if no rank can progress.
     """
     last = len(plan) - 1
@@ -218,16 +279,17 @@ def _execute(plan: Plan, fwd_cost, bwd_cost, comm: float) -> dict[int, list]:
         for r in plan:
             while pos[r] < len(acts[r]):
                 a = acts[r][pos[r]]
-                if a.op == F:
-                    dep = (r - 1, F, a.microbatch) if r > 0 else None
-                else:
-                    dep = (r + 1, B, a.microbatch) if r < last else None
+                dep = None
+                if a.op == F and r > 0:
+                    dep = (r - 1, F, a.microbatch)
+                elif _grad_op(a) and r < last:
+                    dep = (r + 1, "grad", a.microbatch)
                 if dep is not None and dep not in done:
                     break
-                ready = done[dep] + comm if dep is not None else 0.0
+                ready = done[dep] + cost(r, "comm") if dep is not None else 0.0
                 start = max(clock[r], ready)
-                end = start + (fwd_cost(r) if a.op == F else bwd_cost(r))
-                done[(r, a.op, a.microbatch)] = end
+                end = start + cost(r, a.op)
+                done[(r, "grad" if _grad_op(a) else a.op, a.microbatch)] = end
                 clock[r] = end
                 timeline[r].append((a, start, end))
                 pos[r] += 1
@@ -261,18 +323,20 @@ def validate(plan: Plan) -> Plan:
             raise PlanError("communication does not match the compute actions")
     _check_structure(plan)
     _check_order(plan)
-    _execute(plan, lambda r: 1.0, lambda r: 1.0, 0.0)
+    _execute(plan, lambda r, op: 0.0 if op == "comm" else 1.0)
     return with_comms(plan)
 
 
-def simulate(plan: Plan, forward, backward=None, comm: float = 0.0) -> Simulation:
+def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None) -> Simulation:
     """Cost a plan: when each action runs, the makespan, and the bubble.
 
     Args:
         plan: a valid plan (compute-only or with comms).
         forward: per-micro-batch forward cost, one float for all stages or a list per stage.
-        backward: same for backward; defaults to the forward costs.
+        backward: same for a whole backward (B); defaults to the forward costs.
         comm: delay between a stage finishing and its neighbour being able to start.
+        weight: for split backwards, the W part of `backward` (I costs the rest);
+            defaults to half of it.
 
     Returns:
         Simulation with makespan, per-rank timeline (action, start, end), busy
@@ -281,10 +345,19 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0) -> Simulatio
     plan = compute_only(validate(plan))
     backward = forward if backward is None else backward
 
-    def per_stage(c):
-        return (lambda r: float(c[r])) if isinstance(c, (list, tuple)) else (lambda r: float(c))
+    def per_stage(c, r: int) -> float:
+        return float(c[r]) if isinstance(c, (list, tuple)) else float(c)
 
-    timeline = _execute(plan, per_stage(forward), per_stage(backward), comm)
+    def cost(r: int, op: str) -> float:
+        if op == "comm":
+            return comm
+        if op == F:
+            return per_stage(forward, r)
+        b = per_stage(backward, r)
+        w = b / 2 if weight is None else min(per_stage(weight, r), b)
+        return {B: b, I: b - w, W: w}[op]
+
+    timeline = _execute(plan, cost)
     makespan = max((end for tl in timeline.values() for _, _, end in tl), default=0.0)
     busy = {r: sum(e - s for _, s, e in tl) for r, tl in timeline.items()}
     idle = {r: makespan - b for r, b in busy.items()}
@@ -294,16 +367,23 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0) -> Simulatio
 
 
 def render(plan: Plan, forward: float = 1.0, backward: float = 1.0) -> str:
-    """ASCII grid of a plan under integer costs: time across, ranks down."""
+    """ASCII grid of a plan: time across, ranks down.
+
+    One column is the shortest action's duration; a longer action fills its
+    first column with its name and the rest with ``~``.
+    """
     sim = simulate(plan, forward, backward)
+    durations = [e - s for tl in sim.timeline.values() for _, s, e in tl if e > s]
+    unit = min(durations, default=1.0)
     width = max(len(str(a)) for acts in plan.values() for a in acts) + 1
-    slots = int(round(sim.makespan))
+    slots = int(round(sim.makespan / unit))
     lines = ["t      | " + "".join(f"{t:<{width}}" for t in range(slots))]
     for r, tl in sim.timeline.items():
         cells = ["." for _ in range(slots)]
         for a, start, end in tl:
-            for t in range(int(round(start)), int(round(end))):
-                cells[t] = str(a)
+            first, last = int(round(start / unit)), int(round(end / unit))
+            for t in range(first, last):
+                cells[t] = str(a) if t == first else "~"
         lines.append(f"rank {r:<2}| " + "".join(f"{c:<{width}}" for c in cells))
     lines.append(f"bubble {sim.bubble_fraction:.3f}  makespan {sim.makespan:g}")
     return "\n".join(line.rstrip() for line in lines)

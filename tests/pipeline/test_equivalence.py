@@ -132,3 +132,19 @@ def test_local_runtime_reports_a_stage_failure():
                        timeout_s=30) as pipe:
         with pytest.raises(RuntimeError):
             pipe.step(torch.randn(4, 4), torch.randn(4, 2))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("key", MODELS)
+def test_zero_bubble_matches_single_device_local(key, m):
+    cfg = config(key, "local")
+    cfg.schedule = "zb"
+    (result,) = run_check(cfg, [("zb", m)])
+    assert_transparent(result)
+
+
+@pytest.mark.timeout(120)
+def test_zero_bubble_matches_single_device_processes():
+    cfg = config("gpt-4", "process")
+    for result in run_check(cfg, [("zb", 1), ("zb", 3), ("zb", 8)]):
+        assert_transparent(result)
