@@ -40,6 +40,7 @@ class CheckConfig:
     seed: int = 0
     atol: float = 1e-5
     model_options: dict = field(default_factory=dict)
+    balance_by: str = "params"  # params | time, when balance is None
 
 
 @dataclass
@@ -108,7 +109,12 @@ def run_case(cfg: CheckConfig, schedule: str, m: int, rank: int | None, lr: floa
     microbatch.check(cfg.batch_size, m)
     build(schedule, cfg.stages, m)
     ref_loss, ref_grads, ref_state, ref_kind = _reference(spec, x, y, m, lr)
-    balance = choose_balance(spec.blocks, cfg.stages, balance=cfg.balance)
+    balance = choose_balance(spec.blocks, cfg.stages, by=cfg.balance_by, sample=x[:2],
+                             balance=cfg.balance)
+    if rank is not None and dist.is_initialized():  # measured balances may differ between ranks
+        agreed = torch.tensor(balance)
+        dist.broadcast(agreed, 0)
+        balance = agreed.tolist()
     stages = split(spec.blocks, balance)
     slices = _block_slices(balance, stages)
     mine = range(cfg.stages) if rank is None else [rank]
@@ -158,6 +164,8 @@ def preflight(cfg: CheckConfig, cases: list[tuple[str, int]]) -> None:
     if cfg.batch_size < 1:
         raise BrigadeError(f"batch size {cfg.batch_size}: need at least 1")
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+    if cfg.balance_by not in ("params", "time"):
+        raise BrigadeError(f"unknown balance method {cfg.balance_by!r}: expected params or time")
     choose_balance(spec.blocks, cfg.stages, balance=cfg.balance)
     for schedule, m in cases:
         build(schedule, cfg.stages, m)

@@ -24,7 +24,7 @@ def _model_arg(p: argparse.ArgumentParser, default: str) -> None:
 
 def _add_schedule(sub) -> None:
     p = sub.add_parser("schedule", help="print a pipeline schedule's grid and bubble")
-    p.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b (default: %(default)s)")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or zb (default: %(default)s)")
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -53,12 +53,14 @@ def _add_check(sub) -> None:
     p = sub.add_parser("check", help="compare a pipeline with a single device, loss and gradients")
     _model_arg(p, "gpt")
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b (default: %(default)s)")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or zb (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--runtime", default="process", choices=["process", "local"],
                    help="one process per stage, or one thread per device in this process")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--balance", default=None, help="blocks per stage, like 3,5 (default: by params)")
+    p.add_argument("--balance-by", default="params", choices=["params", "time"],
+                   help="without --balance: balance parameter counts or measured time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--atol", type=float, default=1e-5)
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
@@ -78,7 +80,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         model=args.model, stages=args.stages, schedule=args.schedule,
         microbatches=args.microbatches, runtime=args.runtime, batch_size=args.batch_size,
         balance=parse_balance(args.balance) if args.balance else None, seed=args.seed,
-        atol=args.atol, model_options=options,
+        atol=args.atol, model_options=options, balance_by=args.balance_by,
     )
     result = run_check(cfg, port=args.port)[0]
     if args.json:

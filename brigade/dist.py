@@ -42,9 +42,54 @@ def pick_backend(requested: str | None = None) -> tuple[str, str]:
     return requested, ("cuda" if requested == "nccl" else "cpu")
 
 
+def slurm_env(env: dict[str, str]) -> dict[str, str]:
+    """torchrun-style variables from Slurm's, for `srun python -m brigade train ...`.
+
+    One task per process: RANK = SLURM_PROCID, WORLD_SIZE = SLURM_NTASKS,
+    LOCAL_RANK = SLURM_LOCALID; the store lives on the first node of the job.
+    """
+    nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "localhost"))
+    return {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0],
+        "MASTER_ADDR": env.get("MASTER_ADDR", nodes[0]),
+        "MASTER_PORT": env.get("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000)),
+    }
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """'gpu[01-03,07],login1' → ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1']."""
+    import re
+
+    hosts = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,]+)", text):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{n:0{len(lo)}d}")
+    return hosts
+
+
+def _prepare_env() -> None:
+    """Under torchrun the variables are set; under Slurm translate them; alone, a world of one."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    if "SLURM_PROCID" in os.environ:
+        os.environ.update(slurm_env(dict(os.environ)))
+        return
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+
+
 def init(backend: str | None = None, threads: int | None = None) -> DistInfo:
-    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, ...)."""
+    """Join the process group described by the environment (torchrun, Slurm, or none: alone)."""
     backend, device_type = pick_backend(backend)
+    _prepare_env()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if threads:
         torch.set_num_threads(threads)
@@ -56,6 +101,17 @@ def init(backend: str | None = None, threads: int | None = None) -> DistInfo:
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device_type == "cuda" else {}
         dist.init_process_group(backend, **kwargs)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+init_single_or_env = init
+
+
+def info(backend: str | None = None) -> DistInfo:
+    """The current process's place, once the group is up."""
+    backend, device_type = pick_backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 

@@ -8,6 +8,7 @@ min-max solver over integers.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 
@@ -144,7 +145,8 @@ def choose_balance(
     if by == "time":
         if sample is None:
             raise BrigadeError("balance by time needs a sample batch to measure on")
-        return solve(time_costs(blocks, sample), n_stages)
+        # Measure copies: a timing pass must not move BatchNorm statistics or leave gradients.
+        return solve(time_costs(copy.deepcopy(list(blocks)), sample), n_stages)
     raise BrigadeError(f"unknown balance method {by!r}: expected params or time")
 
 

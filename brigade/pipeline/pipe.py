@@ -34,7 +34,7 @@ class Pipeline:
     """
 
     def __init__(self, module: nn.Module, schedule: str, n_microbatches: int, loss_fn,
-                 group=None, device: torch.device | str = "cpu"):
+                 group=None, device: torch.device | str = "cpu", autocast: torch.dtype | None = None):
         self.group = group
         self.device = torch.device(device)
         self.n_stages = dist.get_world_size(group)
@@ -44,7 +44,7 @@ class Pipeline:
         self.plan = validate(build(schedule, self.n_stages, n_microbatches))[self.stage]
         self.inference_plan = validate(forward_only(self.n_stages, n_microbatches))[self.stage]
         transport = P2PTransport(self.peers, self.device, group)
-        self.runner = StageRunner(module, self.stage, self.n_stages, transport, loss_fn)
+        self.runner = StageRunner(module, self.stage, self.n_stages, transport, loss_fn, autocast)
         self.last_result: StepResult | None = None
 
     @property
@@ -56,21 +56,20 @@ class Pipeline:
         return self.stage == self.n_stages - 1
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
-             trace: bool = False) -> torch.Tensor:
+             trace: bool = False, loss_scale: float = 1.0, sync: bool = True) -> torch.Tensor:
         """Forward and backward of one batch. Returns the batch's mean loss on every rank.
 
         Only the first stage reads `inputs` and only the last reads `targets`; others may pass None.
+        `loss_scale` multiplies the loss before backward (1/k when accumulating k batches);
+        `sync=False` skips the data-parallel gradient all-reduce (accumulation).
         """
-        m = self.n_microbatches
-        xs = microbatch.split(inputs.to(self.device), m) if self.is_first else None
-        ys = microbatch.split(targets.to(self.device), m) if self.is_last else None
-        ws = microbatch.weights(targets.shape[0], m) if self.is_last else None
-        self.last_result = self.runner.run(self.plan, xs, ys, ws, trace=trace)
-        loss = self.last_result.loss if self.is_last else torch.zeros((), device=self.device)
-        loss = loss.detach().float().reshape(())
-        if self.n_stages > 1:
-            dist.broadcast(loss, self.peers[-1], group=self.group)
-        return loss
+        self.last_result = self._run(self.plan, inputs, targets, trace, loss_scale, sync)
+        return self._share_loss(self.last_result, loss_scale)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        """Forward only; the batch's mean loss on every rank."""
+        return self._share_loss(self._run(self.inference_plan, inputs, targets, False, 1.0, True), 1.0)
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
@@ -78,6 +77,20 @@ class Pipeline:
         xs = microbatch.split(inputs.to(self.device), self.n_microbatches) if self.is_first else None
         result = self.runner.run(self.inference_plan, xs, keep_outputs=self.is_last)
         return microbatch.merge(result.outputs) if self.is_last else None
+
+    def _run(self, plan, inputs, targets, trace, loss_scale, sync) -> StepResult:
+        m = self.n_microbatches
+        xs = microbatch.split(inputs.to(self.device), m) if self.is_first else None
+        ys = microbatch.split(targets.to(self.device), m) if self.is_last else None
+        ws = [w * loss_scale for w in microbatch.weights(targets.shape[0], m)] if self.is_last else None
+        return self.runner.run(plan, xs, ys, ws, trace=trace, sync=sync)
+
+    def _share_loss(self, result: StepResult, loss_scale: float) -> torch.Tensor:
+        loss = result.loss / loss_scale if self.is_last else torch.zeros((), device=self.device)
+        loss = loss.detach().float().reshape(())
+        if self.n_stages > 1:
+            dist.broadcast(loss, self.peers[-1], group=self.group)
+        return loss
 
 
 class LocalPipeline:
@@ -90,7 +103,8 @@ class LocalPipeline:
     """
 
     def __init__(self, stages: list[nn.Module], devices: list[torch.device | str], schedule: str,
-                 n_microbatches: int, loss_fn, timeout_s: float = 300.0):
+                 n_microbatches: int, loss_fn, timeout_s: float = 300.0, wrap=None,
+                 autocast: torch.dtype | None = None):
         if len(devices) != len(stages):
             raise ValueError(f"{len(stages)} stages need {len(stages)} devices, got {len(devices)}")
         self.devices = [torch.device(d) for d in devices]
@@ -100,14 +114,17 @@ class LocalPipeline:
         self.transport = LocalTransport(self.devices, timeout_s)
         self.plan = validate(build(schedule, self.n_stages, n_microbatches))
         self.inference_plan = validate(forward_only(self.n_stages, n_microbatches))
+        # `wrap(i, module)` may return a wrapper, e.g. DistributedDataParallel for dp × local-pp.
+        modules = [wrap(i, s) if wrap else s for i, s in enumerate(self.stages)]
         self.runners = [
-            StageRunner(s, i, self.n_stages, self.transport.endpoint(i), loss_fn)
-            for i, s in enumerate(self.stages)
+            StageRunner(s, i, self.n_stages, self.transport.endpoint(i), loss_fn, autocast)
+            for i, s in enumerate(modules)
         ]
         self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"stage{i}") for i in range(self.n_stages)]
         self.last_results: list[StepResult] = []
 
-    def _run_all(self, plan, xs, ys, ws, keep_outputs: bool, trace: bool) -> list[StepResult]:
+    def _run_all(self, plan, xs, ys, ws, keep_outputs: bool, trace: bool,
+                 sync: bool = True) -> list[StepResult]:
         def job(i: int) -> StepResult:
             if self.devices[i].type == "cuda":
                 torch.cuda.set_device(self.devices[i])
@@ -119,6 +136,7 @@ class LocalPipeline:
                     ws,
                     keep_outputs=keep_outputs and i == self.n_stages - 1,
                     trace=trace,
+                    sync=sync,
                 )
             except BaseException:
                 self.transport.abort.set()  # unblock the other stages
@@ -133,14 +151,25 @@ class LocalPipeline:
             raise (root or [e for e in errors if e])[0]
         return [f.result() for f in futures]
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, trace: bool = False) -> torch.Tensor:
-        """Forward and backward of one batch; returns the batch's mean loss."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, trace: bool = False,
+             loss_scale: float = 1.0, sync: bool = True) -> torch.Tensor:
+        """Forward and backward of one batch; returns the batch's mean loss (see Pipeline.step)."""
         m = self.n_microbatches
         xs = microbatch.split(inputs.to(self.devices[0]), m)
         ys = microbatch.split(targets.to(self.devices[-1]), m)
-        self.last_results = self._run_all(self.plan, xs, ys, microbatch.weights(targets.shape[0], m),
-                                          False, trace)
-        return self.last_results[-1].loss.detach().reshape(())
+        ws = [w * loss_scale for w in microbatch.weights(targets.shape[0], m)]
+        self.last_results = self._run_all(self.plan, xs, ys, ws, False, trace, sync)
+        return (self.last_results[-1].loss / loss_scale).detach().float().reshape(())
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only; the batch's mean loss."""
+        m = self.n_microbatches
+        xs = microbatch.split(inputs.to(self.devices[0]), m)
+        ys = microbatch.split(targets.to(self.devices[-1]), m)
+        results = self._run_all(self.inference_plan, xs, ys, microbatch.weights(targets.shape[0], m),
+                                False, False)
+        return results[-1].loss.detach().float().reshape(())
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,8 @@ class StageRunner:
         loss_fn: (output, target) -> mean loss; used on the last stage only.
     """
 
-    def __init__(self, module: nn.Module, stage: int, n_stages: int, transport, loss_fn=None):
+    def __init__(self, module: nn.Module, stage: int, n_stages: int, transport, loss_fn=None,
+                 autocast: torch.dtype | None = None):
         self.module = module
         self.stage = stage
         self.n_stages = n_stages
@@ -52,6 +53,7 @@ class StageRunner:
         self.loss_fn = loss_fn
         self.is_first = stage == 0
         self.is_last = stage == n_stages - 1
+        self.autocast = autocast  # e.g. torch.bfloat16 on GPUs
         self.current: Action | None = None  # what this stage is doing now (for hang reports)
 
     def run(
@@ -62,6 +64,7 @@ class StageRunner:
         weights: list[float] | None = None,
         keep_outputs: bool = False,
         trace: bool = False,
+        sync: bool = True,
     ) -> StepResult:
         """Execute `actions` (with comms inserted) for one step.
 
@@ -71,6 +74,8 @@ class StageRunner:
             weights: each micro-batch's share of the batch (last stage, with targets).
             keep_outputs: keep the last stage's outputs (inference).
             trace: record (action, start, end) in perf_counter seconds.
+            sync: under DistributedDataParallel, all-reduce gradients on this step's last
+                backward; False while accumulating gradients over several steps.
         """
         training = any(a.op in (B, I) for a in actions)
         if isinstance(self.module, DistributedDataParallel) and any(a.op == I for a in actions):
@@ -115,7 +120,7 @@ class StageRunner:
                     backward_done += 1
                     x, y = held.pop(i)
                     grad = None if self.is_last else inbox.pop(i)
-                    self._backward(y, grad, last=backward_done == n_backward)
+                    self._backward(y, grad, last=sync and backward_done == n_backward)
                     if not self.is_first:
                         inbox[i] = x.grad
                 elif a.op == I:
@@ -138,11 +143,14 @@ class StageRunner:
         return result
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.module, DistributedDataParallel):
-            # Gradients are reduced once per step, on the last backward (see _backward).
-            with self.module.no_sync():
-                return self.module(x)
-        return self.module(x)
+        amp = contextlib.nullcontext() if self.autocast is None else \
+            torch.autocast(x.device.type, dtype=self.autocast)
+        with amp:
+            if isinstance(self.module, DistributedDataParallel):
+                # Gradients are reduced once per step, on the last backward (see _backward).
+                with self.module.no_sync():
+                    return self.module(x)
+            return self.module(x)
 
     def _backward(self, y: torch.Tensor, grad: torch.Tensor | None, last: bool) -> None:
         ddp = self.module if isinstance(self.module, DistributedDataParallel) else None

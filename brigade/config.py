@@ -1,0 +1,252 @@
+"""Typed run configuration: one dataclass per component, composed into `RunConfig`.
+
+Sources, later wins: the defaults here, a TOML file (`--config run.toml`, one
+table per section), then command-line flags. Flags are generated from the
+fields: `ParallelConfig.microbatches` is `--microbatches`, `TrainConfig.max_steps`
+is `--max-steps`. Every field name is unique across sections, so flags stay flat.
+
+    [parallel]
+    nproc = 2
+    pp = 2
+    [train]
+    max_steps = 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from brigade.errors import BrigadeError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class ModelConfig:
+    model: str = "gpt"  # gpt, toy, mlp, resnet50, or path/to/file.py:factory
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    context: int = 128  # the model's longest sequence (positions it knows)
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    data: str = ""  # a UTF-8 text file; empty: CPython's pydoc topics, on every machine
+    block_size: int = 128  # training sequence length, at most the model's context
+    val_fraction: float = 0.1
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 2  # processes on this node
+    dp: int = 0  # data-parallel replicas; 0: whatever nproc / pp leaves
+    pp: int = 1  # pipeline stages, one process each
+    local_stages: int = 1  # pipeline stages inside each process, one thread per device
+    schedule: str = "1f1b"  # gpipe, 1f1b, zb
+    microbatches: int = 4
+    balance: str = ""  # blocks per stage like "3,3"; empty: balance parameters
+    backend: str = "auto"  # auto, gloo, nccl
+    threads: int = 1  # CPU threads per process
+    max_restarts: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # 0 disables clipping
+    grad_accum: int = 1  # optimizer step every N batches
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 600
+    batch_size: int = 32  # global batch, across data-parallel replicas
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    out: str = "runs/latest"
+    sample_tokens: int = 300
+    snapshot_every: int = 0  # 0: only at the end
+    keep: int = 2  # snapshots kept
+    bf16: bool = True  # autocast to bf16 on GPUs (ignored on CPU)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in fields(RunConfig)}
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(RunConfig)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    return {k: v for k, v in typing.get_type_hints(cls).items()}
+
+
+def _coerce(value: object, kind: type, where: str) -> object:
+    """Check a TOML value against the field's type (ints are accepted for floats)."""
+    if isinstance(kind, types.UnionType):
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise BrigadeError(
+            f"{where} = {value!r} is a {type(value).__name__}, expected {kind.__name__}: fix it in the file"
+        )
+    return value
+
+
+def load_toml(path: str | Path) -> dict[str, dict]:
+    """Read and check a TOML config: known sections and keys, right types.
+
+    Raises:
+        BrigadeError: missing or malformed file, unknown section or key, wrong type.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise BrigadeError(f"config file {str(path)!r} not found: give the path to a .toml file")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise BrigadeError(f"config file {path} is not valid TOML ({exc}): fix the syntax") from None
+    classes = _section_classes()
+    out: dict[str, dict] = {}
+    for section, table in raw.items():
+        if section not in classes or not isinstance(table, dict):
+            raise BrigadeError(
+                f"{path}: unknown section [{section}]: expected one of {', '.join(classes)}"
+            )
+        kinds = _field_types(classes[section])
+        for key, value in table.items():
+            if key not in kinds:
+                raise BrigadeError(
+                    f"{path}: unknown key {key!r} in [{section}]: expected one of {', '.join(kinds)}"
+                )
+            out.setdefault(section, {})[key] = _coerce(value, kinds[key], f"{path}: [{section}] {key}")
+    return out
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, default SUPPRESS so only what the user typed overrides."""
+    for section, cls in _section_classes().items():
+        group = parser.add_argument_group(section)
+        for f in fields(cls):
+            kind = _field_types(cls)[f.name]
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=f"(default: {default})")
+            else:
+                group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                                   help=f"(default: {default!r})")
+    parser.add_argument("--config", default=None, help="a TOML file; flags override it")
+
+
+def build(args: argparse.Namespace | None = None, toml: dict[str, dict] | None = None) -> RunConfig:
+    """Defaults ← TOML ← flags, then `validate`."""
+    cfg = RunConfig()
+    given = vars(args) if args is not None else {}
+    if toml is None and given.get("config"):
+        toml = load_toml(given["config"])
+    for section, values in (toml or {}).items():
+        for key, value in values.items():
+            setattr(getattr(cfg, section), key, value)
+    for section in SECTIONS:
+        part = getattr(cfg, section)
+        for f in fields(part):
+            if f.name in given:
+                setattr(part, f.name, given[f.name])
+    validate(cfg)
+    return cfg
+
+
+def _positive(name: str, value: float, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        need = "≥ 0" if zero_ok else "≥ 1"
+        raise BrigadeError(f"--{name.replace('_', '-')} {value}: must be {need}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no model, data or processes.
+
+    Raises:
+        BrigadeError: naming the value, what was expected, and how to fix it.
+    """
+    m, d, p, o, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.train
+    for name in ("n_layer", "n_head", "n_embd", "context"):
+        _positive(name, getattr(m, name))
+    for name in ("nproc", "pp", "local_stages", "microbatches", "threads", "grad_accum"):
+        _positive(name, getattr(p, name) if hasattr(p, name) else getattr(o, name))
+    for name in ("max_steps", "batch_size", "eval_every", "eval_batches", "keep"):
+        _positive(name, getattr(t, name))
+    _positive("block_size", d.block_size)
+    for name, value in (("dp", p.dp), ("max_restarts", p.max_restarts), ("lr", o.lr),
+                        ("warmup_steps", o.warmup_steps), ("grad_clip", o.grad_clip),
+                        ("snapshot_every", t.snapshot_every), ("sample_tokens", t.sample_tokens)):
+        _positive(name, value, zero_ok=True)
+    if not 0 <= m.dropout < 1:
+        raise BrigadeError(f"--dropout {m.dropout}: must be in [0, 1)")
+    if not 0 < d.val_fraction < 1:
+        raise BrigadeError(f"--val-fraction {d.val_fraction}: must be between 0 and 1")
+    if d.block_size > m.context:
+        raise BrigadeError(
+            f"--block-size {d.block_size} is larger than the model's context {m.context}: "
+            f"use --block-size ≤ {m.context} or raise --context"
+        )
+    if m.n_embd % m.n_head:
+        raise BrigadeError(f"--n-embd {m.n_embd} is not a multiple of --n-head {m.n_head}")
+    if p.schedule not in ("gpipe", "1f1b", "zb"):
+        raise BrigadeError(f"--schedule {p.schedule!r}: expected gpipe, 1f1b or zb")
+    if p.dp == 0:
+        if p.nproc % p.pp:
+            raise BrigadeError(f"--nproc {p.nproc} is not divisible by --pp {p.pp}: "
+                               "make the process count a multiple of the pipeline stages")
+        p.dp = p.nproc // p.pp
+    if p.dp * p.pp != p.nproc:
+        raise BrigadeError(
+            f"--dp {p.dp} × --pp {p.pp} = {p.dp * p.pp} but --nproc is {p.nproc}: "
+            "the world size must equal dp × pp"
+        )
+    if t.batch_size % (p.dp * o.grad_accum):
+        raise BrigadeError(
+            f"--batch-size {t.batch_size} does not split evenly over dp {p.dp} × grad-accum "
+            f"{o.grad_accum}: use a multiple of {p.dp * o.grad_accum}"
+        )
+    per_replica = t.batch_size // (p.dp * o.grad_accum)
+    if p.pp * p.local_stages > 1 and p.microbatches > per_replica:
+        raise BrigadeError(
+            f"--microbatches {p.microbatches} is larger than each replica's batch ({per_replica}): "
+            f"use at most {per_replica} or a larger --batch-size"
+        )
+    if p.pp > 1 and p.local_stages > 1:
+        raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")

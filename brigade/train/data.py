@@ -1,0 +1,149 @@
+"""Character-level text data and a deterministic sampler with a global cursor.
+
+The default corpus needs no download: the text of CPython's documentation
+topics (`pydoc_data.topics`, about 465 kB), present wherever Python is.
+
+Sampling: example k is the window starting at character k. Each epoch is a
+permutation of all examples drawn from (seed, epoch); global batch n takes the
+next `batch_size` indices from the cursor. A data-parallel rank takes its
+contiguous slice of the global batch, so the cursor means the same thing
+whatever dp is, and a run can resume under another layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from brigade.errors import BrigadeError
+
+
+def default_corpus() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def read_text(path: str) -> str:
+    """Read a UTF-8 text file, or the default corpus for "".
+
+    Raises:
+        BrigadeError: missing, a directory, empty, or not text.
+    """
+    if not path:
+        return default_corpus()
+    p = Path(path)
+    if p.is_dir():
+        raise BrigadeError(f"--data {path!r} is a directory: give a text file")
+    if not p.is_file():
+        raise BrigadeError(f"--data {path!r} not found: give a UTF-8 text file, or omit it for the "
+                           "built-in corpus")
+    raw = p.read_bytes()
+    if not raw.strip():
+        raise BrigadeError(f"--data {path!r} is empty: give a file with text in it")
+    if b"\x00" in raw[:65536]:
+        raise BrigadeError(f"--data {path!r} looks binary (it has NUL bytes): give a UTF-8 text file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BrigadeError(f"--data {path!r} is not UTF-8 text (byte {exc.start}): convert it to UTF-8") \
+            from None
+
+
+@dataclass
+class Vocab:
+    chars: str
+
+    @classmethod
+    def of(cls, text: str) -> Vocab:
+        return cls("".join(sorted(set(text))))
+
+    def __len__(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> torch.Tensor:
+        index = {c: i for i, c in enumerate(self.chars)}
+        unknown = {c for c in text if c not in index}
+        if unknown:
+            raise BrigadeError(f"characters not in the run's vocabulary: {''.join(sorted(unknown))!r}")
+        return torch.tensor([index[c] for c in text], dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+class CharDataset:
+    """Windows of `block_size` + 1 characters: input and next-character targets."""
+
+    def __init__(self, ids: torch.Tensor, block_size: int, what: str = "corpus"):
+        if len(ids) < block_size + 1:
+            raise BrigadeError(
+                f"the {what} has {len(ids)} characters, fewer than one block of {block_size} + 1: "
+                "use more text or a smaller --block-size"
+            )
+        self.ids = ids
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return len(self.ids) - self.block_size
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = torch.arange(self.block_size + 1)
+        windows = self.ids[indices[:, None] + offsets]  # (B, T + 1)
+        return windows[:, :-1], windows[:, 1:]
+
+
+def load_text_data(path: str, block_size: int, val_fraction: float) -> tuple[Vocab, CharDataset,
+                                                                               CharDataset]:
+    """Vocabulary, and train / validation sets split at a fixed character position."""
+    text = read_text(path)
+    vocab = Vocab.of(text)
+    ids = vocab.encode(text)
+    cut = int(len(ids) * (1 - val_fraction))
+    if len(ids) < block_size + 1:
+        raise BrigadeError(
+            f"the corpus has {len(ids)} characters, fewer than one block of {block_size} + 1: "
+            "use more text or a smaller --block-size"
+        )
+    train = CharDataset(ids[:cut], block_size, "training part of the corpus")
+    val = CharDataset(ids[cut:], block_size, "validation part of the corpus")
+    return vocab, train, val
+
+
+class Sampler:
+    """Global batches from per-epoch permutations; `cursor` is all the state there is."""
+
+    def __init__(self, n_examples: int, batch_size: int, seed: int, cursor: int = 0):
+        self.n = n_examples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.cursor = cursor  # examples consumed since the start of training
+        self._epoch, self._perm = -1, None
+
+    @property
+    def epoch(self) -> int:
+        return self.cursor // self.n
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g)
+        return self._perm
+
+    def next_global(self) -> torch.Tensor:
+        """The next global batch of example indices; advances the cursor."""
+        out = []
+        while len(out) < self.batch_size:
+            epoch, pos = divmod(self.cursor, self.n)
+            take = min(self.batch_size - len(out), self.n - pos)
+            out.extend(self._permutation(epoch)[pos : pos + take].tolist())
+            self.cursor += take
+        return torch.tensor(out)
+
+    @staticmethod
+    def shard(indices: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        """This data-parallel rank's contiguous slice of a global batch."""
+        per = len(indices) // world
+        return indices[rank * per : (rank + 1) * per]

@@ -1,0 +1,151 @@
+"""Where each block runs, and how a batch becomes a loss and gradients in every layout.
+
+    dp only       every process holds all blocks (a one-stage pipeline), DDP across processes
+    pp only       one stage per process (Pipeline over point-to-point)
+    dp × pp       a DeviceMesh (dp, pp): a pipeline per dp row, each stage DDP'd down its column
+    dp × local-pp each process drives a LocalPipeline over `local_stages` devices; stage i of
+                  every process forms its own DDP group (the tutorial's DDP with model parallel)
+
+Parameters keep layout-independent names (`blocks.3.attn.qkv.weight`): `owned` is a
+module holding only this process's blocks under their global index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from brigade.config import ParallelConfig
+from brigade.errors import BrigadeError
+from brigade.pipeline.partition import choose_balance, parse_balance, split
+from brigade.pipeline.pipe import LocalPipeline, Pipeline
+
+
+class Owned(nn.Module):
+    """The blocks this process holds, named by their index in the whole model."""
+
+    def __init__(self, blocks: list[nn.Module], indices: list[int]):
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): blocks[i] for i in indices})
+
+
+@dataclass
+class Layout:
+    dp: int
+    pp: int
+    dp_rank: int
+    pp_rank: int
+    dp_group: object
+    pp_group: object
+    device: torch.device
+
+
+def make_layout(cfg: ParallelConfig, device: torch.device) -> Layout:
+    """Process groups for dp × pp over the current world (rank = dp_rank · pp + pp_rank)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if cfg.dp * cfg.pp != world:
+        raise BrigadeError(
+            f"dp {cfg.dp} × pp {cfg.pp} = {cfg.dp * cfg.pp} but the world size is {world}: "
+            "the world size must equal dp × pp"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (cfg.dp, cfg.pp), mesh_dim_names=("dp", "pp"))
+    return Layout(cfg.dp, cfg.pp, rank // cfg.pp, rank % cfg.pp, mesh["dp"].get_group(),
+                  mesh["pp"].get_group(), device)
+
+
+class Engine:
+    """One process's share of the model and how to run a batch through it.
+
+    Args:
+        blocks: the whole model as blocks (identical on every process).
+        loss_fn: (output, target) -> mean loss.
+        cfg: the parallel configuration; layout: process groups from `make_layout`.
+    """
+
+    def __init__(self, blocks: list[nn.Module], loss_fn, cfg: ParallelConfig, layout: Layout,
+                 sample: torch.Tensor | None = None, autocast: torch.dtype | None = None):
+        self.layout = layout
+        n_stages = layout.pp * cfg.local_stages
+        balance = choose_balance(blocks, n_stages, balance=parse_balance(cfg.balance) if cfg.balance
+                                 else None)
+        self.balance = balance
+        stages = split(blocks, balance)
+        starts = [sum(balance[:i]) for i in range(n_stages)]
+        if cfg.local_stages > 1:
+            mine = list(range(n_stages))
+        else:
+            mine = [layout.pp_rank]
+        indices = [starts[s] + k for s in mine for k in range(balance[s])]
+        self.owned = Owned(blocks, indices).to(layout.device)
+        self.is_output_rank = layout.pp_rank == layout.pp - 1
+        self.local = cfg.local_stages > 1
+        m = cfg.microbatches if n_stages > 1 else 1
+        if self.local:
+            self.pipe = self._local_pipeline(stages, cfg, loss_fn, m, autocast)
+        else:
+            module = stages[layout.pp_rank]
+            if layout.dp > 1:
+                module = DistributedDataParallel(module, process_group=layout.dp_group,
+                                                 device_ids=[layout.device] if layout.device.type == "cuda"
+                                                 else None)
+            self.pipe = Pipeline(module, cfg.schedule if n_stages > 1 else "gpipe", m, loss_fn,
+                                 group=layout.pp_group, device=layout.device, autocast=autocast)
+
+    def _local_pipeline(self, stages, cfg: ParallelConfig, loss_fn, m: int, autocast):
+        layout = self.layout
+        n = cfg.local_stages
+        if layout.device.type == "cuda":
+            first = layout.device.index * n
+            if torch.cuda.device_count() < first + n:
+                raise BrigadeError(f"--local-stages {n} needs {first + n} GPUs on this node, "
+                                   f"{torch.cuda.device_count()} visible")
+            devices = [torch.device("cuda", first + i) for i in range(n)]
+        else:
+            devices = [torch.device("cpu")] * n
+        groups = [dist.new_group(list(range(dist.get_world_size()))) for _ in range(n)] \
+            if layout.dp > 1 else None
+
+        def wrap(i: int, module: nn.Module) -> nn.Module:
+            if groups is None:
+                return module
+            # One process group per stage: each stage's thread issues its own all-reduces.
+            ids = [devices[i]] if devices[i].type == "cuda" else None
+            return DistributedDataParallel(module, process_group=groups[i], device_ids=ids)
+
+        return LocalPipeline(stages, devices, cfg.schedule, m, loss_fn, wrap=wrap, autocast=autocast)
+
+    def forward_backward(self, x, y, loss_scale: float, sync: bool) -> torch.Tensor:
+        """This batch's mean loss, averaged over data-parallel replicas, on every process."""
+        loss = self.pipe.step(x, y, loss_scale=loss_scale, sync=sync)
+        return self._dp_mean(loss)
+
+    @torch.no_grad()
+    def evaluate(self, x, y) -> torch.Tensor:
+        return self._dp_mean(self.pipe.evaluate(x, y))
+
+    def _dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        loss = loss.to(self.layout.device)
+        if self.layout.dp > 1:
+            dist.all_reduce(loss, group=self.layout.dp_group)
+            loss = loss / self.layout.dp
+        return loss
+
+    def grad_norm(self) -> torch.Tensor:
+        """The whole model's gradient norm (all stages), on every process."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        for p in self.owned.parameters():
+            if p.grad is not None:
+                sq += p.grad.detach().float().pow(2).sum().to(sq.device)
+        if self.layout.pp > 1:
+            dist.all_reduce(sq, group=self.layout.pp_group)
+        return sq.sqrt()
+
+    def close(self) -> None:
+        if self.local:
+            self.pipe.close()

@@ -1,0 +1,185 @@
+"""The training loop: model-agnostic, the same in every layout.
+
+A Trainer takes blocks, a loss function, datasets and an optimizer factory;
+`Engine` (layout.py) decides where blocks run. Each optimizer step:
+
+    for each of grad_accum batches: global batch → this replica's slice → forward/backward
+    clip the whole model's gradient norm → optimizer step → LR schedule → metrics
+    every eval_every steps: validation loss; every snapshot_every steps: snapshot
+
+A dataset is anything with `len()` and `batch(indices) -> (inputs, targets)`,
+or a map-style torch Dataset whose items are (input, target) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from brigade import dist as bdist
+from brigade.config import OptimConfig, ParallelConfig, TrainConfig
+from brigade.train.data import Sampler
+from brigade.train.layout import Engine, make_layout
+from brigade.train.metrics import Metrics
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `min_lr` at `max_steps`."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def adamw(cfg: OptimConfig) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    """AdamW with weight decay on matrices only (not biases, norms, or embeddings' gains)."""
+
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": rest, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+    return make
+
+
+def _batch(data, indices: torch.Tensor):
+    if hasattr(data, "batch"):
+        return data.batch(indices)
+    items = [data[int(i)] for i in indices]
+    return torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+
+
+@dataclass
+class State:
+    step: int = 0
+    cursor: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+class Trainer:
+    """Train `blocks` with `loss_fn` on `train_data`; works under brigade.launch or torchrun.
+
+    Args:
+        blocks: the model as an ordered list of modules, built identically on every process.
+        loss_fn: (output, target) -> mean loss.
+        train_data, val_data: datasets (see module docstring); val_data may be None.
+        parallel, optim, train: configuration (defaults if omitted).
+        optimizer: factory `model -> Optimizer` (default AdamW from `optim`).
+        callbacks: functions called as `cb(trainer, record)` after each step and evaluation.
+    """
+
+    def __init__(self, blocks: list[nn.Module], loss_fn, train_data, val_data=None,
+                 parallel: ParallelConfig | None = None, optim: OptimConfig | None = None,
+                 train: TrainConfig | None = None, optimizer=None, callbacks=(), metrics: bool = True):
+        self.parallel = parallel or ParallelConfig(nproc=1)
+        self.optim_cfg = optim or OptimConfig()
+        self.cfg = train or TrainConfig()
+        if not dist.is_initialized():
+            bdist.init_single_or_env(self.parallel.backend, self.parallel.threads)
+        self.info = bdist.info(self.parallel.backend)
+        self._resolve_layout()
+        torch.manual_seed(self.cfg.seed + 1000 * dist.get_rank())  # dropout streams, per rank
+        self.layout = make_layout(self.parallel, self.info.device)
+        autocast = torch.bfloat16 if self.cfg.bf16 and self.info.device.type == "cuda" else None
+        self.engine = Engine(blocks, loss_fn, self.parallel, self.layout, autocast=autocast)
+        self.model = self.engine.owned
+        self.optimizer = (optimizer or adamw(self.optim_cfg))(self.model)
+        self.train_data, self.val_data = train_data, val_data
+        self.state = State()
+        self.sampler = Sampler(len(train_data), self.cfg.batch_size, self.cfg.seed)
+        self.callbacks = list(callbacks)
+        self.is_main = dist.get_rank() == 0
+        self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps)
+
+    def _resolve_layout(self) -> None:
+        p = self.parallel
+        world = dist.get_world_size()
+        if p.dp == 0:
+            p.dp = max(1, world // p.pp)
+        p.nproc = world
+
+    @property
+    def replica_batch(self) -> int:
+        return self.cfg.batch_size // (self.layout.dp * self.optim_cfg.grad_accum)
+
+    def _replica_slice(self, indices: torch.Tensor) -> torch.Tensor:
+        """This replica's part of a global batch, split further for gradient accumulation."""
+        return Sampler.shard(indices, self.layout.dp_rank, self.layout.dp)
+
+    def train_step(self) -> dict:
+        """One optimizer step over `grad_accum` global batches; returns its metrics record."""
+        start = time.perf_counter()
+        k = self.optim_cfg.grad_accum
+        indices = self._replica_slice(self.sampler.next_global())
+        chunks = indices.chunk(k)
+        lr = lr_at(self.state.step, self.optim_cfg, self.cfg.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = 0.0
+        for j, chunk in enumerate(chunks):
+            x, y = _batch(self.train_data, chunk)
+            loss = self.engine.forward_backward(x, y, loss_scale=1.0 / k, sync=j == k - 1)
+            total += float(loss) / k
+        norm = self.engine.grad_norm()
+        if self.optim_cfg.grad_clip > 0:
+            coef = torch.clamp(self.optim_cfg.grad_clip / (norm + 1e-6), max=1.0)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.device))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.cursor = self.sampler.cursor
+        elapsed = time.perf_counter() - start
+        tokens = self.cfg.batch_size * (x.shape[1] if x.dim() > 1 else 1)
+        return {"step": self.state.step, "loss": total, "lr": lr, "grad_norm": float(norm),
+                "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation loss over `eval_batches` fixed batches (the same every time)."""
+        if self.val_data is None:
+            return None
+        self.model.eval()
+        g = torch.Generator().manual_seed(12345)
+        n = self.cfg.batch_size // self.layout.dp
+        total = 0.0
+        for _ in range(self.cfg.eval_batches):
+            idx = torch.randint(len(self.val_data), (self.cfg.batch_size,), generator=g)
+            x, y = _batch(self.val_data, Sampler.shard(idx, self.layout.dp_rank, self.layout.dp)[:n])
+            total += float(self.engine.evaluate(x, y))
+        self.model.train()
+        return total / self.cfg.eval_batches
+
+    def fit(self) -> list[dict]:
+        """Train until `max_steps`; returns the per-step records (on every process)."""
+        self.model.train()
+        with self.metrics:
+            if self.state.step == 0 and self.val_data is not None:
+                self._log({"step": 0, "val_loss": self.evaluate()})
+            while self.state.step < self.cfg.max_steps:
+                record = self.train_step()
+                self._log(record)
+                step = self.state.step
+                if self.val_data is not None and (step % self.cfg.eval_every == 0
+                                                  or step == self.cfg.max_steps):
+                    self._log({"step": step, "val_loss": self.evaluate()})
+        return self.state.history
+
+    def _log(self, record: dict) -> None:
+        self.state.history.append(record)
+        self.metrics.write(record)
+        for cb in self.callbacks:
+            cb(self, record)
+
+    def close(self) -> None:
+        self.engine.close()
