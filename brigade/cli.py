@@ -95,12 +95,94 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _add_train(sub) -> None:
+    from brigade import config
+
+    p = sub.add_parser("train", help="train a model (default: GPT on CPython's docs, 2 processes)",
+                       description="Flags override --config FILE.toml, which overrides the defaults.")
+    config.add_flags(p)
+    p.add_argument("--inject-fault", default=None, metavar="KIND:rank=R:step=S",
+                   help="chaos testing: kill, stall or kill-during-snapshot, once, on the first attempt")
+    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from brigade import config
+    from brigade.train.faults import parse_fault
+    from brigade.train.run import run
+
+    cfg = config.build(args)
+    fault = parse_fault(args.inject_fault) if args.inject_fault else None
+    run(cfg, fault, port=args.port)
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a run's newest snapshot")
+    p.add_argument("--from", dest="source", required=True, help="a run folder (--out) or a snapshot")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--tokens", type=int, default=300)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from brigade.train.sample import main_generate
+
+    return main_generate(args.source, args.prompt, args.tokens, args.seed, args.temperature)
+
+
+def _add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="write loss.png for a run folder, finished or not")
+    p.add_argument("run", help="a run folder (--out)")
+    p.set_defaults(func=cmd_plot)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from brigade.train.plot import plot_run
+
+    if not Path(args.run).is_dir():
+        raise BrigadeError(f"{args.run!r} is not a folder: give the --out folder of a training run")
+    path = plot_run(args.run)
+    print(f"wrote {path}" if path else f"{args.run}: no steps recorded yet, nothing to plot")
+    return 0
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="verify a snapshot and print its step, layout and params_sha256")
+    p.add_argument("path", help="a run folder (its newest good snapshot) or a snapshot folder")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from brigade.train.snapshot import resolve
+
+    found = resolve(args.path)
+    m = found.manifest
+    info = {"path": str(found.path), "step": m["step"], "layout": m.get("layout"),
+            "params_sha256": m["params_sha256"], "config_hash": m.get("config_hash"),
+            "model": m.get("model"), "files": len(m["files"]), "checksums": "ok"}
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for k, v in info.items():
+            print(f"{k:>14}: {v}")
+    return 0
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="brigade", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for add in (_add_schedule, _add_check):
+    for add in (_add_train, _add_generate, _add_plot, _add_inspect, _add_schedule, _add_check):
         add(sub)
+    for p in sub.choices.values():
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return parser
 
 

@@ -75,10 +75,10 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 600
+    max_steps: int = 1000
     batch_size: int = 32  # global batch, across data-parallel replicas
     seed: int = 0
-    eval_every: int = 100
+    eval_every: int = 200
     eval_batches: int = 8
     out: str = "runs/latest"
     sample_tokens: int = 300

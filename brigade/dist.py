@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import uuid
 from collections.abc import Callable
@@ -140,7 +141,7 @@ def check_port(port: int, host: str = "127.0.0.1") -> None:
 
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0,
            port: int | None = None, log_dir: str | None = None,
-           threads_per_proc: int = 1) -> dict[int, Any]:
+           threads_per_proc: int = 1, quiet: bool = True) -> dict[int, Any]:
     """Run `fn(*args)` in `nproc` processes under torch's elastic agent; returns {rank: result}.
 
     Single-node: the rendezvous binds to loopback. `fn` must be importable (module level).
@@ -158,7 +159,8 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
     else:
         check_port(port)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_proc))  # also silences torchrun's note
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    if quiet:  # the caller may have its own handlers on these loggers (see train/events.py)
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=uuid.uuid4().hex[:8], rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
@@ -172,9 +174,10 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
 
 
 def _logs_specs(log_dir: str | None):
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    """With a log folder, every worker's stderr (tracebacks, C++ frames) goes to a file there."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
-    return DefaultLogsSpecs(log_dir=log_dir) if log_dir else DefaultLogsSpecs()
+    return DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ERR) if log_dir else DefaultLogsSpecs()
 
 
 def _first_failure(exc) -> str:
@@ -185,6 +188,7 @@ def _first_failure(exc) -> str:
         message = message.get("message", "")
     text = str(message).strip()
     last = text.splitlines()[-1] if text else ""
+    last = re.sub(r"^[\w.]*(BrigadeError|SnapshotError|RunError|PlanError|StageAborted): ", "", last)
     if failure.signal_name() != "<N/A>" and failure.signal_name():
         return f"worker rank {rank} died ({failure.signal_name()})"
     return f"worker rank {rank} failed: {last or 'exit code ' + str(failure.exitcode)}"

@@ -28,8 +28,9 @@ class Metrics:
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             self._file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")
-            if sys.stderr.isatty():
-                self._bar = tqdm(total=self.total, desc="train", unit="step", dynamic_ncols=True)
+            if sys.stdout.isatty():  # stdout: workers' stderr goes to log files
+                self._bar = tqdm(total=self.total, desc="train", unit="step", dynamic_ncols=True,
+                                 file=sys.stdout)
         return self
 
     def write(self, record: dict) -> None:

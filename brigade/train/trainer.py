@@ -97,6 +97,8 @@ class Trainer:
         self.state = State()
         self.sampler = Sampler(len(train_data), self.cfg.batch_size, self.cfg.seed)
         self.callbacks = list(callbacks)
+        self.before_step: list[Callable[[int], None]] = []  # called with the step about to run
+        self.stop_requested = False  # set by a callback to end fit() after this step
         self.is_main = dist.get_rank() == 0
         self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps)
 
@@ -166,12 +168,14 @@ class Trainer:
         with self.metrics:
             if self.state.step == 0 and self.val_data is not None:
                 self._log({"step": 0, "val_loss": self.evaluate()})
-            while self.state.step < self.cfg.max_steps:
+            while self.state.step < self.cfg.max_steps and not self.stop_requested:
+                for hook in self.before_step:
+                    hook(self.state.step + 1)
                 record = self.train_step()
                 self._log(record)
                 step = self.state.step
-                if self.val_data is not None and (step % self.cfg.eval_every == 0
-                                                  or step == self.cfg.max_steps):
+                if self.val_data is not None and not self.stop_requested and (
+                        step % self.cfg.eval_every == 0 or step == self.cfg.max_steps):
                     self._log({"step": step, "val_loss": self.evaluate()})
         return self.state.history
 

@@ -1,0 +1,143 @@
+"""Saving and restoring a whole training state across all ranks (the collective half of snapshots).
+
+What a snapshot holds: model and optimizer state (DCP, layout-free names), the
+step and the data cursor (from which the epoch follows), the LR schedule (a
+pure function of the step), each rank's RNG states, a hash of the
+configuration, and the run's extra metadata (e.g. the vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from brigade.train.snapshot import (
+    MANIFEST,
+    POINTER,
+    Found,
+    SafeReader,
+    SnapshotError,
+    fsync_path,
+    params_sha256,
+    rng_state,
+    set_rng_state,
+    sha256_file,
+    snapshot_dirs,
+    tensor_sha256,
+    write_atomic,
+)
+
+
+def _param_hashes(model: nn.Module) -> dict[str, str]:
+    mine = {name: tensor_sha256(p) for name, p in model.named_parameters()}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        for part in parts:
+            mine.update(part)
+    return mine
+
+
+def model_params_sha256(model: nn.Module) -> str:
+    return params_sha256(_param_hashes(model))
+
+
+def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, keep: int = 2,
+         before_commit=None) -> Path:
+    """Write a snapshot of `step` collectively; returns its folder (on every rank).
+
+    Args:
+        meta: JSON-able facts for the manifest (cursor, layout, config hash, vocab...).
+        keep: complete snapshots to keep; older ones are removed only after this one is in place.
+        before_commit: test hook, called on every rank after the data is written, before the rename.
+    """
+    rank = dist.get_rank()
+    snaps = Path(out) / "snapshots"
+    name = f"step_{step:08d}"
+    tmp = snaps / f".tmp-{name}"
+    if rank == 0:
+        snaps.mkdir(parents=True, exist_ok=True)
+        for stale in snaps.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
+    rng_file = tmp / f"rng_{rank}.json"
+    write_atomic(rng_file, json.dumps(rng_state()))
+    hashes = _param_hashes(model)
+    if before_commit is not None:
+        before_commit()
+    dist.barrier()
+    final = snaps / name
+    if rank == 0:
+        for f in tmp.iterdir():
+            fsync_path(f)
+        manifest = {
+            "step": step, **meta,
+            "params_sha256": params_sha256(hashes),
+            "world_size": dist.get_world_size(),
+            "files": {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()},
+        }
+        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        fsync_path(tmp)
+        if final.exists():  # the same step again (a resumed run): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_path(snaps)
+        write_atomic(snaps / POINTER, name)
+        for old in snapshot_dirs(Path(out))[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if "Error" in ln and "Traceback" not in ln]
+    return (useful or lines or [type(exc).__name__])[-1].strip()[:300]
+
+
+def load(found: Found, model: nn.Module, optimizer) -> dict:
+    """Restore model, optimizer and this rank's RNG from a verified snapshot; returns the manifest."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state, storage_reader=SafeReader(found.path))
+    except SnapshotError:
+        raise
+    except Exception as exc:
+        raise SnapshotError(f"{found.path} could not be loaded into this model: {_first_line(exc)}") \
+            from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = found.path / f"rng_{dist.get_rank() if dist.is_initialized() else 0}.json"
+    if rng_file.is_file():
+        set_rng_state(json.loads(rng_file.read_text()))
+    return found.manifest
+
+
+def load_model_only(path: Path, model: nn.Module) -> None:
+    """Single process, no optimizer: for `generate` and `inspect`."""
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
+        except SnapshotError:
+            raise
+        except Exception as exc:
+            raise SnapshotError(f"{path} does not fit this model: {_first_line(exc)}") from None
+    model.load_state_dict(state["model"])
+
+
+def torch_rng_fingerprint() -> str:
+    return tensor_sha256(torch.get_rng_state())

@@ -1,0 +1,103 @@
+"""Readable lines for what the elastic agent does, raw logs to a file.
+
+torchelastic reports a dead worker with pages of frames. brigade turns each
+event into one line, e.g.
+
+    rank 1 died (SIGKILL) at step 7 — restarting 1/2 from snapshot step 5
+
+and keeps the agent's own log in OUT/logs/agent.log and every worker's
+stderr under OUT/logs/ for whoever needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+from pathlib import Path
+
+from brigade import dist as bdist
+from brigade.train.snapshot import POINTER
+
+_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+_RESTART = re.compile(r"(\d+)/(\d+) attempts left")
+
+
+def _last_step(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    last = 0
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if "loss" in r:
+                last = r["step"]
+    return last
+
+
+def _snapshot_step(out: Path) -> int | None:
+    pointer = out / "snapshots" / POINTER
+    if not pointer.is_file():
+        return None
+    m = re.search(r"(\d+)", pointer.read_text())
+    return int(m[1]) if m else None
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+class EventLines(logging.Handler):
+    """Turns the agent's failure and restart records into one line each, on stdout."""
+
+    def __init__(self, out: Path, say=print):
+        super().__init__(logging.INFO)
+        self.out = out
+        self.say = say
+        self.failed: list[tuple[int, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if m := _FAILED.search(msg):
+            self.failed.append((int(m[2]), int(m[1])))
+        elif (m := _RESTART.search(msg)) and "will restart" in msg:
+            left, total = int(m[1]), int(m[2])
+            attempt = total - left + 1
+            step = _last_step(self.out) + 1
+            snap = _snapshot_step(self.out)
+            who = ", ".join(f"rank {r} died ({describe_exit(c)})" for r, c in self.failed) or \
+                "a worker stopped"
+            source = f"from snapshot step {snap}" if snap is not None else "from the start"
+            self.say(f"brigade: {who} at step {step} — restarting {attempt}/{total} {source}", flush=True)
+            self.failed.clear()
+
+
+def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
+    out = Path(cfg.train.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger("torch.distributed.elastic")
+    saved = (root.level, root.propagate, list(root.handlers))
+    file_handler = logging.FileHandler(logs / "agent.log")
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    events = EventLines(out)
+    root.handlers = [file_handler, events]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    try:
+        return bdist.launch(fn, cfg.parallel.nproc, cfg, *args, max_restarts=cfg.parallel.max_restarts,
+                            port=port, log_dir=str(logs), threads_per_proc=cfg.parallel.threads,
+                            quiet=False)
+    finally:
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+        root.handlers = saved[2]
+        file_handler.close()

@@ -1,0 +1,272 @@
+"""`brigade train`: check everything up front, launch the workers, report where results are.
+
+    run(cfg)     in the user's shell: preflight → config.toml → launch N workers (elastic agent)
+    worker(cfg)  in each process (also what torchrun and srun start): data → model → Trainer
+                 → resume from the newest good snapshot → fit → final snapshot → plot, sample
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from brigade import dist as bdist
+from brigade.config import RunConfig
+from brigade.errors import BrigadeError
+from brigade.models import load_model
+from brigade.models.gpt import GPTConfig, gpt, gpt_loss
+from brigade.train import checkpoint
+from brigade.train.data import Vocab, load_text_data
+from brigade.train.faults import Fault, FaultInjector
+from brigade.train.snapshot import SnapshotError, find_latest, write_atomic
+from brigade.train.trainer import Trainer
+
+# What a snapshot must agree on to be resumed; the layout and run length may change.
+_HASHED = {"model": None, "data": None, "optim": None, "train": ("batch_size", "seed")}
+
+
+def config_subset(cfg: RunConfig) -> dict:
+    d = cfg.to_dict()
+    return {s: {k: v for k, v in d[s].items() if keys is None or k in keys} for s, keys in _HASHED.items()}
+
+
+def config_hash(cfg: RunConfig) -> str:
+    return hashlib.sha256(json.dumps(config_subset(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def to_toml(cfg: RunConfig) -> str:
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+class SyntheticData:
+    """Random (input, target) pairs from a model's own batch maker, the same for the same index."""
+
+    def __init__(self, spec, n: int = 100_000):
+        self.spec, self.n = spec, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def batch(self, indices: torch.Tensor):
+        g = torch.Generator().manual_seed(int(indices.sum()) * 7919 + len(indices))
+        return self.spec.make_batch(len(indices), g)
+
+
+def build(cfg: RunConfig) -> tuple[list, object, object, object, Vocab | None]:
+    """Blocks, loss, train and validation data, vocabulary (GPT) for a configuration."""
+    m = cfg.model
+    if m.model == "gpt":
+        vocab, train, val = load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
+        torch.manual_seed(cfg.train.seed)
+        blocks = gpt(GPTConfig(len(vocab), m.context, m.n_layer, m.n_head, m.n_embd, m.dropout))
+        return blocks, gpt_loss, train, val, vocab
+    spec = load_model(m.model, seed=cfg.train.seed)
+    return spec.blocks, spec.loss_fn, SyntheticData(spec), SyntheticData(spec, 4096), None
+
+
+def check_out(out: str) -> None:
+    """--out must be a folder we can write; nothing in it is touched here."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise BrigadeError(f"--out {out!r} is a file: give a folder for the run's results")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise BrigadeError(f"--out {out!r} cannot be written ({exc.strerror}): choose a writable folder") \
+            from None
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Every check that needs no process group: data, model, layout, output folder."""
+    if cfg.model.model == "gpt":
+        load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
+    else:
+        spec = load_model(cfg.model.model, seed=cfg.train.seed)
+        from brigade.pipeline.partition import check_chain
+
+        check_chain(spec.blocks, spec.make_batch(2, torch.Generator().manual_seed(0))[0])
+    from brigade.pipeline.partition import choose_balance, parse_balance
+
+    blocks = build_blocks_only(cfg)
+    p = cfg.parallel
+    choose_balance(blocks, p.pp * p.local_stages, balance=parse_balance(p.balance) if p.balance else None)
+    check_out(cfg.train.out)
+    found = find_latest(cfg.train.out, warn=lambda m: print(f"brigade: warning: {m}", flush=True))
+    if found is not None:
+        check_compatible(found.manifest, cfg)
+
+
+def build_blocks_only(cfg: RunConfig) -> list:
+    m = cfg.model
+    if m.model == "gpt":
+        return gpt(GPTConfig(8, m.context, m.n_layer, m.n_head, m.n_embd, m.dropout))
+    return load_model(m.model, seed=cfg.train.seed).blocks
+
+
+def check_compatible(manifest: dict, cfg: RunConfig) -> None:
+    """Refuse a snapshot of another model or training configuration (the layout may differ).
+
+    Raises:
+        SnapshotError: naming what differs.
+    """
+    if manifest.get("config_hash") == config_hash(cfg):
+        return
+    saved = manifest.get("config", {})
+    now = config_subset(cfg)
+    changed = [f"{s}.{k}" for s in now for k in now[s] if saved.get(s, {}).get(k) != now[s][k]]
+    what = "another model" if any(c.startswith("model.") for c in changed) else "another configuration"
+    raise SnapshotError(
+        f"the snapshot in {cfg.train.out} is of {what} (differs in {', '.join(changed) or 'hash'}): "
+        "use a new --out, or the settings it was trained with"
+    )
+
+
+def _resume(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None) -> int:
+    """Load the newest good snapshot in --out, if any; returns its step (0 if none)."""
+    path = [None]
+    if dist.get_rank() == 0:
+        found = find_latest(cfg.train.out, warn=lambda m: print(f"brigade: warning: {m}", flush=True))
+        path = [str(found.path) if found else None]
+    dist.broadcast_object_list(path, src=0)
+    if path[0] is None:
+        return 0
+    found = find_latest(cfg.train.out, warn=lambda m: None)
+    if found is None or str(found.path) != path[0]:
+        raise SnapshotError(f"rank {dist.get_rank()} sees other snapshots than rank 0 in "
+                            f"{cfg.train.out}: the folder must be shared by every node")
+    check_compatible(found.manifest, cfg)
+    checkpoint.load(found, trainer.model, trainer.optimizer)
+    trainer.state.step = found.manifest["step"]
+    trainer.sampler.cursor = trainer.state.cursor = found.manifest["cursor"]
+    return found.manifest["step"]
+
+
+def _snapshot_meta(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None) -> dict:
+    p = cfg.parallel
+    return {"cursor": trainer.sampler.cursor, "epoch": trainer.sampler.epoch,
+            "layout": {"dp": p.dp, "pp": p.pp, "local_stages": p.local_stages},
+            "config_hash": config_hash(cfg), "config": config_subset(cfg),
+            "model": cfg.model.model, "vocab": vocab.chars if vocab else None}
+
+
+def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
+    """One process of a training run (under brigade's launcher, torchrun, or srun)."""
+    info = bdist.init(cfg.parallel.backend, cfg.parallel.threads)
+    blocks, loss_fn, train, val, vocab = build(cfg)
+    trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
+                      train=cfg.train)
+    injector = FaultInjector(fault, info.rank)
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    resumed = _resume(trainer, cfg, vocab)
+    if resumed and info.rank == 0:
+        _trim_metrics(Path(cfg.train.out), resumed)
+        print(f"brigade: resuming from snapshot step {resumed}", flush=True)
+
+    def snap() -> Path:
+        return checkpoint.save(cfg.train.out, trainer.state.step, trainer.model, trainer.optimizer,
+                               _snapshot_meta(trainer, cfg, vocab), keep=cfg.train.keep,
+                               before_commit=lambda: injector.during_snapshot(trainer.state.step))
+
+    def after_step(tr: Trainer, record: dict) -> None:
+        if "loss" not in record:
+            return
+        every = cfg.train.snapshot_every
+        flag = torch.tensor([1.0 if stop["flag"] else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            snap()
+            tr.stop_requested = True
+        elif every and record["step"] % every == 0 and record["step"] < cfg.train.max_steps:
+            snap()
+
+    trainer.before_step.append(injector.before_step)
+    trainer.callbacks.append(after_step)
+    history = trainer.fit()
+    final = snap()
+    summary = {"step": trainer.state.step, "snapshot": str(final), "preempted": trainer.stop_requested,
+               "params_sha256": json.loads((final / "manifest.json").read_text())["params_sha256"]
+               if info.rank == 0 else None,
+               "val_loss": next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)}
+    trainer.close()
+    bdist.destroy()
+    return summary
+
+
+def _trim_metrics(out: Path, step: int) -> None:
+    """Drop records past the resumed step: they belong to the attempt that died."""
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError):
+            continue
+    write_atomic(path, "".join(line + "\n" for line in keep))
+
+
+def under_launcher() -> bool:
+    """True inside a worker started by torchrun / an elastic agent, or one of several srun tasks."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> dict:
+    """What `brigade train` does in the user's shell. Returns rank 0's summary."""
+    if under_launcher():
+        return worker(cfg, fault)
+    preflight(cfg)
+    out = Path(cfg.train.out)
+    write_atomic(out / "config.toml", to_toml(cfg))
+    print(f"brigade: training {cfg.model.model} on {cfg.parallel.nproc} processes "
+          f"(dp={cfg.parallel.dp} × pp={cfg.parallel.pp}"
+          + (f" × {cfg.parallel.local_stages} local stages" if cfg.parallel.local_stages > 1 else "")
+          + f", {cfg.parallel.schedule}), results in {out}/", flush=True)
+    from brigade.train.events import launch_with_events
+
+    results = launch_with_events(worker, cfg, fault, port=port)
+    summary = results[0]
+    _finish(cfg, summary)
+    return summary
+
+
+def _finish(cfg: RunConfig, summary: dict) -> None:
+    from brigade.train.plot import plot_run
+    from brigade.train.sample import sample_from_run
+
+    out = Path(cfg.train.out)
+    png = plot_run(out)
+    if cfg.model.model == "gpt" and cfg.train.sample_tokens:
+        text = sample_from_run(out, prompt="\n", tokens=cfg.train.sample_tokens, seed=cfg.train.seed)
+        write_atomic(out / "sample.txt", text)
+        print("\n--- sample ---\n" + text + "\n--------------", flush=True)
+    val = summary.get("val_loss")
+    print(f"brigade: done at step {summary['step']}"
+          + (f", validation loss {val:.4f}" if val is not None else "")
+          + f". In {out}/: metrics.jsonl, {png.name if png else 'no plot'}, config.toml, "
+          f"snapshots/, sample.txt", file=sys.stdout, flush=True)
+
+
+__all__ = ["run", "worker", "build", "preflight", "asdict"]

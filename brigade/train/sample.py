@@ -1,0 +1,61 @@
+"""Sampling text from a run's newest snapshot (`brigade generate`, and the sample at the end of training)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from brigade.config import ModelConfig
+from brigade.errors import BrigadeError
+from brigade.models.gpt import GPTConfig, gpt
+from brigade.train.checkpoint import load_model_only
+from brigade.train.data import Vocab
+from brigade.train.layout import Owned
+from brigade.train.snapshot import resolve
+
+
+@torch.no_grad()
+def generate(model: nn.Module, idx: torch.Tensor, tokens: int, context: int,
+             temperature: float = 0.8, top_k: int | None = 20, generator=None) -> torch.Tensor:
+    """Append `tokens` sampled tokens to idx (1, T)."""
+    for _ in range(tokens):
+        logits = model(idx[:, -context:])[:, -1, :] / max(temperature, 1e-6)
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1, None]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+def sample_from_run(path: str | Path, prompt: str, tokens: int, seed: int = 0,
+                    temperature: float = 0.8) -> str:
+    """Load the newest good snapshot under `path` (run or snapshot folder) and continue `prompt`.
+
+    Raises:
+        BrigadeError: no snapshot, not a GPT run, or characters the run never saw.
+    """
+    found = resolve(path)
+    manifest = found.manifest
+    if manifest.get("model") != "gpt" or not manifest.get("vocab"):
+        raise BrigadeError(f"{path} is a {manifest.get('model')} run: generate needs a GPT trained on text")
+    if tokens < 1:
+        raise BrigadeError(f"--tokens {tokens}: must be ≥ 1")
+    m = ModelConfig(**manifest.get("config", {}).get("model", {}))
+    vocab = Vocab(manifest["vocab"])
+    blocks = gpt(GPTConfig(len(vocab), m.context, m.n_layer, m.n_head, m.n_embd, 0.0))
+    owned = Owned(blocks, list(range(len(blocks))))
+    load_model_only(found.path, owned)
+    model = nn.Sequential(*blocks).eval()
+    idx = vocab.encode(prompt or "\n")[None, :]
+    g = torch.Generator().manual_seed(seed)
+    out = generate(model, idx, tokens, m.context, temperature, generator=g)
+    return vocab.decode(out[0].tolist())
+
+
+def main_generate(path: str, prompt: str, tokens: int, seed: int, temperature: float) -> int:
+    print(sample_from_run(path, prompt, tokens, seed, temperature), file=sys.stdout)
+    return 0

@@ -1,0 +1,71 @@
+import argparse
+
+import pytest
+
+from brigade import config
+from brigade.errors import BrigadeError
+
+
+def parse(*argv, toml=None):
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    return config.build(p.parse_args(list(argv)), toml)
+
+
+def test_defaults_are_two_processes_data_parallel():
+    cfg = parse()
+    assert (cfg.parallel.nproc, cfg.parallel.dp, cfg.parallel.pp) == (2, 2, 1)
+    assert cfg.model.model == "gpt" and cfg.data.data == ""
+
+
+def test_flags_come_from_fields():
+    cfg = parse("--pp", "2", "--microbatches", "8", "--max-steps", "7", "--dropout", "0.1",
+                "--no-bf16", "--data", "x.txt", "--model", "gpt", "--seed", "3", "--batch-size", "16")
+    assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.microbatches) == (2, 1, 8)
+    assert (cfg.train.max_steps, cfg.model.dropout, cfg.train.bf16) == (7, 0.1, False)
+    assert (cfg.data.data, cfg.train.seed, cfg.train.batch_size) == ("x.txt", 3, 16)
+
+
+def test_toml_then_flags_override(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text("[parallel]\nnproc = 4\npp = 2\n[optim]\nlr = 1\n[train]\nmax_steps = 9\n")
+    cfg = parse("--config", str(f), "--max-steps", "5")
+    assert (cfg.parallel.nproc, cfg.parallel.pp, cfg.parallel.dp) == (4, 2, 2)
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.train.max_steps == 5
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[train]\nmax_stepz = 3\n", "unknown key 'max_stepz' in \\[train\\]"),
+    ("[trian]\nmax_steps = 3\n", "unknown section \\[trian\\]"),
+    ("[train]\nmax_steps = 'ten'\n", "max_steps = 'ten' is a str, expected int"),
+    ("[train\nmax_steps = 3\n", "is not valid TOML"),
+])
+def test_bad_toml(tmp_path, text, message):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(BrigadeError, match=message):
+        config.load_toml(f)
+
+
+def test_missing_toml(tmp_path):
+    with pytest.raises(BrigadeError, match="config file .* not found"):
+        config.load_toml(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc", "3", "--pp", "2"], "--nproc 3 is not divisible by --pp 2"),
+    (["--nproc", "4", "--dp", "3", "--pp", "2"], "the world size must equal dp × pp"),
+    (["--block-size", "256"], "larger than the model's context 128"),
+    (["--batch-size", "0"], "--batch-size 0: must be ≥ 1"),
+    (["--max-steps", "-1"], "--max-steps -1: must be ≥ 1"),
+    (["--lr", "-0.1"], "--lr -0.1: must be ≥ 0"),
+    (["--dropout", "1.5"], "--dropout 1.5"),
+    (["--pp", "2", "--microbatches", "64"], "--microbatches 64 is larger than each replica's batch"),
+    (["--schedule", "zigzag"], "--schedule 'zigzag'"),
+    (["--batch-size", "33"], "does not split evenly over dp 2"),
+    (["--n-embd", "100", "--n-head", "3"], "not a multiple of --n-head 3"),
+])
+def test_validation_errors(argv, message):
+    with pytest.raises(BrigadeError, match=message):
+        parse(*argv)
