@@ -168,9 +168,17 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         start_method="spawn", logs_specs=_logs_specs(log_dir),
     )
     try:
-        return elastic_launch(config, fn)(*args)
+        return elastic_launch(config, _call_and_leave)(fn, *args)
     except ChildFailedError as exc:
         raise RunError(_first_failure(exc)) from None
+
+
+def _call_and_leave(fn: Callable[..., Any], *args: Any) -> Any:
+    """Worker body: run the user's function, then leave the process group cleanly."""
+    try:
+        return fn(*args)
+    finally:
+        destroy()
 
 
 def _logs_specs(log_dir: str | None):

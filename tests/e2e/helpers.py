@@ -1,0 +1,28 @@
+"""Running brigade as a user does: a subprocess, its output, its exit code."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "32", "--block-size", "32",
+        "--batch-size", "8", "--eval-every", "10", "--eval-batches", "2", "--sample-tokens", "20",
+        "--warmup-steps", "5"]
+
+
+def brigade(*args, timeout=240, env=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "brigade", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+def train(out, *args, timeout=240, env=None):
+    return brigade("train", "--out", out, *TINY, *args, timeout=timeout, env=env)
+
+
+def final_hash(out) -> str:
+    return json.loads(brigade("inspect", out, "--json").stdout)["params_sha256"]
+
+
+def losses(out) -> dict[int, float]:
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
