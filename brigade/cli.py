@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from brigade.errors import BrigadeError
 
@@ -109,12 +110,20 @@ def _add_train(sub) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from brigade import config
+    from brigade.dist import Stopped
+    from brigade.train.events import snapshot_step
     from brigade.train.faults import parse_fault
     from brigade.train.run import run
 
     cfg = config.build(args)
     fault = parse_fault(args.inject_fault) if args.inject_fault else None
-    run(cfg, fault, port=args.port)
+    try:
+        run(cfg, fault, port=args.port)
+    except Stopped as stop:
+        step = snapshot_step(Path(cfg.train.out))
+        print(f"brigade: stopped by {stop.signame}; newest snapshot: step {step}. "
+              f"Run the same command to resume.", flush=True)
+        return 0 if stop.signame == "SIGTERM" else 130
     return 0
 
 
@@ -141,8 +150,6 @@ def _add_plot(sub) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from brigade.train.plot import plot_run
 
     if not Path(args.run).is_dir():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import socket
 import uuid
 from collections.abc import Callable
@@ -21,6 +22,14 @@ import torch
 import torch.distributed as dist
 
 from brigade.errors import BrigadeError, RunError
+
+
+class Stopped(Exception):
+    """The launcher received a signal (SIGTERM, SIGINT); its workers were stopped."""
+
+    def __init__(self, signame: str):
+        super().__init__(signame)
+        self.signame = signame
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,9 @@ def init(backend: str | None = None, threads: int | None = None) -> DistInfo:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    # Seen here: after an elastic restart, gloo's eager full-mesh connect sometimes dials the
+    # previous attempt's address and times out. Connecting each pair on first use avoids it.
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device_type == "cuda" else {}
         dist.init_process_group(backend, **kwargs)
@@ -149,6 +161,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
     Raises:
         BrigadeError: the port is taken. RunError: a worker failed (its message, one line).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -171,6 +184,8 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         return elastic_launch(config, _call_and_leave)(fn, *args)
     except ChildFailedError as exc:
         raise RunError(_first_failure(exc)) from None
+    except SignalException as exc:  # the agent was told to stop; it stopped the workers too
+        raise Stopped(signal.Signals(exc.sigval).name) from None
 
 
 def _call_and_leave(fn: Callable[..., Any], *args: Any) -> Any:

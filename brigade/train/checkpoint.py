@@ -8,8 +8,11 @@ configuration, and the run's extra metadata (e.g. the vocabulary).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -18,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from brigade.train.snapshot import (
     MANIFEST,
@@ -35,6 +39,10 @@ from brigade.train.snapshot import (
     tensor_sha256,
     write_atomic,
 )
+
+# Optimizer state keyed per parameter name ("state.blocks.3.w.exp_avg", "param_groups.blocks.3.w.lr"),
+# not by group index: stages hold different groups, and keys must not collide across ranks.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _param_hashes(model: nn.Module) -> dict[str, str]:
@@ -70,7 +78,7 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
     rng_file = tmp / f"rng_{rank}.json"
     write_atomic(rng_file, json.dumps(rng_state()))
@@ -101,24 +109,44 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
     return final
 
 
-def _first_line(exc: Exception) -> str:
-    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP logs its own tracebacks when a load fails (some on the root logger); the error we raise
+    says it in one line."""
+    loggers = [logging.getLogger(), logging.getLogger("torch.distributed.checkpoint")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    refused = re.search(r"snapshot metadata refers to [^\n]*refusing to load it", text)
+    if refused:
+        return refused[0]
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     useful = [ln for ln in lines if "Error" in ln and "Traceback" not in ln]
     return (useful or lines or [type(exc).__name__])[-1].strip()[:300]
 
 
 def load(found: Found, model: nn.Module, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG from a verified snapshot; returns the manifest."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp.load(state, storage_reader=SafeReader(found.path))
+        with _quiet_dcp():
+            dcp.load(state, storage_reader=SafeReader(found.path))
     except SnapshotError:
         raise
-    except Exception as exc:
-        raise SnapshotError(f"{found.path} could not be loaded into this model: {_first_line(exc)}") \
-            from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except (Exception, CheckpointException) as exc:  # DCP's own error is a BaseException
+        raise SnapshotError(f"{found.path}: {_first_line(exc)}") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_OPTIONS)
     rng_file = found.path / f"rng_{dist.get_rank() if dist.is_initialized() else 0}.json"
     if rng_file.is_file():
         set_rng_state(json.loads(rng_file.read_text()))
@@ -131,11 +159,12 @@ def load_model_only(path: Path, model: nn.Module) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
+            with _quiet_dcp():
+                dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
         except SnapshotError:
             raise
-        except Exception as exc:
-            raise SnapshotError(f"{path} does not fit this model: {_first_line(exc)}") from None
+        except (Exception, CheckpointException) as exc:
+            raise SnapshotError(f"{path}: {_first_line(exc)}") from None
     model.load_state_dict(state["model"])
 
 

@@ -38,7 +38,7 @@ def _last_step(out: Path) -> int:
     return last
 
 
-def _snapshot_step(out: Path) -> int | None:
+def snapshot_step(out: Path) -> int | None:
     pointer = out / "snapshots" / POINTER
     if not pointer.is_file():
         return None
@@ -72,7 +72,7 @@ class EventLines(logging.Handler):
             left, total = int(m[1]), int(m[2])
             attempt = total - left + 1
             step = _last_step(self.out) + 1
-            snap = _snapshot_step(self.out)
+            snap = snapshot_step(self.out)
             who = ", ".join(f"rank {r} died ({describe_exit(c)})" for r, c in self.failed) or \
                 "a worker stopped"
             source = f"from snapshot step {snap}" if snap is not None else "from the start"
@@ -80,24 +80,35 @@ class EventLines(logging.Handler):
             self.failed.clear()
 
 
+def _loggers() -> list[logging.Logger]:
+    """torchelastic's loggers (each sets its own level at import) and torch's spawn logger."""
+    import torch.distributed.elastic.agent.server.api  # noqa: F401  (create them now)
+
+    names = [n for n in logging.Logger.manager.loggerDict if n.startswith("torch.distributed.elastic")]
+    return [logging.getLogger(n) for n in ["torch.multiprocessing.spawn", *sorted(set(names))]]
+
+
 def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
+    """`bdist.launch` with one readable line per failure or restart; raw logs in OUT/logs."""
     out = Path(cfg.train.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger("torch.distributed.elastic")
-    saved = (root.level, root.propagate, list(root.handlers))
     file_handler = logging.FileHandler(logs / "agent.log")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     events = EventLines(out)
-    root.handlers = [file_handler, events]
-    root.setLevel(logging.INFO)
-    root.propagate = False
+    loggers = _loggers()
+    saved = [(lg, lg.level, lg.propagate, list(lg.handlers)) for lg in loggers]
+    for lg in loggers:
+        lg.handlers = [file_handler, events]
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
     try:
         return bdist.launch(fn, cfg.parallel.nproc, cfg, *args, max_restarts=cfg.parallel.max_restarts,
                             port=port, log_dir=str(logs), threads_per_proc=cfg.parallel.threads,
                             quiet=False)
     finally:
-        root.setLevel(saved[0])
-        root.propagate = saved[1]
-        root.handlers = saved[2]
+        for lg, level, propagate, handlers in saved:
+            lg.setLevel(level)
+            lg.propagate = propagate
+            lg.handlers = handlers
         file_handler.close()

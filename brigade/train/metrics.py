@@ -23,9 +23,11 @@ class Metrics:
         self._file = None
         self._bar = None
         self._last_val = None
+        self._depth = 0
 
     def __enter__(self) -> Metrics:
-        if self.out is not None:
+        self._depth += 1
+        if self.out is not None and self._depth == 1:
             self.out.mkdir(parents=True, exist_ok=True)
             self._file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")
             if sys.stdout.isatty():  # stdout: workers' stderr goes to log files
@@ -38,6 +40,8 @@ class Metrics:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if "event" in record:
+            return
         if "val_loss" in record:
             self._last_val = record["val_loss"]
             self._say(f"step {record['step']:>6}  val loss {record['val_loss']:.4f}")
@@ -60,7 +64,12 @@ class Metrics:
             print(text, flush=True)
 
     def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
         if self._file is not None:
             self._file.close()
+            self._file = None

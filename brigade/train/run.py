@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import signal
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,6 +30,8 @@ from brigade.train.data import Vocab, load_text_data
 from brigade.train.faults import Fault, FaultInjector
 from brigade.train.snapshot import SnapshotError, find_latest, write_atomic
 from brigade.train.trainer import Trainer
+
+_IMPORTED = time.perf_counter()
 
 # What a snapshot must agree on to be resumed; the layout and run length may change.
 _HASHED = {"model": None, "data": None, "optim": None, "train": ("batch_size", "seed")}
@@ -167,6 +171,16 @@ def _snapshot_meta(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None) -> dic
             "model": cfg.model.model, "vocab": vocab.chars if vocab else None}
 
 
+def _seconds_since_process_start() -> float:
+    """Wall time since this process was created (Linux /proc), else since brigade was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
 def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     """One process of a training run (under brigade's launcher, torchrun, or srun)."""
     info = bdist.init(cfg.parallel.backend, cfg.parallel.threads)
@@ -177,22 +191,31 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     resumed = _resume(trainer, cfg, vocab)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if resumed and info.rank == 0:
         _trim_metrics(Path(cfg.train.out), resumed)
         print(f"brigade: resuming from snapshot step {resumed}", flush=True)
 
     def snap() -> Path:
-        return checkpoint.save(cfg.train.out, trainer.state.step, trainer.model, trainer.optimizer,
+        start = time.perf_counter()
+        path = checkpoint.save(cfg.train.out, trainer.state.step, trainer.model, trainer.optimizer,
                                _snapshot_meta(trainer, cfg, vocab), keep=cfg.train.keep,
                                before_commit=lambda: injector.during_snapshot(trainer.state.step))
+        trainer.metrics.write({"step": trainer.state.step, "event": "snapshot",
+                               "seconds": time.perf_counter() - start})
+        return path
 
     def after_step(tr: Trainer, record: dict) -> None:
         if "loss" not in record:
             return
-        every = cfg.train.snapshot_every
+        if record["step"] == resumed + 1:
+            tr.metrics.write({"step": record["step"], "event": "first_step", "attempt": attempt,
+                              "resumed_from": resumed,
+                              "seconds_from_process_start": _seconds_since_process_start()})
         flag = torch.tensor([1.0 if stop["flag"] else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
+        every = cfg.train.snapshot_every
+        if flag.item() > 0:  # preempted: this step is done; keep it and stop
             snap()
             tr.stop_requested = True
         elif every and record["step"] % every == 0 and record["step"] < cfg.train.max_steps:
@@ -200,15 +223,22 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
 
     trainer.before_step.append(injector.before_step)
     trainer.callbacks.append(after_step)
-    history = trainer.fit()
-    final = snap()
-    summary = {"step": trainer.state.step, "snapshot": str(final), "preempted": trainer.stop_requested,
-               "params_sha256": json.loads((final / "manifest.json").read_text())["params_sha256"]
-               if info.rank == 0 else None,
+    with trainer.metrics:
+        history = trainer.fit()
+        final = _latest_path(cfg) if trainer.stop_requested else snap()
+    summary = {"rank": info.rank, "step": trainer.state.step, "snapshot": str(final),
+               "preempted": trainer.stop_requested,
+               "params_sha256": json.loads((final / "manifest.json").read_text())["params_sha256"],
+               "rng": {"torch": checkpoint.torch_rng_fingerprint(), "python": random.random()},
                "val_loss": next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)}
     trainer.close()
     bdist.destroy()
     return summary
+
+
+def _latest_path(cfg: RunConfig) -> Path:
+    found = find_latest(cfg.train.out, warn=lambda m: None)
+    return found.path
 
 
 def _trim_metrics(out: Path, step: int) -> None:
@@ -233,10 +263,15 @@ def under_launcher() -> bool:
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
 
 
-def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> dict:
-    """What `brigade train` does in the user's shell. Returns rank 0's summary."""
+def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> dict[int, dict]:
+    """What `brigade train` does in the user's shell. Returns every rank's summary.
+
+    Raises:
+        bdist.Stopped: the launcher was sent a signal; the workers wrote a snapshot and left.
+    """
     if under_launcher():
-        return worker(cfg, fault)
+        summary = worker(cfg, fault)
+        return {summary["rank"]: summary}
     preflight(cfg)
     out = Path(cfg.train.out)
     write_atomic(out / "config.toml", to_toml(cfg))
@@ -247,9 +282,8 @@ def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> 
     from brigade.train.events import launch_with_events
 
     results = launch_with_events(worker, cfg, fault, port=port)
-    summary = results[0]
-    _finish(cfg, summary)
-    return summary
+    _finish(cfg, results[0])
+    return results
 
 
 def _finish(cfg: RunConfig, summary: dict) -> None:

@@ -14,6 +14,8 @@ or a map-style torch Dataset whose items are (input, target) pairs.
 from __future__ import annotations
 
 import math
+import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +48,8 @@ def adamw(cfg: OptimConfig) -> Callable[[nn.Module], torch.optim.Optimizer]:
         rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": rest, "weight_decay": 0.0}]
+        # No empty groups: a snapshot maps groups to parameter names, and an empty one has none.
+        groups = [g for g in groups if g["params"]]
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
     return make
@@ -87,7 +91,12 @@ class Trainer:
             bdist.init_single_or_env(self.parallel.backend, self.parallel.threads)
         self.info = bdist.info(self.parallel.backend)
         self._resolve_layout()
-        torch.manual_seed(self.cfg.seed + 1000 * dist.get_rank())  # dropout streams, per rank
+        # Every random stream is seeded, per rank: dropout (torch), and Python's / numpy's for user code.
+        stream = self.cfg.seed + 1000 * dist.get_rank()
+        torch.manual_seed(stream)
+        random.seed(stream)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed(stream)
         self.layout = make_layout(self.parallel, self.info.device)
         autocast = torch.bfloat16 if self.cfg.bf16 and self.info.device.type == "cuda" else None
         self.engine = Engine(blocks, loss_fn, self.parallel, self.layout, autocast=autocast)

@@ -70,8 +70,8 @@ def test_runs_under_torchrun(tmp_path):
 
     out = tmp_path / "tr"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "-m", "brigade", "train", "--out", str(out), *TINY, "--pp", "2", "--max-steps", "4",
-           "--sample-tokens", "0"]
+           str(free_port()), "-m", "brigade", "train", "--out", str(out), *TINY, "--pp", "2",
+           "--max-steps", "4", "--sample-tokens", "0"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]

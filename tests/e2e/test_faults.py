@@ -1,0 +1,189 @@
+"""Kill any process at any moment: the run finishes as if nothing had happened, bit for bit."""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import TINY, brigade, final_hash, losses, train
+
+pytestmark = pytest.mark.timeout(300)
+RUN = ["--max-steps", "12", "--snapshot-every", "5", "--dropout", "0.1", "--sample-tokens", "0"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    result = train(out, *RUN)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_kill_at_a_step(reference, tmp_path):
+    out = tmp_path / "killed"
+    result = train(out, *RUN, "--inject-fault", "kill:rank=1:step=7", "--max-restarts", "1")
+    assert result.returncode == 0, result.stderr
+    assert "brigade: rank 1 died (SIGKILL) at step 7 — restarting 1/1 from snapshot step 5" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+    assert (out / "logs" / "agent.log").is_file()
+    assert final_hash(out) == final_hash(reference)
+    assert losses(out) == losses(reference)
+
+
+def test_kill_during_a_snapshot_write(reference, tmp_path):
+    out = tmp_path / "mid-snapshot"
+    result = train(out, *RUN, "--inject-fault", "kill-during-snapshot:rank=0:step=10",
+                   "--max-restarts", "1")
+    assert result.returncode == 0, result.stderr
+    assert "restarting 1/1 from snapshot step 5" in result.stdout  # 10 never committed
+    assert final_hash(out) == final_hash(reference)
+
+
+def test_corrupt_newest_snapshot_falls_back(reference, tmp_path):
+    out = tmp_path / "corrupt"
+    dead = train(out, *RUN, "--inject-fault", "kill:rank=0:step=11")  # no restarts: it fails
+    assert dead.returncode == 1 and "died (SIGKILL)" in dead.stderr + dead.stdout
+    newest = out / "snapshots" / "step_00000010"
+    data = next(newest.glob("*.distcp"))
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    result = train(out, *RUN)
+    assert result.returncode == 0, result.stderr
+    assert "skipping snapshot step_00000010" in result.stdout and "does not match its checksum" in \
+        result.stdout
+    assert "resuming from snapshot step 5" in result.stdout
+    assert final_hash(out) == final_hash(reference)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _wait_for_step(out: Path, step: int, proc, limit: float = 120) -> None:
+    end = time.time() + limit
+    while time.time() < end and proc.poll() is None:
+        if (out / "metrics.jsonl").is_file() and max(losses(out), default=0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"run never reached step {step}")
+
+
+LONG = ["--max-steps", "150", "--snapshot-every", "20", "--dropout", "0.1", "--sample-tokens", "0",
+        "--eval-every", "50"]
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("long")
+    assert train(out, *LONG).returncode == 0
+    return out
+
+
+def _start(out, *extra):
+    cmd = [sys.executable, "-m", "brigade", "train", "--out", str(out), *TINY, *LONG, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkill_from_outside(long_reference, tmp_path):
+    out = tmp_path / "outside"
+    proc = _start(out, "--max-restarts", "1")
+    _wait_for_step(out, 45, proc)
+    workers = [p for p in _children(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr
+    assert "died (SIGKILL)" in stdout and "restarting 1/1 from snapshot step 40" in stdout
+    assert final_hash(out) == final_hash(long_reference)
+
+
+def test_sigterm_snapshots_and_exits_0_then_resumes(long_reference, tmp_path):
+    out = tmp_path / "preempted"
+    proc = _start(out)
+    _wait_for_step(out, 30, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "stopped by SIGTERM" in stdout
+    step = json.loads(brigade("inspect", out, "--json").stdout)["step"]
+    assert 30 <= step < 150 and step == max(losses(out))  # the step in flight finished and was kept
+    assert train(out, *LONG).returncode == 0
+    assert final_hash(out) == final_hash(long_reference)
+
+
+def test_rng_streams_after_resume_equal_uninterrupted(tmp_path):
+    from brigade.cli import build_parser
+    from brigade.config import build
+    from brigade.train.faults import parse_fault
+    from brigade.train.run import run
+
+    def go(out, fault=None):
+        args = build_parser().parse_args(["train", "--out", str(out), *TINY, *RUN,
+                                          "--max-restarts", "1"])
+        return run(build(args), parse_fault(fault) if fault else None)
+
+    plain = go(tmp_path / "plain")
+    resumed = go(tmp_path / "resumed", "kill:rank=0:step=8")
+    assert sorted(plain) == sorted(resumed) == [0, 1]
+    for rank in plain:
+        assert resumed[rank]["rng"] == plain[rank]["rng"], f"rank {rank}"
+    assert plain[0]["rng"] != plain[1]["rng"]  # each rank has a stream of its own
+
+
+def test_resume_under_another_layout(tmp_path):
+    base = ["--max-steps", "12", "--snapshot-every", "3", "--sample-tokens", "0"]
+    whole = tmp_path / "whole"
+    assert train(whole, *base, "--pp", "2").returncode == 0
+    out = tmp_path / "moved"
+    assert train(out, *base, "--pp", "2", "--inject-fault", "kill:rank=1:step=8").returncode == 1
+    assert json.loads(brigade("inspect", out, "--json").stdout)["layout"]["pp"] == 2
+    result = train(out, *base, "--pp", "1")  # now dp = 2
+    assert result.returncode == 0, result.stderr
+    assert "resuming from snapshot step 6" in result.stdout
+    got, want = losses(out), losses(whole)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(7, 13):
+        assert got[step] == pytest.approx(want[step], abs=1e-5)
+    assert json.loads(brigade("inspect", out, "--json").stdout)["layout"] == {"dp": 2, "pp": 1,
+                                                                               "local_stages": 1}
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_pickle_with_code_is_never_executed(reference, tmp_path):
+    out = tmp_path / "evil"
+    shutil.copytree(reference, out)
+    snap = out / "snapshots" / "step_00000012"
+    (snap / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    manifest = json.loads((snap / "manifest.json").read_text())
+    from brigade.train.snapshot import sha256_file
+
+    manifest["files"][".metadata"] = sha256_file(snap / ".metadata")  # a consistent forgery
+    (snap / "manifest.json").write_text(json.dumps(manifest))
+    gen = brigade("generate", "--from", out, "--tokens", "5", cwd=tmp_path)
+    assert gen.returncode == 2 and "refusing to load it" in gen.stderr
+    resume = train(out, *RUN)
+    assert resume.returncode != 0 and "refusing to load it" in resume.stderr
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
+
+
+def test_refuses_a_snapshot_of_another_model(reference, tmp_path):
+    out = tmp_path / "other"
+    shutil.copytree(reference, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = train(out, *RUN, "--n-embd", "64")
+    assert result.returncode == 2
+    assert "is of another model (differs in model.n_embd)" in result.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing touched
