@@ -182,11 +182,54 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="time single device, model parallel, pipelines, torch's pipelining, DDP")
+    _model_arg(p, "resnet50")
+    p.add_argument("--out", default="results/bench")
+    p.add_argument("--quick", action="store_true", help="fewer split sizes and repeats (≤ 2 min on 2 cores)")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--image-size", type=int, default=None, help="resnet50 only")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--splits", default=None, help="split sizes, like 1,4,16 (default: tutorial's, scaled)")
+    p.add_argument("--schedules", default="gpipe,1f1b,zb")
+    p.add_argument("--port", type=int, default=None)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from brigade.bench.run import run_bench
+
+    return run_bench(args)
+
+
+def _add_tune(sub) -> None:
+    p = sub.add_parser("tune", help="choose split size, schedule and balance; write a train config")
+    _model_arg(p, "resnet50")
+    p.add_argument("--out", default="results/tune")
+    p.add_argument("--verify", action="store_true", help="also time the full sweep, to compare")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--splits", default=None)
+    p.add_argument("--schedules", default="gpipe,1f1b,zb")
+    p.add_argument("--port", type=int, default=None)
+    p.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from brigade.bench.run import run_tune
+
+    return run_tune(args)
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="brigade", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for add in (_add_train, _add_generate, _add_plot, _add_inspect, _add_schedule, _add_check):
+    for add in (_add_train, _add_generate, _add_plot, _add_inspect, _add_schedule, _add_check,
+                _add_bench, _add_tune):
         add(sub)
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")

@@ -78,35 +78,61 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
-    rng_file = tmp / f"rng_{rank}.json"
-    write_atomic(rng_file, json.dumps(rng_state()))
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
+        write_atomic(tmp / f"rng_{rank}.json", json.dumps(rng_state()))
+        error = ""
+    except (OSError, CheckpointException) as exc:
+        error = _first_line(exc)
     hashes = _param_hashes(model)
     if before_commit is not None:
         before_commit()
-    dist.barrier()
     final = snaps / name
-    if rank == 0:
-        for f in tmp.iterdir():
-            fsync_path(f)
-        manifest = {
-            "step": step, **meta,
-            "params_sha256": params_sha256(hashes),
-            "world_size": dist.get_world_size(),
-            "files": {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()},
-        }
-        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        fsync_path(tmp)
-        if final.exists():  # the same step again (a resumed run): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_path(snaps)
-        write_atomic(snaps / POINTER, name)
-        for old in snapshot_dirs(Path(out))[keep:]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    written = not _failed(error)  # a collective: every rank must call it, in the same order
+    if rank == 0 and written:
+        try:
+            _commit(tmp, final, snaps, step, meta, hashes, keep, Path(out))
+        except OSError as exc:
+            error = _first_line(exc)
+    if _failed(error) or not written:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = (snaps / POINTER).read_text().strip() if (snaps / POINTER).is_file() else "none"
+        raise SnapshotError(
+            f"writing snapshot step {step} in {snaps} failed ({error or 'on another rank'}); "
+            f"the previous snapshot ({kept}) is intact: free space or choose another --out"
+        )
     return final
+
+
+def _failed(error: str) -> bool:
+    """True on every rank if writing failed on any rank."""
+    flag = torch.tensor([1.0 if error else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+def _commit(tmp: Path, final: Path, snaps: Path, step: int, meta: dict, hashes: dict, keep: int,
+            out: Path) -> None:
+    """Rank 0: checksums and manifest, then the rename, then LATEST, then pruning."""
+    for f in tmp.iterdir():
+        fsync_path(f)
+    manifest = {
+        "step": step, **meta,
+        "params_sha256": params_sha256(hashes),
+        "world_size": dist.get_world_size(),
+        "files": {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()},
+    }
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    fsync_path(tmp)
+    if final.exists():  # the same step again (a resumed run): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_path(snaps)
+    write_atomic(snaps / POINTER, final.name)
+    for old in snapshot_dirs(out)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,181 @@
+"""The tutorial's experiment, per configuration, on 2 devices (2 processes, one thread each).
+
+    single           rank 0 alone runs the whole model on the whole batch
+    model parallel   2 stages, no micro-batching (m = 1)
+    pipelined        GPipe, 1F1B and zero-bubble over a sweep of split sizes
+    torch            torch.distributed.pipelining, same stages and micro-batches
+    ddp              DistributedDataParallel over the same 2 devices, half the batch each
+
+Every configuration: warm-up, then `repeats` timed steps (all ranks start together; a step
+lasts until the slowest rank is done). Ideal pipelined step: `simulate()` on each stage's
+measured per-micro-batch costs; efficiency = ideal / measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from brigade import dist as bdist
+from brigade.bench.memory import ActivationMeter
+from brigade.bench.peers import TorchPipelining
+from brigade.bench.timing import measure, stage_costs
+from brigade.models import load_model
+from brigade.pipeline import microbatch
+from brigade.pipeline.partition import choose_balance, split
+from brigade.pipeline.pipe import Pipeline
+from brigade.pipeline.schedule import build, simulate
+
+TUTORIAL_SPLITS = [1, 3, 5, 8, 10, 12, 20, 40, 60]  # of a batch of 120
+
+
+@dataclass
+class BenchConfig:
+    model: str = "resnet50"
+    model_options: dict = field(default_factory=dict)
+    batch_size: int = 32
+    repeats: int = 5
+    warmup: int = 1
+    splits: list[int] = field(default_factory=list)  # split sizes; empty: the tutorial's, scaled
+    schedules: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "zb"])
+    balance: list[int] | None = None
+    seed: int = 0
+
+
+def scaled_splits(batch: int) -> list[int]:
+    """The tutorial's split sizes for 120 images, scaled to `batch`, each giving a distinct m."""
+    out, seen = [], set()
+    for s in TUTORIAL_SPLITS:
+        size = max(1, min(batch, round(s * batch / 120)))
+        m = math.ceil(batch / size)
+        if m not in seen:
+            seen.add(m)
+            out.append(size)
+    return out
+
+
+def _row(name: str, schedule: str | None, m: int, batch: int, timing, **extra) -> dict:
+    return {"name": name, "schedule": schedule, "stages": extra.pop("stages", 2), "microbatches": m,
+            "split_size": math.ceil(batch / m), "mean_s": timing.mean_s, "std_s": timing.std_s,
+            "samples_s": timing.samples, **extra}
+
+
+def _costs(stage: nn.Module, rank: int, n: int, inp: torch.Tensor, loss_fn, target) -> list[list[float]]:
+    last = rank == n - 1
+    f, b, w = stage_costs(stage, inp, loss_fn if last else None, target if last else None,
+                          first=rank == 0, repeats=3)
+    gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(n)]
+    dist.all_gather(gathered, torch.tensor([f, b, w], dtype=torch.float64))
+    return [[g[k].item() for g in gathered] for k in range(3)]
+
+
+def _pipelined(cfg, spec, stages, x, y, rank, schedule, m, trace=False):
+    """Time brigade's pipeline; also its ideal (simulate), activation peak and one traced step."""
+    n = len(stages)
+    xs, ys = microbatch.split(x, m), microbatch.split(y, m)
+    with torch.no_grad():
+        inp = xs[0]
+        for s in stages[:rank]:
+            inp = s(inp)
+    fwd, bwd, wgt = _costs(stages[rank], rank, n, inp, spec.loss_fn, ys[0])
+    ideal = simulate(build(schedule, n, m), fwd, bwd, weight=wgt).makespan
+    mine = stages[rank]
+    pipe = Pipeline(mine, schedule, m, spec.loss_fn)
+
+    def step():
+        pipe.step(x, y)
+        mine.zero_grad(set_to_none=True)
+
+    timing = measure(step, cfg.repeats, cfg.warmup, distributed=True)
+    meter = ActivationMeter(exclude=list(mine.parameters()))
+    with meter:
+        step()
+    peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(n)]
+    dist.all_gather(peaks, torch.tensor([float(meter.peak_bytes)], dtype=torch.float64))
+    traced = None
+    if trace:
+        dist.barrier()
+        pipe.step(x, y, trace=True)
+        mine.zero_grad(set_to_none=True)
+        t0 = torch.tensor([min(s for _, s, _ in pipe.last_result.trace)], dtype=torch.float64)
+        dist.all_reduce(t0, op=dist.ReduceOp.MIN)  # perf_counter is system-wide on Linux
+        events = [(str(a), s - t0.item(), e - t0.item()) for a, s, e in pipe.last_result.trace]
+        gathered: list = [None] * n
+        dist.all_gather_object(gathered, events)
+        traced = gathered
+    extra = {"ideal_s": ideal, "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_weight_s": wgt,
+             "peak_activation_bytes": [p.item() for p in peaks]}
+    return timing, extra, traced
+
+
+def worker(cfg: BenchConfig) -> dict:
+    info = bdist.init(threads=1)
+    rank, n = info.rank, info.world_size
+    spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+    x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
+    balance = choose_balance(spec.blocks, n, balance=cfg.balance)
+    rows: list[dict] = []
+    single = None
+    if rank == 0:
+        full = nn.Sequential(*copy.deepcopy(spec.blocks))
+
+        def single_step():
+            spec.loss_fn(full(x), y).backward()
+            full.zero_grad(set_to_none=True)
+
+        single = measure(single_step, cfg.repeats, cfg.warmup)
+    dist.barrier()
+    timing_single = [single]
+    dist.broadcast_object_list(timing_single, src=0)
+    rows.append(_row("single", None, 1, cfg.batch_size, timing_single[0], stages=1))
+    timing, extra, _ = _pipelined(cfg, spec, split(copy.deepcopy(spec.blocks), balance), x, y, rank,
+                                  "gpipe", 1)
+    rows.append(_row("model parallel", "gpipe", 1, cfg.batch_size, timing, balance=balance, **extra))
+    best_trace, best_time = None, math.inf
+    for schedule in cfg.schedules:
+        for size in cfg.splits or scaled_splits(cfg.batch_size):
+            m = math.ceil(cfg.batch_size / size)
+            stages = split(copy.deepcopy(spec.blocks), balance)
+            timing, extra, traced = _pipelined(cfg, spec, stages, x, y, rank, schedule, m, trace=True)
+            rows.append(_row("brigade", schedule, m, cfg.batch_size, timing, balance=balance, **extra))
+            if timing.mean_s < best_time:
+                best_time = timing.mean_s
+                best_trace = {"schedule": schedule, "microbatches": m, "events": traced}
+            if schedule in ("gpipe", "1f1b"):
+                peer = TorchPipelining(stages[rank], rank, n, schedule, m, spec.loss_fn, info.device)
+                t = measure(lambda peer=peer: peer.step(x, y), cfg.repeats, cfg.warmup, distributed=True)
+                rows.append(_row("torch.distributed.pipelining", schedule, m, cfg.batch_size, t,
+                                 balance=balance, torch_pipelining=True, ideal_s=extra["ideal_s"]))
+    ddp = DistributedDataParallel(nn.Sequential(*copy.deepcopy(spec.blocks)))
+    xs, ys = x.chunk(n)[rank], y.chunk(n)[rank]
+
+    def ddp_step():
+        spec.loss_fn(ddp(xs), ys).backward()
+        ddp.zero_grad(set_to_none=True)
+
+    rows.append(_row("ddp", None, 1, cfg.batch_size, measure(ddp_step, cfg.repeats, cfg.warmup,
+                                                             distributed=True), stages=1))
+    bdist.destroy()
+    return {"rows": rows, "trace": best_trace, "balance": balance}
+
+
+def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:
+    """Add speedups, ideal speedups and efficiencies; mark the peers."""
+    single = raw["rows"][0]["mean_s"]
+    configs = []
+    for r in raw["rows"]:
+        row = {k: v for k, v in r.items() if k != "samples_s"}
+        row["torch_pipelining"] = bool(r.get("torch_pipelining"))
+        row["speedup_vs_single"] = single / r["mean_s"]
+        ideal = r.get("ideal_s")
+        row["ideal_speedup"] = single / ideal if ideal else (1.0 if r["name"] == "single" else None)
+        row["efficiency"] = ideal / r["mean_s"] if ideal else None
+        configs.append(row)
+    return {"config": asdict(cfg), "device": device, "balance": raw["balance"], "configs": configs,
+            "timeline": raw["trace"]}

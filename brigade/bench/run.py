@@ -1,0 +1,136 @@
+"""`brigade bench`: sizes for the device at hand, the workers, bench.json, plots, a table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from brigade import dist as bdist
+from brigade.bench import plot
+from brigade.bench.experiments import BenchConfig, summarise, worker
+from brigade.errors import BrigadeError
+from brigade.models import load_model
+from brigade.models.gpt import GPTConfig
+from brigade.pipeline.partition import check_chain
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    """The tutorial's sizes on GPUs; on CPU, sizes that fit 10 minutes (2 with --quick)."""
+    gpu = torch.cuda.device_count() >= 2
+    cfg = BenchConfig(model=args.model)
+    if args.model == "resnet50":
+        size = args.image_size or (128 if gpu else 64)
+        cfg.model_options = {"image_size": size}
+        cfg.batch_size = args.batch_size or (120 if gpu else 32)
+    elif args.model == "gpt":
+        cfg.model_options = {"gpt_cfg": GPTConfig(vocab_size=96, block_size=128, n_layer=8, n_head=4,
+                                                  n_embd=256)}
+        cfg.batch_size = args.batch_size or 32
+    else:
+        cfg.batch_size = args.batch_size or 32
+    cfg.repeats = args.repeats or (10 if gpu else 3 if args.quick else 5)
+    cfg.warmup = 1
+    if args.splits:
+        try:
+            cfg.splits = [int(s) for s in args.splits.split(",")]
+        except ValueError:
+            raise BrigadeError(f"--splits {args.splits!r}: expected sizes like 1,4,16") from None
+    elif args.quick:
+        cfg.splits = sorted({max(1, cfg.batch_size // k) for k in (2, 4, 8)}, reverse=True)
+    cfg.schedules = [s.strip() for s in args.schedules.split(",")]
+    for s in cfg.schedules:
+        if s not in ("gpipe", "1f1b", "zb"):
+            raise BrigadeError(f"--schedules: unknown schedule {s!r}: expected gpipe, 1f1b or zb")
+    if cfg.batch_size < 2 or any(not 1 <= s <= cfg.batch_size for s in cfg.splits):
+        raise BrigadeError(f"split sizes must be between 1 and the batch size ({cfg.batch_size})")
+    return cfg
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    cfg = bench_config(args)
+    spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+    check_chain(spec.blocks, spec.make_batch(2, torch.Generator().manual_seed(0))[0])
+    if len(spec.blocks) < 2:
+        raise BrigadeError(f"{cfg.model} has {len(spec.blocks)} block: bench needs at least 2 to split")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise BrigadeError(f"--out {args.out!r} is a file: give a folder")
+    device = f"{torch.cuda.device_count()} GPUs" if torch.cuda.device_count() >= 2 else \
+        "2 CPU processes × 1 thread"
+    print(f"brigade bench: {cfg.model}, batch {cfg.batch_size}, split sizes "
+          f"{cfg.splits or 'the tutorial’s, scaled'}, {cfg.repeats} repeats, on {device}", flush=True)
+    start = time.perf_counter()
+    raw = bdist.launch(worker, 2, cfg, port=args.port)[0]
+    data = summarise(cfg, raw, device)
+    data["wall_s"] = time.perf_counter() - start
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".bench.json.tmp"
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(out / "bench.json")
+    pngs = plot.write_all(data, out)
+    print(plot.table(data))
+    picks = dict(plot.headline(data["configs"]))
+    ours, theirs = picks.get("brigade pipelined (best)"), picks.get("torch pipelining (best)")
+    if ours and theirs:
+        print(f"best brigade pipeline ({ours['schedule']}, m={ours['microbatches']}) is "
+              f"×{theirs['mean_s'] / ours['mean_s']:.2f} torch.distributed.pipelining's best "
+              f"({theirs['schedule']}, m={theirs['microbatches']})")
+    print(f"wrote {out / 'bench.json'}, " + ", ".join(p.name for p in pngs)
+          + f", timeline_trace.json in {data['wall_s']:.0f} s")
+    return 0
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from brigade.bench.tune import worker as tune_worker
+    from brigade.train.run import to_toml
+    from brigade.train.snapshot import write_atomic
+
+    cfg = bench_config(args)
+    spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+    check_chain(spec.blocks, spec.make_batch(2, torch.Generator().manual_seed(0))[0])
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise BrigadeError(f"--out {args.out!r} is a file: give a folder")
+    result = bdist.launch(tune_worker, 2, cfg, args.verify, port=args.port)[0]
+    chosen = result["chosen"]
+    out.mkdir(parents=True, exist_ok=True)
+    toml = out / "tune.toml"
+    write_atomic(toml, to_toml(_train_config(cfg, chosen)))
+    write_atomic(out / "tune.json", json.dumps(result, indent=1))
+    result["config_file"] = str(toml)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k not in ("predictions", "sweep")}))
+        return 0
+    print(f"brigade tune: {cfg.model}, batch {cfg.batch_size}: {result['trials']} trials "
+          f"(the full sweep has {result['sweep_trials']})")
+    print(f"chosen: {chosen['schedule']}, m={chosen['microbatches']} (split size "
+          f"{math.ceil(cfg.batch_size / chosen['microbatches'])}), balance {chosen['balance']}: "
+          f"{chosen['mean_s'] * 1e3:.1f} ms/step (predicted {chosen['predicted_s'] * 1e3:.1f})")
+    if args.verify:
+        b = result["sweep_best"]
+        print(f"full sweep best: {b['schedule']}, m={b['microbatches']}: "
+              f"{b['mean_s'] * 1e3:.1f} ms/step; the choice is {100 * result['within']:+.1f} % from it")
+    print(f"wrote {toml} (brigade train --config {toml}) and {out / 'tune.json'}")
+    return 0
+
+
+def _train_config(cfg: BenchConfig, chosen: dict):
+    from brigade.config import RunConfig
+
+    run = RunConfig()
+    run.model.model = cfg.model
+    if cfg.model == "gpt":
+        g = cfg.model_options["gpt_cfg"]
+        run.model.n_layer, run.model.n_head, run.model.n_embd = g.n_layer, g.n_head, g.n_embd
+        run.model.context = run.data.block_size = g.block_size
+    run.parallel.nproc, run.parallel.pp, run.parallel.dp = 2, 2, 1
+    run.parallel.schedule = chosen["schedule"]
+    run.parallel.microbatches = chosen["microbatches"]
+    run.parallel.balance = ",".join(map(str, chosen["balance"]))
+    run.train.batch_size = cfg.batch_size
+    return run
