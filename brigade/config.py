@@ -50,6 +50,9 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     nproc: int = 2  # processes on this node
+    nnodes: int = 1  # machines; each runs `brigade train` with its own --node-rank
+    node_rank: int = 0
+    rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous, for --nnodes > 1
     dp: int = 0  # data-parallel replicas; 0: whatever nproc / pp leaves
     pp: int = 1  # pipeline stages, one process each
     local_stages: int = 1  # pipeline stages inside each process, one thread per device
@@ -82,7 +85,7 @@ class TrainConfig:
     eval_batches: int = 8
     out: str = "runs/latest"
     sample_tokens: int = 300
-    snapshot_every: int = 0  # 0: only at the end
+    snapshot_every: int = 100  # 0: only at the end
     keep: int = 2  # snapshots kept
     bf16: bool = True  # autocast to bf16 on GPUs (ignored on CPU)
 
@@ -196,6 +199,18 @@ def _positive(name: str, value: float, zero_ok: bool = False) -> None:
         raise BrigadeError(f"--{name.replace('_', '-')} {value}: must be {need}")
 
 
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``"10.0.0.1:29500"`` → ("10.0.0.1", 29500).
+
+    Raises:
+        BrigadeError: not HOST:PORT.
+    """
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BrigadeError(f"--rdzv-endpoint {text!r}: expected HOST:PORT of node 0, like 10.0.0.1:29500")
+    return host.strip("[]"), int(port)
+
+
 def validate(cfg: RunConfig) -> None:
     """Checks that need no model, data or processes.
 
@@ -227,15 +242,21 @@ def validate(cfg: RunConfig) -> None:
         raise BrigadeError(f"--n-embd {m.n_embd} is not a multiple of --n-head {m.n_head}")
     if p.schedule not in ("gpipe", "1f1b", "zb"):
         raise BrigadeError(f"--schedule {p.schedule!r}: expected gpipe, 1f1b or zb")
+    _positive("nnodes", p.nnodes)
+    if not 0 <= p.node_rank < p.nnodes:
+        raise BrigadeError(f"--node-rank {p.node_rank}: must be between 0 and --nnodes - 1 ({p.nnodes - 1})")
+    if p.nnodes > 1:
+        parse_endpoint(p.rdzv_endpoint)
+    world = p.nproc * p.nnodes
     if p.dp == 0:
-        if p.nproc % p.pp:
-            raise BrigadeError(f"--nproc {p.nproc} is not divisible by --pp {p.pp}: "
-                               "make the process count a multiple of the pipeline stages")
-        p.dp = p.nproc // p.pp
-    if p.dp * p.pp != p.nproc:
+        if world % p.pp:
+            raise BrigadeError(f"world size {world} (--nproc {p.nproc} × --nnodes {p.nnodes}) is not "
+                               f"divisible by --pp {p.pp}: make it a multiple of the pipeline stages")
+        p.dp = world // p.pp
+    if p.dp * p.pp != world:
         raise BrigadeError(
-            f"--dp {p.dp} × --pp {p.pp} = {p.dp * p.pp} but --nproc is {p.nproc}: "
-            "the world size must equal dp × pp"
+            f"--dp {p.dp} × --pp {p.pp} = {p.dp * p.pp} but the world size is {world} "
+            f"(--nproc {p.nproc} × --nnodes {p.nnodes}): the world size must equal dp × pp"
         )
     if t.batch_size % (p.dp * o.grad_accum):
         raise BrigadeError(

@@ -151,12 +151,27 @@ def check_port(port: int, host: str = "127.0.0.1") -> None:
             ) from None
 
 
+def check_reachable(host: str, port: int, timeout_s: float = 10.0) -> None:
+    """Raise BrigadeError, within `timeout_s`, if nothing answers at host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return
+    except OSError as exc:
+        why = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc))
+        raise BrigadeError(
+            f"rendezvous endpoint {host}:{port} does not answer ({why}, after at most "
+            f"{timeout_s:.0f} s): start node 0 first, and check the address, port and firewall"
+        ) from None
+
+
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0,
            port: int | None = None, log_dir: str | None = None,
-           threads_per_proc: int = 1, quiet: bool = True) -> dict[int, Any]:
+           threads_per_proc: int = 1, quiet: bool = True, nnodes: int = 1, node_rank: int = 0,
+           rdzv_endpoint: str = "") -> dict[int, Any]:
     """Run `fn(*args)` in `nproc` processes under torch's elastic agent; returns {rank: result}.
 
-    Single-node: the rendezvous binds to loopback. `fn` must be importable (module level).
+    Single-node: the rendezvous binds to loopback. Several nodes: every node runs this with the
+    same `rdzv_endpoint` (node 0's HOST:PORT); node 0 hosts the store. `fn` must be importable.
 
     Raises:
         BrigadeError: the port is taken. RunError: a worker failed (its message, one line).
@@ -167,18 +182,28 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
 
     if nproc < 1:
         raise BrigadeError(f"nproc={nproc}: need at least 1 process")
-    if port is None:
-        port = free_port()
+    if nnodes > 1:
+        host, port = rdzv_endpoint.rsplit(":", 1)[0].strip("[]"), int(rdzv_endpoint.rsplit(":", 1)[1])
+        if node_rank == 0:
+            check_port(port, host="0.0.0.0")
+        else:
+            check_reachable(host, port)
+        endpoint, rdzv = f"{host}:{port}", {"timeout": 120, "is_host": node_rank == 0}
     else:
-        check_port(port)
+        if port is None:
+            port = free_port()
+        else:
+            check_port(port)
+        endpoint, rdzv = f"127.0.0.1:{port}", {"timeout": 120}
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_proc))  # also silences torchrun's note
     if quiet:  # the caller may have its own handlers on these loggers (see train/events.py)
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex[:8], rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
-        rdzv_configs={"timeout": 120}, max_restarts=max_restarts, monitor_interval=0.1,
-        start_method="spawn", logs_specs=_logs_specs(log_dir),
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex[:8] if nnodes == 1 else f"brigade-{endpoint}",
+        rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv, max_restarts=max_restarts,
+        monitor_interval=0.1, start_method="spawn", logs_specs=_logs_specs(log_dir),
     )
     try:
         return elastic_launch(config, _call_and_leave)(fn, *args)

@@ -49,13 +49,14 @@ class BenchConfig:
 
 
 def scaled_splits(batch: int) -> list[int]:
-    """The tutorial's split sizes for 120 images, scaled to `batch`, each giving a distinct m."""
-    out, seen = [], set()
+    """The tutorial's split sizes for 120 images, scaled to `batch`: for each, the divisor of
+    `batch` nearest to it (so every micro-batch has the same size, which torch's pipelining needs)."""
+    divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+    out = []
     for s in TUTORIAL_SPLITS:
-        size = max(1, min(batch, round(s * batch / 120)))
-        m = math.ceil(batch / size)
-        if m not in seen:
-            seen.add(m)
+        target = s * batch / 120
+        size = min(divisors, key=lambda d: (abs(math.log(d / target)), d))
+        if size not in out and size < batch:
             out.append(size)
     return out
 
@@ -119,7 +120,12 @@ def worker(cfg: BenchConfig) -> dict:
     rank, n = info.rank, info.world_size
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
-    balance = choose_balance(spec.blocks, n, balance=cfg.balance)
+    # Cut where measured time balances (both systems then run the same stages); rank 0 decides.
+    balance = choose_balance(spec.blocks, n, by="time", sample=x[: max(1, cfg.batch_size // 2)],
+                             balance=cfg.balance)
+    agreed = [balance]
+    dist.broadcast_object_list(agreed, src=0)
+    balance = agreed[0]
     rows: list[dict] = []
     single = None
     if rank == 0:
@@ -147,7 +153,7 @@ def worker(cfg: BenchConfig) -> dict:
             if timing.mean_s < best_time:
                 best_time = timing.mean_s
                 best_trace = {"schedule": schedule, "microbatches": m, "events": traced}
-            if schedule in ("gpipe", "1f1b"):
+            if schedule in ("gpipe", "1f1b") and cfg.batch_size % m == 0:  # torch needs equal chunks
                 peer = TorchPipelining(stages[rank], rank, n, schedule, m, spec.loss_fn, info.device)
                 t = measure(lambda peer=peer: peer.step(x, y), cfg.repeats, cfg.warmup, distributed=True)
                 rows.append(_row("torch.distributed.pipelining", schedule, m, cfg.batch_size, t,

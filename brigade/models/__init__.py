@@ -26,6 +26,7 @@ from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.models.resnet import resnet50
 from brigade.models.toy import mlp, toy
+from brigade.pipeline.partition import check_chain
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 BUILTIN = ("gpt", "resnet50", "toy", "mlp")
@@ -170,9 +171,13 @@ def _infer_batch(blocks: list[nn.Module]) -> Callable[[int, torch.Generator], Ba
         x = make_input(n, g)
         model = nn.Sequential(*blocks)
         was_training = model.training
-        with torch.no_grad():
-            y = model.eval()(x[:1])  # eval: leave BatchNorm statistics untouched
-        model.train(was_training)
+        model.eval()  # leave BatchNorm statistics untouched
+        try:
+            check_chain(blocks, x[:1])  # a clear error if consecutive blocks do not fit
+            with torch.no_grad():
+                y = model(x[:1])
+        finally:
+            model.train(was_training)
         return x, torch.randn((n, *y.shape[1:]), generator=g)
 
     return make_batch

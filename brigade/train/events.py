@@ -103,9 +103,10 @@ def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
         lg.setLevel(logging.INFO)
         lg.propagate = False
     try:
-        return bdist.launch(fn, cfg.parallel.nproc, cfg, *args, max_restarts=cfg.parallel.max_restarts,
-                            port=port, log_dir=str(logs), threads_per_proc=cfg.parallel.threads,
-                            quiet=False)
+        p = cfg.parallel
+        return bdist.launch(fn, p.nproc, cfg, *args, max_restarts=p.max_restarts, port=port,
+                            log_dir=str(logs), threads_per_proc=p.threads, quiet=False,
+                            nnodes=p.nnodes, node_rank=p.node_rank, rdzv_endpoint=p.rdzv_endpoint)
     finally:
         for lg, level, propagate, handlers in saved:
             lg.setLevel(level)

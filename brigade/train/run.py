@@ -273,16 +273,25 @@ def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> 
         summary = worker(cfg, fault)
         return {summary["rank"]: summary}
     preflight(cfg)
+    p = cfg.parallel
+    cores = os.cpu_count() or 1
+    if not torch.cuda.is_available() and p.nproc * p.threads > cores:
+        print(f"brigade: warning: --nproc {p.nproc} × --threads {p.threads} is more than the {cores} "
+              "CPU cores here; processes will share cores and each step will be slower", flush=True)
     out = Path(cfg.train.out)
-    write_atomic(out / "config.toml", to_toml(cfg))
-    print(f"brigade: training {cfg.model.model} on {cfg.parallel.nproc} processes "
+    if p.node_rank == 0:  # one writer for the shared folder
+        write_atomic(out / "config.toml", to_toml(cfg))
+    print(f"brigade: training {cfg.model.model} on {cfg.parallel.nproc * cfg.parallel.nnodes} processes "
           f"(dp={cfg.parallel.dp} × pp={cfg.parallel.pp}"
           + (f" × {cfg.parallel.local_stages} local stages" if cfg.parallel.local_stages > 1 else "")
           + f", {cfg.parallel.schedule}), results in {out}/", flush=True)
     from brigade.train.events import launch_with_events
 
     results = launch_with_events(worker, cfg, fault, port=port)
-    _finish(cfg, results[0])
+    if p.node_rank == 0:
+        _finish(cfg, results[0])
+    else:
+        print(f"brigade: node {p.node_rank} done", flush=True)
     return results
 
 

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,30 @@ def test_python_api_example_from_readme(tmp_path):
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "final loss" in result.stdout
+
+
+def test_two_node_agents_on_loopback(tmp_path):
+    """Two `brigade train` agents, --nnodes 2, meeting at one rendezvous endpoint on loopback."""
+    import socket
+
+    from brigade.dist import free_port
+
+    port = free_port()
+    out = tmp_path / "nodes"
+    common = ["train", "--out", str(out), *TINY, "--nnodes", "2", "--nproc", "1", "--pp", "2",
+              "--max-steps", "4", "--sample-tokens", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "brigade", *common, "--node-rank", "0"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    for _ in range(200):  # node 0 hosts the store: wait until it listens
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    nodes.append(subprocess.Popen([sys.executable, "-m", "brigade", *common, "--node-rank", "1"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for node in nodes:
+        _, err = node.communicate(timeout=240)
+        assert node.returncode == 0, err[-2000:]
+    assert len(losses(out)) == 4
+    assert json.loads(brigade("inspect", out, "--json").stdout)["layout"]["pp"] == 2

@@ -1,0 +1,278 @@
+"""A catalogue of mistakes a user can make, and brigade's answer to each.
+
+Every case: one line that names the value and how to fix it, a non-zero exit (2 for usage
+errors), no traceback, and nothing written half-way.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from brigade import config
+from brigade.cli import build_parser
+from brigade.errors import BrigadeError
+from tests.e2e.helpers import TINY, brigade
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make(tmp: Path, name: str, content: str | bytes) -> Path:
+    path = tmp / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+FACTORIES = {
+    "missing.py": None,
+    "nofactory.py": "def other():\n    pass\n",
+    "raises.py": "def make():\n    raise ValueError('bad width')\n",
+    "notmodule.py": "def make():\n    return 42\n",
+    "mismatch.py": "import torch.nn as nn\ndef make():\n    return [nn.Linear(10, 7), nn.Linear(10, 5)]\n",
+}
+
+# (case id, arguments after `brigade`, text the error must contain, exit code)
+CASES = [
+    # configuration
+    ("unknown flag", ["train", "--frobnicate"], "unrecognized arguments: --frobnicate", 2),
+    ("wrong type", ["train", "--max-steps", "ten"], "invalid int value: 'ten'", 2),
+    ("zero size", ["train", "--batch-size", "0"], "--batch-size 0: must be ≥ 1", 2),
+    ("negative size", ["train", "--n-layer", "-2"], "--n-layer -2: must be ≥ 1", 2),
+    ("negative lr", ["train", "--lr", "-1"], "--lr -1.0: must be ≥ 0", 2),
+    ("dp x pp != world", ["train", "--nproc", "2", "--dp", "2", "--pp", "2"],
+     "the world size must equal dp × pp", 2),
+    ("microbatches > batch", ["train", "--pp", "2", "--microbatches", "64"],
+     "--microbatches 64 is larger than each replica's batch (32)", 2),
+    ("balance vs blocks", ["train", "--pp", "2", "--balance", "1,1"],
+     "balance [1, 1] sums to 2 but the model has 6 blocks", 2),
+    ("malformed balance", ["train", "--pp", "2", "--balance", "3;3"], "expected comma-separated", 2),
+    ("block size > context", ["train", "--block-size", "512"], "larger than the model's context 128", 2),
+    ("unknown schedule", ["train", "--schedule", "zigzag"], "--schedule 'zigzag'", 2),
+    ("malformed toml", ["train", "--config", "{tmp}/bad.toml"], "is not valid TOML", 2),
+    ("unknown toml key", ["train", "--config", "{tmp}/typo.toml"], "unknown key 'max_stepz' in [train]", 2),
+    ("toml wrong type", ["train", "--config", "{tmp}/type.toml"], "is a str, expected int", 2),
+    ("missing toml", ["train", "--config", "{tmp}/none.toml"], "not found: give the path to a .toml", 2),
+    # model
+    ("unknown model", ["train", "--model", "vgg"], "unknown model 'vgg'", 2),
+    ("model file missing", ["train", "--model", "{tmp}/missing.py:make"], "not found", 2),
+    ("factory missing", ["train", "--model", "{tmp}/nofactory.py:make"], "has no factory 'make'", 2),
+    ("factory raises", ["train", "--model", "{tmp}/raises.py:make"], "raised ValueError: bad width", 2),
+    ("factory returns a non-module", ["train", "--model", "{tmp}/notmodule.py:make"],
+     "returned int: expected an nn.Sequential or a list of nn.Module blocks", 2),
+    ("blocks do not fit", ["check", "--model", "{tmp}/mismatch.py:make", "--runtime", "local"],
+     "block 0 (Linear) outputs shape (1, 7), which block 1 (Linear) cannot take", 2),
+    # data
+    ("data missing", ["train", "--data", "{tmp}/nope.txt"], "--data '{tmp}/nope.txt' not found", 2),
+    ("data empty", ["train", "--data", "{tmp}/empty.txt"], "is empty", 2),
+    ("data binary", ["train", "--data", "{tmp}/blob.bin"], "looks binary", 2),
+    ("data shorter than a block", ["train", "--data", "{tmp}/short.txt"],
+     "fewer than one block of 128 + 1", 2),
+    ("data is a directory", ["train", "--data", "{tmp}"], "is a directory", 2),
+    # snapshots and outputs
+    ("out is a file", ["train", "--out", "{tmp}/short.txt"], "is a file: give a folder", 2),
+    ("inspect a missing path", ["inspect", "{tmp}/nothing"], "not found", 2),
+    ("generate with no snapshot", ["generate", "--from", "{tmp}"], "holds no complete snapshot", 2),
+    # benchmarks
+    ("bench split size 0", ["bench", "--model", "toy", "--splits", "0"], "split sizes must be between 1", 2),
+    ("bench unknown schedule", ["bench", "--model", "toy", "--schedules", "fast"], "unknown schedule", 2),
+    # environment
+    ("rendezvous endpoint malformed", ["train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                                       "nohost"], "expected HOST:PORT", 2),
+]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    make(tmp, "bad.toml", "[train\nmax_steps = 3\n")
+    make(tmp, "typo.toml", "[train]\nmax_stepz = 3\n")
+    make(tmp, "type.toml", "[train]\nmax_steps = 'three'\n")
+    make(tmp, "empty.txt", "")
+    make(tmp, "blob.bin", b"\x7fELF\x00\x01\x02\x00" * 64)
+    make(tmp, "short.txt", "just a few words")
+    for name, body in FACTORIES.items():
+        if body:
+            make(tmp, name, body)
+    return tmp
+
+
+def assert_clean(result, message: str, code: int) -> None:
+    assert result.returncode == code, (result.stdout, result.stderr)
+    assert message in result.stderr, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("case,argv,message,code", CASES, ids=[c[0] for c in CASES])
+def test_catalogue(tmp, case, argv, message, code):
+    out = tmp / f"out-{case.replace(' ', '-')}"
+    argv = [a.replace("{tmp}", str(tmp)) for a in argv]
+    if argv[0] == "train" and "--out" not in argv:
+        argv += ["--out", str(out)]
+    result = brigade(*argv)
+    assert_clean(result, message.replace("{tmp}", str(tmp)), code)
+    assert not out.exists(), "nothing may be written for a rejected run"
+
+
+def test_debug_shows_the_traceback(tmp):
+    result = brigade("train", "--model", "vgg", "--debug")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("good")
+    result = brigade("train", "--out", out, *TINY, "--max-steps", "6", "--snapshot-every", "3",
+                     "--sample-tokens", "0")
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def damaged(run: Path, tmp: Path, how: str) -> Path:
+    copy = tmp / how
+    shutil.copytree(run, copy)
+    snap = copy / "snapshots" / "step_00000006"
+    data = sorted(snap.glob("*.distcp"))[0]
+    if how == "truncated":
+        data.write_bytes(data.read_bytes()[:100])
+    elif how == "bit-flipped":
+        blob = bytearray(data.read_bytes())
+        blob[-10] ^= 0x01
+        data.write_bytes(bytes(blob))
+    elif how == "no-manifest":
+        (snap / "manifest.json").unlink()
+    return snap
+
+
+@pytest.mark.parametrize("how,message", [
+    ("truncated", "does not match its checksum (damaged or truncated)"),
+    ("bit-flipped", "does not match its checksum (damaged or truncated)"),
+    ("no-manifest", "has no manifest.json: the snapshot is incomplete"),
+])
+def test_damaged_snapshots(run, tmp_path, how, message):
+    snap = damaged(run, tmp_path, how)
+    assert_clean(brigade("inspect", snap), message, 2)
+    assert_clean(brigade("generate", "--from", snap, "--tokens", "3"), message, 2)
+    # a run folder falls back to the older good snapshot, with a warning
+    result = brigade("inspect", snap.parent.parent, "--json")
+    assert result.returncode == 0 and json.loads(result.stdout)["step"] == 3
+    assert "skipping snapshot step_00000006" in result.stderr
+
+
+def test_snapshot_of_another_model(run, tmp_path):
+    copy = tmp_path / "other"
+    shutil.copytree(run, copy)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    result = brigade("train", "--out", copy, *TINY, "--max-steps", "6", "--n-layer", "3")
+    assert_clean(result, "is of another model (differs in model.n_layer)", 2)
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+
+
+def _mount_tmpfs(path: Path, options: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+
+
+def test_read_only_out(tmp_path):
+    ro = tmp_path / "ro"
+    _mount_tmpfs(ro, "ro,size=1m")
+    try:
+        result = brigade("train", "--out", ro / "run", *TINY, "--max-steps", "2")
+        assert_clean(result, f"--out '{ro / 'run'}' cannot be written (Read-only file system)", 2)
+    finally:
+        subprocess.run(["umount", str(ro)])
+
+
+def test_full_disk_keeps_the_previous_snapshot(tmp_path):
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "size=2000k")  # room for one snapshot of this model, not for two
+    try:
+        result = brigade("train", "--out", disk / "run", *TINY, "--max-steps", "12", "--snapshot-every",
+                         "5", "--sample-tokens", "0")
+        assert result.returncode == 1
+        assert "writing snapshot step 10" in result.stderr
+        assert "the previous snapshot (step_00000005) is intact" in result.stderr
+        assert "Traceback" not in result.stderr
+        snaps = disk / "run" / "snapshots"
+        assert sorted(p.name for p in snaps.iterdir()) == ["LATEST", "step_00000005"]  # no half-written one
+        assert json.loads(brigade("inspect", disk / "run", "--json").stdout)["step"] == 5
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def test_port_in_use(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result = brigade("train", "--out", tmp_path / "run", *TINY, "--port", port)
+    assert_clean(result, f"port {port} on 127.0.0.1 is already in use", 2)
+
+
+def test_rendezvous_endpoint_that_does_not_answer(tmp_path):
+    from brigade.dist import free_port
+
+    port = free_port()
+    start = os.times().elapsed
+    result = brigade("train", "--out", tmp_path / "run", *TINY, "--nnodes", "2", "--node-rank", "1",
+                     "--rdzv-endpoint", f"127.0.0.1:{port}")
+    assert_clean(result, f"rendezvous endpoint 127.0.0.1:{port} does not answer", 2)
+    assert os.times().elapsed - start < 60
+
+
+def test_too_many_processes_warns(tmp_path):
+    result = brigade("train", "--out", tmp_path / "run", *TINY, "--nproc", str((os.cpu_count() or 1) + 2),
+                     "--batch-size", str(4 * ((os.cpu_count() or 1) + 2)), "--max-steps", "1",
+                     "--sample-tokens", "0", "--eval-batches", "1")
+    assert result.returncode == 0, result.stderr
+    assert "warning: --nproc" in result.stdout and "more than the" in result.stdout
+
+
+# Property: whatever the TOML file or the command line, the answer is success or a clean error.
+_FIELDS = [(s, f.name) for s, cls in config._section_classes().items()
+           for f in __import__("dataclasses").fields(cls)]
+_values = st.one_of(st.integers(-5, 300), st.floats(-2, 2, allow_nan=False), st.text(max_size=8),
+                    st.booleans())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(_FIELDS + [("train", "bogus"), ("nosection", "x")]), _values,
+                       max_size=6))
+def test_random_toml_is_accepted_or_cleanly_refused(tmp_path, entries):
+    lines = {}
+    for (section, key), value in entries.items():
+        text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
+        lines.setdefault(section, []).append(f"{key} = {text}")
+    text = "".join(f"[{s}]\n" + "\n".join(kv) + "\n" for s, kv in lines.items())
+    path = tmp_path / "random.toml"
+    path.write_text(text)
+    try:
+        config.build(None, config.load_toml(path))
+    except BrigadeError as exc:
+        assert "\n" not in str(exc) and str(exc)
+
+
+_flags = ["--" + name.replace("_", "-") for _, name in _FIELDS] + ["--bogus", "--config", "--json"]
+_tokens = st.one_of(st.sampled_from(_flags), st.sampled_from(["0", "-1", "2", "1f1b", "x", "3,3", ""]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_tokens, max_size=8))
+def test_random_command_lines_are_accepted_or_cleanly_refused(argv):
+    try:
+        args = build_parser().parse_args(["train", *argv])
+        config.build(args)
+    except SystemExit as exc:
+        assert exc.code == 2
+    except BrigadeError as exc:
+        assert "\n" not in str(exc) and str(exc)
