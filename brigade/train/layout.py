@@ -25,6 +25,13 @@ from brigade.pipeline.partition import choose_balance, parse_balance, split
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
 
 
+def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
+
+
 class Owned(nn.Module):
     """The blocks this process holds, named by their index in the whole model."""
 
@@ -136,12 +143,15 @@ class Engine:
             loss = loss / self.layout.dp
         return loss
 
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.owned.parameters() if p.grad is not None]
+
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (all stages), on every process."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.layout.device)
-        for p in self.owned.parameters():
-            if p.grad is not None:
-                sq += p.grad.detach().float().pow(2).sum().to(sq.device)
+        sq = torch.zeros((), device=self.layout.device)
+        for group in by_device(self.grads()):  # local-pp stages may sit on several GPUs
+            norms = torch._foreach_norm(group)  # one fused pass, as clip_grad_norm_ does
+            sq = sq + torch.stack(norms).float().pow(2).sum().to(sq.device)
         if self.layout.pp > 1:
             dist.all_reduce(sq, group=self.layout.pp_group)
         return sq.sqrt()

@@ -27,7 +27,7 @@ from torch import nn
 from brigade import dist as bdist
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
 from brigade.train.data import Sampler
-from brigade.train.layout import Engine, make_layout
+from brigade.train.layout import Engine, by_device, make_layout
 from brigade.train.metrics import Metrics
 
 
@@ -142,10 +142,10 @@ class Trainer:
             total += float(loss) / k
         norm = self.engine.grad_norm()
         if self.optim_cfg.grad_clip > 0:
-            coef = torch.clamp(self.optim_cfg.grad_clip / (norm + 1e-6), max=1.0)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.device))
+            coef = min(1.0, self.optim_cfg.grad_clip / (float(norm) + 1e-6))
+            if coef < 1.0:
+                for group in by_device(self.engine.grads()):
+                    torch._foreach_mul_(group, coef)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
