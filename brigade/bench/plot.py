@@ -87,7 +87,7 @@ def timeline(data: dict, path: Path, trace_path: Path) -> None:
     plt = _plt()
     events = tl["events"]
     end = max(e for rank in events for _, _, e in rank)
-    fig, ax = plt.subplots(figsize=(10, 1 + 0.8 * len(events)))
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.8 * len(events)))
     for rank, rows in enumerate(events):
         ax.broken_barh([(0, end * 1e3)], (rank - 0.4, 0.8), facecolors="#eeeeee")  # idle
         for name, s, e in rows:
@@ -100,8 +100,9 @@ def timeline(data: dict, path: Path, trace_path: Path) -> None:
     ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in
                (_COLOURS["F"], _COLOURS["B"], _COLOURS["W"], _COLOURS["comm"], "#eeeeee")]
-    ax.legend(handles, ["forward", "backward (input)", "backward (weight)", "send/recv", "idle"],
-              fontsize=7, loc="upper right", ncol=5)
+    ax.legend(handles, ["forward", "backward (or its input half)", "backward (weight half)",
+                        "send/recv", "idle"], fontsize=7, loc="upper center", ncol=5,
+              bbox_to_anchor=(0.5, -0.35 if len(events) < 3 else -0.15))
     ax.set_title(f"one measured step: {tl['schedule']}, m={tl['microbatches']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
