@@ -54,7 +54,7 @@ def test_missing_toml(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--nproc", "3", "--pp", "2"], "--nproc 3 is not divisible by --pp 2"),
+    (["--nproc", "3", "--pp", "2"], r"world size 3 \(--nproc 3 × --nnodes 1\) is not divisible by --pp 2"),
     (["--nproc", "4", "--dp", "3", "--pp", "2"], "the world size must equal dp × pp"),
     (["--block-size", "256"], "larger than the model's context 128"),
     (["--batch-size", "0"], "--batch-size 0: must be ≥ 1"),
@@ -65,6 +65,8 @@ def test_missing_toml(tmp_path):
     (["--schedule", "zigzag"], "--schedule 'zigzag'"),
     (["--batch-size", "33"], "does not split evenly over dp 2"),
     (["--n-embd", "100", "--n-head", "3"], "not a multiple of --n-head 3"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2: must be between 0"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h"], "expected HOST:PORT of node 0"),
 ])
 def test_validation_errors(argv, message):
     with pytest.raises(BrigadeError, match=message):
