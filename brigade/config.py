@@ -62,6 +62,7 @@ class ParallelConfig:
     backend: str = "auto"  # auto, gloo, nccl
     threads: int = 1  # CPU threads per process
     max_restarts: int = 0
+    hang_timeout: int = 120  # seconds a collective or transfer may wait before the run fails
 
 
 @dataclass
@@ -220,7 +221,7 @@ def validate(cfg: RunConfig) -> None:
     m, d, p, o, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.train
     for name in ("n_layer", "n_head", "n_embd", "context"):
         _positive(name, getattr(m, name))
-    for name in ("nproc", "pp", "local_stages", "microbatches", "threads", "grad_accum"):
+    for name in ("nproc", "pp", "local_stages", "microbatches", "threads", "grad_accum", "hang_timeout"):
         _positive(name, getattr(p, name) if hasattr(p, name) else getattr(o, name))
     for name in ("max_steps", "batch_size", "eval_every", "eval_batches", "keep"):
         _positive(name, getattr(t, name))

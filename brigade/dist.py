@@ -8,6 +8,7 @@ environment the agent set and joins the process group.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -96,8 +97,13 @@ def _prepare_env() -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
 
 
-def init(backend: str | None = None, threads: int | None = None) -> DistInfo:
-    """Join the process group described by the environment (torchrun, Slurm, or none: alone)."""
+def init(backend: str | None = None, threads: int | None = None,
+         timeout_s: float | None = None) -> DistInfo:
+    """Join the process group described by the environment (torchrun, Slurm, or none: alone).
+
+    `timeout_s` bounds every collective and transfer: a stalled peer fails the run (and lets
+    the elastic agent restart it) instead of hanging for the backend's default 30 minutes.
+    """
     backend, device_type = pick_backend(backend)
     _prepare_env()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -113,6 +119,8 @@ def init(backend: str | None = None, threads: int | None = None) -> DistInfo:
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device_type == "cuda" else {}
+        if timeout_s:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, **kwargs)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 

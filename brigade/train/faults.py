@@ -45,6 +45,7 @@ class FaultInjector:
     def __init__(self, fault: Fault | None, rank: int):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.fault = fault if fault is not None and fault.rank == rank and first_attempt else None
+        self.should_stop = lambda: False  # the worker sets this: SIGTERM received
 
     def before_step(self, step: int) -> None:
         """Called as step `step` (1-based) begins."""
@@ -55,8 +56,9 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if f.kind == "stall":
             self.fault = None
-            while True:  # a hung rank: only the hang timeout or the user ends this
-                time.sleep(3600)
+            while not self.should_stop():  # a hung rank: the others' hang timeout ends the run
+                time.sleep(0.2)
+            os._exit(1)
 
     def during_snapshot(self, step: int) -> None:
         f = self.fault

@@ -183,13 +183,14 @@ def _seconds_since_process_start() -> float:
 
 def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     """One process of a training run (under brigade's launcher, torchrun, or srun)."""
-    info = bdist.init(cfg.parallel.backend, cfg.parallel.threads)
+    info = bdist.init(cfg.parallel.backend, cfg.parallel.threads, cfg.parallel.hang_timeout)
     blocks, loss_fn, train, val, vocab = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train)
     injector = FaultInjector(fault, info.rank)
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    injector.should_stop = lambda: stop["flag"]
     resumed = _resume(trainer, cfg, vocab)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if resumed and info.rank == 0:

@@ -37,6 +37,17 @@ def test_kill_at_a_step(reference, tmp_path):
     assert losses(out) == losses(reference)
 
 
+def test_stall_is_caught_by_the_hang_timeout_and_restarted(reference, tmp_path):
+    out = tmp_path / "stalled"
+    start = time.time()
+    result = train(out, *RUN, "--inject-fault", "stall:rank=1:step=7", "--max-restarts", "1",
+                   "--hang-timeout", "5")
+    assert result.returncode == 0, result.stderr
+    assert "restarting 1/1 from snapshot step 5" in result.stdout
+    assert final_hash(out) == final_hash(reference)
+    assert time.time() - start < 120
+
+
 def test_kill_during_a_snapshot_write(reference, tmp_path):
     out = tmp_path / "mid-snapshot"
     result = train(out, *RUN, "--inject-fault", "kill-during-snapshot:rank=0:step=10",
