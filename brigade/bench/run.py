@@ -33,7 +33,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         cfg.batch_size = args.batch_size or 32
     else:
         cfg.batch_size = args.batch_size or 32
-    cfg.repeats = args.repeats or (10 if gpu else 3 if args.quick else 5)
+    cfg.repeats = args.repeats or (10 if gpu else 2 if args.quick else 5)
     cfg.warmup = 1
     if args.splits:
         try:
@@ -41,7 +41,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         except ValueError:
             raise BrigadeError(f"--splits {args.splits!r}: expected sizes like 1,4,16") from None
     elif args.quick:
-        cfg.splits = sorted({max(1, cfg.batch_size // k) for k in (2, 4, 8)}, reverse=True)
+        cfg.splits = sorted({max(1, cfg.batch_size // k) for k in (2, 8)}, reverse=True)
     cfg.schedules = [s.strip() for s in args.schedules.split(",")]
     for s in cfg.schedules:
         if s not in ("gpipe", "1f1b", "zb"):
