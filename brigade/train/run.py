@@ -14,7 +14,6 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -312,5 +311,3 @@ def _finish(cfg: RunConfig, summary: dict) -> None:
           + f". In {out}/: metrics.jsonl, {png.name if png else 'no plot'}, config.toml, "
           f"snapshots/, sample.txt", file=sys.stdout, flush=True)
 
-
-__all__ = ["run", "worker", "build", "preflight", "asdict"]

@@ -112,11 +112,10 @@ class Trainer:
         self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps)
 
     def _resolve_layout(self) -> None:
+        """dp = 0 means: whatever the world size leaves after the pipeline stages."""
         p = self.parallel
-        world = dist.get_world_size()
         if p.dp == 0:
-            p.dp = max(1, world // p.pp)
-        p.nproc = world
+            p.dp = max(1, dist.get_world_size() // p.pp)
 
     @property
     def replica_batch(self) -> int:
