@@ -24,6 +24,7 @@ from brigade.config import RunConfig
 from brigade.errors import BrigadeError
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
+from brigade.pipeline.partition import check_chain, choose_balance, parse_balance
 from brigade.train import checkpoint
 from brigade.train.data import Vocab, load_text_data
 from brigade.train.faults import Fault, FaultInjector
@@ -101,14 +102,11 @@ def preflight(cfg: RunConfig) -> None:
     """Every check that needs no process group: data, model, layout, output folder."""
     if cfg.model.model == "gpt":
         load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
+        blocks = build_blocks_only(cfg)
     else:
         spec = load_model(cfg.model.model, seed=cfg.train.seed)
-        from brigade.pipeline.partition import check_chain
-
         check_chain(spec.blocks, spec.make_batch(2, torch.Generator().manual_seed(0))[0])
-    from brigade.pipeline.partition import choose_balance, parse_balance
-
-    blocks = build_blocks_only(cfg)
+        blocks = spec.blocks
     p = cfg.parallel
     choose_balance(blocks, p.pp * p.local_stages, balance=parse_balance(p.balance) if p.balance else None)
     check_out(cfg.train.out)
