@@ -25,9 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from brigade import dist as bdist
 from brigade.bench.memory import ActivationMeter
 from brigade.bench.peers import TorchPipelining
-from brigade.bench.timing import measure, stage_costs
+from brigade.bench.timing import gathered_stage_costs, measure
 from brigade.models import load_model
-from brigade.pipeline import microbatch
 from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.schedule import build, simulate
@@ -67,24 +66,10 @@ def _row(name: str, schedule: str | None, m: int, batch: int, timing, **extra) -
             "samples_s": timing.samples, **extra}
 
 
-def _costs(stage: nn.Module, rank: int, n: int, inp: torch.Tensor, loss_fn, target) -> list[list[float]]:
-    last = rank == n - 1
-    f, b, w = stage_costs(stage, inp, loss_fn if last else None, target if last else None,
-                          first=rank == 0, repeats=3)
-    gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(n)]
-    dist.all_gather(gathered, torch.tensor([f, b, w], dtype=torch.float64))
-    return [[g[k].item() for g in gathered] for k in range(3)]
-
-
 def _pipelined(cfg, spec, stages, x, y, rank, schedule, m, trace=False):
     """Time brigade's pipeline; also its ideal (simulate), activation peak and one traced step."""
     n = len(stages)
-    xs, ys = microbatch.split(x, m), microbatch.split(y, m)
-    with torch.no_grad():
-        inp = xs[0]
-        for s in stages[:rank]:
-            inp = s(inp)
-    fwd, bwd, wgt = _costs(stages[rank], rank, n, inp, spec.loss_fn, ys[0])
+    fwd, bwd, wgt = gathered_stage_costs(stages, rank, x, y, spec.loss_fn, m, repeats=3)
     ideal = simulate(build(schedule, n, m), fwd, bwd, weight=wgt).makespan
     mine = stages[rank]
     pipe = Pipeline(mine, schedule, m, spec.loss_fn)

@@ -21,9 +21,8 @@ from torch import nn
 
 from brigade import dist as bdist
 from brigade.bench.peers import TorchPipelining
-from brigade.bench.timing import measure, stage_costs
+from brigade.bench.timing import gathered_stage_costs, measure
 from brigade.models import load_model
-from brigade.pipeline import microbatch
 from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.schedule import build, simulate
@@ -39,27 +38,6 @@ class SpeedConfig:
     repeats: int = 10
     warmup: int = 3
     seed: int = 0
-
-
-def _activations(stages: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
-    """The input each stage sees for `x`."""
-    acts = [x]
-    with torch.no_grad():
-        for s in stages[:-1]:
-            acts.append(s(acts[-1]))
-    return acts
-
-
-def _measured_costs(stages, rank, x, y, loss_fn, m):
-    """Every stage's (forward, backward, weight) seconds per micro-batch, gathered from all ranks."""
-    xs, ys = microbatch.split(x, m), microbatch.split(y, m)
-    inp = _activations(stages, xs[0])[rank]
-    is_last = rank == len(stages) - 1
-    costs = stage_costs(stages[rank], inp, loss_fn if is_last else None, ys[0] if is_last else None,
-                        first=rank == 0)
-    gathered = [torch.zeros(3, dtype=torch.float64) for _ in stages]
-    dist.all_gather(gathered, torch.tensor(costs, dtype=torch.float64))
-    return tuple([g[k].item() for g in gathered] for k in range(3))
 
 
 def worker(cfg: SpeedConfig) -> dict:
@@ -81,7 +59,7 @@ def worker(cfg: SpeedConfig) -> dict:
     rows = []
     for schedule, m in cfg.cases:
         stages = split(copy.deepcopy(spec.blocks), balance)
-        fwd, bwd, wgt = _measured_costs(stages, rank, x, y, spec.loss_fn, m)
+        fwd, bwd, wgt = gathered_stage_costs(stages, rank, x, y, spec.loss_fn, m)
         ideal = simulate(build(schedule, cfg.stages, m), fwd, bwd, weight=wgt).makespan
         mine = stages[rank]
         pipe = Pipeline(mine, schedule, m, spec.loss_fn)

@@ -76,3 +76,26 @@ def stage_costs(module: torch.nn.Module, x: torch.Tensor, loss_fn=None, target=N
             wgt.append(time.perf_counter() - t2)
     module.zero_grad(set_to_none=True)
     return statistics.median(fwd[2:]), statistics.median(bwd[2:]), statistics.median(wgt[2:])
+
+
+def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tensor, y: torch.Tensor,
+                         loss_fn, m: int, repeats: int = 10) -> tuple[list[float], list[float], list[float]]:
+    """Every stage's (forward, backward, weight) seconds on the first of `m` micro-batches.
+
+    Each rank measures its own stage on the input that stage sees, at the same time as the
+    others (as in a real step, both cores busy); the results are gathered on every rank.
+    """
+    from brigade.pipeline import microbatch
+
+    inp = microbatch.split(x, m)[0]
+    with torch.no_grad():
+        for s in stages[:rank]:
+            inp = s(inp)
+    last = rank == len(stages) - 1
+    target = microbatch.split(y, m)[0] if last else None
+    costs = stage_costs(stages[rank], inp, loss_fn if last else None, target, first=rank == 0,
+                        repeats=repeats)
+    gathered = [torch.zeros(3, dtype=torch.float64) for _ in stages]
+    dist.all_gather(gathered, torch.tensor(costs, dtype=torch.float64))
+    fwd, bwd, wgt = ([g[k].item() for g in gathered] for k in range(3))
+    return fwd, bwd, wgt
