@@ -53,6 +53,7 @@ class ParallelConfig:
     nnodes: int = 1  # machines; each runs `brigade train` with its own --node-rank
     node_rank: int = 0
     rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous, for --nnodes > 1
+    local_addr: str = ""  # address this node advertises; empty: the one that routes to node 0
     dp: int = 0  # data-parallel replicas; 0: whatever nproc / pp leaves
     pp: int = 1  # pipeline stages, one process each
     local_stages: int = 1  # pipeline stages inside each process, one thread per device

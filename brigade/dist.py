@@ -13,7 +13,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from brigade.errors import BrigadeError, RunError
+from brigade.net import check_port, check_reachable, free_port, node_address
 
 
 class Stopped(Exception):
@@ -141,51 +141,24 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def check_port(port: int, host: str = "127.0.0.1") -> None:
-    """Raise BrigadeError if `port` cannot be bound on `host`."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            raise BrigadeError(
-                f"port {port} on {host} is already in use: pick another with --port, or omit it"
-            ) from None
-
-
-def check_reachable(host: str, port: int, timeout_s: float = 10.0) -> None:
-    """Raise BrigadeError, within `timeout_s`, if nothing answers at host:port."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return
-    except OSError as exc:
-        why = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc))
-        raise BrigadeError(
-            f"rendezvous endpoint {host}:{port} does not answer ({why}, after at most "
-            f"{timeout_s:.0f} s): start node 0 first, and check the address, port and firewall"
-        ) from None
-
-
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0,
            port: int | None = None, log_dir: str | None = None,
            threads_per_proc: int = 1, quiet: bool = True, nnodes: int = 1, node_rank: int = 0,
-           rdzv_endpoint: str = "") -> dict[int, Any]:
+           rdzv_endpoint: str = "", local_addr: str = "", rdzv_timeout: int = 120) -> dict[int, Any]:
     """Run `fn(*args)` in `nproc` processes under torch's elastic agent; returns {rank: result}.
 
     Single-node: the rendezvous binds to loopback. Several nodes: every node runs this with the
-    same `rdzv_endpoint` (node 0's HOST:PORT); node 0 hosts the store. `fn` must be importable.
+    same `rdzv_endpoint` (node 0's HOST:PORT); node 0 hosts the store. Each node advertises
+    `local_addr`, by default the address that routes to node 0, and pins gloo (and NCCL's
+    bootstrap) to that address's interface unless the environment already names one, so a
+    hostname that resolves to loopback or to nothing does not matter. `fn` must be importable.
 
     Raises:
         BrigadeError: the port is taken. RunError: a worker failed (its message, one line).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nproc < 1:
@@ -196,13 +169,22 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
             check_port(port, host="0.0.0.0")
         else:
             check_reachable(host, port)
-        endpoint, rdzv = f"{host}:{port}", {"timeout": 120, "is_host": node_rank == 0}
+        me = node_address(host, port, local_addr)
+        local_addr = me.addr
+        if me.ifname:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", me.ifname)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", me.ifname)
+        # torch's shared rendezvous store publishes the workers' MASTER_ADDR only in a node's first
+        # round, so a node that rejoins after a crash waits for it forever (pytorch/pytorch#135712).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        endpoint, rdzv = f"{host}:{port}", {"timeout": rdzv_timeout, "is_host": node_rank == 0}
     else:
         if port is None:
             port = free_port()
         else:
             check_port(port)
-        endpoint, rdzv = f"127.0.0.1:{port}", {"timeout": 120}
+        endpoint, rdzv = f"127.0.0.1:{port}", {"timeout": rdzv_timeout}
+        local_addr = local_addr or "127.0.0.1"
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_proc))  # also silences torchrun's note
     if quiet:  # the caller may have its own handlers on these loggers (see train/events.py)
         for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
@@ -212,11 +194,16 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         run_id=uuid.uuid4().hex[:8] if nnodes == 1 else f"brigade-{endpoint}",
         rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv, max_restarts=max_restarts,
         monitor_interval=0.1, start_method="spawn", logs_specs=_logs_specs(log_dir),
+        local_addr=local_addr,
     )
     try:
         return elastic_launch(config, _call_and_leave)(fn, *args)
     except ChildFailedError as exc:
         raise RunError(_first_failure(exc)) from None
+    except RendezvousError as exc:
+        raise RunError(f"the nodes could not meet at the rendezvous {endpoint} ({type(exc).__name__}): "
+                       "start every node with the same --nnodes and --rdzv-endpoint, and run "
+                       "`brigade doctor` on each to see what blocks them") from None
     except SignalException as exc:  # the agent was told to stop; it stopped the workers too
         raise Stopped(signal.Signals(exc.sigval).name) from None
 
@@ -244,7 +231,8 @@ def _first_failure(exc) -> str:
         message = message.get("message", "")
     text = str(message).strip()
     last = text.splitlines()[-1] if text else ""
-    last = re.sub(r"^[\w.]*(BrigadeError|SnapshotError|RunError|PlanError|StageAborted): ", "", last)
+    errors = "BrigadeError|SnapshotError|RunError|PlanError|StageAborted|HangError"
+    last = re.sub(rf"^[\w.]*({errors}): ", "", last)
     if failure.signal_name() != "<N/A>" and failure.signal_name():
         return f"worker rank {rank} died ({failure.signal_name()})"
     return f"worker rank {rank} failed: {last or 'exit code ' + str(failure.exitcode)}"

@@ -84,6 +84,15 @@ CASES = [
     # environment
     ("rendezvous endpoint malformed", ["train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
                                        "nohost"], "expected HOST:PORT", 2),
+    ("local address not on this machine", ["train", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29999",
+                                           "--local-addr", "192.0.2.7"],
+     "is not an address of this machine", 2),
+    # doctor
+    ("doctor node rank too large", ["doctor", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint",
+                                    "127.0.0.1:29999"], "--node-rank 2: must be between 0 and", 2),
+    ("doctor endpoint malformed", ["doctor", "--nnodes", "2", "--rdzv-endpoint", "node0"],
+     "expected HOST:PORT", 2),
+    ("doctor zero processes", ["doctor", "--nproc", "0"], "--nproc 0 --nnodes 1: both must be ≥ 1", 2),
 ]
 
 

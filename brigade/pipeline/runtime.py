@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from brigade import forensics
 from brigade.errors import BrigadeError
 from brigade.pipeline.backward import backward_split
-from brigade.pipeline.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, W
+from brigade.pipeline.schedule import COMM_OPS, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, W
 
 
 @dataclass
@@ -96,6 +97,7 @@ class StageRunner:
         with grad_ctx:
             for a in actions:
                 self.current = a
+                self._record(a)
                 start = time.perf_counter() if trace else 0.0
                 i = a.microbatch
                 if a.op in (RECV_F, RECV_B):
@@ -137,10 +139,23 @@ class StageRunner:
                     self.transport.send(inbox.pop(i), self.stage - 1)
                 if trace:
                     result.trace.append((a, start, time.perf_counter()))
+            forensics.doing(f"flush sends (stage {self.stage})", waiting=True)
             self.transport.flush()
         self.current = None
         result.loss = total
         return result
+
+    def _record(self, a: Action) -> None:
+        """Tell the hang watchdog what this stage does now, naming the peer a transfer waits on."""
+        if a.op not in COMM_OPS:
+            forensics.doing(f"{a.op} mb{a.microbatch} (stage {self.stage})")
+            return
+        peer = self.stage - 1 if a.op in (RECV_F, SEND_B) else self.stage + 1
+        ranks = getattr(self.transport, "peers", None)
+        rank = ranks[peer] if ranks else None
+        where = f"{'from' if a.op in (RECV_F, RECV_B) else 'to'} stage {peer}"
+        forensics.doing(f"{a.op} mb{a.microbatch} {where}" + (f" (rank {rank})" if ranks else ""),
+                        waiting=True, on=rank)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         amp = contextlib.nullcontext() if self.autocast is None else \

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from brigade import forensics
 from brigade.train.snapshot import (
     MANIFEST,
     POINTER,
@@ -77,7 +78,9 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
         for stale in snaps.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
+    forensics.doing(f"snapshot step {step}: barrier before writing", waiting=True)
     dist.barrier()
+    forensics.doing(f"snapshot step {step}: writing")
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
@@ -89,6 +92,7 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
     if before_commit is not None:
         before_commit()
     final = snaps / name
+    forensics.doing(f"snapshot step {step}: agreeing that every rank wrote", waiting=True)
     written = not _failed(error)  # a collective: every rank must call it, in the same order
     if rank == 0 and written:
         try:

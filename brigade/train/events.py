@@ -18,6 +18,7 @@ import signal
 from pathlib import Path
 
 from brigade import dist as bdist
+from brigade import forensics
 from brigade.train.snapshot import POINTER
 
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
@@ -47,6 +48,8 @@ def snapshot_step(out: Path) -> int | None:
 
 
 def describe_exit(code: int) -> str:
+    if code == forensics.EXIT_CODE:
+        return "hung; see the hang report above"
     if code < 0:
         try:
             return signal.Signals(-code).name
@@ -106,7 +109,8 @@ def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
         p = cfg.parallel
         return bdist.launch(fn, p.nproc, cfg, *args, max_restarts=p.max_restarts, port=port,
                             log_dir=str(logs), threads_per_proc=p.threads, quiet=False,
-                            nnodes=p.nnodes, node_rank=p.node_rank, rdzv_endpoint=p.rdzv_endpoint)
+                            nnodes=p.nnodes, node_rank=p.node_rank, rdzv_endpoint=p.rdzv_endpoint,
+                            local_addr=p.local_addr)
     finally:
         for lg, level, propagate, handlers in saved:
             lg.setLevel(level)

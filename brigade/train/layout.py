@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from brigade import forensics
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
 from brigade.pipeline.partition import choose_balance, parse_balance, split
@@ -66,6 +68,18 @@ def make_layout(cfg: ParallelConfig, device: torch.device) -> Layout:
                   mesh["pp"].get_group(), device)
 
 
+def data_parallel(module: nn.Module, group, device_ids) -> DistributedDataParallel:
+    """DDP whose gradient all-reduces tell the hang watchdog which bucket is in flight."""
+    ddp = DistributedDataParallel(module, process_group=group, device_ids=device_ids)
+    ddp.register_comm_hook(group, _recorded_allreduce)
+    return ddp
+
+
+def _recorded_allreduce(group, bucket):
+    forensics.doing(f"allreduce bucket {bucket.index()}", waiting=True)
+    return allreduce_hook(group, bucket)
+
+
 class Engine:
     """One process's share of the model and how to run a batch through it.
 
@@ -98,9 +112,8 @@ class Engine:
         else:
             module = stages[layout.pp_rank]
             if layout.dp > 1:
-                module = DistributedDataParallel(module, process_group=layout.dp_group,
-                                                 device_ids=[layout.device] if layout.device.type == "cuda"
-                                                 else None)
+                module = data_parallel(module, layout.dp_group,
+                                       [layout.device] if layout.device.type == "cuda" else None)
             self.pipe = Pipeline(module, cfg.schedule if n_stages > 1 else "gpipe", m, loss_fn,
                                  group=layout.pp_group, device=layout.device, autocast=autocast)
 
@@ -123,7 +136,7 @@ class Engine:
                 return module
             # One process group per stage: each stage's thread issues its own all-reduces.
             ids = [devices[i]] if devices[i].type == "cuda" else None
-            return DistributedDataParallel(module, process_group=groups[i], device_ids=ids)
+            return data_parallel(module, groups[i], ids)
 
         return LocalPipeline(stages, devices, cfg.schedule, m, loss_fn, wrap=wrap, autocast=autocast)
 
@@ -139,6 +152,7 @@ class Engine:
     def _dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
         loss = loss.to(self.layout.device)
         if self.layout.dp > 1:
+            forensics.doing("allreduce loss over replicas", waiting=True)
             dist.all_reduce(loss, group=self.layout.dp_group)
             loss = loss / self.layout.dp
         return loss
@@ -153,6 +167,7 @@ class Engine:
             norms = torch._foreach_norm(group)  # one fused pass, as clip_grad_norm_ does
             sq = sq + torch.stack(norms).float().pow(2).sum().to(sq.device)
         if self.layout.pp > 1:
+            forensics.doing("allreduce gradient norm over stages", waiting=True)
             dist.all_reduce(sq, group=self.layout.pp_group)
         return sq.sqrt()
 

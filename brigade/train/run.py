@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from brigade import dist as bdist
+from brigade import forensics
 from brigade.config import RunConfig
 from brigade.errors import BrigadeError
 from brigade.models import load_model
@@ -109,6 +110,11 @@ def preflight(cfg: RunConfig) -> None:
         blocks = spec.blocks
     p = cfg.parallel
     choose_balance(blocks, p.pp * p.local_stages, balance=parse_balance(p.balance) if p.balance else None)
+    if p.nnodes > 1:
+        from brigade.config import parse_endpoint
+        from brigade.net import node_address
+
+        node_address(*parse_endpoint(p.rdzv_endpoint), p.local_addr)
     check_out(cfg.train.out)
     found = find_latest(cfg.train.out, warn=lambda m: print(f"brigade: warning: {m}", flush=True))
     if found is not None:
@@ -180,7 +186,8 @@ def _seconds_since_process_start() -> float:
 
 def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     """One process of a training run (under brigade's launcher, torchrun, or srun)."""
-    info = bdist.init(cfg.parallel.backend, cfg.parallel.threads, cfg.parallel.hang_timeout)
+    info = bdist.init(cfg.parallel.backend, cfg.parallel.threads,
+                      forensics.group_timeout(cfg.parallel.hang_timeout))
     blocks, loss_fn, train, val, vocab = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train)
@@ -211,6 +218,7 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
                               "resumed_from": resumed,
                               "seconds_from_process_start": _seconds_since_process_start()})
         flag = torch.tensor([1.0 if stop["flag"] else 0.0])
+        forensics.doing(f"step {record['step']}: allreduce stop flag", waiting=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         every = cfg.train.snapshot_every
         if flag.item() > 0:  # preempted: this step is done; keep it and stop

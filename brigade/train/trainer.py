@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade import dist as bdist
+from brigade import forensics
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
 from brigade.train.data import Sampler
 from brigade.train.layout import Engine, by_device, make_layout
@@ -110,6 +111,8 @@ class Trainer:
         self.stop_requested = False  # set by a callback to end fit() after this step
         self.is_main = dist.get_rank() == 0
         self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps)
+        self.watchdog = forensics.start(self.parallel.hang_timeout, self.cfg.out,
+                                        f"dp{self.layout.dp_rank} pp{self.layout.pp_rank}")
 
     def _resolve_layout(self) -> None:
         """dp = 0 means: whatever the world size leaves after the pipeline stages."""
@@ -177,9 +180,12 @@ class Trainer:
             if self.state.step == 0 and self.val_data is not None:
                 self._log({"step": 0, "val_loss": self.evaluate()})
             while self.state.step < self.cfg.max_steps and not self.stop_requested:
+                forensics.doing(f"step {self.state.step + 1} begins")
                 for hook in self.before_step:
                     hook(self.state.step + 1)
                 record = self.train_step()
+                if self.watchdog:
+                    self.watchdog.arm()  # warm-up is over: from now on the plain --hang-timeout
                 self._log(record)
                 step = self.state.step
                 if self.val_data is not None and not self.stop_requested and (
@@ -194,4 +200,6 @@ class Trainer:
             cb(self, record)
 
     def close(self) -> None:
+        if self.watchdog:
+            self.watchdog.stop()
         self.engine.close()

@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,23 @@ def test_stall_is_caught_by_the_hang_timeout_and_restarted(reference, tmp_path):
     assert "restarting 1/1 from snapshot step 5" in result.stdout
     assert final_hash(out) == final_hash(reference)
     assert time.time() - start < 120
+
+
+def test_hang_report_names_the_stalled_rank(tmp_path):
+    out = tmp_path / "hung"
+    result = train(out, *RUN, "--pp", "2", "--inject-fault", "stall:rank=1:step=5", "--hang-timeout", "5")
+    assert result.returncode == 1
+    table = result.stdout[result.stdout.index("brigade: hang"):]
+    seconds = float(re.search(r"no progress for (\d+) s \(--hang-timeout 5\)", table)[1])
+    assert seconds <= 5 + 2  # reported within the timeout (plus the watchdog's poll)
+    rows = {int(line.split()[0]): line for line in table.splitlines()[2:4]}
+    assert rows[1].endswith("<- stuck") and "step 5 begins" in rows[1]
+    assert rows[0].endswith("waiting") and "from stage 1 (rank 1)" in rows[0]
+    assert "verdict: rank 1 made no progress outside any transfer or collective" in table
+    assert "--- rank 1 stack <- stuck" in table and "in before_step" in table  # faulthandler's stack
+    assert "the run hung: rank 1 made no progress" in result.stderr.splitlines()[-1]
+    report = (out / "logs" / "hang-report.txt").read_text()
+    assert "=== rank 0" in report and "=== rank 1" in report
 
 
 def test_kill_during_a_snapshot_write(reference, tmp_path):
