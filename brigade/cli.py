@@ -224,12 +224,46 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return run_tune(args)
 
 
+def _add_doctor(sub) -> None:
+    from brigade.doctor import Setup
+
+    d = Setup()
+    p = sub.add_parser("doctor", help="check this machine (and the others) before a run: PASS or FAIL",
+                       description="Run on every node with the flags you would give brigade train.")
+    p.add_argument("--nproc", type=int, default=d.nproc, help="processes on this node")
+    p.add_argument("--nnodes", type=int, default=d.nnodes)
+    p.add_argument("--node-rank", type=int, default=d.node_rank)
+    p.add_argument("--rdzv-endpoint", default=d.rdzv_endpoint, help="HOST:PORT of node 0, for --nnodes > 1")
+    p.add_argument("--local-addr", default=d.local_addr,
+                   help="address this node advertises (default: the one that routes to node 0)")
+    p.add_argument("--backend", default=d.backend, help="auto, gloo or nccl")
+    p.add_argument("--out", default=d.out, help="the snapshot folder to check (default: %(default)s)")
+    p.add_argument("--port", type=int, default=None, help="single node: the rendezvous port to check")
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from brigade.config import parse_endpoint
+    from brigade.doctor import Setup, run_doctor
+
+    if args.nproc < 1 or args.nnodes < 1:
+        raise BrigadeError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be ≥ 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise BrigadeError(f"--node-rank {args.node_rank}: must be between 0 and --nnodes - 1 "
+                           f"({args.nnodes - 1})")
+    if args.nnodes > 1:
+        parse_endpoint(args.rdzv_endpoint)
+    setup = Setup(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.local_addr,
+                  args.backend, args.out, args.port)
+    return 0 if run_doctor(setup) else 1
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="brigade", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in (_add_train, _add_generate, _add_plot, _add_inspect, _add_schedule, _add_check,
-                _add_bench, _add_tune):
+                _add_bench, _add_tune, _add_doctor):
         add(sub)
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")

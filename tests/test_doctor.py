@@ -1,0 +1,80 @@
+"""brigade doctor: each check's PASS and FAIL, alone and through the CLI on this machine."""
+
+import socket
+
+from brigade import doctor
+from brigade.doctor import Check, Setup
+from brigade.net import free_port
+from tests.e2e.helpers import brigade
+
+
+def test_a_fail_line_says_how_to_fix_it():
+    assert Check("port", True, "29500 is free").line() == "PASS  port            29500 is free"
+    assert Check("port", False, "in use", "choose another").line().splitlines() == [
+        "FAIL  port            in use", "      fix: choose another"]
+
+
+def test_port_in_use_fails():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        check = doctor.check_port(Setup(port=port))
+    assert not check.ok and f"{port} is already in use" in check.detail and "another port" in check.fix
+
+
+def test_an_endpoint_that_does_not_answer_fails():
+    port = free_port()
+    check = doctor.check_endpoint(Setup(nnodes=2, node_rank=1, rdzv_endpoint=f"127.0.0.1:{port}"))
+    assert not check.ok and "nothing answers" in check.detail and "start node 0 first" in check.fix
+
+
+def test_node_0_must_own_the_endpoint_address():
+    check = doctor.check_endpoint(Setup(nnodes=2, node_rank=0, rdzv_endpoint="192.0.2.1:29500"))
+    assert not check.ok and "not an address of this node" in check.detail
+    ok = doctor.check_endpoint(Setup(nnodes=2, node_rank=0, rdzv_endpoint="127.0.0.1:29500"))
+    assert ok.ok
+
+
+def test_a_local_address_of_another_machine_fails():
+    check = doctor.check_address(Setup(nnodes=2, rdzv_endpoint="127.0.0.1:29500", local_addr="192.0.2.7"))
+    assert not check.ok and check.detail == "--local-addr 192.0.2.7 is not an address of this machine"
+    assert check.fix.startswith("give one of its own IPv4 addresses")
+
+
+def test_the_advertised_address_and_its_interface():
+    check = doctor.check_address(Setup(nnodes=2, rdzv_endpoint="127.0.0.1:29500"))
+    assert check.ok and check.detail.startswith("advertises 127.0.0.1 on lo")
+
+
+def test_folder_views_that_differ_mean_not_shared():
+    views = [{"node": 0, "error": "", "seen": ["node0"], "free": 2**30},
+             {"node": 1, "error": "", "seen": ["node1"], "free": 2**30}]
+    check = doctor._folder_check("/runs", views, 2)
+    assert not check.ok and "not the same folder everywhere" in check.detail
+    views = [{**v, "seen": ["node0", "node1"]} for v in views]
+    assert doctor._folder_check("/runs", views, 2).ok
+
+
+def test_clock_skew_above_a_second_fails():
+    assert not doctor.skew_check((2.5, 0.001, 3)).ok
+    assert "rank 3's clock is 2.50 s off" in doctor.skew_check((2.5, 0.001, 3)).detail
+    assert doctor.skew_check((0.004, 0.001, 3)).ok and doctor.skew_check(None).ok
+
+
+def test_doctor_on_this_machine(tmp_path):
+    result = brigade("doctor", "--out", tmp_path / "runs", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("PASS")]
+    assert names == ["backend", "port", "endpoint", "all-reduce", "point-to-point", "snapshot", "clock"]
+    assert "latency" in result.stdout and "GB/s" in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_doctor_fails_an_unwritable_snapshot_folder(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    result = brigade("doctor", "--out", tmp_path / "a-file" / "runs", timeout=120)
+    assert result.returncode == 1
+    assert "FAIL  snapshot folder node 0 cannot write in" in result.stdout
+    assert "fix: choose an --out that every node can write" in result.stdout
+    assert (tmp_path / "a-file").read_text() == "x"
