@@ -1,0 +1,172 @@
+"""Two hosts on one machine: network namespaces joined by a veth pair, as two real nodes would be.
+
+Each host has an address that exists only inside its namespace, and both share this machine's
+hostname, which resolves to neither: the situation where a plain c10d rendezvous times out. The
+snapshot folder is shared (one file system), as on a cluster with NFS. Needs root for `ip netns`;
+skipped, with the reason, where that is not allowed.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import TINY, final_hash, losses, train
+
+pytestmark = pytest.mark.timeout(300)
+SUBNET = "10.213.77"  # only ever inside the two namespaces this file makes
+RUN = ["--max-steps", "30", "--snapshot-every", "10", "--pp", "2", "--microbatches", "2",
+       "--sample-tokens", "0"]
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+
+class Hosts:
+    """Two namespaces, `host 0` at SUBNET.1 and `host 1` at SUBNET.2, joined by a veth pair."""
+
+    def __init__(self):
+        tag = uuid.uuid4().hex[:6]
+        self.names = [f"brigade-{tag}-0", f"brigade-{tag}-1"]
+        self.addrs = [f"{SUBNET}.1", f"{SUBNET}.2"]
+        self.links = [f"bv{tag}a", f"bv{tag}b"]
+
+    def create(self) -> str:
+        """'' on success, else why the namespaces cannot be made here."""
+        if os.geteuid() != 0:
+            return "needs root to create network namespaces (ip netns)"
+        if shutil.which("ip") is None:
+            return "needs iproute2's `ip` to create network namespaces"
+        steps = [["netns", "add", self.names[0]], ["netns", "add", self.names[1]],
+                 ["link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1]]]
+        for k in (0, 1):
+            steps += [["link", "set", self.links[k], "netns", self.names[k]],
+                      ["-n", self.names[k], "addr", "add", f"{self.addrs[k]}/24", "dev", self.links[k]],
+                      ["-n", self.names[k], "link", "set", self.links[k], "up"],
+                      ["-n", self.names[k], "link", "set", "lo", "up"]]
+        for step in steps:
+            result = _ip(*step)
+            if result.returncode != 0:
+                self.destroy()
+                return (f"cannot create network namespaces here: `ip {' '.join(step)}`: "
+                        f"{result.stderr.strip()}")
+        return ""
+
+    def start(self, k: int, *args, before: str = "") -> subprocess.Popen:
+        """`brigade ARGS` on host k (optionally after a shell command, in the same mount namespace)."""
+        cmd = " ".join([sys.executable, "-m", "brigade", *map(str, args)])
+        return subprocess.Popen(["ip", "netns", "exec", self.names[k], "sh", "-c",
+                                 f"{before} {'&&' if before else ''} exec {cmd}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def kill_all(self, k: int) -> None:
+        """The whole host goes down: every process in its namespace gets SIGKILL."""
+        pids = _ip("netns", "pids", self.names[k]).stdout.split()
+        if pids:
+            subprocess.run(["kill", "-9", *pids], capture_output=True)
+
+    def destroy(self) -> None:
+        for k in (0, 1):
+            self.kill_all(k)
+            _ip("netns", "del", self.names[k])  # takes its end of the veth pair with it
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    h = Hosts()
+    why = h.create()
+    if why:
+        pytest.skip(why)
+    yield h
+    h.destroy()
+
+
+def _endpoint(hosts) -> str:
+    return f"{hosts.addrs[0]}:{29400 + os.getpid() % 500}"
+
+
+def _finish(node: subprocess.Popen, timeout: float = 200) -> tuple[str, str]:
+    out, err = node.communicate(timeout=timeout)
+    return out, err
+
+
+def test_doctor_on_two_hosts(hosts, tmp_path):
+    flags = ["doctor", "--nnodes", "2", "--rdzv-endpoint", _endpoint(hosts), "--out", tmp_path / "runs"]
+    node0 = hosts.start(0, *flags, "--node-rank", "0")
+    time.sleep(1)
+    node1 = hosts.start(1, *flags, "--node-rank", "1")
+    for node, k in ((node0, 0), (node1, 1)):
+        out, err = _finish(node, 120)
+        assert node.returncode == 0, out + err
+        assert f"PASS  address         advertises {hosts.addrs[k]} on {hosts.links[k]}" in out
+        assert "the hostname resolves to" in out  # the namespaces' addresses are not the hostname's
+        for check in ("all-reduce", "point-to-point", "snapshot folder", "clock skew"):
+            assert f"PASS  {check}" in out
+        assert "shared by every node" in out
+    assert not (tmp_path / "runs").exists()  # the doctor leaves nothing behind
+
+
+def test_doctor_fails_a_folder_that_is_not_shared(hosts, tmp_path):
+    out_dir = tmp_path / "runs"
+    out_dir.mkdir()
+    flags = ["doctor", "--nnodes", "2", "--rdzv-endpoint", _endpoint(hosts), "--out", out_dir]
+    node0 = hosts.start(0, *flags, "--node-rank", "0")
+    time.sleep(1)
+    # Host 1 sees its own empty file system at the same path, as a node without the shared mount.
+    node1 = hosts.start(1, *flags, "--node-rank", "1", before=f"mount -t tmpfs tmpfs {out_dir}")
+    for node in (node0, node1):
+        out, err = _finish(node, 120)
+        assert node.returncode == 1, out + err
+        assert "FAIL  snapshot folder" in out and "it is not the same folder everywhere" in out
+        assert "fix: mount one shared file system" in out
+
+
+def test_doctor_names_an_endpoint_that_does_not_answer(hosts, tmp_path):
+    node1 = hosts.start(1, "doctor", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                        _endpoint(hosts), "--out", tmp_path)
+    out, err = _finish(node1, 60)
+    assert node1.returncode == 1
+    assert f"FAIL  endpoint        nothing answers at {_endpoint(hosts)}" in out
+    assert "fix: start node 0 first" in out and "group checks skipped" in out
+
+
+def test_dp_pp_across_two_hosts_survives_losing_one(hosts, tmp_path):
+    reference = tmp_path / "one-host"
+    result = train(reference, *RUN, "--nproc", "4")  # dp 2 × pp 2 on this machine
+    assert result.returncode == 0, result.stderr
+
+    out = tmp_path / "two-hosts"
+    flags = ["train", "--out", out, *TINY, *RUN, "--nproc", "2", "--nnodes", "2",
+             "--rdzv-endpoint", _endpoint(hosts), "--max-restarts", "2"]
+    node0 = hosts.start(0, *flags, "--node-rank", "0")
+    time.sleep(1)
+    hosts.start(1, *flags, "--node-rank", "1")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_steps(out)) < 14:  # past the snapshot at step 10
+        time.sleep(0.2)
+    assert len(_steps(out)) >= 14, "the two hosts did not train"
+    hosts.kill_all(1)  # host 1 goes down mid-run, agent and workers
+    time.sleep(1)
+    node1 = hosts.start(1, *flags, "--node-rank", "1")  # and comes back
+    out1, err1 = _finish(node1)
+    out0, err0 = _finish(node0)
+    assert node1.returncode == 0, err1[-2000:]
+    assert node0.returncode == 0, err0[-2000:]
+    assert re.search(r"brigade: rank \d died .* restarting 1/2 from snapshot step (10|20)", out0), out0
+    assert final_hash(out) == final_hash(reference)
+    assert losses(out) == losses(reference)
+
+
+def _steps(out: Path) -> dict:
+    try:
+        return losses(out)
+    except (OSError, ValueError, KeyError):
+        return {}
