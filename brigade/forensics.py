@@ -83,7 +83,8 @@ def verdict(rows: list[dict], world: int) -> tuple[list[int], str]:
                         "in OUT/logs")
     if working:
         others = [r["rank"] for r in rows if r["waiting"]]
-        tail = f"; rank{'s' if len(others) > 1 else ''} {_ranks(others)} wait for it" if others else ""
+        tail = (f"; ranks {_ranks(others)} wait for it" if len(others) > 1
+                else f"; rank {others[0]} waits for it" if others else "")
         return working, (f"rank{'s' if len(working) > 1 else ''} {_ranks(working)} made no progress "
                          f"outside any transfer or collective{tail}")
     waits = {r["rank"]: r["on"] for r in rows if r["on"] is not None}

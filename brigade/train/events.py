@@ -48,8 +48,6 @@ def snapshot_step(out: Path) -> int | None:
 
 
 def describe_exit(code: int) -> str:
-    if code == forensics.EXIT_CODE:
-        return "hung; see the hang report above"
     if code < 0:
         try:
             return signal.Signals(-code).name
@@ -78,6 +76,8 @@ class EventLines(logging.Handler):
             snap = snapshot_step(self.out)
             who = ", ".join(f"rank {r} died ({describe_exit(c)})" for r, c in self.failed) or \
                 "a worker stopped"
+            if any(c == forensics.EXIT_CODE for _, c in self.failed):
+                who = "the run hung (report above)"
             source = f"from snapshot step {snap}" if snap is not None else "from the start"
             self.say(f"brigade: {who} at step {step} — restarting {attempt}/{total} {source}", flush=True)
             self.failed.clear()

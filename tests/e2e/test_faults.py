@@ -44,7 +44,8 @@ def test_stall_is_caught_by_the_hang_timeout_and_restarted(reference, tmp_path):
     result = train(out, *RUN, "--inject-fault", "stall:rank=1:step=7", "--max-restarts", "1",
                    "--hang-timeout", "5")
     assert result.returncode == 0, result.stderr
-    assert "restarting 1/1 from snapshot step 5" in result.stdout
+    assert "brigade: the run hung (report above) at step 7 — restarting 1/1 from snapshot step 5" \
+        in result.stdout
     assert final_hash(out) == final_hash(reference)
     assert time.time() - start < 120
 
