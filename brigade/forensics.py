@@ -145,6 +145,7 @@ class Watchdog:
         self.place = place
         self.node = socket.gethostname()
         self.armed = False
+        self.paused = False
         self.report_wait_s = 10.0  # how long to wait for every rank's report before printing
         self._exit = exit
         self._stop = threading.Event()
@@ -158,6 +159,14 @@ class Watchdog:
     def arm(self) -> None:
         self.armed = True
 
+    def pause(self) -> None:
+        """Stop judging (outside training, a rank may legitimately wait long for another)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self._started = time.monotonic()  # time spent paused does not count
+        self.paused = False
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -168,7 +177,7 @@ class Watchdog:
                 latest = max([t for _, t, _, _ in current().values()] + [self._started])
                 limit = self.timeout_s if self.armed else self.warmup_s
                 hung = int(self.store.add("hang", 0)) > 0
-                if not hung and time.monotonic() - latest > limit:
+                if not hung and not self.paused and time.monotonic() - latest > limit:
                     self.store.add("hang", 1)
                     hung = True
             except Exception:  # the store is gone: the run is ending anyway, the agent sees it

@@ -86,3 +86,20 @@ def test_a_raised_flag_makes_every_rank_report():
         time.sleep(0.05)
     assert exits == [forensics.EXIT_CODE]
     assert "RECV_F mb0" in store.get("report/1").decode()
+
+
+def test_a_paused_watchdog_does_not_judge_and_resumes_afresh(tmp_path):
+    exits = []
+    dog = forensics.Watchdog(dist.HashStore(), rank=0, world=1, timeout_s=0.4, warmup_s=0.4,
+                             out=tmp_path, poll_s=0.05, exit=exits.append)
+    dog.pause()
+    dog.start()
+    time.sleep(1.0)  # idle, but outside fit(): not a hang
+    assert exits == []
+    dog.resume()
+    time.sleep(0.2)
+    assert exits == []  # the pause does not count towards the timeout
+    deadline = time.monotonic() + 15
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits == [forensics.EXIT_CODE]

@@ -176,22 +176,31 @@ class Trainer:
     def fit(self) -> list[dict]:
         """Train until `max_steps`; returns the per-step records (on every process)."""
         self.model.train()
-        with self.metrics:
-            if self.state.step == 0 and self.val_data is not None:
-                self._log({"step": 0, "val_loss": self.evaluate()})
-            while self.state.step < self.cfg.max_steps and not self.stop_requested:
-                forensics.doing(f"step {self.state.step + 1} begins")
-                for hook in self.before_step:
-                    hook(self.state.step + 1)
-                record = self.train_step()
-                if self.watchdog:
-                    self.watchdog.arm()  # warm-up is over: from now on the plain --hang-timeout
-                self._log(record)
-                step = self.state.step
-                if self.val_data is not None and not self.stop_requested and (
-                        step % self.cfg.eval_every == 0 or step == self.cfg.max_steps):
-                    self._log({"step": step, "val_loss": self.evaluate()})
+        if self.watchdog:
+            self.watchdog.resume()
+        try:
+            with self.metrics:
+                self._fit()
+        finally:
+            if self.watchdog:  # it judges fit() only: afterwards ranks may wait on each other freely
+                self.watchdog.pause()
         return self.state.history
+
+    def _fit(self) -> None:
+        if self.state.step == 0 and self.val_data is not None:
+            self._log({"step": 0, "val_loss": self.evaluate()})
+        while self.state.step < self.cfg.max_steps and not self.stop_requested:
+            forensics.doing(f"step {self.state.step + 1} begins")
+            for hook in self.before_step:
+                hook(self.state.step + 1)
+            record = self.train_step()
+            if self.watchdog:
+                self.watchdog.arm()  # warm-up is over: from now on the plain --hang-timeout
+            self._log(record)
+            step = self.state.step
+            if self.val_data is not None and not self.stop_requested and (
+                    step % self.cfg.eval_every == 0 or step == self.cfg.max_steps):
+                self._log({"step": step, "val_loss": self.evaluate()})
 
     def _log(self, record: dict) -> None:
         self.state.history.append(record)
