@@ -8,6 +8,7 @@ environment the agent set and joins the process group.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -22,7 +23,15 @@ import torch
 import torch.distributed as dist
 
 from brigade.errors import BrigadeError, RunError
-from brigade.net import check_port, check_reachable, free_port, node_address
+from brigade.net import (
+    check_port,
+    check_reachable,
+    free_port,
+    interface_of,
+    is_loopback,
+    listen,
+    node_address,
+)
 
 
 class Stopped(Exception):
@@ -121,8 +130,26 @@ def init(backend: str | None = None, threads: int | None = None,
         kwargs = {"device_id": device} if device_type == "cuda" else {}
         if timeout_s:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        store = _loopback_store(kwargs.get("timeout", datetime.timedelta(minutes=30)))
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend, **kwargs)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def _loopback_store(timeout: datetime.timedelta):
+    """The group's store on loopback when MASTER_ADDR is loopback (else None: torch's env://).
+
+    torch's own TCPStore listens on every interface; a single-node run has no business there.
+    """
+    addr, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
+    if not is_loopback(addr) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if os.environ["RANK"] == "0":
+        return dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=listen(addr, port).detach())  # the store owns the fd
+    return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
 
 
 init_single_or_env = init
@@ -170,22 +197,24 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         else:
             check_reachable(host, port)
         me = node_address(host, port, local_addr)
-        local_addr = me.addr
-        if me.ifname:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", me.ifname)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", me.ifname)
-        # torch's shared rendezvous store publishes the workers' MASTER_ADDR only in a node's first
-        # round, so a node that rejoins after a crash waits for it forever (pytorch/pytorch#135712).
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        local_addr, ifname = me.addr, me.ifname
         endpoint, rdzv = f"{host}:{port}", {"timeout": rdzv_timeout, "is_host": node_rank == 0}
     else:
-        if port is None:
-            port = free_port()
-        else:
-            check_port(port)
-        endpoint, rdzv = f"127.0.0.1:{port}", {"timeout": rdzv_timeout}
-        local_addr = local_addr or "127.0.0.1"
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_proc))  # also silences torchrun's note
+        # The rendezvous store, served from a loopback socket; torch's c10d backend finds it by
+        # port (multi_tenant) instead of opening one on every interface.
+        sock = listen("127.0.0.1", port)
+        port = sock.getsockname()[1]
+        server = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,  # noqa: F841
+                               wait_for_workers=False, master_listen_fd=sock.detach())  # (owns the fd)
+        local_addr, ifname = "127.0.0.1", interface_of("127.0.0.1")
+        endpoint, rdzv = f"127.0.0.1:{port}", {"timeout": rdzv_timeout, "is_host": True}
+    env = {"OMP_NUM_THREADS": str(threads_per_proc),  # also silences torchrun's note
+           # Without the agent's shared store the workers' store is rank 0's, which brigade binds
+           # to loopback on one node; and with it, a node that rejoins after a crash waits forever
+           # for a MASTER_ADDR published only in its first round (pytorch/pytorch#135712).
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if ifname:  # gloo (and NCCL's bootstrap) on the interface the peers reach
+        env.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
     if quiet:  # the caller may have its own handlers on these loggers (see train/events.py)
         for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -197,7 +226,8 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         local_addr=local_addr,
     )
     try:
-        return elastic_launch(config, _call_and_leave)(fn, *args)
+        with _environment(env):
+            return elastic_launch(config, _call_and_leave)(fn, *args)
     except ChildFailedError as exc:
         raise RunError(_first_failure(exc)) from None
     except RendezvousError as exc:
@@ -206,6 +236,18 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
                        "`brigade doctor` on each to see what blocks them") from None
     except SignalException as exc:  # the agent was told to stop; it stopped the workers too
         raise Stopped(signal.Signals(exc.sigval).name) from None
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """Set variables the user has not set, for the agent and its workers; restore them after."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _call_and_leave(fn: Callable[..., Any], *args: Any) -> Any:

@@ -44,6 +44,31 @@ def check_port(port: int, host: str = "127.0.0.1") -> None:
             ) from None
 
 
+def listen(host: str, port: int | None) -> socket.socket:
+    """A socket listening on host:port (a free port if None), for a TCPStore to serve from.
+
+    Binding it here, rather than letting torch's TCPStore bind every interface, is what keeps a
+    single-node run's stores on loopback.
+
+    Raises:
+        BrigadeError: the port is taken.
+    """
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port or 0))
+    except OSError:
+        sock.close()
+        raise BrigadeError(f"port {port} on {host} is already in use: pick another with --port, "
+                           "or omit it") from None
+    sock.listen(1024)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def check_reachable(host: str, port: int, timeout_s: float = 15.0) -> None:
     """Raise BrigadeError if nothing answers at host:port within `timeout_s`.
 

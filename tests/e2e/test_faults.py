@@ -31,7 +31,10 @@ def test_kill_at_a_step(reference, tmp_path):
     out = tmp_path / "killed"
     result = train(out, *RUN, "--inject-fault", "kill:rank=1:step=7", "--max-restarts", "1")
     assert result.returncode == 0, result.stderr
-    assert "brigade: rank 1 died (SIGKILL) at step 7 — restarting 1/1 from snapshot step 5" in result.stdout
+    # Under load the agent may also see rank 0 fail (its peer vanished) in the same check.
+    line = next(ln for ln in result.stdout.splitlines() if "restarting" in ln)
+    assert "rank 1 died (SIGKILL)" in line
+    assert line.endswith("at step 7 — restarting 1/1 from snapshot step 5")
     assert "Traceback" not in result.stdout + result.stderr
     assert (out / "logs" / "agent.log").is_file()
     assert final_hash(out) == final_hash(reference)

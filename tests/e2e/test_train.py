@@ -138,3 +138,45 @@ def test_two_node_agents_on_loopback(tmp_path):
         assert node.returncode == 0, err[-2000:]
     assert len(losses(out)) == 4
     assert json.loads(brigade("inspect", out, "--json").stdout)["layout"]["pp"] == 2
+
+
+def _tree(root: int) -> set[int]:
+    """`root` and every process below it (Linux /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    tree, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, ppid in parents.items():
+            if ppid in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return tree
+
+
+@pytest.mark.skipif(sys.platform != "linux" or subprocess.run(["which", "ss"], capture_output=True)
+                    .returncode != 0, reason="needs Linux and iproute2's ss to list listening sockets")
+def test_a_single_node_run_listens_on_loopback_only(tmp_path):
+    out = tmp_path / "lo"
+    node = subprocess.Popen([sys.executable, "-m", "brigade", "train", "--out", str(out), *TINY,
+                             "--max-steps", "100000", "--snapshot-every", "0", "--sample-tokens", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (out / "metrics.jsonl").is_file():
+            time.sleep(0.2)
+        time.sleep(1)  # training: every store and gloo connection is up
+        pids = _tree(node.pid)
+        listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+        ours = [line for line in listening if any(f"pid={p}," in line for p in pids)]
+        assert len(ours) >= 3, listening  # the rendezvous store, rank 0's store, gloo's pairs
+        local = [line.split()[3] for line in ours]
+        assert all(addr.startswith(("127.", "[::1]")) for addr in local), local
+    finally:
+        node.terminate()
+        node.communicate(timeout=60)
