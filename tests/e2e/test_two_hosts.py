@@ -59,13 +59,14 @@ class Hosts:
                         f"{result.stderr.strip()}")
         return ""
 
-    def start(self, k: int, *args, before: str = "") -> subprocess.Popen:
-        """`brigade ARGS` on host k (optionally after a shell command, in the same mount namespace)."""
-        cmd = " ".join([sys.executable, "-m", "brigade", *map(str, args)])
+    def start(self, k: int, *args, before: str = "", module: str = "brigade",
+              env: dict | None = None) -> subprocess.Popen:
+        """`python -m MODULE ARGS` on host k (after `before`, a shell command in the same namespaces)."""
+        cmd = " ".join([sys.executable, "-m", module, *map(str, args)])
         return subprocess.Popen(["ip", "netns", "exec", self.names[k], "sh", "-c",
                                  f"{before} {'&&' if before else ''} exec {cmd}"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
     def kill_all(self, k: int) -> None:
         """The whole host goes down: every process in its namespace gets SIGKILL."""
@@ -136,6 +137,24 @@ def test_doctor_names_an_endpoint_that_does_not_answer(hosts, tmp_path):
     assert node1.returncode == 1
     assert f"FAIL  endpoint        nothing answers at {_endpoint(hosts)}" in out
     assert "fix: start node 0 first" in out and "group checks skipped" in out
+
+
+def test_under_torchrun_with_the_flags_such_hosts_need(hosts, tmp_path):
+    """torchrun's own multi-node flags; on these hosts it needs what brigade otherwise does itself."""
+    out = tmp_path / "torchrun"
+    nodes = []
+    for k in (0, 1):
+        conf = ["--rdzv-conf", "is_host=1"] if k == 0 else []
+        nodes.append(hosts.start(k, "--nnodes", "2", "--node-rank", k, "--nproc-per-node", "1",
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", _endpoint(hosts),
+                           "--local-addr", hosts.addrs[k], *conf, "-m", "brigade", "train",
+                           "--out", out, *TINY, "--pp", "2", "--max-steps", "4", "--sample-tokens", "0",
+                           module="torch.distributed.run", env={"GLOO_SOCKET_IFNAME": hosts.links[k]}))
+        time.sleep(1)
+    for node in nodes:
+        _, err = _finish(node, 120)
+        assert node.returncode == 0, err[-2000:]
+    assert sorted(losses(out)) == [1, 2, 3, 4]
 
 
 def test_dp_pp_across_two_hosts_survives_losing_one(hosts, tmp_path):
