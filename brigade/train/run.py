@@ -114,7 +114,9 @@ def preflight(cfg: RunConfig) -> None:
         from brigade.config import parse_endpoint
         from brigade.net import node_address
 
-        node_address(*parse_endpoint(p.rdzv_endpoint), p.local_addr)
+        me = node_address(*parse_endpoint(p.rdzv_endpoint), p.local_addr)
+        print(f"brigade: node {p.node_rank} of {p.nnodes} advertises {me.addr}"
+              + (f" on {me.ifname}" if me.ifname else "") + f"; rendezvous at {p.rdzv_endpoint}", flush=True)
     check_out(cfg.train.out)
     found = find_latest(cfg.train.out, warn=lambda m: print(f"brigade: warning: {m}", flush=True))
     if found is not None:

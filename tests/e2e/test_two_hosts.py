@@ -179,6 +179,8 @@ def test_dp_pp_across_two_hosts_survives_losing_one(hosts, tmp_path):
     out0, err0 = _finish(node0)
     assert node1.returncode == 0, err1[-2000:]
     assert node0.returncode == 0, err0[-2000:]
+    assert f"brigade: node 0 of 2 advertises {hosts.addrs[0]} on {hosts.links[0]}" in out0
+    assert f"brigade: node 1 of 2 advertises {hosts.addrs[1]} on {hosts.links[1]}" in out1
     assert re.search(r"brigade: rank \d died .* restarting 1/2 from snapshot step (10|20)", out0), out0
     assert final_hash(out) == final_hash(reference)
     assert losses(out) == losses(reference)
