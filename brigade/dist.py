@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from brigade import forensics
 from brigade.errors import BrigadeError, RunError
 from brigade.net import (
     check_port,
@@ -212,7 +213,8 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
            # Without the agent's shared store the workers' store is rank 0's, which brigade binds
            # to loopback on one node; and with it, a node that rejoins after a crash waits forever
            # for a MASTER_ADDR published only in its first round (pytorch/pytorch#135712).
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "BRIGADE_AGENT_STORE": endpoint}  # for the hang watchdogs (forensics.py)
     if ifname:  # gloo (and NCCL's bootstrap) on the interface the peers reach
         env.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
     if quiet:  # the caller may have its own handlers on these loggers (see train/events.py)
@@ -255,6 +257,7 @@ def _call_and_leave(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     finally:
+        forensics.stop_all()  # their store connections first, while every store still answers
         destroy()
 
 

@@ -266,7 +266,7 @@ def _folder_check(out: str, views: list[dict], nnodes: int) -> Check:
     return Check("snapshot folder", True, f"{out} is writable and {where}; {free:.1f} GiB free")
 
 
-def _clock(world: int, rank: int, local_rank: int) -> Check | None:
+def _clock(world: int, rank: int, local_rank: int, device: torch.device) -> Check | None:
     """NTP-style offset of every node's clock from node 0's, through rank 0."""
     import torch.distributed as dist
 
@@ -276,17 +276,17 @@ def _clock(world: int, rank: int, local_rank: int) -> Check | None:
     worst = (0.0, 0.0, 0)
     for peer in peers:
         if rank == 0:
-            t = torch.zeros(1, dtype=torch.float64)
+            t = torch.zeros(1, dtype=torch.float64, device=device)
             t0 = time.time()
-            dist.send(torch.tensor([t0], dtype=torch.float64), peer)
+            dist.send(torch.tensor([t0], dtype=torch.float64, device=device), peer)
             dist.recv(t, peer)
             t1 = time.time()
             offset = t.item() - (t0 + t1) / 2
             worst = max(worst, (abs(offset), (t1 - t0) / 2, peer))
         elif rank == peer:
-            t = torch.zeros(1, dtype=torch.float64)
+            t = torch.zeros(1, dtype=torch.float64, device=device)
             dist.recv(t, 0)
-            dist.send(torch.tensor([time.time()], dtype=torch.float64), 0)
+            dist.send(torch.tensor([time.time()], dtype=torch.float64, device=device), 0)
     return skew_check(worst if peers else None) if rank == 0 else None
 
 
@@ -314,7 +314,7 @@ def group_worker(s: Setup, big: int) -> list[dict]:
     views = [None] * world
     dist.all_gather_object(views, _folder(s.out, node, s.nnodes, info.local_rank, token[0]))
     checks.append(_folder_check(s.out, [v for v in views if v is not None], s.nnodes))
-    checks.append(_clock(world, rank, info.local_rank))
+    checks.append(_clock(world, rank, info.local_rank, info.device))
     result = [[asdict(c) for c in checks if c is not None]]
     dist.broadcast_object_list(result, src=0)  # rank 0 holds the p2p and clock verdicts
     return result[0]

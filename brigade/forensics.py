@@ -9,7 +9,7 @@ last action and its Python stacks (faulthandler) there. The lowest rank that ans
       rank  node  place    last action                          for
          0  vm    dp0 pp0  RECV_B mb1 from stage 1 (rank 1)   31.0 s  waiting
          1  vm    dp0 pp1  step 5 begins                        31.2 s  <- stuck
-    verdict: rank 1 made no progress outside any transfer or collective; the others wait for it
+    verdict: rank 1 made no progress outside any transfer or collective; rank 0 waits for it
 
 writes the table and every stack to OUT/logs/hang-report.txt, and every rank exits with
 EXIT_CODE, so the elastic agent restarts the run (or ends it when no restarts are left).
@@ -17,6 +17,7 @@ EXIT_CODE, so the elastic agent restarts the run (or ends it when no restarts ar
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import json
@@ -40,7 +41,11 @@ def doing(what: str, waiting: bool = False, on: int | None = None) -> None:
 
 
 def current() -> dict[str, tuple[str, float, bool, int | None]]:
-    return dict(_actions)
+    while True:
+        try:
+            return dict(_actions)
+        except RuntimeError:  # a thread recorded its first action during the copy
+            continue
 
 
 class HangError(RuntimeError):
@@ -154,6 +159,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         self._thread.start()
+        _running.add(self)
         return self
 
     def arm(self) -> None:
@@ -169,7 +175,9 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=20)
+        _running.discard(self)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -180,10 +188,13 @@ class Watchdog:
                 if not hung and not self.paused and time.monotonic() - latest > limit:
                     self.store.add("hang", 1)
                     hung = True
-            except Exception:  # the store is gone: the run is ending anyway, the agent sees it
+            except (RuntimeError, OSError):  # the store is gone: the run is ending anyway
                 return
             if hung and not self._stop.is_set():
-                self._report()
+                try:
+                    self._report()
+                except (RuntimeError, OSError):
+                    pass  # the store went away mid-report: this rank still must not hang on
                 self._exit(EXIT_CODE)
                 return
 
@@ -246,6 +257,20 @@ def _record_for_agent(exc: BaseException) -> None:
         pass
 
 
+_running: set[Watchdog] = set()
+
+
+@atexit.register
+def stop_all() -> None:
+    """Stop every watchdog of this process; brigade calls it before leaving the process group.
+
+    Also at exit: a daemon thread caught inside the store's C++ code while the interpreter shuts
+    down is ended by pthread_exit, which aborts the process (SIGABRT).
+    """
+    for dog in list(_running):
+        dog.stop()
+
+
 def group_timeout(hang_timeout_s: float) -> float:
     """The process group's own timeout: a last resort, after the watchdog had its chance."""
     return hang_timeout_s + WARMUP_EXTRA_S + 60
@@ -259,10 +284,15 @@ def start(timeout_s: float, out: str | Path | None, place: str) -> Watchdog | No
         return None
     nonce = [os.urandom(6).hex() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(nonce, src=0)  # keys of an earlier attempt stay in a shared store
+    # The agent's rendezvous store outlives the workers (brigade's launcher names it); under a
+    # plain torchrun or srun, the group's own store.
+    where = os.environ.get("BRIGADE_AGENT_STORE") or \
+        f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
     try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-    except (KeyError, ValueError, RuntimeError):
+        host, port = where.rsplit(":", 1)
+        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                              timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    except (ValueError, RuntimeError):
         return None  # initialised some other way (init_method=...): no forensics, the group timeout holds
     return Watchdog(dist.PrefixStore(f"brigade-watchdog/{nonce[0]}", store), dist.get_rank(),
                     dist.get_world_size(), timeout_s, timeout_s + WARMUP_EXTRA_S, out, place).start()
