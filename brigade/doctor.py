@@ -23,6 +23,7 @@ import torch
 
 from brigade import dist as bdist
 from brigade import net
+from brigade.bench.timing import ping_pong
 from brigade.errors import BrigadeError, RunError
 
 MAX_SKEW_S = 1.0
@@ -198,17 +199,8 @@ def _p2p(device: torch.device, world: int, rank: int, big: int) -> Check | None:
             continue
         other = peer if rank == 0 else 0
         payload.fill_(float(peer))
-
-        def pingpong(t: torch.Tensor, other: int = other) -> None:
-            if rank == 0:
-                dist.send(t, other)
-                dist.recv(t, other)
-            else:
-                dist.recv(t, other)
-                dist.send(t, other)
-
-        lat = _timed(lambda: pingpong(small), 20) / 2
-        secs = _timed(lambda: pingpong(payload), 3) / 2
+        lat = _timed(lambda o=other: ping_pong(small, o, rank == 0), 20) / 2
+        secs = _timed(lambda o=other: ping_pong(payload, o, rank == 0), 3) / 2
         if not bool((payload == float(peer)).all()):
             return Check("point-to-point", False, f"rank {other}'s message arrived altered",
                          "the network corrupts data: check the interface and its MTU")

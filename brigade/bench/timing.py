@@ -99,3 +99,13 @@ def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tens
     dist.all_gather(gathered, torch.tensor(costs, dtype=torch.float64))
     fwd, bwd, wgt = ([g[k].item() for g in gathered] for k in range(3))
     return fwd, bwd, wgt
+
+
+def ping_pong(t: torch.Tensor, peer: int, first: bool) -> None:
+    """One round trip of `t` with `peer`; the `first` side sends first. Time it, halve it."""
+    if first:
+        dist.send(t, peer)
+        dist.recv(t, peer)
+    else:
+        dist.recv(t, peer)
+        dist.send(t, peer)

@@ -22,7 +22,7 @@ from torch import nn
 
 from brigade import dist as bdist
 from brigade.bench.experiments import BenchConfig, scaled_splits
-from brigade.bench.timing import measure, stage_costs
+from brigade.bench.timing import measure, ping_pong, stage_costs
 from brigade.models import load_model
 from brigade.pipeline.partition import solve, split
 from brigade.pipeline.pipe import Pipeline
@@ -85,15 +85,7 @@ def _comm_per_sample(spec, x, rank) -> float:
     t = torch.zeros_like(h)
     peer = 1 - rank
 
-    def ping():
-        if rank == 0:
-            dist.send(t, peer)
-            dist.recv(t, peer)
-        else:
-            dist.recv(t, peer)
-            dist.send(t, peer)
-
-    return measure(ping, 5, 2, distributed=True).mean_s / 2 / 4
+    return measure(lambda: ping_pong(t, peer, rank == 0), 5, 2, distributed=True).mean_s / 2 / 4
 
 
 def worker(cfg: BenchConfig, verify: bool) -> dict:
