@@ -34,14 +34,7 @@ def free_port() -> int:
 
 def check_port(port: int, host: str = "127.0.0.1") -> None:
     """Raise BrigadeError if `port` cannot be bound on `host`."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            raise BrigadeError(
-                f"port {port} on {host} is already in use: pick another with --port, or omit it"
-            ) from None
+    listen(host, port).close()
 
 
 def listen(host: str, port: int | None) -> socket.socket:
