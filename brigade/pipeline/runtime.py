@@ -55,7 +55,6 @@ class StageRunner:
         self.is_first = stage == 0
         self.is_last = stage == n_stages - 1
         self.autocast = autocast  # e.g. torch.bfloat16 on GPUs
-        self.current: Action | None = None  # what this stage is doing now (for hang reports)
 
     def run(
         self,
@@ -96,7 +95,6 @@ class StageRunner:
             })
         with grad_ctx:
             for a in actions:
-                self.current = a
                 self._record(a)
                 start = time.perf_counter() if trace else 0.0
                 i = a.microbatch
@@ -141,7 +139,6 @@ class StageRunner:
                     result.trace.append((a, start, time.perf_counter()))
             forensics.doing(f"flush sends (stage {self.stage})", waiting=True)
             self.transport.flush()
-        self.current = None
         result.loss = total
         return result
 
