@@ -186,6 +186,12 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="time single device, model parallel, pipelines, torch's pipelining, DDP")
     _model_arg(p, "resnet50")
     p.add_argument("--out", default="results/bench")
+    _sweep_args(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def _sweep_args(p: argparse.ArgumentParser) -> None:
+    """What `bench` and `tune` both sweep over."""
     p.add_argument("--quick", action="store_true", help="fewer split sizes and repeats (≤ 2 min on 2 cores)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None, help="resnet50 only")
@@ -193,7 +199,6 @@ def _add_bench(sub) -> None:
     p.add_argument("--splits", default=None, help="split sizes, like 1,4,16 (default: tutorial's, scaled)")
     p.add_argument("--schedules", default="gpipe,1f1b,zb")
     p.add_argument("--port", type=int, default=None)
-    p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -208,13 +213,7 @@ def _add_tune(sub) -> None:
     p.add_argument("--out", default="results/tune")
     p.add_argument("--verify", action="store_true", help="also time the full sweep, to compare")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--image-size", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--splits", default=None)
-    p.add_argument("--schedules", default="gpipe,1f1b,zb")
-    p.add_argument("--port", type=int, default=None)
+    _sweep_args(p)
     p.set_defaults(func=cmd_tune)
 
 
