@@ -20,10 +20,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from brigade import dist as bdist
 from brigade import net
-from brigade.bench.timing import ping_pong
+from brigade.bench.timing import measure, ping_pong
 from brigade.errors import BrigadeError, RunError
 
 MAX_SKEW_S = 1.0
@@ -58,8 +59,6 @@ class Setup:
 # --- checks this node makes alone -------------------------------------------------------------
 
 def check_backend(s: Setup) -> Check:
-    import torch.distributed as dist
-
     try:
         backend, device = bdist.pick_backend(s.backend)
     except BrigadeError as exc:
@@ -157,20 +156,12 @@ def local_checks(s: Setup) -> list[Check]:
 
 # --- checks the whole group makes together (one process per rank, as in training) -------------
 
-def _timed(fn, repeats: int) -> float:
+def _timed(fn, repeats: int, device: torch.device) -> float:
     """Median seconds of `fn()` over `repeats` runs, after one warm-up run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(measure(fn, repeats, warmup=1, device=device).samples)
 
 
 def _allreduce(device: torch.device, world: int, rank: int, big: int) -> Check:
-    import torch.distributed as dist
-
     x = torch.full((4,), float(rank), device=device)
     dist.all_reduce(x)
     expected = world * (world - 1) / 2
@@ -179,8 +170,8 @@ def _allreduce(device: torch.device, world: int, rank: int, big: int) -> Check:
                      "ranks disagree on the group: check that every node runs the same brigade and torch")
     one = torch.zeros(1, device=device)
     payload = torch.zeros(big, device=device)
-    lat = _timed(lambda: dist.all_reduce(one), 20)
-    t = _timed(lambda: dist.all_reduce(payload), 3)
+    lat = _timed(lambda: dist.all_reduce(one), 20, device)
+    t = _timed(lambda: dist.all_reduce(payload), 3, device)
     nbytes = payload.numel() * payload.element_size()
     busbw = 2 * (world - 1) / world * nbytes / t  # what each link carries in a ring all-reduce
     return Check("all-reduce", True, f"correct across {world} ranks; latency {lat * 1e3:.2f} ms; "
@@ -189,8 +180,6 @@ def _allreduce(device: torch.device, world: int, rank: int, big: int) -> Check:
 
 def _p2p(device: torch.device, world: int, rank: int, big: int) -> Check | None:
     """Rank 0 plays ping-pong with every other rank; the slowest pair is reported."""
-    import torch.distributed as dist
-
     small, payload = torch.zeros(1, device=device), torch.zeros(big, device=device)
     worst = (0.0, 0.0, 0)  # (latency, seconds for the payload, peer)
     for peer in range(1, world):
@@ -199,8 +188,8 @@ def _p2p(device: torch.device, world: int, rank: int, big: int) -> Check | None:
             continue
         other = peer if rank == 0 else 0
         payload.fill_(float(peer))
-        lat = _timed(lambda o=other: ping_pong(small, o, rank == 0), 20) / 2
-        secs = _timed(lambda o=other: ping_pong(payload, o, rank == 0), 3) / 2
+        lat = _timed(lambda o=other: ping_pong(small, o, rank == 0), 20, device) / 2
+        secs = _timed(lambda o=other: ping_pong(payload, o, rank == 0), 3, device) / 2
         if not bool((payload == float(peer)).all()):
             return Check("point-to-point", False, f"rank {other}'s message arrived altered",
                          "the network corrupts data: check the interface and its MTU")
@@ -217,8 +206,6 @@ def _p2p(device: torch.device, world: int, rank: int, big: int) -> Check | None:
 
 def _folder(out: str, node: int, nnodes: int, local_rank: int, token: str) -> dict | None:
     """Each node's first process writes a marker in OUT, then reads everyone's back."""
-    import torch.distributed as dist
-
     probe = Path(out) / f".doctor-{token}"
     mine = probe / f"node{node}"
     error = ""
@@ -260,8 +247,6 @@ def _folder_check(out: str, views: list[dict], nnodes: int) -> Check:
 
 def _clock(world: int, rank: int, local_rank: int, device: torch.device) -> Check | None:
     """NTP-style offset of every node's clock from node 0's, through rank 0."""
-    import torch.distributed as dist
-
     leaders = [0] * world
     dist.all_gather_object(leaders, local_rank == 0)
     peers = [r for r in range(1, world) if leaders[r]]
@@ -295,8 +280,6 @@ def skew_check(worst: tuple[float, float, int] | None) -> Check:
 
 def group_worker(s: Setup, big: int) -> list[dict]:
     """One rank of the doctor's group; returns every group check (the same list on every rank)."""
-    import torch.distributed as dist
-
     info = bdist.init(s.backend, threads=1, timeout_s=120)
     rank, world = info.rank, info.world_size
     token = [os.urandom(4).hex()]
