@@ -1,0 +1,200 @@
+"""Every command the README shows runs as written.
+
+The commands are collected from the README itself: every command line in its code blocks
+and every command in its tables (`brigade …`, `python -m brigade…`, `torchrun …`, `srun …`).
+Each runs as shown, shortened only by flags: a tiny model and few steps for `train`, small
+sizes for `bench` and `tune`, a temporary `--out`. Placeholders become local values
+(`node0:29500` and `HOST:PORT` a free loopback port, `/shared/run` and `runs/latest` a temporary
+folder, `K` each node rank), `srun` becomes one process per task with Slurm's variables, and a
+multi-node command runs once per node rank, side by side. A command added to the README that
+does not work fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from brigade.net import free_port
+from tests.e2e.helpers import TINY
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+PREFIXES = ("brigade ", "python -m brigade", "torchrun ", "srun ", "scripts/setup.sh && ")
+
+# Flags that shorten a command without changing what it shows.
+_SMALL_SWEEP = ["--quick", "", "--repeats", "1", "--batch-size", "4", "--splits", "2", "--image-size", "32"]
+SHORT = {
+    "train": [*TINY, "--max-steps", "4"],
+    "bench": _SMALL_SWEEP,
+    "tune": _SMALL_SWEEP,
+    "brigade.bench.speed": ["--repeats", "1"],
+    "brigade.bench.overhead": ["--steps", "2", "--rounds", "1"],
+}
+# What a command is meant to do when it does not succeed (the README says so beside it).
+EXPECTED_EXIT = [("stall:rank=", 1)]
+
+
+def _commands_in_blocks(text: str) -> list[str]:
+    """Lines of ```bash blocks, and lines typed after a `$ ` prompt in any block."""
+    out, fence = [], None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fence = line[3:].strip() if fence is None else None
+            continue
+        typed = line.strip().startswith("$ ")
+        line = line.strip().removeprefix("$ ")
+        if fence is not None and (fence in ("bash", "sh") or typed) and line.startswith(PREFIXES):
+            out.append(line.split("  #")[0].split(" # ")[0].strip())
+    return out
+
+
+def _commands_in_tables(text: str) -> list[str]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            out += [c for c in re.findall(r"`([^`]+)`", line) if c.startswith(PREFIXES)]
+    return out
+
+
+def readme_commands() -> list[str]:
+    """Every distinct command the README shows, in order of appearance."""
+    text = README.read_text(encoding="utf-8")
+    seen: dict[str, None] = {}
+    for cmd in _commands_in_blocks(text) + _commands_in_tables(text):
+        cmd = cmd.removeprefix("scripts/setup.sh && ")
+        cmd = re.sub(r"--node-rank \d+", "--node-rank K", cmd)  # node 0 and node 1: one case
+        seen.setdefault(cmd, None)
+    return [c for c in seen if not c.startswith("python -m pytest")]  # the suite runs those
+
+
+def _optional_groups(cmd: str) -> str:
+    """`[--json]` is part of the command; a group naming placeholders is left out."""
+    def keep(m: re.Match) -> str:
+        return "" if re.search(r"\b(K|HOST|PORT|DIR)\b", m[1]) else m[1]
+    return re.sub(r"\[([^\]]*)\]", keep, cmd)
+
+
+def localise(cmd: str, out: Path, port: int) -> str:
+    cmd = _optional_groups(cmd).replace(" ...", "")
+    cmd = re.sub(r"(node0|10\.213\.0\.1|HOST):(\d+|PORT)", f"127.0.0.1:{port}", cmd)
+    cmd = re.sub(r"(/shared/runs?/\w*|/shared/run|runs/latest|\bDIR\b|\bOUT\b)", str(out), cmd)
+    return cmd
+
+
+def _subcommand(argv: list[str]) -> str:
+    if "-m" in argv:
+        mod = argv[argv.index("-m") + 1]
+        return argv[argv.index("-m") + 2] if mod == "brigade" else mod
+    return argv[1] if argv[0] == "brigade" else ""
+
+
+def shorten(argv: list[str], out: Path) -> list[str]:
+    sub = _subcommand(argv)
+    flags = SHORT.get(sub, [])
+    extra = []
+    for flag, value in zip(flags[::2], flags[1::2]):
+        if flag not in argv:  # a flag the command gives (its --max-steps, say) is part of what it shows
+            extra += [flag, value] if value else [flag]
+    fault = re.search(r"step=(\d+)", " ".join(argv))
+    if sub == "train" and fault and "--max-steps" not in argv:  # run past the step the fault names
+        extra[extra.index("--max-steps") + 1] = str(int(fault[1]) + 3)
+    if sub in ("train", "bench", "tune", "brigade.bench.speed", "brigade.bench.overhead") \
+            and "--out" not in argv and "--from" not in argv and "--help" not in argv:
+        extra += ["--out", str(out)]
+    return argv + extra
+
+
+def _python(argv: list[str]) -> list[str]:
+    """`brigade …` and `python …` as this interpreter runs them."""
+    if argv[0] == "brigade":
+        return [sys.executable, "-m", "brigade", *argv[1:]]
+    if argv[0] in ("python", "python3"):
+        return [sys.executable, *argv[1:]]
+    if argv[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    return argv
+
+
+def _slurm(argv: list[str], port: int) -> list[tuple[list[str], dict]]:
+    """`srun [-n N] CMD`: N tasks (the README's sbatch example: 2 nodes × 2 tasks)."""
+    n = int(argv[argv.index("-n") + 1]) if "-n" in argv else 4
+    cmd = argv[argv.index("python"):] if "python" in argv else argv[1:]
+    base = {"SLURM_NTASKS": str(n), "SLURM_NTASKS_PER_NODE": str(n), "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_JOB_ID": "7", "MASTER_PORT": str(port)}
+    return [(cmd, {**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in range(n)]
+
+
+def processes(cmd: str, out: Path) -> list[tuple[list[str], dict]]:
+    """The processes (argv, extra environment) that running `cmd` as shown means here."""
+    port = free_port()
+    argv = shorten(shlex.split(localise(cmd, out, port)), out)
+    if argv[0] == "srun":
+        return [(_python(a), env) for a, env in _slurm(argv, port)]
+    if "K" in argv:
+        k = argv.index("K")
+        return [(_python(argv[:k] + [str(r)] + argv[k + 1:]), {}) for r in (0, 1)]
+    return [(_python(argv), {})]
+
+
+def run_all(procs: list[tuple[list[str], dict]], cwd: Path,
+            timeout: float) -> list[subprocess.CompletedProcess]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
+    running = [subprocess.Popen(a, cwd=cwd, env={**env, **e}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for a, e in procs]
+    done = []
+    for p, (a, _) in zip(running, procs):
+        try:
+            stdout, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in running:
+                q.kill()
+            raise AssertionError(f"{' '.join(a)} did not finish in {timeout:.0f} s") from None
+        done.append(subprocess.CompletedProcess(a, p.returncode, stdout, ""))
+    return done
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_shows_commands():
+    assert len(COMMANDS) >= 15, COMMANDS
+    assert any(c.startswith("torchrun ") for c in COMMANDS) and any(c.startswith("srun ") for c in COMMANDS)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished run, for the commands that read one (generate, plot, inspect)."""
+    out = tmp_path_factory.mktemp("latest")
+    (result,) = run_all(processes("brigade train", out), out, 240)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_readme_command_runs(cmd, tmp_path, trained):
+    reads_run = re.search(r"(runs/latest|\bOUT\b|--from)", cmd) and " train" not in cmd
+    out = trained if reads_run else tmp_path / "out"
+    results = run_all(processes(cmd, out), tmp_path, 360)
+    expected = next((code for pattern, code in EXPECTED_EXIT if pattern in cmd), 0)
+    for r in results:
+        assert r.returncode == expected, f"{' '.join(r.args)} → exit {r.returncode}\n{r.stdout[-4000:]}"
+        assert "Traceback" not in r.stdout, r.stdout[-4000:]
+
+
+def test_localise_and_shorten(tmp_path):
+    procs = processes("brigade train --nnodes 2 --node-rank K --rdzv-endpoint node0:29500 --out /shared/run",
+                      tmp_path)
+    assert [a[a.index("--node-rank") + 1] for a, _ in procs] == ["0", "1"]
+    for argv, _ in procs:
+        assert "node0:29500" not in " ".join(argv) and str(tmp_path) in argv and "--max-steps" in argv
+    tasks = processes("srun -n 4 python -m brigade train --pp 2", tmp_path)
+    assert [env["SLURM_PROCID"] for _, env in tasks] == ["0", "1", "2", "3"]
+    (only,) = processes("brigade train --max-steps 300 --inject-fault kill:rank=1:step=150", tmp_path)
+    assert only[0].count("--max-steps") == 1 and "300" in only[0]
