@@ -12,6 +12,7 @@ m = 1 the reference is the plain full batch for every model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import asdict, dataclass, field
 
@@ -111,8 +112,9 @@ def run_case(cfg: CheckConfig, schedule: str, m: int, rank: int | None, lr: floa
     ref_loss, ref_grads, ref_state, ref_kind = _reference(spec, x, y, m, lr)
     balance = choose_balance(spec.blocks, cfg.stages, by=cfg.balance_by, sample=x[:2],
                              balance=cfg.balance)
+    device = bdist.init().device if rank is not None else torch.device("cpu")
     if rank is not None and dist.is_initialized():  # measured balances may differ between ranks
-        agreed = torch.tensor(balance)
+        agreed = torch.tensor(balance, device=device)  # NCCL takes only tensors on the group's GPU
         dist.broadcast(agreed, 0)
         balance = agreed.tolist()
     stages = split(spec.blocks, balance)
@@ -124,7 +126,6 @@ def run_case(cfg: CheckConfig, schedule: str, m: int, rank: int | None, lr: floa
         with LocalPipeline(stages, devices, schedule, m, spec.loss_fn) as pipe:
             loss = float(pipe.step(x, y))
     else:
-        device = bdist.init().device
         stages[rank].to(device)
         loss = float(Pipeline(stages[rank], schedule, m, spec.loss_fn, device=device).step(x, y))
     grads, state, ref_g, ref_s = [], [], [], []
@@ -136,7 +137,8 @@ def run_case(cfg: CheckConfig, schedule: str, m: int, rank: int | None, lr: floa
         torch.optim.SGD(stages[s].parameters(), lr=lr).step()
         state += [t.detach() for t in stages[s].state_dict().values()]
         ref_s += ref_state[slices[s][1]]
-    diffs = torch.tensor([abs(loss - ref_loss), grad_diff, _max_diff(state, ref_s)], dtype=torch.float64)
+    diffs = torch.tensor([abs(loss - ref_loss), grad_diff, _max_diff(state, ref_s)], dtype=torch.float64,
+                         device=device)
     if rank is not None and dist.get_world_size() > 1:
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     d = diffs.tolist()
@@ -144,11 +146,27 @@ def run_case(cfg: CheckConfig, schedule: str, m: int, rank: int | None, lr: floa
                        ok=max(d) <= cfg.atol)
 
 
+@contextlib.contextmanager
+def exact_matmuls():
+    """fp32 matmuls and convolutions in full precision while comparing.
+
+    cuBLAS and cuDNN may use TF32 for fp32 work (10-bit mantissas); against the fp32
+    reference that is a mismatch of about 1e-3, not a pipeline bug.
+    """
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def worker(cfg: CheckConfig, cases: list[tuple[str, int]]) -> list[dict]:
     """Process entry point: run every case in one process group (one start for many cases)."""
     info = bdist.init(threads=1)
     try:
-        return [run_case(cfg, s, m, info.rank).to_dict() for s, m in cases]
+        with exact_matmuls():
+            return [run_case(cfg, s, m, info.rank).to_dict() for s, m in cases]
     finally:
         bdist.destroy()
 
@@ -180,6 +198,7 @@ def run_check(cfg: CheckConfig, cases: list[tuple[str, int]] | None = None,
     cases = cases or [(cfg.schedule, cfg.microbatches)]
     preflight(cfg, cases)
     if cfg.runtime == "local":
-        return [run_case(cfg, s, m, None).to_dict() for s, m in cases]
+        with exact_matmuls():
+            return [run_case(cfg, s, m, None).to_dict() for s, m in cases]
     results = bdist.launch(worker, cfg.stages, cfg, cases, port=port)
     return results[0]
