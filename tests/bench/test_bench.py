@@ -79,9 +79,35 @@ def test_tune_chooses_within_a_third_of_the_sweep_and_writes_a_train_config(tmp_
     assert data["trials"] <= data["sweep_trials"] / 3 and data["sweep_trials"] == 12
     assert {"schedule", "microbatches", "balance"} <= set(data["chosen"])
     assert data["chosen_mean_s"] > 0 and data["sweep_best_mean_s"] > 0
+    assert data["within"] == pytest.approx(data["chosen_sweep_mean_s"] / data["sweep_best_mean_s"] - 1)
+    assert data["chosen_sweep_mean_s"] != data["chosen_mean_s"]  # timed again, not copied
     toml = out / "tune.toml"
     text = toml.read_text()
     assert f"microbatches = {data['chosen']['microbatches']}" in text and "pp = 2" in text
     run = brigade("train", "--config", toml, "--max-steps", "2", "--out", tmp_path / "run",
                   "--sample-tokens", "0")
     assert run.returncode == 0, run.stderr
+
+
+def test_verify_times_the_chosen_configuration_again_with_the_sweep():
+    from brigade.bench.tune import verify_sweep
+
+    predictions = [{"schedule": "zb", "microbatches": 8, "balance": [2, 2], "mean_s": 1.0},
+                   {"schedule": "1f1b", "microbatches": 4, "balance": [2, 2]},
+                   {"schedule": "gpipe", "microbatches": 2, "balance": [1, 3]}]
+    chosen = predictions[0]
+    # the search's 1.0 s was a lucky draw: timed again, the chosen one is not the best
+    again = {"zb": 1.3, "1f1b": 1.2, "gpipe": 2.0}
+    timed = []
+
+    def time_config(c):
+        timed.append((c["schedule"], c["microbatches"]))
+        return again[c["schedule"]]
+
+    result = verify_sweep(predictions, chosen, time_config)
+    assert timed == [("zb", 8), ("1f1b", 4), ("gpipe", 2)]  # the chosen one too, once
+    assert result["chosen_sweep_mean_s"] == 1.3
+    assert result["sweep_best"]["schedule"] == "1f1b" and result["sweep_best_mean_s"] == 1.2
+    assert result["within"] == pytest.approx(1.3 / 1.2 - 1)
+    zb = next(r for r in result["sweep"] if r["schedule"] == "zb")
+    assert zb["mean_s"] == 1.3 and zb["search_mean_s"] == 1.0
