@@ -15,14 +15,23 @@ How, without computing anything twice:
     2. weight pass: autograd.grad from those frontier nodes (GradientEdge) to the
        parameters, with the kept gradients; each N now computes only its weight
        output. The results are added to `.grad`.
+
+Under data parallel, DDP's reducer never fires (it hooks a normal backward), so
+`GradientReducer` takes its place: the runner tells it which parameters the
+step's last weight pass has finished, and it all-reduces them in buckets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from brigade import forensics
+
+Ready = Callable[[list[torch.Tensor]], None]  # told which parameters' gradients are complete
 
 
 def _walk(root) -> list:
@@ -71,9 +80,30 @@ def _accumulate(params: list[torch.Tensor], grads) -> None:
             p.grad = g if p.grad is None else p.grad + g
 
 
+def _whole(y, grad, params) -> Callable[[Ready | None], None]:
+    """A weight step with no frontier: every weight gradient in one call."""
+    def step(ready: Ready | None = None) -> None:
+        _accumulate(params, torch.autograd.grad(y, params, grad, allow_unused=True))
+        if ready:
+            ready(params)
+    return step
+
+
+def _done(params) -> Callable[[Ready | None], None]:
+    """A weight step for gradients the input pass already added (no clean split)."""
+    def step(ready: Ready | None = None) -> None:
+        if ready:
+            ready(params)
+    return step
+
+
 def backward_split(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
-                   params: list[torch.Tensor]) -> tuple[torch.Tensor | None, Callable[[], None]]:
+                   params: list[torch.Tensor]
+                   ) -> tuple[torch.Tensor | None, Callable[[Ready | None], None]]:
     """Input gradient now; a function that adds the weight gradients to `.grad` later.
+
+    The weight step takes an optional `ready(params)`, called as each group of parameters
+    has its gradient added, so a reduction can start before the whole pass is done.
 
     Args:
         y: this stage's output (or the scaled loss on the last stage); grad: dL/dy (None for a loss).
@@ -85,16 +115,15 @@ def backward_split(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor |
     """
     params = [p for p in params if p.requires_grad]
     if x is None or not x.requires_grad:
-        return None, lambda: _accumulate(params, torch.autograd.grad(y, params, grad, allow_unused=True))
+        return None, _whole(y, grad, params)
     x_node = get_gradient_edge(x).node
     param_nodes = {get_gradient_edge(p).node: i for i, p in enumerate(params)}
     frontier, reaches_x = _frontier(y.grad_fn, x_node, param_nodes)
     if reaches_x and not frontier:
         torch.autograd.backward(y, grad, inputs=[x, *params])
-        return x.grad, lambda: None
+        return x.grad, _done(params)
     if not reaches_x:
-        dx = torch.zeros_like(x)
-        return dx, lambda: _accumulate(params, torch.autograd.grad(y, params, grad, allow_unused=True))
+        return torch.zeros_like(x), _whole(y, grad, params)
     kept: dict = {}
 
     def keep(node):
@@ -109,15 +138,94 @@ def backward_split(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor |
         for h in handles:
             h.remove()
 
-    def weight_step() -> None:
+    def weight_step(ready: Ready | None = None) -> None:
         # One call per frontier node, asking only for the parameters below its weight-only
         # children, so no gradient flows twice through the input path.
         for node, outs in kept.items():
             edges = [GradientEdge(node, k) for k, g in enumerate(outs) if g is not None]
-            if not edges:
-                continue
             mine = [params[i] for i in frontier[node]]
-            grads = [g for g in outs if g is not None]
-            _accumulate(mine, torch.autograd.grad(edges, mine, grads, allow_unused=True))
+            if edges:
+                grads = [g for g in outs if g is not None]
+                _accumulate(mine, torch.autograd.grad(edges, mine, grads, allow_unused=True))
+            if ready:
+                ready(mine)
 
     return dx, weight_step
+
+
+class GradientReducer:
+    """Averages a stage's gradients over data-parallel replicas after a split backward.
+
+    Buckets hold parameters in reverse order (later layers finish first, as in DDP). During
+    the step's last weight pass the runner reports finished parameters (`ready`); a bucket
+    whose parameters are all finished starts an asynchronous all-reduce, always in bucket
+    order so every replica issues the same collectives in the same order. `finish` starts
+    what is left (parameters no pass reached), waits, and writes the mean into `.grad`.
+
+        last W:  frontier node ─► ready(params) ─► bucket k complete ─► all_reduce(k, async)
+        end:     finish() ─► launch the rest ─► wait each ─► ÷ replicas ─► .grad
+
+    Args:
+        params: the stage's parameters (those not requiring grad are skipped).
+        group: the data-parallel process group.
+        bucket_bytes: the most bytes a bucket holds (DDP's `bucket_bytes_cap`).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], group, bucket_bytes: int = 25 * 2**20):
+        self.group = group
+        self.replicas = dist.get_world_size(group)
+        self.buckets = _buckets([p for p in params if p.requires_grad][::-1], bucket_bytes)
+        self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget a step's progress (every bucket waits for all of its parameters again)."""
+        self._pending = [{id(p) for p in b} for b in self.buckets]
+        self._next = 0
+        self._inflight: list[tuple[int, torch.Tensor, object]] = []
+
+    def ready(self, params: list[torch.Tensor]) -> None:
+        """These parameters' gradients are complete for this step; start every full bucket."""
+        for p in params:
+            k = self._bucket_of.get(id(p))
+            if k is not None:
+                self._pending[k].discard(id(p))
+        while self._next < len(self.buckets) and not self._pending[self._next]:
+            self._launch()
+
+    def finish(self) -> None:
+        """Reduce what is left, wait for every bucket, and put the replicas' mean in `.grad`."""
+        while self._next < len(self.buckets):
+            self._launch()
+        for k, flat, work in self._inflight:
+            forensics.doing(f"allreduce bucket {k}", waiting=True)
+            work.wait()
+            flat.div_(self.replicas)
+            bucket = self.buckets[k]
+            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+                if p.grad is not None:  # None on every replica alike: the parameter was unused
+                    p.grad.copy_(g.view_as(p))
+        self.reset()
+
+    def _launch(self) -> None:
+        k, bucket = self._next, self.buckets[self._next]
+        forensics.doing(f"allreduce bucket {k}", waiting=True)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in bucket])
+        self._inflight.append((k, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        self._next += 1
+
+
+def _buckets(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of same device and dtype, each at most `cap` bytes (or one parameter)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        last = out[-1] if out else None
+        if last is None or size + nbytes > cap or (p.device, p.dtype) != (last[0].device, last[0].dtype):
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes
+    return out

@@ -21,8 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from brigade import forensics
-from brigade.errors import BrigadeError
-from brigade.pipeline.backward import backward_split
+from brigade.pipeline.backward import GradientReducer, backward_split
 from brigade.pipeline.schedule import COMM_OPS, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, W
 
 
@@ -55,6 +54,11 @@ class StageRunner:
         self.is_first = stage == 0
         self.is_last = stage == n_stages - 1
         self.autocast = autocast  # e.g. torch.bfloat16 on GPUs
+        # Split backwards (I/W) bypass DDP's reducer; this reduces in its place, same group
+        # and bucket size, once per step after the weight passes.
+        self.split_reducer = GradientReducer(module.module.parameters(), module.process_group,
+                                             module.bucket_bytes_cap) \
+            if isinstance(module, DistributedDataParallel) else None
 
     def run(
         self,
@@ -78,9 +82,11 @@ class StageRunner:
                 backward; False while accumulating gradients over several steps.
         """
         training = any(a.op in (B, I) for a in actions)
-        if isinstance(self.module, DistributedDataParallel) and any(a.op == I for a in actions):
-            raise BrigadeError("the zb schedule cannot be combined with data parallel yet: use 1f1b")
         weight_steps: dict[int, object] = {}
+        n_weight, weight_done = sum(a.op == W for a in actions), 0
+        reducer = self.split_reducer if sync and n_weight else None
+        if reducer is not None:
+            reducer.reset()
         result = StepResult()
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (stage input, output or loss)
         inbox: dict[int, torch.Tensor] = {}  # received activations or gradients
@@ -131,7 +137,10 @@ class StageRunner:
                     if not self.is_first:
                         inbox[i] = dx
                 elif a.op == W:
-                    weight_steps.pop(i)()
+                    weight_done += 1
+                    # Gradients are complete only in the step's last weight pass.
+                    last_w = reducer is not None and weight_done == n_weight
+                    weight_steps.pop(i)(reducer.ready if last_w else None)
                     held.pop(i)
                 elif a.op == SEND_B:
                     self.transport.send(inbox.pop(i), self.stage - 1)
@@ -139,6 +148,8 @@ class StageRunner:
                     result.trace.append((a, start, time.perf_counter()))
             forensics.doing(f"flush sends (stage {self.stage})", waiting=True)
             self.transport.flush()
+        if reducer is not None:
+            reducer.finish()  # before anyone reads .grad (norm, clipping, optimizer)
         result.loss = total
         return result
 

@@ -148,3 +148,77 @@ def test_zero_bubble_matches_single_device_processes():
     cfg = config("gpt-4", "process")
     for result in run_check(cfg, [("zb", 1), ("zb", 3), ("zb", 8)]):
         assert_transparent(result)
+
+
+def _max_grad_diff(got, want) -> float:
+    got, want = list(got), list(want)
+    assert len(got) == len(want) and all(p.grad is not None for p in got + want)
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(got, want))
+
+
+def zb_data_parallel_worker(bucket_caps: list[float | None]) -> list[dict[str, float]]:
+    """dp 2 × two local stages under zb: one accumulating step (sync=False), then one that syncs.
+
+    A cap of None wraps with brigade's `data_parallel` (one bucket here); a small cap forces
+    many buckets, so reductions start while the last weight pass still runs.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from brigade.pipeline.backward import GradientReducer
+    from brigade.train.layout import data_parallel
+
+    started: list[tuple[int, int]] = []  # (buckets already in flight when finish() began, buckets)
+    finish = GradientReducer.finish
+
+    def recording_finish(self):
+        started.append((len(self._inflight), len(self.buckets)))
+        finish(self)
+
+    GradientReducer.finish = recording_finish
+    info = bdist.init(threads=1)
+    batches = [load_model("gpt", seed=0, **TINY_GPT).make_batch(8, torch.Generator().manual_seed(s))
+               for s in (1, 2)]
+    mine = [(x.chunk(2)[info.rank], y.chunk(2)[info.rank]) for x, y in batches]
+    out = []
+    for cap in bucket_caps:
+        spec = load_model("gpt", seed=0, **TINY_GPT)
+        ref, half = (nn.Sequential(*copy.deepcopy(spec.blocks)) for _ in range(2))
+        groups = [dist.new_group([0, 1]) for _ in range(2)]  # one per stage thread
+
+        def wrap(i, module, cap=cap, groups=groups):
+            if cap is None:
+                return data_parallel(module, groups[i], None)
+            return DistributedDataParallel(module, process_group=groups[i], bucket_cap_mb=cap)
+
+        started.clear()
+        with LocalPipeline(split(spec.blocks, [2, 2]), ["cpu"] * 2, "zb", 3, spec.loss_fn,
+                           wrap=wrap) as pipe:
+            pipe.step(*mine[0], loss_scale=0.5, sync=False)
+            (spec.loss_fn(half(mine[0][0]), mine[0][1]) * 0.5).backward()  # this replica alone
+            accumulating = _max_grad_diff(pipe.parameters(), half.parameters())
+            pipe.step(*mine[1], loss_scale=0.5, sync=True)
+        for x, y in batches:
+            (spec.loss_fn(ref(x), y) * 0.5).backward()
+        full_first = nn.Sequential(*copy.deepcopy(spec.blocks))
+        spec.loss_fn(full_first(batches[0][0]), batches[0][1]).mul(0.5).backward()
+        out.append({"early": sum(e for e, _ in started), "buckets": sum(n for _, n in started),
+                    "accumulating": accumulating, "synced": _max_grad_diff(pipe.parameters(),
+                    ref.parameters()), "halves_differ": _max_grad_diff(half.parameters(),
+                    full_first.parameters())})
+    bdist.destroy()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_zero_bubble_data_parallel_gradients_match_single_device():
+    """After a zb step under dp 2 every gradient is the full batch's, and sync=False keeps it local."""
+    results = bdist.launch(zb_data_parallel_worker, 2, [None, 0.002])
+    for rank, cases in results.items():
+        for case in cases:
+            assert case["halves_differ"] > 1e-3, "a replica's half must differ from the full batch"
+            assert case["accumulating"] <= 1e-5, f"rank {rank}: sync=False must not reduce"
+            assert case["synced"] <= 1e-5, f"rank {rank}: {case}"
+            # Reduced once per stage, every bucket started inside the last weight pass.
+            assert case["early"] == case["buckets"], case
+        assert cases[1]["buckets"] > cases[0]["buckets"] >= 2, cases
