@@ -46,7 +46,9 @@ def reference():
     dict(nproc=2, local_stages=2),      # dp = 2 × local-pp = 2
     dict(nproc=2, pp=2, schedule="zb"),  # pp = 2, zero-bubble schedule
     dict(nproc=4, pp=2),                # dp = 2 × pp = 2
-], ids=["dp2", "pp2", "dp2xlocal2", "pp2-zb", "dp2xpp2"])
+    dict(nproc=4, pp=2, schedule="zb"),  # dp = 2 × pp = 2, zero-bubble
+    dict(nproc=2, local_stages=2, schedule="zb"),  # dp = 2 × local-pp = 2, zero-bubble
+], ids=["dp2", "pp2", "dp2xlocal2", "pp2-zb", "dp2xpp2", "dp2xpp2-zb", "dp2xlocal2-zb"])
 def test_layouts_match_a_single_device(reference, layout):
     nproc = layout.pop("nproc")
     results = bdist.launch(losses, nproc, layout.get("pp", 1), layout.get("local_stages", 1), 1,
@@ -61,6 +63,14 @@ def test_layouts_match_a_single_device(reference, layout):
 def test_gradient_accumulation_matches_one_big_batch(reference):
     got = bdist.launch(losses, 2, 1, 1, 2)[0]  # dp=2, two accumulated halves per replica
     assert got == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_zero_bubble_gradient_accumulation_under_data_parallel(reference):
+    """dp 2 × local-pp 2 under zb, two accumulated halves per replica: reduced once per step."""
+    results = bdist.launch(losses, 2, 1, 2, 2, "zb")
+    for rank, got in results.items():
+        assert got == pytest.approx(reference, abs=1e-5), f"rank {rank}"
 
 
 def test_lr_warms_up_then_decays_to_min():
