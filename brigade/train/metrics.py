@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -13,7 +14,9 @@ class Metrics:
     """Rank 0's record of a run. With `out=None` (other ranks) it does nothing.
 
     Every record is appended to `out/metrics.jsonl` and flushed at once, so a run
-    that dies leaves every finished step on disk.
+    that dies leaves every finished step on disk. Each gets `time`, the wall clock (Unix
+    seconds) when it was written: the gaps between step records time the whole training
+    loop (callbacks, metrics, collectives), which `step_time_s` alone does not.
     """
 
     def __init__(self, out: str | None, total_steps: int, log_every: int = 25):
@@ -38,7 +41,7 @@ class Metrics:
     def write(self, record: dict) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps({**record, "time": time.time()}) + "\n")
         self._file.flush()
         if "event" in record:
             return
@@ -73,3 +76,34 @@ class Metrics:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def read_records(out: str | Path) -> list[dict]:
+    """Every complete record of `out/metrics.jsonl`, in order (a line cut short by a crash is skipped).
+
+    Raises:
+        FileNotFoundError: the folder has no metrics.jsonl.
+    """
+    records = []
+    for line in (Path(out) / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def loop_seconds(records: list[dict], skip: int = 0) -> list[float]:
+    """Seconds between consecutive training-step records, after the first `skip` steps.
+
+    A gap with a validation record inside it is left out: it times evaluation, not a step.
+    """
+    out, prev = [], None
+    for r in records:
+        if "loss" in r and "time" in r and r["step"] > skip:
+            if prev is not None and r["step"] == prev["step"] + 1:
+                out.append(r["time"] - prev["time"])
+            prev = r
+        elif "val_loss" in r:
+            prev = None
+    return out
