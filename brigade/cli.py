@@ -111,11 +111,12 @@ def _add_train(sub) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from brigade import config
     from brigade.dist import Stopped
+    from brigade.launchenv import launcher_world
     from brigade.train.events import snapshot_step
     from brigade.train.faults import parse_fault
     from brigade.train.run import run
 
-    cfg = config.build(args)
+    cfg = config.build(args, world=launcher_world())  # under torchrun or srun, their world
     fault = parse_fault(args.inject_fault) if args.inject_fault else None
     try:
         run(cfg, fault, port=args.port)
@@ -170,10 +171,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from brigade.train.snapshot import resolve
 
     found = resolve(args.path)
-    m = found.manifest
-    info = {"path": str(found.path), "step": m["step"], "layout": m.get("layout"),
-            "params_sha256": m["params_sha256"], "config_hash": m.get("config_hash"),
-            "model": m.get("model"), "files": len(m["files"]), "checksums": "ok"}
+    m = found.meta
+    info = {"path": str(found.path), "step": m.step, "layout": m.layout,
+            "params_sha256": m.params_sha256, "config_hash": m.config_hash,
+            "model": m.model, "files": len(m.files), "checksums": "ok"}
     if args.json:
         print(json.dumps(info))
     else:

@@ -29,6 +29,7 @@ from brigade.train.snapshot import (
     MANIFEST,
     POINTER,
     Found,
+    Manifest,
     SafeReader,
     SnapshotError,
     fsync_path,
@@ -84,7 +85,7 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
-        write_atomic(tmp / f"rng_{rank}.json", json.dumps(rng_state()))
+        write_atomic(tmp / f"rng_{rank}.json", json.dumps(rng_state(_devices(model))))
         error = ""
     except (OSError, CheckpointException) as exc:
         error = _first_line(exc)
@@ -99,6 +100,8 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
             _commit(tmp, final, snaps, step, meta, hashes, keep, Path(out))
         except OSError as exc:
             error = _first_line(exc)
+        except ValueError as exc:  # from Manifest.from_json: the manifest would not read back
+            error = f"its manifest {exc}"
     if _failed(error) or not written:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -112,9 +115,25 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
 
 def _failed(error: str) -> bool:
     """True on every rank if writing failed on any rank."""
-    flag = torch.tensor([1.0 if error else 0.0])
+    flag = torch.tensor([1.0 if error else 0.0], device=_collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() > 0
+
+
+def _collective_device() -> torch.device:
+    """Where the default group's tensors must live: NCCL takes only CUDA tensors, on the
+    device this process was bound to (`torch.cuda.set_device` in `brigade.dist.init`)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _devices(model: nn.Module) -> list[torch.device]:
+    """The devices this process computes on, in stage order: whose RNG states it owns."""
+    seen: dict[torch.device, None] = {}
+    for p in model.parameters():
+        seen.setdefault(p.device, None)
+    return list(seen)
 
 
 def _commit(tmp: Path, final: Path, snaps: Path, step: int, meta: dict, hashes: dict, keep: int,
@@ -122,13 +141,13 @@ def _commit(tmp: Path, final: Path, snaps: Path, step: int, meta: dict, hashes: 
     """Rank 0: checksums and manifest, then the rename, then LATEST, then pruning."""
     for f in tmp.iterdir():
         fsync_path(f)
-    manifest = {
+    manifest = Manifest.from_json({
         "step": step, **meta,
         "params_sha256": params_sha256(hashes),
         "world_size": dist.get_world_size(),
         "files": {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()},
-    }
-    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    })  # checked as `verify` will read it: a snapshot that cannot be read is never committed
+    write_atomic(tmp / MANIFEST, json.dumps(manifest.to_json(), indent=1))
     fsync_path(tmp)
     if final.exists():  # the same step again (a resumed run): replace it whole
         shutil.rmtree(final)
@@ -179,7 +198,7 @@ def load(found: Found, model: nn.Module, optimizer) -> dict:
                    options=_OPTIONS)
     rng_file = found.path / f"rng_{dist.get_rank() if dist.is_initialized() else 0}.json"
     if rng_file.is_file():
-        set_rng_state(json.loads(rng_file.read_text()))
+        set_rng_state(json.loads(rng_file.read_text()), _devices(model))
     return found.manifest
 
 

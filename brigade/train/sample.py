@@ -39,13 +39,17 @@ def sample_from_run(path: str | Path, prompt: str, tokens: int, seed: int = 0,
         BrigadeError: no snapshot, not a GPT run, or characters the run never saw.
     """
     found = resolve(path)
-    manifest = found.manifest
-    if manifest.get("model") != "gpt" or not manifest.get("vocab"):
-        raise BrigadeError(f"{path} is a {manifest.get('model')} run: generate needs a GPT trained on text")
+    manifest = found.meta
+    if manifest.model != "gpt" or not manifest.vocab:
+        raise BrigadeError(f"{path} is a {manifest.model} run: generate needs a GPT trained on text")
     if tokens < 1:
         raise BrigadeError(f"--tokens {tokens}: must be ≥ 1")
-    m = ModelConfig(**manifest.get("config", {}).get("model", {}))
-    vocab = Vocab(manifest["vocab"])
+    try:
+        m = ModelConfig(**manifest.config.get("model", {}))
+    except TypeError:
+        raise BrigadeError(f"{found.path}: the manifest's config.model is not a brigade model config: "
+                           "the snapshot is damaged or from another version") from None
+    vocab = Vocab(manifest.vocab)
     blocks = gpt(GPTConfig(len(vocab), m.context, m.n_layer, m.n_head, m.n_embd, 0.0))
     owned = Owned(blocks, list(range(len(blocks))))
     load_model_only(found.path, owned)

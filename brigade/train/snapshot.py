@@ -25,7 +25,8 @@ import pickle
 import random
 import sys
 import warnings
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -117,10 +118,20 @@ def write_atomic(path: Path, text: str) -> None:
     fsync_path(path.parent)
 
 
-def rng_state() -> dict:
+def rng_state(devices: Sequence[torch.device] = ()) -> dict:
+    """This process's random-number generator states, as JSON-able lists.
+
+    Args:
+        devices: the GPUs this process computes on (where its model lives), in stage order. Only
+            their generators are saved, not every visible GPU's: a rank owns its devices only,
+            and a node with fewer GPUs can resume.
+    Returns:
+        {"torch", "python", optional "cuda" (one state per device, in order), optional "numpy"}.
+    """
     state = {"torch": torch.get_rng_state().tolist(), "python": _py_state(random.getstate())}
-    if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    gpus = [d for d in devices if d.type == "cuda"]
+    if gpus:
+        state["cuda"] = [torch.cuda.get_rng_state(d).tolist() for d in gpus]
     if "numpy" in sys.modules:
         import numpy as np
 
@@ -133,12 +144,18 @@ def _py_state(s):
     return [s[0], list(s[1]), s[2]]
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, devices: Sequence[torch.device] = ()) -> None:
+    """Restore what `rng_state` saved; the k-th saved GPU state goes to the k-th of `devices`.
+
+    Matching by position, not by index, lets a rank resume on other GPU numbers; states or
+    devices without a partner (another layout) are left as they are.
+    """
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    gpus = [d for d in devices if d.type == "cuda"]
+    for saved, device in zip(state.get("cuda", []), gpus):
+        torch.cuda.set_rng_state(torch.tensor(saved, dtype=torch.uint8), device)
     if "numpy" in state and "numpy" in sys.modules:
         import numpy as np
 
@@ -146,10 +163,100 @@ def set_rng_state(state: dict) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
+@dataclass(frozen=True)
+class Manifest:
+    """What `manifest.json` holds: the one list of its keys and their types.
+
+    Written by `checkpoint.save` (rank 0, last), read here by `verify`; readers use these
+    attributes. Keys this version does not know are kept in `extra` (a newer writer's additions).
+    """
+
+    step: int
+    cursor: int
+    epoch: int
+    layout: dict  # {"dp": int, "pp": int, "local_stages": int}
+    config_hash: str
+    config: dict  # {"model": {...}, "optim": {...}, ...}: what must match to resume
+    model: str
+    vocab: str | None  # a GPT's characters; None for other models
+    params_sha256: str
+    world_size: int
+    files: dict  # file name -> sha256 of every data file in the snapshot
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The JSON object `from_json` reads back."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**self.extra, **d}
+
+    @classmethod
+    def from_json(cls, data: object) -> Manifest:
+        """Parse and type-check a manifest's JSON value.
+
+        Raises:
+            ValueError: one line naming the key that is missing or of the wrong type.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"is a JSON {type(data).__name__}, not an object")
+        known = {f.name: f for f in fields(cls) if f.name != "extra"}
+        for name in known:
+            if name not in data:
+                raise ValueError(f"has no {name!r} key")
+            if not _KEY_TYPES[name](data[name]):
+                raise ValueError(f"has {name!r} = {_short(data[name])}, expected {_KEY_DOCS[name]}")
+        extra = {k: v for k, v in data.items() if k not in known}
+        return cls(**{k: data[k] for k in known}, extra=extra)
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_digest(v: object) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def _is_file_list(v: object) -> bool:
+    """A non-empty {plain file name: sha256}: no folders, so no name can point outside."""
+    return (isinstance(v, dict) and len(v) > 0
+            and all(isinstance(k, str) and k not in ("", ".", "..", MANIFEST) and "/" not in k
+                    and "\\" not in k and _is_digest(d) for k, d in v.items()))
+
+
+_KEY_TYPES = {
+    "step": _is_count, "cursor": _is_count, "epoch": _is_count,
+    "layout": lambda v: isinstance(v, dict) and all(_is_count(x) for x in v.values()),
+    "config_hash": lambda v: isinstance(v, str),
+    "config": lambda v: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()),
+    "model": lambda v: isinstance(v, str) and v != "",
+    "vocab": lambda v: v is None or isinstance(v, str),
+    "params_sha256": _is_digest,
+    "world_size": lambda v: _is_count(v) and v >= 1,
+    "files": _is_file_list,
+}
+_KEY_DOCS = {
+    "step": "an integer ≥ 0", "cursor": "an integer ≥ 0", "epoch": "an integer ≥ 0",
+    "layout": "an object of integers", "config_hash": "a string",
+    "config": "an object of objects", "model": "a model name", "vocab": "a string or null",
+    "params_sha256": "a sha256 hex digest", "world_size": "an integer ≥ 1",
+    "files": "a non-empty object of file name → sha256 hex digest",
+}
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 @dataclass
 class Found:
     path: Path
-    manifest: dict
+    meta: Manifest
+
+    @property
+    def manifest(self) -> dict:
+        """The manifest as its JSON object (for readers not yet on `meta`'s attributes)."""
+        return self.meta.to_json()
 
 
 def snapshot_dirs(root: Path) -> list[Path]:
@@ -168,21 +275,27 @@ def snapshot_dirs(root: Path) -> list[Path]:
     return dirs
 
 
-def verify(path: Path) -> dict:
-    """The manifest of a complete snapshot whose files all match their checksums.
+def verify(path: Path) -> Manifest:
+    """The manifest of a complete snapshot: well-formed, every file listed and matching its checksum.
 
     Raises:
-        SnapshotError: missing manifest, missing or extra data file, checksum mismatch.
+        SnapshotError: missing or malformed manifest, missing or unlisted data file, checksum mismatch.
     """
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise SnapshotError(f"{path} has no {MANIFEST}: the snapshot is incomplete")
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-    except (ValueError, KeyError, UnicodeDecodeError):
-        raise SnapshotError(f"{manifest_path} is not a brigade manifest: the snapshot is damaged") from None
-    for name, digest in files.items():
+        manifest = Manifest.from_json(json.loads(manifest_path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SnapshotError(f"{manifest_path} is not JSON: the snapshot is damaged") from None
+    except ValueError as exc:  # from_json: names the key
+        raise SnapshotError(f"{manifest_path} {exc}: the snapshot is damaged") from None
+    present = {f.name for f in path.iterdir()} - {MANIFEST}
+    unlisted = sorted(present - set(manifest.files))
+    if unlisted:
+        raise SnapshotError(f"{path}: {unlisted[0]} is not in its {MANIFEST} "
+                            "(a file added or a manifest altered): the snapshot is damaged")
+    for name, digest in manifest.files.items():
         f = path / name
         if not f.is_file():
             raise SnapshotError(f"{path}: {name} is missing")
