@@ -111,12 +111,11 @@ def _add_train(sub) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from brigade import config
     from brigade.dist import Stopped
-    from brigade.launchenv import launcher_world
     from brigade.train.events import snapshot_step
     from brigade.train.faults import parse_fault
     from brigade.train.run import run
 
-    cfg = config.build(args, world=launcher_world())  # under torchrun or srun, their world
+    cfg = config.build(args)
     fault = parse_fault(args.inject_fault) if args.inject_fault else None
     try:
         run(cfg, fault, port=args.port)
