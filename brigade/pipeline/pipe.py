@@ -28,7 +28,9 @@ class Pipeline:
 
     Args:
         module: this stage's blocks, already on `device` (may be DDP-wrapped).
-        schedule: "gpipe" or "1f1b"; n_microbatches: micro-batches per step.
+        schedule: "gpipe", "1f1b" or "zb"; n_microbatches: micro-batches per step. Under
+            zb a DDP-wrapped module's gradients are reduced by the runner's
+            `GradientReducer` (DDP's reducer does not see a split backward).
         loss_fn: (output, target) -> mean loss, applied on the last stage.
         group: the pipeline's process group (default: the whole world).
     """

@@ -6,6 +6,10 @@
     dp × local-pp each process drives a LocalPipeline over `local_stages` devices; stage i of
                   every process forms its own DDP group (the tutorial's DDP with model parallel)
 
+Gradients are averaged over replicas once per step: by DDP's reducer on the last backward,
+or, under zb (split I/W backward, which DDP cannot see), by the stage runner's
+`GradientReducer` on DDP's group, bucketed, started during the step's last weight pass.
+
 Parameters keep layout-independent names (`blocks.3.attn.qkv.weight`): `owned` is a
 module holding only this process's blocks under their global index.
 """
@@ -69,7 +73,11 @@ def make_layout(cfg: ParallelConfig, device: torch.device) -> Layout:
 
 
 def data_parallel(module: nn.Module, group, device_ids) -> DistributedDataParallel:
-    """DDP whose gradient all-reduces tell the hang watchdog which bucket is in flight."""
+    """DDP whose gradient all-reduces tell the hang watchdog which bucket is in flight.
+
+    Under zb the runner reduces with `GradientReducer` on this DDP's group and bucket cap,
+    and records its buckets the same way.
+    """
     ddp = DistributedDataParallel(module, process_group=group, device_ids=device_ids)
     ddp.register_comm_hook(group, _recorded_allreduce)
     return ddp
