@@ -1,0 +1,176 @@
+"""The README's results table, written from the JSON files in results/ and nothing else.
+
+    python -m brigade.bench.results --table      # prints it; paste it under "## Results"
+
+Each row names the file that holds its figures; `figure` renders them with the README's
+rounding. tests/test_results.py checks that the README holds exactly this table, so a
+figure cannot change in the README without its file, nor the file without the README.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from brigade.bench.plot import headline
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: what was measured, its file under results/, how to reproduce it."""
+
+    what: str
+    file: str
+    figure: Callable[[dict], str]
+    reproduce: str
+
+
+def _main(d: dict) -> str:
+    minutes, seconds = divmod(round(d["wall_s"]), 60)
+    return (f"validation loss {d['val_loss_first']:.2f} → {d['val_loss_last']:.2f} after {d['steps']} "
+            f"steps; the command took {minutes} min {seconds:02d} s")
+
+
+def _transparency(d: dict) -> str:
+    verdict = "all pass" if d["failed"] == 0 and d["passed"] else f"{d['failed']} FAIL"
+    return f"per-step losses equal to one device within {d['tolerance']:g}: {d['passed']} tests, {verdict}"
+
+
+def _check(d: dict) -> str:
+    return (f"max \\|Δloss\\| {d['max_abs_loss_diff']:.1g}, max \\|Δgrad\\| {d['max_abs_grad_diff']:.1g}, "
+            f"max \\|Δparam\\| {d['max_abs_param_diff']:.1g}")
+
+
+def _overhead(d: dict) -> str:
+    # A file without "config" was written by the older bench, which timed Trainer.train_step only.
+    what = "" if "config" in d else "; measured on Trainer.train_step alone, before the whole-loop bench"
+    return (f"{100 * d['overhead']:+.1f} % ({d['brigade_median_s'] * 1e3:.1f} vs "
+            f"{d['raw_median_s'] * 1e3:.1f} ms per step){what}")
+
+
+def _speed_zb(d: dict) -> str:
+    c = d["cases"][0]
+    return (f"{c['brigade_mean_s'] * 1e3:.1f} ms: ×{c['vs_torch_pipelining']:.2f} "
+            f"torch.distributed.pipelining's {c['torch_schedule'].upper()} "
+            f"({c['torch_pipelining_mean_s'] * 1e3:.1f} ms), ×{c['speedup_vs_single']:.2f} a single "
+            f"device, efficiency {c['efficiency']:.2f}")
+
+
+def _speed_1f1b(d: dict) -> str:
+    c = d["cases"][0]
+    return (f"brigade {c['brigade_mean_s'] * 1e3:.1f} ms vs torch "
+            f"{c['torch_pipelining_mean_s'] * 1e3:.1f} ms "
+            f"(×{c['vs_torch_pipelining']:.2f}), efficiency {c['efficiency']:.2f}")
+
+
+def _name(row: dict) -> str:
+    return f"{row['schedule'].upper()}, m = {row['microbatches']}"
+
+
+def _bench_gpt(d: dict) -> str:
+    p = dict(headline(d["configs"]))
+    ours, theirs = p["brigade pipelined (best)"], p["torch pipelining (best)"]
+    one = p["Single device"]["mean_s"]
+    return (f"best brigade ({_name(ours)}) {ours['mean_s']:.3f} s: ×{theirs['mean_s'] / ours['mean_s']:.2f} "
+            f"torch's best ({_name(theirs)}, {theirs['mean_s']:.3f} s), ×{one / ours['mean_s']:.2f} one "
+            f"device ({one:.3f} s); the bench took {d['wall_s']:.0f} s")
+
+
+def _bench_resnet(d: dict) -> str:
+    p = dict(headline(d["configs"]))
+    one, mp = p["Single device"]["mean_s"], p["Model parallel"]["mean_s"]
+    ours, theirs = p["brigade pipelined (best)"], p["torch pipelining (best)"]
+    return (f"single {one:.3f} s; model parallel {mp:.3f} s ({100 * (one / mp - 1):+.0f} %); best brigade "
+            f"({_name(ours)}) {ours['mean_s']:.3f} s; torch's best {theirs['mean_s']:.3f} s (brigade "
+            f"×{theirs['mean_s'] / ours['mean_s']:.2f}); DDP {p['DDP']['mean_s']:.3f} s; "
+            f"the bench took {d['wall_s']:.0f} s")
+
+
+def _snapshot(d: dict) -> str:
+    s = d["snapshot_s"]
+    share = sum(s) / len(s) / (d["snapshot_every"] * d["step_s"])
+    return (f"{min(s):.2f}–{max(s):.2f} s per snapshot vs {d['step_s']:.3f} s per step: "
+            f"≈ {100 * share:.1f} % of training time")
+
+
+def _restart(d: dict) -> str:
+    return (f"the restarted worker (attempt {d['attempt']}, resumed from step {d['resumed_from']}) "
+            f"completes its first step {d['first_step_s']:.2f} s after its process starts")
+
+
+def _two_hosts(d: dict) -> str:
+    same = "the one-host run's `params_sha256` and losses" if d["same_params_sha256"] and d["same_losses"] \
+        else "DIFFERENT parameters or losses than one host"
+    return (f"host 1 killed after step {d['killed_after_step']}: resumed from the step-"
+            f"{d['resumed_from']} snapshot and finished {d['finished_s_after_kill']:.0f} s after the kill "
+            f"with {same}")
+
+
+def _doctor(d: dict) -> str:
+    return (f"all-reduce latency {d['allreduce_latency_ms']:.2f} ms, "
+            f"4 MiB in {d['allreduce_4mib_ms']:.0f} ms "
+            f"({d['allreduce_gbps_per_link']:.2f} GB/s per link); P2P 4 MiB at {d['p2p_gbps']:.1f} GB/s; "
+            f"clock skew {d['clock_skew_ms']:.1f} ms")
+
+
+def _hang(d: dict) -> str:
+    return (f"table, stacks and verdict naming rank {d['stuck_rank']} printed {d['stuck_for_s']:.1f} s "
+            f"after its last action; the command returned (exit {d['exit_code']}) {d['wall_s']:.0f} s "
+            "after it started")
+
+
+def _tune(d: dict) -> str:
+    c, b = d["chosen"], d["sweep_best"]
+    if "chosen_sweep_mean_s" in d:
+        timed = f"{d['chosen_sweep_mean_s']:.3f} s timed again in the sweep"
+    else:  # written before --verify timed the choice again
+        timed = f"{d['chosen_mean_s']:.3f} s as timed by the search (not again in the sweep)"
+    return (f"{d['trials']} trials of the sweep's {d['sweep_trials']}; chose {_name(c)}, balance "
+            f"{c['balance']}: {timed}, {100 * d['within']:+.1f} % from the sweep's best ({_name(b)})")
+
+
+ROWS = [
+    Row("main job: GPT 4×128, context 128, batch 32, dp = 2, 1000 steps", "train/main.json", _main,
+        "`brigade train`"),
+    Row("transparency, all layouts (dp2, pp2, dp2×local2, pp2-zb, dp2×pp2, grad-accum), 20 steps",
+        "check/transparency.json", _transparency, "`python -m pytest tests/train/test_trainer.py`"),
+    Row("transparency, GPT, 4 stages, m = 8, both runtimes", "check/check.json", _check,
+        "`brigade check --model gpt --stages 4 --microbatches 8`"),
+    Row("`brigade train`'s whole loop vs a raw torch DDP loop (same GPT, batch, AdamW, clipping)",
+        "overhead/overhead.json", _overhead, "`python -m brigade.bench.overhead`"),
+    Row("MLP 8 × Linear(1024), batch 256, 2 stages, m = 2, zero-bubble", "speed/speed.json", _speed_zb,
+        "`python -m brigade.bench.speed --schedule zb --microbatches 2`"),
+    Row("same, 1F1B on both sides", "speed-1f1b/speed.json", _speed_1f1b,
+        "`python -m brigade.bench.speed --schedule 1f1b --microbatches 2`"),
+    Row("GPT 8×256, context 128, batch 32", "bench-gpt/bench.json", _bench_gpt,
+        "`brigade bench --model gpt --quick`"),
+    Row("ResNet-50, 64 px, batch 32, the tutorial's split sizes scaled", "bench/bench.json", _bench_resnet,
+        "`brigade bench`"),
+    Row("snapshot at the default interval (every 100 steps), main job", "train/snapshot.json", _snapshot,
+        "`brigade train --max-steps 300`"),
+    Row("restart after `kill:rank=1:step=150`", "faults/restart.json", _restart,
+        "`brigade train --max-steps 300 --inject-fault kill:rank=1:step=150 --max-restarts 1`"),
+    Row("two hosts (network namespaces, veth), dp 2 × pp 2 across them", "two-hosts/two_hosts.json",
+        _two_hosts, "`python -m pytest tests/e2e/test_two_hosts.py` (as root)"),
+    Row("`brigade doctor` across those two hosts, 2 processes each", "two-hosts/doctor.json", _doctor,
+        "`brigade doctor --nnodes 2 --node-rank K --rdzv-endpoint 10.213.0.1:29631` in each namespace"),
+    Row("hang report for `stall:rank=1:step=5`, dp 2 × pp 2, `--hang-timeout 10`", "faults/hang.json", _hang,
+        "`brigade train --nproc 4 --pp 2 --hang-timeout 10 --inject-fault stall:rank=1:step=5`"),
+    Row("tuner: split size, schedule and cut points for the GPT 8×256", "tune-gpt/tune.json", _tune,
+        "`brigade tune --model gpt --quick --verify`"),
+]
+
+
+def table(results: str | Path = "results") -> str:
+    """The Markdown table, every figure read from its file under `results`.
+
+    Raises:
+        FileNotFoundError: a row's file is missing. KeyError: a file lacks a figure its row needs.
+    """
+    lines = ["| what | figure | reproduce | file |", "|---|---|---|---|"]
+    for row in ROWS:
+        data = json.loads((Path(results) / row.file).read_text(encoding="utf-8"))
+        lines.append(f"| {row.what} | {row.figure(data)} | {row.reproduce} | `results/{row.file}` |")
+    return "\n".join(lines)
