@@ -42,6 +42,7 @@ class CheckConfig:
     atol: float = 1e-5
     model_options: dict = field(default_factory=dict)
     balance_by: str = "params"  # params | time, when balance is None
+    devices: list[str] | None = None  # local runtime: one per stage; default one GPU each, else CPU
 
 
 @dataclass
@@ -60,6 +61,25 @@ class CheckResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def local_devices(n: int) -> list[str]:
+    """One GPU per stage when there are enough, else every stage on the CPU."""
+    return [f"cuda:{i}" for i in range(n)] if torch.cuda.device_count() >= n else ["cpu"] * n
+
+
+def _check_devices(devices: list[str], stages: int) -> None:
+    if len(devices) != stages:
+        raise BrigadeError(f"--devices {','.join(devices)} names {len(devices)} devices for {stages} "
+                           "stages: give one per stage, like cpu,cuda:0")
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except RuntimeError:
+            raise BrigadeError(f"--devices: {d!r} is not a device: use cpu or cuda:N") from None
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise BrigadeError(f"--devices: {d} is not visible ({torch.cuda.device_count()} GPUs here): "
+                               "use cpu or a GPU this machine has")
 
 
 def _has_batchnorm(blocks: list[nn.Module]) -> bool:
@@ -121,8 +141,7 @@ def run_case(cfg: CheckConfig, schedule: str, m: int, rank: int | None, lr: floa
     slices = _block_slices(balance, stages)
     mine = range(cfg.stages) if rank is None else [rank]
     if rank is None:
-        devices = [f"cuda:{i}" for i in range(cfg.stages)] if torch.cuda.device_count() >= cfg.stages \
-            else ["cpu"] * cfg.stages
+        devices = cfg.devices or local_devices(cfg.stages)
         with LocalPipeline(stages, devices, schedule, m, spec.loss_fn) as pipe:
             loss = float(pipe.step(x, y))
     else:
@@ -179,6 +198,10 @@ def preflight(cfg: CheckConfig, cases: list[tuple[str, int]]) -> None:
     """
     if cfg.runtime not in ("process", "local"):
         raise BrigadeError(f"unknown runtime {cfg.runtime!r}: expected process or local")
+    if cfg.devices is not None:
+        if cfg.runtime != "local":
+            raise BrigadeError("--devices places the stages of --runtime local: add --runtime local")
+        _check_devices(cfg.devices, cfg.stages)
     if cfg.batch_size < 1:
         raise BrigadeError(f"batch size {cfg.batch_size}: need at least 1")
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)

@@ -58,6 +58,9 @@ def _add_check(sub) -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--runtime", default="process", choices=["process", "local"],
                    help="one process per stage, or one thread per device in this process")
+    p.add_argument("--devices", default=None,
+                   help="--runtime local: one device per stage, like cpu,cuda:0 (default: a GPU each "
+                        "when there are enough, else the CPU)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--balance", default=None, help="blocks per stage, like 3,5 (default: by params)")
     p.add_argument("--balance-by", default="params", choices=["params", "time"],
@@ -82,6 +85,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         microbatches=args.microbatches, runtime=args.runtime, batch_size=args.batch_size,
         balance=parse_balance(args.balance) if args.balance else None, seed=args.seed,
         atol=args.atol, model_options=options, balance_by=args.balance_by,
+        devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
     )
     result = run_check(cfg, port=args.port)[0]
     if args.json:
@@ -111,11 +115,12 @@ def _add_train(sub) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from brigade import config
     from brigade.dist import Stopped
+    from brigade.launchenv import launcher_world
     from brigade.train.events import snapshot_step
     from brigade.train.faults import parse_fault
     from brigade.train.run import run
 
-    cfg = config.build(args)
+    cfg = config.build(args, world=launcher_world())  # under torchrun or srun, their world
     fault = parse_fault(args.inject_fault) if args.inject_fault else None
     try:
         run(cfg, fault, port=args.port)

@@ -19,6 +19,7 @@ import dataclasses
 import sys
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -177,8 +178,19 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="a TOML file; flags override it")
 
 
-def build(args: argparse.Namespace | None = None, toml: dict[str, dict] | None = None) -> RunConfig:
-    """Defaults ← TOML ← flags, then `validate`."""
+def build(args: argparse.Namespace | None = None, toml: dict[str, dict] | None = None,
+          world: World | None = None) -> RunConfig:
+    """Defaults ← TOML ← flags, then `validate`, then `resolve_layout` for `world`.
+
+    Args:
+        args: parsed flags (only those the user typed are present).
+        toml: a loaded config file; by default the one `--config` names.
+        world: the processes a launcher started (torchrun, srun); None: brigade starts
+            `--nproc` × `--nnodes` itself.
+
+    Raises:
+        BrigadeError: a value out of range, or a layout that contradicts the world.
+    """
     cfg = RunConfig()
     given = vars(args) if args is not None else {}
     if toml is None and given.get("config"):
@@ -192,7 +204,86 @@ def build(args: argparse.Namespace | None = None, toml: dict[str, dict] | None =
             if f.name in given:
                 setattr(part, f.name, given[f.name])
     validate(cfg)
-    return cfg
+    typed = {k for k in given if given[k] is not None} | set((toml or {}).get("parallel", {}))
+    return resolve_layout(cfg, world, given=typed)
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes of a run as a launcher started them.
+
+    size: processes in all; local: on this node (None: the launcher does not say);
+    launcher: who started them, for messages ("torchrun", "Slurm").
+    """
+
+    size: int
+    local: int | None = None
+    launcher: str = "the launcher"
+
+
+def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection[str] = ()) -> RunConfig:
+    """The one place the layout is derived: dp = world ÷ pp when --dp is 0. Pure.
+
+    Local stages live inside one process, so they do not divide the world. Under a launcher
+    the world is the launcher's; `--nproc` and `--nnodes` then only need to agree with it if
+    the user gave them (`given`: field names typed or in the TOML file).
+
+    Returns:
+        a copy of `cfg` with `dp` set and, under a launcher, `nproc` / `nnodes` the launcher's.
+
+    Raises:
+        BrigadeError: the world is not divisible by --pp, dp × pp ≠ world, a given --nproc or
+            --nnodes that the launcher contradicts, or a batch that does not split over dp.
+    """
+    p = cfg.parallel
+    if world is None:
+        size, where, nproc, nnodes = p.nproc * p.nnodes, f"--nproc {p.nproc} × --nnodes {p.nnodes}", \
+            p.nproc, p.nnodes
+    else:
+        size, where = world.size, f"set by {world.launcher}"
+        nproc, nnodes = _launcher_nodes(p, world, given)
+    dp = p.dp
+    if dp == 0:
+        if size % p.pp:
+            raise BrigadeError(f"world size {size} ({where}) is not divisible by --pp {p.pp}: make it a "
+                               "multiple of the pipeline stages")
+        dp = size // p.pp
+    if dp * p.pp != size:
+        fix = "" if world is None else f", or leave --dp out to derive it ({size} ÷ --pp)"
+        raise BrigadeError(f"--dp {dp} × --pp {p.pp} = {dp * p.pp} but the world size is {size} ({where}): "
+                           f"the world size must equal dp × pp{fix}")
+    _check_batch(cfg, dp)
+    parallel = dataclasses.replace(p, dp=dp, nproc=nproc, nnodes=nnodes)
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
+def _launcher_nodes(p: ParallelConfig, world: World, given: Collection[str]) -> tuple[int, int]:
+    """(processes on this node, nodes) as the launcher started them; a given flag must agree."""
+    local = world.local or world.size
+    if "nproc" in given and p.nproc != local:
+        raise BrigadeError(f"--nproc {p.nproc} but {world.launcher} started {local} processes on this "
+                           f"node: leave --nproc out under {world.launcher}, or have it start {p.nproc} per node")
+    nnodes = world.size // local if world.size % local == 0 else p.nnodes
+    if "nnodes" in given and p.nnodes != nnodes:
+        raise BrigadeError(f"--nnodes {p.nnodes} but {world.launcher} started {world.size} processes, "
+                           f"{local} per node: leave --nnodes out under {world.launcher}")
+    return local, nnodes
+
+
+def _check_batch(cfg: RunConfig, dp: int) -> None:
+    """The global batch must split evenly over replicas and accumulation, then micro-batches."""
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+    if t.batch_size % (dp * o.grad_accum):
+        raise BrigadeError(
+            f"--batch-size {t.batch_size} does not split evenly over dp {dp} × grad-accum "
+            f"{o.grad_accum}: use a multiple of {dp * o.grad_accum}"
+        )
+    per_replica = t.batch_size // (dp * o.grad_accum)
+    if p.pp * p.local_stages > 1 and p.microbatches > per_replica:
+        raise BrigadeError(
+            f"--microbatches {p.microbatches} is larger than each replica's batch ({per_replica}): "
+            f"use at most {per_replica} or a larger --batch-size"
+        )
 
 
 def _positive(name: str, value: float, zero_ok: bool = False) -> None:
@@ -214,7 +305,7 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Checks that need no model, data or processes.
+    """Checks that need no model, data, processes or world (see `resolve_layout`); changes nothing.
 
     Raises:
         BrigadeError: naming the value, what was expected, and how to fix it.
@@ -249,27 +340,5 @@ def validate(cfg: RunConfig) -> None:
         raise BrigadeError(f"--node-rank {p.node_rank}: must be between 0 and --nnodes - 1 ({p.nnodes - 1})")
     if p.nnodes > 1:
         parse_endpoint(p.rdzv_endpoint)
-    world = p.nproc * p.nnodes
-    if p.dp == 0:
-        if world % p.pp:
-            raise BrigadeError(f"world size {world} (--nproc {p.nproc} × --nnodes {p.nnodes}) is not "
-                               f"divisible by --pp {p.pp}: make it a multiple of the pipeline stages")
-        p.dp = world // p.pp
-    if p.dp * p.pp != world:
-        raise BrigadeError(
-            f"--dp {p.dp} × --pp {p.pp} = {p.dp * p.pp} but the world size is {world} "
-            f"(--nproc {p.nproc} × --nnodes {p.nnodes}): the world size must equal dp × pp"
-        )
-    if t.batch_size % (p.dp * o.grad_accum):
-        raise BrigadeError(
-            f"--batch-size {t.batch_size} does not split evenly over dp {p.dp} × grad-accum "
-            f"{o.grad_accum}: use a multiple of {p.dp * o.grad_accum}"
-        )
-    per_replica = t.batch_size // (p.dp * o.grad_accum)
-    if p.pp * p.local_stages > 1 and p.microbatches > per_replica:
-        raise BrigadeError(
-            f"--microbatches {p.microbatches} is larger than each replica's batch ({per_replica}): "
-            f"use at most {per_replica} or a larger --batch-size"
-        )
     if p.pp > 1 and p.local_stages > 1:
         raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")

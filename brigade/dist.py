@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from brigade import forensics
 from brigade.errors import BrigadeError, RunError
+from brigade.launchenv import launcher_env, slurm_env
 from brigade.net import (
     check_port,
     check_reachable,
@@ -63,45 +64,13 @@ def pick_backend(requested: str | None = None) -> tuple[str, str]:
     return requested, ("cuda" if requested == "nccl" else "cpu")
 
 
-def slurm_env(env: dict[str, str]) -> dict[str, str]:
-    """torchrun-style variables from Slurm's, for `srun python -m brigade train ...`.
-
-    One task per process: RANK = SLURM_PROCID, WORLD_SIZE = SLURM_NTASKS,
-    LOCAL_RANK = SLURM_LOCALID; the store lives on the first node of the job.
-    """
-    nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "localhost"))
-    return {
-        "RANK": env["SLURM_PROCID"],
-        "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
-        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-        "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0],
-        "MASTER_ADDR": env.get("MASTER_ADDR", nodes[0]),
-        "MASTER_PORT": env.get("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000)),
-    }
-
-
-def expand_nodelist(text: str) -> list[str]:
-    """'gpu[01-03,07],login1' → ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1']."""
-    import re
-
-    hosts = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,]+)", text):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            for n in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{n:0{len(lo)}d}")
-    return hosts
-
-
 def _prepare_env() -> None:
     """Under torchrun the variables are set; under Slurm translate them; alone, a world of one."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    found = launcher_env()
+    if found is not None and found.launcher == "torchrun":
         return
     if "SLURM_PROCID" in os.environ:
-        os.environ.update(slurm_env(dict(os.environ)))
+        os.environ.update(slurm_env(os.environ))
         return
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})

@@ -6,10 +6,10 @@ from brigade import config
 from brigade.errors import BrigadeError
 
 
-def parse(*argv, toml=None):
+def parse(*argv, toml=None, world=None):
     p = argparse.ArgumentParser()
     config.add_flags(p)
-    return config.build(p.parse_args(list(argv)), toml)
+    return config.build(p.parse_args(list(argv)), toml, world=world)
 
 
 def test_defaults_are_two_processes_data_parallel():
@@ -71,3 +71,67 @@ def test_missing_toml(tmp_path):
 def test_validation_errors(argv, message):
     with pytest.raises(BrigadeError, match=message):
         parse(*argv)
+
+
+# --- the layout: derived from the world in one place (config.resolve_layout) ---------------------
+
+def test_build_does_not_change_what_validate_sees():
+    cfg = config.RunConfig()
+    config.validate(cfg)
+    assert cfg.parallel.dp == 0  # validate checks, it does not derive
+
+
+@pytest.mark.parametrize("argv,world,expected", [
+    # (flags, launcher's world or None, (nproc, nnodes, dp, pp) after resolution)
+    ([], None, (2, 1, 2, 1)),
+    (["--nproc", "4", "--pp", "2"], None, (4, 1, 2, 2)),
+    (["--nproc", "2", "--nnodes", "2", "--pp", "2", "--rdzv-endpoint", "h:1"], None, (2, 2, 2, 2)),
+    (["--nproc", "2", "--local-stages", "2"], None, (2, 1, 2, 1)),  # local stages live in a process
+    (["--pp", "2"], config.World(4, 4, "torchrun"), (4, 1, 2, 2)),  # the launcher's 4, not --nproc 2
+    (["--pp", "2"], config.World(4, 2, "torchrun"), (2, 2, 2, 2)),  # two agents, 2 processes each
+    (["--pp", "2"], config.World(4, None, "Slurm"), (4, 1, 2, 2)),
+    (["--dp", "2", "--pp", "2", "--nproc", "4"], config.World(4, 4, "torchrun"), (4, 1, 2, 2)),
+    (["--local-stages", "2"], config.World(2, 2, "torchrun"), (2, 1, 2, 1)),
+])
+def test_layout_is_derived_from_the_world(argv, world, expected):
+    p = parse(*argv, world=world).parallel
+    assert (p.nproc, p.nnodes, p.dp, p.pp) == expected
+
+
+def test_resolve_layout_is_pure_and_idempotent():
+    cfg = config.RunConfig()
+    cfg.parallel.pp = 2
+    world = config.World(4, 4, "torchrun")
+    once = config.resolve_layout(cfg, world)
+    assert cfg.parallel.dp == 0 and cfg.parallel.nproc == 2  # the input is untouched
+    assert once.parallel.dp == 2 and config.resolve_layout(once, world) == once
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--nproc", "2", "--pp", "2"], config.World(4, 4, "torchrun"),
+     r"^--nproc 2 but torchrun started 4 processes on this node: leave --nproc out under torchrun"),
+    (["--nproc", "4", "--pp", "2"], config.World(4, None, "Slurm"), None),  # agrees: no error
+    (["--dp", "1", "--pp", "2"], config.World(4, 4, "torchrun"),
+     r"^--dp 1 × --pp 2 = 2 but the world size is 4 \(set by torchrun\): the world size must equal dp × pp,"
+     r" or leave --dp out"),
+    (["--pp", "3"], config.World(4, 4, "Slurm"),
+     r"^world size 4 \(set by Slurm\) is not divisible by --pp 3: make it a multiple"),
+    (["--nnodes", "1", "--pp", "2"], config.World(4, 2, "torchrun"),
+     r"^--nnodes 1 but torchrun started 4 processes, 2 per node: leave --nnodes out under torchrun"),
+    (["--pp", "2", "--batch-size", "6"], config.World(8, 8, "torchrun"),
+     r"^--batch-size 6 does not split evenly over dp 4"),
+])
+def test_flags_that_contradict_the_launcher(argv, world, message):
+    if message is None:
+        assert parse(*argv, world=world).parallel.dp == 2
+        return
+    with pytest.raises(BrigadeError, match=message) as err:
+        parse(*argv, world=world)
+    assert "\n" not in str(err.value)
+
+
+def test_a_config_file_counts_as_given(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text("[parallel]\nnproc = 2\npp = 2\n")
+    with pytest.raises(BrigadeError, match="--nproc 2 but torchrun started 4"):
+        parse("--config", str(f), world=config.World(4, 4, "torchrun"))

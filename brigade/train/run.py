@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from brigade import dist as bdist
 from brigade import forensics
-from brigade.config import RunConfig
+from brigade.config import RunConfig, resolve_layout
 from brigade.errors import BrigadeError
+from brigade.launchenv import launcher_world
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.pipeline.partition import check_chain, choose_balance, parse_balance
@@ -100,7 +101,17 @@ def check_out(out: str) -> None:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Every check that needs no process group: data, model, layout, output folder."""
+    """Every check that needs no process group: devices, data, model, layout, output folder.
+
+    Raises:
+        BrigadeError: naming what is wrong; nothing has been written.
+    """
+    p = cfg.parallel
+    _, device = bdist.pick_backend(p.backend)  # nccl without any GPU: refused here, one line
+    gpus, need = torch.cuda.device_count() if device == "cuda" else 0, p.nproc * p.local_stages
+    if device == "cuda" and gpus < need:
+        raise BrigadeError(f"--nproc {p.nproc} × --local-stages {p.local_stages} on {p.backend} needs {need} "
+                           f"GPUs on this node but {gpus} are visible: use fewer, or --backend gloo")
     if cfg.model.model == "gpt":
         load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
         blocks = build_blocks_only(cfg)
@@ -108,7 +119,6 @@ def preflight(cfg: RunConfig) -> None:
         spec = load_model(cfg.model.model, seed=cfg.train.seed)
         check_chain(spec.blocks, spec.make_batch(2, torch.Generator().manual_seed(0))[0])
         blocks = spec.blocks
-    p = cfg.parallel
     choose_balance(blocks, p.pp * p.local_stages, balance=parse_balance(p.balance) if p.balance else None)
     if p.nnodes > 1:
         from brigade.config import parse_endpoint
@@ -265,18 +275,26 @@ def _trim_metrics(out: Path, step: int) -> None:
 
 
 def under_launcher() -> bool:
-    """True inside a worker started by torchrun / an elastic agent, or one of several srun tasks."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return True
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+    """True inside a worker started by torchrun / an elastic agent, or one of several srun tasks.
+
+    Raises:
+        BrigadeError: a launcher variable (RANK, WORLD_SIZE, SLURM_*, ...) that is not an integer
+            or out of range.
+    """
+    return launcher_world() is not None or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> dict[int, dict]:
-    """What `brigade train` does in the user's shell. Returns every rank's summary.
+    """What `brigade train` does in the user's shell. Returns this node's ranks' summaries.
+
+    Under a launcher the launcher's world decides the layout (`config.resolve_layout`); `cfg`
+    from `config.build(args, world=launcher_world())` already agrees with it.
 
     Raises:
+        BrigadeError: the layout contradicts the world, or a preflight check fails.
         bdist.Stopped: the launcher was sent a signal; the workers wrote a snapshot and left.
     """
+    cfg = resolve_layout(cfg, launcher_world())
     if under_launcher():
         summary = worker(cfg, fault)
         return {summary["rank"]: summary}
@@ -289,22 +307,27 @@ def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> 
     out = Path(cfg.train.out)
     if p.node_rank == 0:  # one writer for the shared folder
         write_atomic(out / "config.toml", to_toml(cfg))
-    print(f"brigade: training {cfg.model.model} on {cfg.parallel.nproc * cfg.parallel.nnodes} processes "
-          f"(dp={cfg.parallel.dp} × pp={cfg.parallel.pp}"
-          + (f" × {cfg.parallel.local_stages} local stages" if cfg.parallel.local_stages > 1 else "")
-          + f", {cfg.parallel.schedule}), results in {out}/", flush=True)
+    print(f"brigade: training {cfg.model.model} on {p.nproc * p.nnodes} processes (dp={p.dp} × pp={p.pp}"
+          + (f" × {p.local_stages} local stages" if p.local_stages > 1 else "")
+          + f", {p.schedule}), results in {out}/", flush=True)
     from brigade.train.events import launch_with_events
 
     results = launch_with_events(worker, cfg, fault, port=port)
     if p.node_rank == 0:
-        _finish(cfg, results[0])
+        _finish(cfg, results)
     else:
         print(f"brigade: node {p.node_rank} done", flush=True)
     return results
 
 
-def _finish(cfg: RunConfig, summary: dict) -> None:
+def _finish(cfg: RunConfig, results: dict[int, dict]) -> None:
+    """Node 0's last words: plot, sample, one line. `results` are this node's ranks only: under
+    c10d rendezvous global rank 0 may live on another node, so any of them will do (every rank
+    ends at the same step with the same validation loss).
+    """
     from brigade.train.plot import plot_run
+
+    summary = results[min(results)]
     from brigade.train.sample import sample_from_run
 
     out = Path(cfg.train.out)

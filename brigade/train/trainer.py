@@ -26,7 +26,7 @@ from torch import nn
 
 from brigade import dist as bdist
 from brigade import forensics
-from brigade.config import OptimConfig, ParallelConfig, TrainConfig
+from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, World, resolve_layout
 from brigade.train.data import Sampler
 from brigade.train.layout import Engine, by_device, make_layout
 from brigade.train.metrics import Metrics
@@ -115,10 +115,10 @@ class Trainer:
                                         f"dp{self.layout.dp_rank} pp{self.layout.pp_rank}")
 
     def _resolve_layout(self) -> None:
-        """dp = 0 means: whatever the world size leaves after the pipeline stages."""
-        p = self.parallel
-        if p.dp == 0:
-            p.dp = max(1, dist.get_world_size() // p.pp)
+        """dp = 0: derived from the process group's world by `config.resolve_layout`, the one owner."""
+        run = RunConfig(parallel=self.parallel, optim=self.optim_cfg, train=self.cfg)
+        world = World(dist.get_world_size(), launcher="the process group")
+        self.parallel = resolve_layout(run, world).parallel
 
     @property
     def replica_batch(self) -> int:
