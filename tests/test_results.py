@@ -1,0 +1,61 @@
+"""The README's results table holds exactly the figures of the JSON files in results/."""
+
+import json
+import re
+from pathlib import Path
+
+from brigade.bench.results import JOBS, main, select
+from brigade.bench.results_table import ROWS, table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _results_section() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return text[text.index("## Results"):text.index("### Known gaps")]
+
+
+def test_readme_table_is_the_one_written_from_the_result_files():
+    expected = table(ROOT / "results")
+    assert expected in _results_section(), (
+        "the README's results table differs from the files: paste the output of "
+        "`python -m brigade.bench.results --table`")
+
+
+def test_every_table_row_names_its_file_and_no_other_figure_table_exists():
+    section = _results_section()
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    assert len(rows) == len(ROWS)
+    for line, row in zip(rows, ROWS):
+        assert line.rstrip().endswith(f"`results/{row.file}` |"), line
+        assert (ROOT / "results" / row.file).is_file(), row.file
+
+
+def test_every_file_the_table_reads_has_a_job_that_writes_it():
+    written = {job.file for job in JOBS.values()}
+    assert {row.file for row in ROWS} <= written
+
+
+def test_a_changed_figure_changes_the_table(tmp_path):
+    for row in ROWS:
+        dest = tmp_path / row.file
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes((ROOT / "results" / row.file).read_bytes())
+    data = json.loads((tmp_path / "faults/restart.json").read_text())
+    data["first_step_s"] = 7.654
+    (tmp_path / "faults/restart.json").write_text(json.dumps(data))
+    assert "7.65 s after its process starts" in table(tmp_path)
+    assert table(tmp_path) not in _results_section()
+
+
+def test_unknown_job_is_one_line_and_exit_2(capsys):
+    assert main(["--only", "main,nonsense"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nonsense" in err and "expected names from" in err
+    assert select("") == list(JOBS)
+
+
+def test_quick_figures_never_overwrite_the_results_folder(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["--quick", "--only", "main"]) == 2
+    assert re.search(r"--quick .*another --out", capsys.readouterr().err)
