@@ -261,8 +261,8 @@ def _launcher_nodes(p: ParallelConfig, world: World, given: Collection[str]) -> 
     """(processes on this node, nodes) as the launcher started them; a given flag must agree."""
     local = world.local or world.size
     if "nproc" in given and p.nproc != local:
-        raise BrigadeError(f"--nproc {p.nproc} but {world.launcher} started {local} processes on this "
-                           f"node: leave --nproc out under {world.launcher}, or have it start {p.nproc} per node")
+        raise BrigadeError(f"--nproc {p.nproc} but {world.launcher} started {local} processes on this node: "
+                           f"leave --nproc out under {world.launcher}, or have it start {p.nproc} per node")
     nnodes = world.size // local if world.size % local == 0 else p.nnodes
     if "nnodes" in given and p.nnodes != nnodes:
         raise BrigadeError(f"--nnodes {p.nnodes} but {world.launcher} started {world.size} processes, "

@@ -326,10 +326,9 @@ def _finish(cfg: RunConfig, results: dict[int, dict]) -> None:
     ends at the same step with the same validation loss).
     """
     from brigade.train.plot import plot_run
-
-    summary = results[min(results)]
     from brigade.train.sample import sample_from_run
 
+    summary = results[min(results)]
     out = Path(cfg.train.out)
     png = plot_run(out)
     if cfg.model.model == "gpt" and cfg.train.sample_tokens:
