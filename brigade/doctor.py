@@ -161,15 +161,31 @@ def _timed(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(measure(fn, repeats, warmup=1, device=device).samples)
 
 
-def _allreduce(device: torch.device, world: int, rank: int, big: int) -> Check:
-    x = torch.full((4,), float(rank), device=device)
+def sender_data(sender: int, nonce: int, n: int, device: torch.device) -> torch.Tensor:
+    """Random values only rank `sender` sends (seeded by its rank and the run's nonce); a receiver
+    regenerates them to check, never pre-fills its buffer with them, so lost data cannot pass."""
+    g = torch.Generator().manual_seed((nonce * 1_000_003 + sender) % 2**63)
+    return torch.rand(n, generator=g).to(device)
+
+
+def _everyone(error: str, world: int) -> str:
+    """The first rank's error (or "" on every rank), known to every rank."""
+    errors = [""] * world
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), "")
+
+
+def _allreduce(device: torch.device, world: int, rank: int, big: int, nonce: int = 0) -> Check:
+    x = sender_data(rank, nonce, 4096, device)
     dist.all_reduce(x)
-    expected = world * (world - 1) / 2
-    if not torch.allclose(x.cpu(), torch.full((4,), expected)):
-        return Check("all-reduce", False, f"the sum of ranks came back {x[0].item():g}, not {expected:g}",
-                     "ranks disagree on the group: check that every node runs the same brigade and torch")
-    one = torch.zeros(1, device=device)
-    payload = torch.zeros(big, device=device)
+    want = sum(sender_data(r, nonce, 4096, torch.device("cpu")) for r in range(world))
+    worst = (x.cpu() - want).abs().max().item()
+    error = _everyone(f"rank {rank} got a sum of every rank's random data off by up to {worst:.3g}"
+                      if worst > 1e-4 * world else "", world)
+    if error:
+        return Check("all-reduce", False, error, "ranks disagree on the group or data is lost: check "
+                     "that every node runs the same brigade and torch, and the network between them")
+    one, payload = torch.zeros(1, device=device), torch.zeros(big, device=device)
     lat = _timed(lambda: dist.all_reduce(one), 20, device)
     t = _timed(lambda: dist.all_reduce(payload), 3, device)
     nbytes = payload.numel() * payload.element_size()
@@ -178,29 +194,38 @@ def _allreduce(device: torch.device, world: int, rank: int, big: int) -> Check:
                  f"{nbytes >> 20} MiB in {t * 1e3:.1f} ms ({busbw / 1e9:.2f} GB/s per link)")
 
 
-def _p2p(device: torch.device, world: int, rank: int, big: int) -> Check | None:
-    """Rank 0 plays ping-pong with every other rank; the slowest pair is reported."""
+def _delivered(device: torch.device, rank: int, other: int, big: int, nonce: int) -> str:
+    """Each side sends its own random data and checks the other's: "" or what went wrong."""
+    mine = sender_data(rank, nonce, big, device)
+    got = torch.full_like(mine, float("nan"))
+    ping_pong(mine, other, rank == 0, recv=got)
+    ok = torch.equal(got, sender_data(other, nonce, big, device))
+    return "" if ok else f"what rank {other} sent arrived altered at rank {rank}"
+
+
+def _p2p(device: torch.device, world: int, rank: int, big: int, nonce: int = 0) -> Check | None:
+    """Rank 0 exchanges data with every other rank, both ways; the slowest pair is reported."""
     small, payload = torch.zeros(1, device=device), torch.zeros(big, device=device)
-    worst = (0.0, 0.0, 0)  # (latency, seconds for the payload, peer)
+    worst, error = (0.0, 0.0, 0), ""  # (latency, seconds for the payload, peer), first failure
     for peer in range(1, world):
         if rank not in (0, peer):
             dist.barrier()
             continue
         other = peer if rank == 0 else 0
-        payload.fill_(float(peer))
+        error = error or _delivered(device, rank, other, big, nonce)
         lat = _timed(lambda o=other: ping_pong(small, o, rank == 0), 20, device) / 2
         secs = _timed(lambda o=other: ping_pong(payload, o, rank == 0), 3, device) / 2
-        if not bool((payload == float(peer)).all()):
-            return Check("point-to-point", False, f"rank {other}'s message arrived altered",
-                         "the network corrupts data: check the interface and its MTU")
         worst = max(worst, (lat, secs, peer))
         dist.barrier()
+    error = _everyone(error, world)
     if rank != 0:
         return None
-    lat, secs, peer = worst
-    nbytes = big * 4
-    return Check("point-to-point", True, f"rank 0 ↔ every rank; slowest: rank {peer}, latency "
-                 f"{lat * 1e3:.2f} ms, {nbytes >> 20} MiB in {secs * 1e3:.1f} ms "
+    if error:
+        return Check("point-to-point", False, error, "the network corrupts or drops data: check the "
+                     "interface, its MTU, and any NCCL_* or GLOO_* settings")
+    (lat, secs, peer), nbytes = worst, big * 4
+    return Check("point-to-point", True, f"rank 0 ↔ every rank, data checked both ways; slowest: "
+                 f"rank {peer}, latency {lat * 1e3:.2f} ms, {nbytes >> 20} MiB in {secs * 1e3:.1f} ms "
                  f"({nbytes / secs / 1e9:.2f} GB/s)")
 
 
@@ -250,19 +275,19 @@ def _clock(world: int, rank: int, local_rank: int, device: torch.device) -> Chec
     leaders = [0] * world
     dist.all_gather_object(leaders, local_rank == 0)
     peers = [r for r in range(1, world) if leaders[r]]
-    worst = (0.0, 0.0, 0)
-    for peer in peers:
+    worst, t = (0.0, 0.0, 0), torch.zeros(1, dtype=torch.float64, device=device)
+    for peer in peers:  # under NCCL, recv returns before the data is there: .item() waits for it
         if rank == 0:
-            t = torch.zeros(1, dtype=torch.float64, device=device)
             t0 = time.time()
             dist.send(torch.tensor([t0], dtype=torch.float64, device=device), peer)
             dist.recv(t, peer)
+            theirs = t.item()
             t1 = time.time()
-            offset = t.item() - (t0 + t1) / 2
+            offset = theirs - (t0 + t1) / 2
             worst = max(worst, (abs(offset), (t1 - t0) / 2, peer))
         elif rank == peer:
-            t = torch.zeros(1, dtype=torch.float64, device=device)
             dist.recv(t, 0)
+            t.item()
             dist.send(torch.tensor([time.time()], dtype=torch.float64, device=device), 0)
     return skew_check(worst if peers else None) if rank == 0 else None
 
@@ -284,8 +309,9 @@ def group_worker(s: Setup, big: int) -> list[dict]:
     rank, world = info.rank, info.world_size
     token = [os.urandom(4).hex()]
     dist.broadcast_object_list(token, src=0)
+    nonce = int(token[0], 16)  # fresh each run: no rank can know another's data in advance
     node = int(os.environ.get("GROUP_RANK", s.node_rank))
-    checks = [_allreduce(info.device, world, rank, big), _p2p(info.device, world, rank, big)]
+    checks = [_allreduce(info.device, world, rank, big, nonce), _p2p(info.device, world, rank, big, nonce)]
     views = [None] * world
     dist.all_gather_object(views, _folder(s.out, node, s.nnodes, info.local_rank, token[0]))
     checks.append(_folder_check(s.out, [v for v in views if v is not None], s.nnodes))

@@ -101,11 +101,18 @@ def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tens
     return fwd, bwd, wgt
 
 
-def ping_pong(t: torch.Tensor, peer: int, first: bool) -> None:
-    """One round trip of `t` with `peer`; the `first` side sends first. Time it, halve it."""
+def ping_pong(t: torch.Tensor, peer: int, first: bool, recv: torch.Tensor | None = None) -> None:
+    """One round trip with `peer`; the `first` side sends first. Time it, halve it.
+
+    Args:
+        t: what this side sends; without `recv` also where it receives (an echo, for timing).
+        recv: a buffer of t's shape to receive into, so that each side sends its own data and can
+            check what the other sent (the doctor's delivery check).
+    """
+    into = t if recv is None else recv
     if first:
         dist.send(t, peer)
-        dist.recv(t, peer)
+        dist.recv(into, peer)
     else:
-        dist.recv(t, peer)
+        dist.recv(into, peer)
         dist.send(t, peer)
