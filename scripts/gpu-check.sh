@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Everything one GPU can show about brigade, in at most 10 minutes: one PASS or FAIL line per
+# check, exit 1 if any failed. Needs CUDA and brigade installed (scripts/setup.sh).
+#
+#   scripts/gpu-check.sh [OUT]        OUT: where runs and logs go (default: a temporary folder)
+#
+# One GPU cannot show multi-rank NCCL pipelines (NCCL refuses two ranks on one device); on a
+# machine with several GPUs, run `brigade check --stages 2` and `brigade train --nproc 2 --pp 2`
+# as well. See the README, "On GPUs".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-$(mktemp -d)}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+FAILED=0
+
+check() {  # check NAME COMMAND...: PASS or FAIL on one line, the output in OUT/NAME.log
+    local name=$1; shift
+    local start=$SECONDS
+    if "$@" >"$OUT/$name.log" 2>&1; then
+        printf 'PASS  %-22s %3ds  %s\n' "$name" $((SECONDS - start)) "$(tail -n 1 "$OUT/$name.log")"
+    else
+        printf 'FAIL  %-22s %3ds  see %s\n' "$name" $((SECONDS - start)) "$OUT/$name.log"
+        tail -n 5 "$OUT/$name.log" | sed 's/^/      /'
+        FAILED=1
+    fi
+}
+
+# GPU_CHECK_ON_CPU=1 runs the same steps on the CPU, to try the script itself without a GPU.
+check versions "$PY" -c "
+import os, torch
+if os.environ.get('GPU_CHECK_ON_CPU'):
+    print('on the CPU, by request (GPU_CHECK_ON_CPU=1)'); raise SystemExit
+assert torch.cuda.is_available(), 'no GPU visible to torch'
+print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| NCCL',
+      '.'.join(map(str, torch.cuda.nccl.version())), '|', torch.cuda.get_device_name(0),
+      '| bf16', torch.cuda.is_bf16_supported())"
+if [ $FAILED -ne 0 ]; then echo "no usable GPU: nothing else to check"; exit 1; fi
+
+TINY=(--n-layer 2 --n-embd 64 --n-head 2 --context 64 --block-size 64 --batch-size 16
+      --eval-every 20 --eval-batches 2 --sample-tokens 0 --snapshot-every 10 --nproc 1)
+hash_of() { "$PY" -m brigade inspect "$1" --json | "$PY" -c "import json,sys; print(json.load(sys.stdin)['params_sha256'])"; }
+same_hash() {  # a run killed and resumed ends with the uninterrupted run's parameters, bit for bit
+    local a b; a=$(hash_of "$1") && b=$(hash_of "$2") || return 1
+    echo "params_sha256 ${a:0:16}… vs ${b:0:16}…"; [ "$a" = "$b" ]
+}
+
+check doctor          "$PY" -m brigade doctor --nproc 1 --out "$OUT/doctor"
+check check-nccl-1gpu "$PY" -m brigade check --model gpt --stages 1 --microbatches 4
+GPU=cuda:0; [ -n "${GPU_CHECK_ON_CPU:-}" ] && GPU=cpu
+check check-cpu+gpu   "$PY" -m brigade check --model gpt --stages 2 --runtime local --devices cpu,$GPU
+check check-zb-cpu+gpu "$PY" -m brigade check --model gpt --stages 2 --runtime local --devices cpu,$GPU \
+                        --schedule zb --microbatches 3
+check train-bf16      "$PY" -m brigade train "${TINY[@]}" --max-steps 40 --out "$OUT/straight"
+check train-kill      "$PY" -m brigade train "${TINY[@]}" --max-steps 40 --out "$OUT/killed" \
+                        --inject-fault kill:rank=0:step=25 --max-restarts 1
+check resume-identical same_hash "$OUT/straight" "$OUT/killed"
+check bf16-learns     "$PY" -c "
+import json
+rows = [json.loads(l) for l in open('$OUT/straight/metrics.jsonl')]
+val = [r['val_loss'] for r in rows if 'val_loss' in r]
+assert val[-1] < val[0], f'validation loss {val[0]:.3f} -> {val[-1]:.3f} did not fall'
+print(f'validation loss {val[0]:.3f} -> {val[-1]:.3f}')"
+check step-time-mfu   "$PY" -m brigade.bench.gpu --steps 30 --out "$OUT/gpu"
+
+[ $FAILED -eq 0 ] && echo "gpu-check: all checks passed ($OUT)" || echo "gpu-check: some checks FAILED ($OUT)"
+exit $FAILED
