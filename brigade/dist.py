@@ -14,6 +14,9 @@ import logging
 import os
 import re
 import signal
+import sys
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -222,12 +225,85 @@ def _environment(values: dict[str, str]):
 
 
 def _call_and_leave(fn: Callable[..., Any], *args: Any) -> Any:
-    """Worker body: run the user's function, then leave the process group cleanly."""
+    """Worker body: run the user's function, then leave the process group cleanly.
+
+    After a stop signal the process leaves as soon as its result is handed over (see
+    `_leave_once_handed_over`): the agent that sent the signal waits for it to exit.
+    """
+    watch_signals()
     try:
         return fn(*args)
     finally:
         forensics.stop_all()  # their store connections first, while every store still answers
         destroy()
+        _returned.set()
+        if stop_requested():
+            _leave_once_handed_over()
+
+
+# --- stop signals -----------------------------------------------------------------------------
+# SIGTERM (a scheduler's preemption, or the elastic agent passing its own on) asks a worker to
+# finish its step, snapshot and leave. The agent, meanwhile, waits up to 30 s for its workers to
+# exit and then kills them. But torch's spawn wrapper (elastic/multiprocessing/api.py `_wrap`)
+# does not exit when our function returns: it puts the result in a pipe and waits for the agent
+# to read it, which an agent that is shutting down never does. So a stopped worker exits by
+# itself once its result is in the pipe: an agent still running reads it from there.
+
+_STOP_SIGNALS = (signal.SIGTERM,)
+_stop_signal: list[str] = []  # the name of the first stop signal received, if any
+_returned = threading.Event()  # the worker function has returned (or raised)
+_leaving = threading.Event()
+
+
+def watch_signals() -> None:
+    """Turn SIGTERM into a request to stop (`stop_requested()`) instead of death. Main thread only."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, _on_stop_signal)
+
+
+def stop_requested() -> bool:
+    """Whether this process was sent a stop signal (see `watch_signals`)."""
+    return bool(_stop_signal)
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    if not _stop_signal:
+        _stop_signal.append(signal.Signals(signum).name)
+    if _returned.is_set():  # the signal came after the result was handed over, or while it is
+        _leave_once_handed_over()
+
+
+def _leave_once_handed_over(poll_s: float = 0.02) -> None:
+    """Exit (status 0) as soon as the main thread waits in torch's `_wrap` after its put."""
+    if _leaving.is_set():
+        return
+    _leaving.set()
+    main = threading.main_thread().ident
+
+    def watch() -> None:
+        while True:
+            if _waiting_in_wrap(sys._current_frames().get(main)):
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+                os._exit(0)
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="brigade-leave", daemon=True).start()
+
+
+def _waiting_in_wrap(frame: Any) -> bool:
+    """True when `frame`'s stack is torch's `_wrap` waiting for the agent, its result already put.
+
+    Not under torch's spawn wrapper (torchrun's own subprocesses, srun): False, and the process
+    exits by itself when the function returns.
+    """
+    callee = None
+    while frame is not None:
+        if frame.f_code.co_name == "_wrap" and "elastic" in frame.f_code.co_filename:
+            return callee is not None and callee.f_code.co_name == "wait"
+        callee, frame = frame, frame.f_back
+    return False
 
 
 def _logs_specs(log_dir: str | None):

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import sys
 import time
 from pathlib import Path
@@ -204,9 +203,8 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train)
     injector = FaultInjector(fault, info.rank)
-    stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    injector.should_stop = lambda: stop["flag"]
+    bdist.watch_signals()  # SIGTERM: finish this step, snapshot, leave
+    injector.should_stop = bdist.stop_requested
     resumed = _resume(trainer, cfg, vocab)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if resumed and info.rank == 0:
@@ -229,7 +227,7 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
             tr.metrics.write({"step": record["step"], "event": "first_step", "attempt": attempt,
                               "resumed_from": resumed,
                               "seconds_from_process_start": _seconds_since_process_start()})
-        flag = torch.tensor([1.0 if stop["flag"] else 0.0])
+        flag = torch.tensor([1.0 if bdist.stop_requested() else 0.0], device=info.device)
         forensics.doing(f"step {record['step']}: allreduce stop flag", waiting=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         every = cfg.train.snapshot_every
