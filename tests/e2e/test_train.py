@@ -66,39 +66,79 @@ def test_plot_of_an_unfinished_run(tmp_path):
     assert brigade("plot", tmp_path).returncode == 0 and (tmp_path / "loss.png").is_file()
 
 
+def _layout(out) -> dict:
+    return json.loads(brigade("inspect", out, "--json").stdout)["layout"]
+
+
 def test_runs_under_torchrun(tmp_path):
+    """torchrun's world decides: 4 processes with --pp 2 is dp 2 × pp 2 (brigade's --nproc is 2)."""
     from brigade.dist import free_port
 
     out = tmp_path / "tr"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
            str(free_port()), "-m", "brigade", "train", "--out", str(out), *TINY, "--pp", "2",
-           "--max-steps", "4", "--sample-tokens", "0"]
+           "--max-steps", "3", "--sample-tokens", "0"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
-    assert max(losses(out)) > 0 and len(losses(out)) == 4
-    assert json.loads(brigade("inspect", out, "--json").stdout)["layout"]["pp"] == 2
+    assert max(losses(out).values()) > 0 and len(losses(out)) == 3
+    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1}
 
 
 def test_runs_under_slurm_variables(tmp_path):
-    """Two tasks as `srun -n 2` would start them: SLURM_* only, no torchrun variables."""
+    """Four tasks as `srun -n 4 python -m brigade train --pp 2` starts them: SLURM_* only."""
     from brigade.dist import free_port
 
     port = str(free_port())
     out = tmp_path / "slurm"
     procs = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
-                   SLURM_JOB_NODELIST="localhost", MASTER_PORT=port, OMP_NUM_THREADS="1")
+    for rank in range(4):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="4", SLURM_LOCALID=str(rank),
+                   SLURM_NTASKS_PER_NODE="4", SLURM_JOB_NODELIST="localhost", MASTER_PORT=port,
+                   OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "brigade", "train", "--out", str(out), *TINY, "--max-steps", "3",
-             "--nproc", "2", "--sample-tokens", "0"],
+             "--pp", "2", "--sample-tokens", "0"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-2000:]
     assert len(losses(out)) == 3
+    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1}
+
+
+def _wait_until_listening(port: int, seconds: float = 60) -> None:
+    import socket
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port} after {seconds} s")
+
+
+def test_two_torchrun_agents_on_loopback(tmp_path):
+    """`torchrun --nnodes 2 --rdzv-backend c10d`, 2 processes each: dp 2 × pp 2 from the world of 4."""
+    from brigade.dist import free_port
+
+    port = free_port()
+    out = tmp_path / "agents"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "brigade", "train",
+           "--out", str(out), *TINY, "--pp", "2", "--max-steps", "3", "--sample-tokens", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    _wait_until_listening(port)  # the first agent hosts the rendezvous store
+    agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for agent in agents:
+        _, err = agent.communicate(timeout=240)
+        assert agent.returncode == 0, err[-2000:]
+    assert len(losses(out)) == 3
+    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1}
 
 
 def test_python_api_example_from_readme(tmp_path):
@@ -114,30 +154,34 @@ def test_python_api_example_from_readme(tmp_path):
 
 
 def test_two_node_agents_on_loopback(tmp_path):
-    """Two `brigade train` agents, --nnodes 2, meeting at one rendezvous endpoint on loopback."""
-    import socket
-
+    """Two `brigade train` agents, --nnodes 2, meeting at one endpoint on loopback; global rank 0
+    on node 1. c10d ranks the agents by (address, pid): node 1's process starts first (the lower
+    pid) and waits for node 0's store before it runs brigade, so node 0 holds no rank 0 and must
+    still finish the run (plot, sample) and exit 0.
+    """
     from brigade.dist import free_port
 
     port = free_port()
     out = tmp_path / "nodes"
     common = ["train", "--out", str(out), *TINY, "--nnodes", "2", "--nproc", "1", "--pp", "2",
-              "--max-steps", "4", "--sample-tokens", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+              "--max-steps", "4", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "brigade", *common, "--node-rank", "0"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
-    for _ in range(200):  # node 0 hosts the store: wait until it listens
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.1)
-    nodes.append(subprocess.Popen([sys.executable, "-m", "brigade", *common, "--node-rank", "1"], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for node in nodes:
-        _, err = node.communicate(timeout=240)
-        assert node.returncode == 0, err[-2000:]
+    late = (f"import sys; from tests.e2e.test_train import _wait_until_listening; "
+            f"_wait_until_listening({port}); from brigade.cli import main; sys.exit(main(sys.argv[1:]))")
+    node1 = subprocess.Popen([sys.executable, "-c", late, *common, "--node-rank", "1"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).parents[2])
+    node0 = subprocess.Popen([sys.executable, "-m", "brigade", *common, "--node-rank", "0"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert node1.pid < node0.pid  # (pids wrapped around: the case below is not the one meant)
+    out0, err0 = node0.communicate(timeout=240)
+    _, err1 = node1.communicate(timeout=240)
+    assert node0.returncode == 0, err0[-2000:]
+    assert node1.returncode == 0, err1[-2000:]
+    assert "brigade: done at step 4" in out0 and (out / "loss.png").is_file()
+    assert (out / "sample.txt").read_text()
     assert len(losses(out)) == 4
-    assert json.loads(brigade("inspect", out, "--json").stdout)["layout"]["pp"] == 2
+    assert _layout(out)["pp"] == 2
 
 
 def _tree(root: int) -> set[int]:
