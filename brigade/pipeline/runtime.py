@@ -94,11 +94,7 @@ class StageRunner:
         backward_done = 0
         total = None
         grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
-        if hasattr(self.transport, "begin_step"):
-            self.transport.begin_step({
-                self.stage - 1: sum(a.op == RECV_F for a in actions),
-                self.stage + 1: sum(a.op == RECV_B for a in actions),
-            })
+        self.transport.begin_step(actions)
         with grad_ctx:
             for a in actions:
                 self._record(a)
@@ -159,7 +155,7 @@ class StageRunner:
             forensics.doing(f"{a.op} mb{a.microbatch} (stage {self.stage})")
             return
         peer = self.stage - 1 if a.op in (RECV_F, SEND_B) else self.stage + 1
-        ranks = getattr(self.transport, "peers", None)
+        ranks = self.transport.peers
         rank = ranks[peer] if ranks else None
         where = f"{'from' if a.op in (RECV_F, RECV_B) else 'to'} stage {peer}"
         forensics.doing(f"{a.op} mb{a.microbatch} {where}" + (f" (rank {rank})" if ranks else ""),

@@ -1,0 +1,224 @@
+"""When a stage issues its point-to-point operations, and a proof that NCCL runs them.
+
+NCCL executes a communicator's point-to-point operations in the order they
+are issued, on one stream per rank; a send and its receive complete only when
+both have reached the head of their streams (ops issued together by one
+`batch_isend_irecv` form a group and run concurrently). So the *issue order*,
+not the plan alone, decides whether a step deadlocks. Gloo has no such
+constraint: its receives can wait ahead of time without blocking sends.
+
+`posting(actions, policy)` is the one place that decides, for one rank's action
+list (with comms, from `schedule.validate`), which operations are issued, in
+which batches and after which of the rank's comm actions. `P2PTransport`
+issues exactly these batches; `check(plan, policy)` simulates them as NCCL
+runs them. The NCCL policy is therefore checked, not assumed.
+
+    1F1B, 2 stages, steady state       old eager policy (deadlocks)
+    rank 0 | [0SEND_F1 0RECV_B0]        rank 0 | [0RECV_B0] [0SEND_F0] ...
+    rank 1 | [1SEND_B0 1RECV_F1]        rank 1 | [1RECV_F0] [1RECV_F1] ...
+             one group each side,         each head waits for a send that is
+             all four ops match           queued behind the other's receive
+
+No torch import: this module is pure, like `schedule`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from brigade.pipeline.schedule import COMM_OPS, RECV_B, RECV_F, SEND_B, SEND_F, Action, Plan, PlanError
+
+GROUPED, EAGER = "grouped", "eager"
+POLICIES = (GROUPED, EAGER)  # grouped: safe under NCCL; eager: pre-posted receives (gloo)
+BEGIN = -1  # `Issue.after` for operations issued at the start of the step
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One batch of operations, issued once comm action number `after` has been handled.
+
+    `after` counts this rank's comm actions in plan order (`BEGIN`: at the start
+    of the step). A SEND is handled when its tensor is handed over, a RECV when
+    its tensor has arrived. Batches with the same `after` are issued in list order.
+    """
+
+    after: int
+    ops: tuple[Action, ...]
+
+
+def peer_of(a: Action) -> int:
+    """The stage at the other end of comm action `a`."""
+    return a.stage + (1 if a.op in (SEND_F, RECV_B) else -1)
+
+
+def posting(actions: list[Action], policy: str) -> list[Issue]:
+    """The batches one rank issues for one step, in issue order.
+
+    Args:
+        actions: this rank's actions with comms inserted (`schedule.validate`).
+        policy: "grouped" (each run of adjacent comm actions is one batch, issued
+            once its sends' tensors exist: safe under NCCL) or "eager" (each
+            receive posted as soon as the previous one from the same neighbour
+            arrived: fastest on gloo, deadlocks under NCCL).
+
+    Returns:
+        Issues sorted by `after`; every comm action appears in exactly one.
+
+    Raises:
+        PlanError: for an unknown policy.
+    """
+    if policy == GROUPED:
+        return _grouped(actions)
+    if policy == EAGER:
+        return _eager([a for a in actions if a.op in COMM_OPS])
+    raise PlanError(f"posting policy {policy!r}: expected one of {', '.join(POLICIES)}")
+
+
+def _grouped(actions: list[Action]) -> list[Issue]:
+    # A batch starts at each send and takes every receive up to the next send:
+    # receives need no tensor, and issuing them with the sends is what lets two
+    # neighbours that both send before they receive (1F1B, ZB) meet.
+    comms = [a for a in actions if a.op in COMM_OPS]
+    issues: list[Issue] = []
+    ops: list[Action] = []
+    after = BEGIN
+    for k, a in enumerate(comms):
+        is_send = a.op in (SEND_F, SEND_B)
+        if is_send and ops:  # one send per batch: a send never waits for a later compute
+            issues.append(Issue(after, tuple(ops)))
+            ops = []
+        if is_send:
+            after = k
+        ops.append(a)
+    if ops:
+        issues.append(Issue(after, tuple(ops)))
+    return issues
+
+
+def _eager(comms: list[Action]) -> list[Issue]:
+    issues: list[Issue] = []
+    first: dict[int, Action] = {}
+    for a in comms:
+        if a.op in (RECV_F, RECV_B):
+            first.setdefault(peer_of(a), a)
+    issues += [Issue(BEGIN, (a,)) for a in first.values()]
+    for k, a in enumerate(comms):
+        if a.op in (SEND_F, SEND_B):
+            issues.append(Issue(k, (a,)))
+            continue
+        nxt = next((b for b in comms[k + 1:] if b.op == a.op), None)
+        if nxt is not None:
+            issues.append(Issue(k, (nxt,)))
+    return issues
+
+
+Op = tuple[Action, int]  # (comm action, part): part 0 = header and predicted payload, 1 = late payload
+
+
+def issued(plan: Plan, policy: str, mispredicted: bool = False) -> dict[int, list[tuple[Op, ...]]]:
+    """Each rank's issued groups in stream order, for a plan with comms.
+
+    With `mispredicted`, every message's shape differs from the prediction (a
+    first step): each side then issues the real payload as a group of its own
+    right after the message's group (see `P2PTransport`).
+    """
+    streams: dict[int, list[tuple[Op, ...]]] = {}
+    for r, acts in plan.items():
+        groups: list[tuple[Op, ...]] = []
+        for issue in posting(acts, policy):
+            groups.append(tuple((a, 0) for a in issue.ops))
+            if mispredicted:
+                groups += [((a, 1),) for a in issue.ops]
+        streams[r] = groups
+    return streams
+
+
+def _name(op: Op) -> str:
+    return f"{op[0]}" + ("'" if op[1] else "")
+
+
+def _pair(streams: dict[int, list[tuple[Op, ...]]]) -> dict[Op, Op]:
+    """Match the k-th send from a to b with the k-th receive at b from a (NCCL pairs by order)."""
+    queues: dict[tuple[int, int, bool], list[Op]] = {}
+    for r, groups in streams.items():
+        for g in groups:
+            for op in g:
+                send = op[0].op in (SEND_F, SEND_B)
+                src, dst = (r, peer_of(op[0])) if send else (peer_of(op[0]), r)
+                queues.setdefault((src, dst, send), []).append(op)
+    partner: dict[Op, Op] = {}
+    for (src, dst, send), ops in queues.items():
+        if not send:
+            continue
+        recvs = queues.get((src, dst, False), [])
+        for k, (s, part) in enumerate(ops):
+            r = recvs[k] if k < len(recvs) else None
+            want = (Action(dst, RECV_F if s.op == SEND_F else RECV_B, s.microbatch), part)
+            if r != want:
+                found = f"its #{k} receive there is {_name(r)}" if r else "no receive is issued there"
+                raise PlanError(f"{_name((s, part))} should meet {_name(want)} on rank {dst} but {found}")
+            partner[(s, part)], partner[r] = r, (s, part)
+    unmatched = [op for g in streams.values() for ops in g for op in ops if op not in partner]
+    if unmatched:
+        raise PlanError(f"{_name(unmatched[0])} is never matched by rank {peer_of(unmatched[0][0])}")
+    return partner
+
+
+def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]]) -> None:
+    """Run issued groups as NCCL does; return if every op completes.
+
+    Each rank executes its groups in order; an op completes with its partner
+    when both sit in the groups at the head of their ranks' streams; a group
+    leaves the head once all its ops completed.
+
+    Raises:
+        PlanError: "NCCL deadlock: ..." naming each stuck group and what it waits for.
+    """
+    partner = _pair(streams)
+    where = {op: r for r, groups in streams.items() for g in groups for op in g}
+    head = {r: 0 for r in streams}
+    done: set[Op] = set()
+
+    def at_head(op: Op) -> bool:
+        r = where[op]
+        return head[r] < len(streams[r]) and op in streams[r][head[r]]
+
+    while any(head[r] < len(g) for r, g in streams.items()):
+        progressed = False
+        for r, groups in streams.items():
+            for op in groups[head[r]] if head[r] < len(groups) else ():
+                if op not in done and at_head(partner[op]):
+                    done.update((op, partner[op]))
+                    progressed = True
+        for r, groups in streams.items():
+            while head[r] < len(groups) and all(op in done for op in groups[head[r]]):
+                head[r] += 1
+                progressed = True
+        if not progressed:
+            raise PlanError("NCCL deadlock: " + "; ".join(_stuck(streams, head, done, partner, where)))
+
+
+def _stuck(streams, head, done, partner, where) -> list[str]:
+    def group(r: int) -> str:
+        return " ".join(map(_name, streams[r][head[r]])) if head[r] < len(streams[r]) else "end"
+
+    lines = []
+    for r, groups in streams.items():
+        pending = [op for op in groups[head[r]] if op not in done] if head[r] < len(groups) else []
+        if pending:
+            op = pending[0]
+            q = where[partner[op]]
+            lines.append(f"rank {r} is stuck at [{group(r)}]: {_name(op)} waits for "
+                         f"{_name(partner[op])}, queued behind [{group(q)}] on rank {q}")
+    return lines
+
+
+def check(plan: Plan, policy: str) -> None:
+    """Prove that `plan` (with comms) runs without deadlock under NCCL with `policy`.
+
+    Every message's payload is taken to travel in its own group (shape predicted).
+
+    Raises:
+        PlanError: on a deadlock or on sends and receives that do not pair up.
+    """
+    simulate_nccl(issued(plan, policy))
