@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from brigade.errors import BrigadeError
+from brigade.train.sample import sample_from_run
 from brigade.train.snapshot import (
     MANIFEST,
     Manifest,
@@ -130,6 +132,12 @@ def test_find_latest_falls_back_past_a_malformed_manifest(tmp_path):
     found = find_latest(tmp_path, warn=warnings.append)
     assert found.path.name == "step_00000003" and found.meta.step == 6
     assert len(warnings) == 1 and warnings[0].startswith("skipping snapshot step_00000006: ")
+
+
+def test_generate_refuses_a_model_config_it_cannot_build(tmp_path):
+    snap = make_snapshot(tmp_path, {**GOOD, "config": {"model": {"model": "gpt", "n_layers": 2}}})
+    with pytest.raises(BrigadeError, match="config.model is not a brigade model config"):
+        sample_from_run(snap, "a", 3)
 
 
 def test_rng_state_without_gpus_round_trips():
