@@ -105,10 +105,8 @@ def preflight(cfg: RunConfig) -> None:
     Raises:
         BrigadeError: naming what is wrong; nothing has been written.
     """
-    p = cfg.parallel
-    _, device = bdist.pick_backend(p.backend)  # nccl without any GPU: refused here, one line
-    gpus, need = torch.cuda.device_count() if device == "cuda" else 0, p.nproc * p.local_stages
-    if device == "cuda" and gpus < need:
+    p, (_, device) = cfg.parallel, bdist.pick_backend(cfg.parallel.backend)  # nccl, no GPU: refused
+    if device == "cuda" and (gpus := torch.cuda.device_count()) < (need := p.nproc * p.local_stages):
         raise BrigadeError(f"--nproc {p.nproc} × --local-stages {p.local_stages} on {p.backend} needs {need} "
                            f"GPUs on this node but {gpus} are visible: use fewer, or --backend gloo")
     if cfg.model.model == "gpt":
@@ -284,9 +282,7 @@ def under_launcher() -> bool:
 
 def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> dict[int, dict]:
     """What `brigade train` does in the user's shell. Returns this node's ranks' summaries.
-
-    Under a launcher the launcher's world decides the layout (`config.resolve_layout`); `cfg`
-    from `config.build(args, world=launcher_world())` already agrees with it.
+    Under a launcher, the launcher's world decides the layout (`config.resolve_layout`).
 
     Raises:
         BrigadeError: the layout contradicts the world, or a preflight check fails.
@@ -319,10 +315,8 @@ def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> 
 
 
 def _finish(cfg: RunConfig, results: dict[int, dict]) -> None:
-    """Node 0's last words: plot, sample, one line. `results` are this node's ranks only: under
-    c10d rendezvous global rank 0 may live on another node, so any of them will do (every rank
-    ends at the same step with the same validation loss).
-    """
+    """Node 0's plot, sample and last line, from this node's ranks: global rank 0 may live on
+    another node under c10d rendezvous, and every rank ends at the same step and loss."""
     from brigade.train.plot import plot_run
     from brigade.train.sample import sample_from_run
 
