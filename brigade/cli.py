@@ -121,7 +121,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from brigade.train.run import run
 
     cfg = config.build(args, world=launcher_world())  # under torchrun or srun, their world
-    fault = parse_fault(args.inject_fault) if args.inject_fault else None
+    p = cfg.parallel
+    fault = parse_fault(args.inject_fault, world=p.dp * p.pp or p.nproc * p.nnodes,
+                        max_steps=cfg.train.max_steps) if args.inject_fault else None
     try:
         run(cfg, fault, port=args.port)
     except Stopped as stop:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from brigade import dist as bdist
 from brigade import forensics
 from brigade.config import RunConfig, resolve_layout
-from brigade.errors import BrigadeError
+from brigade.errors import BrigadeError, RunError
 from brigade.launchenv import launcher_world
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
@@ -30,7 +30,7 @@ from brigade.train import checkpoint
 from brigade.train.data import Vocab, load_text_data
 from brigade.train.faults import Fault, FaultInjector
 from brigade.train.snapshot import SnapshotError, find_latest, write_atomic
-from brigade.train.trainer import Trainer
+from brigade.train.trainer import NonFiniteError, Trainer
 
 _IMPORTED = time.perf_counter()
 
@@ -237,8 +237,9 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
 
     trainer.before_step.append(injector.before_step)
     trainer.callbacks.append(after_step)
+    injector.attach(trainer.model)
     with trainer.metrics:
-        history = trainer.fit()
+        history = _fit(trainer, cfg)
         final = _latest_path(cfg) if trainer.stop_requested else snap()
     summary = {"rank": info.rank, "step": trainer.state.step, "snapshot": str(final),
                "preempted": trainer.stop_requested,
@@ -248,6 +249,23 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     trainer.close()
     bdist.destroy()
     return summary
+
+
+def _fit(trainer: Trainer, cfg: RunConfig) -> list[dict]:
+    """trainer.fit(); a non-finite loss or gradient norm ends the run, naming what to resume from.
+
+    Raises:
+        RunError: on every rank alike (the values checked are reduced over all ranks); nothing
+            non-finite was applied to the parameters, nor snapshotted.
+    """
+    try:
+        return trainer.fit()
+    except NonFiniteError as exc:
+        found = find_latest(cfg.train.out, warn=lambda m: None)
+        where = (f"the newest good snapshot is step {found.manifest['step']} in {found.path.parent}"
+                 if found else f"there is no snapshot in {cfg.train.out} yet")
+        raise RunError(f"the {exc.what} is {exc.value} at step {exc.step}; {where}: lower --lr (now "
+                       f"{exc.lr:g}) or --grad-clip, or check the data, then run again") from None
 
 
 def _latest_path(cfg: RunConfig) -> Path:

@@ -27,6 +27,7 @@ from torch import nn
 from brigade import dist as bdist
 from brigade import forensics
 from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, World, resolve_layout
+from brigade.errors import RunError
 from brigade.train.data import Sampler
 from brigade.train.layout import Engine, by_device, make_layout
 from brigade.train.metrics import Metrics
@@ -61,6 +62,15 @@ def _batch(data, indices: torch.Tensor):
         return data.batch(indices)
     items = [data[int(i)] for i in indices]
     return torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+
+
+class NonFiniteError(RunError):
+    """The loss or gradient norm of a step is NaN or infinite; the step was not taken."""
+
+    def __init__(self, what: str, value: float, step: int, lr: float):
+        self.what, self.value, self.step, self.lr = what, value, step, lr
+        super().__init__(f"the {what} is {value} at step {step}; the parameters were not updated: "
+                         f"lower --lr (now {lr:g}), set --grad-clip, or check the data")
 
 
 @dataclass
@@ -143,6 +153,7 @@ class Trainer:
             loss = self.engine.forward_backward(x, y, loss_scale=1.0 / k, sync=j == k - 1)
             total += float(loss) / k
         norm = self.engine.grad_norm()
+        self._check_finite(total, float(norm))
         if self.optim_cfg.grad_clip > 0:
             coef = min(1.0, self.optim_cfg.grad_clip / (float(norm) + 1e-6))
             if coef < 1.0:
@@ -156,6 +167,22 @@ class Trainer:
         tokens = self.cfg.batch_size * (x.shape[1] if x.dim() > 1 else 1)
         return {"step": self.state.step, "loss": total, "lr": lr, "grad_norm": float(norm),
                 "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+
+    def _check_finite(self, loss: float, norm: float) -> None:
+        """Refuse to step on a non-finite loss or gradient norm (clipping cannot mend it: the
+        clip coefficient of a NaN norm is NaN, and min(1, NaN) is 1, so nothing is clipped).
+
+        Both values are already reduced over every rank (loss over replicas and stages, norm over
+        stages, gradients over replicas), so every rank raises at the same step: no rank is left
+        waiting in a collective.
+
+        Raises:
+            NonFiniteError: before the optimizer step, so the parameters stay as they were.
+        """
+        for what, value in (("loss", loss), ("gradient norm", norm)):
+            if not math.isfinite(value):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteError(what, value, self.state.step + 1, self.optim_cfg.lr)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

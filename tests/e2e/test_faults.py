@@ -183,6 +183,43 @@ def test_sigterm_exits_well_within_a_schedulers_grace(tmp_path, layout):
     assert max(losses(out)) == step + 2
 
 
+def _all_finite(snapshot: Path, tmp: Path) -> bool:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(snapshot, tmp / "flat.pt")
+    state = torch.load(tmp / "flat.pt", weights_only=False)
+    tensors = []
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+
+    walk(state)
+    floats = [t for t in tensors if t.is_floating_point()]
+    return bool(floats) and all(bool(torch.isfinite(t).all()) for t in floats)
+
+
+@pytest.mark.parametrize("layout,rank", [([], 1), (["--pp", "2"], 0)], ids=["dp2-rank1", "pp2-first-stage"])
+def test_a_nan_loss_stops_the_run_at_that_step(tmp_path, layout, rank):
+    out = tmp_path / "nan"
+    result = train(out, *RUN, *layout, "--inject-fault", f"nan:rank={rank}:step=10")
+    assert result.returncode == 1, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stdout + result.stderr, result.stderr
+    assert f"the loss is nan at step 10; the newest good snapshot is step 5 in {out / 'snapshots'}: " \
+        "lower --lr" in lines[0]
+    assert max(losses(out)) == 9  # step 10 was never taken, nor logged
+    snaps = out / "snapshots"
+    assert sorted(p.name for p in snaps.iterdir()) == ["LATEST", "step_00000005"]
+    inspected = json.loads(brigade("inspect", out, "--json").stdout)
+    assert inspected["step"] == 5 and inspected["checksums"] == "ok"
+    assert _all_finite(snaps / "step_00000005", tmp_path)
+
+
 def test_rng_streams_after_resume_equal_uninterrupted(tmp_path):
     from brigade.cli import build_parser
     from brigade.config import build
