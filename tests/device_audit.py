@@ -94,8 +94,14 @@ def _guard_batch(fn):
 
 def install() -> None:
     """Audit this process: from now on every collective checks its tensors."""
+    from torch.distributed import distributed_c10d as c10d
+
+    # Patched in both namespaces with the same object: `P2POp` and `batch_isend_irecv` compare
+    # `op is isend` against distributed_c10d's own names.
     for name in CALLS:
-        if hasattr(dist, name):
-            setattr(dist, name, _guard(name, getattr(dist, name)))
-    dist.batch_isend_irecv = _guard_batch(dist.batch_isend_irecv)
+        if hasattr(c10d, name):
+            checked = _guard(name, getattr(c10d, name))
+            setattr(c10d, name, checked)
+            setattr(dist, name, checked)
+    dist.batch_isend_irecv = c10d.batch_isend_irecv = _guard_batch(c10d.batch_isend_irecv)
     DeviceAudit().__enter__()
