@@ -77,6 +77,10 @@ CASES = [
      "returned int: expected an nn.Sequential or a list of nn.Module blocks", 2),
     ("blocks do not fit", ["check", "--model", "{tmp}/mismatch.py:make", "--runtime", "local"],
      "block 0 (Linear) outputs shape (1, 7), which block 1 (Linear) cannot take", 2),
+    ("blocks do not fit, under train", ["train", "--model", "{tmp}/mismatch.py:make"],
+     "block 0 (Linear) outputs shape (1, 7), which block 1 (Linear) cannot take", 2),
+    ("blocks do not fit, under train --pp 2", ["train", "--model", "{tmp}/mismatch.py:make", "--pp", "2"],
+     "block 0 (Linear) outputs shape (1, 7), which block 1 (Linear) cannot take", 2),
     # data
     ("data missing", ["train", "--data", "{tmp}/nope.txt"], "--data '{tmp}/nope.txt' not found", 2),
     ("data empty", ["train", "--data", "{tmp}/empty.txt"], "is empty", 2),
@@ -212,6 +216,35 @@ def test_read_only_out(tmp_path):
         subprocess.run(["umount", str(ro)])
 
 
+def _without_root_powers() -> list[str]:
+    """A command prefix under which permission bits hold: root ignores them unless it drops
+    CAP_DAC_OVERRIDE (and CAP_DAC_READ_SEARCH) for the child; a normal user needs nothing."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: permission bits cannot be enforced")
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+
+
+@pytest.mark.parametrize("where", ["locked", "locked/run"])
+def test_out_without_write_permission(tmp_path, where):
+    import sys
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    out = tmp_path / where
+    try:
+        result = subprocess.run([*_without_root_powers(), sys.executable, "-m", "brigade", "train",
+                                 "--out", str(out), *TINY, "--max-steps", "2"],
+                                capture_output=True, text=True, timeout=120)
+        assert_clean(result, f"--out '{out}' cannot be written (Permission denied): choose a writable", 2)
+        assert list(locked.iterdir()) == []  # nothing written
+    finally:
+        locked.chmod(0o755)
+
+
 def test_full_disk_keeps_the_previous_snapshot(tmp_path):
     disk = tmp_path / "disk"
     _mount_tmpfs(disk, "size=2000k")  # room for one snapshot of this model, not for two
@@ -276,9 +309,35 @@ def test_random_toml_is_accepted_or_cleanly_refused(tmp_path, entries):
     path = tmp_path / "random.toml"
     path.write_text(text)
     try:
-        config.build(None, config.load_toml(path))
+        cfg = config.build(None, config.load_toml(path))
     except BrigadeError as exc:
         assert "\n" not in str(exc) and str(exc)
+        return
+    _preflight_is_clean(cfg)
+
+
+_SMALL = 5_000_000  # GPT parameters (about 12 · layers · width²): larger ones are skipped, to keep it fast
+
+
+def _preflight_is_clean(cfg) -> None:
+    """What parses goes on to preflight (in-process, small models only): success or a BrigadeError."""
+    import dataclasses
+    import tempfile
+
+    from brigade.train.run import preflight
+
+    m, p = cfg.model, cfg.parallel
+    if p.nnodes > 1:  # addressing and reachability: their own tests, with real endpoints
+        return
+    if m.model == "gpt" and (12 * m.n_layer * m.n_embd ** 2 > _SMALL or m.context > 4096):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out=str(out)))
+        try:
+            preflight(cfg)
+        except BrigadeError as exc:
+            assert "\n" not in str(exc) and str(exc)
 
 
 _flags = ["--" + name.replace("_", "-") for _, name in _FIELDS] + ["--bogus", "--config", "--json"]
@@ -290,8 +349,39 @@ _tokens = st.one_of(st.sampled_from(_flags), st.sampled_from(["0", "-1", "2", "1
 def test_random_command_lines_are_accepted_or_cleanly_refused(argv):
     try:
         args = build_parser().parse_args(["train", *argv])
-        config.build(args)
+        cfg = config.build(args)
     except SystemExit as exc:
         assert exc.code == 2
+        return
     except BrigadeError as exc:
         assert "\n" not in str(exc) and str(exc)
+        return
+    _preflight_is_clean(cfg)
+
+
+# Property: plausible command lines (small models, layouts, balances, model files) mostly parse,
+# so they reach preflight; there too the answer is success or one clean line.
+_PLAUSIBLE = {
+    "--model": st.sampled_from(["gpt", "toy", "{tmp}/mismatch.py:make", "{tmp}/raises.py:make",
+                                "{tmp}/notmodule.py:make"]),
+    "--pp": st.integers(1, 4), "--nproc": st.integers(1, 4), "--local-stages": st.integers(1, 3),
+    "--n-layer": st.integers(1, 6), "--n-embd": st.sampled_from([8, 16, 24, 32]),
+    "--n-head": st.integers(1, 4), "--context": st.sampled_from([8, 16, 32, 64]),
+    "--block-size": st.sampled_from([8, 16, 32, 64, 100]), "--batch-size": st.integers(1, 16),
+    "--microbatches": st.integers(1, 8), "--schedule": st.sampled_from(["gpipe", "1f1b", "zb"]),
+    "--balance": st.sampled_from(["1,1", "2,2,2", "3,3", "0,6", "4,4", "x"]),
+    "--backend": st.sampled_from(["auto", "gloo", "nccl"]),
+    "--data": st.sampled_from(["{tmp}/short.txt", "{tmp}/blob.bin", "{tmp}/empty.txt"]),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.fixed_dictionaries({}, optional=_PLAUSIBLE))
+def test_plausible_command_lines_reach_preflight_and_fail_cleanly(tmp, flags):
+    argv = [str(a).replace("{tmp}", str(tmp)) for kv in flags.items() for a in kv]
+    try:
+        cfg = config.build(build_parser().parse_args(["train", *argv]))
+    except BrigadeError as exc:
+        assert "\n" not in str(exc) and str(exc)
+        return
+    _preflight_is_clean(cfg)
