@@ -252,12 +252,8 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
 
 
 def _fit(trainer: Trainer, cfg: RunConfig) -> list[dict]:
-    """trainer.fit(); a non-finite loss or gradient norm ends the run, naming what to resume from.
-
-    Raises:
-        RunError: on every rank alike (the values checked are reduced over all ranks); nothing
-            non-finite was applied to the parameters, nor snapshotted.
-    """
+    """trainer.fit(). Raises RunError, on every rank alike, at a non-finite loss or gradient norm
+    (never applied to the parameters nor snapshotted), naming the snapshot to resume from."""
     try:
         return trainer.fit()
     except NonFiniteError as exc:
