@@ -8,7 +8,9 @@
 
 Every configuration: warm-up, then `repeats` timed steps (all ranks start together; a step
 lasts until the slowest rank is done). Ideal pipelined step: `simulate()` on each stage's
-measured per-micro-batch costs; efficiency = ideal / measured.
+measured per-micro-batch costs; efficiency = ideal / measured. Models, batches and every
+collective's tensors live on the process's device (`DistInfo.device`); clocks are read after
+synchronising it.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from brigade import dist as bdist
-from brigade.bench.memory import ActivationMeter
+from brigade.bench.memory import stage_meter
 from brigade.bench.peers import TorchPipelining
+from brigade.bench.place import ddp, place_model
 from brigade.bench.timing import gathered_stage_costs, measure
 from brigade.models import load_model
 from brigade.pipeline.partition import choose_balance, split
@@ -45,6 +47,7 @@ class BenchConfig:
     schedules: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "zb"])
     balance: list[int] | None = None
     seed: int = 0
+    backend: str = "auto"  # gloo on CPU; nccl only with a GPU per process (see run.bench_config)
 
 
 def scaled_splits(batch: int) -> list[int]:
@@ -67,44 +70,47 @@ def _row(name: str, schedule: str | None, m: int, batch: int, timing, **extra) -
 
 
 def _pipelined(cfg, spec, stages, x, y, rank, schedule, m, trace=False):
-    """Time brigade's pipeline; also its ideal (simulate), activation peak and one traced step."""
-    n = len(stages)
+    """Time brigade's pipeline; also its ideal (simulate), memory peak and one traced step.
+
+    `stages` and the batch are on the process's device (x.device)."""
+    n, device = len(stages), x.device
     fwd, bwd, wgt = gathered_stage_costs(stages, rank, x, y, spec.loss_fn, m, repeats=3)
     ideal = simulate(build(schedule, n, m), fwd, bwd, weight=wgt).makespan
     mine = stages[rank]
-    pipe = Pipeline(mine, schedule, m, spec.loss_fn)
+    pipe = Pipeline(mine, schedule, m, spec.loss_fn, device=device)
 
     def step():
         pipe.step(x, y)
         mine.zero_grad(set_to_none=True)
 
-    timing = measure(step, cfg.repeats, cfg.warmup, distributed=True)
-    meter = ActivationMeter(exclude=list(mine.parameters()))
+    timing = measure(step, cfg.repeats, cfg.warmup, device=device, distributed=True)
+    meter = stage_meter(device, exclude=list(mine.parameters()))
     with meter:
         step()
-    peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(n)]
-    dist.all_gather(peaks, torch.tensor([float(meter.peak_bytes)], dtype=torch.float64))
+    peaks = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(n)]
+    dist.all_gather(peaks, torch.tensor([float(meter.peak_bytes)], dtype=torch.float64, device=device))
     traced = None
     if trace:
         dist.barrier()
         pipe.step(x, y, trace=True)
         mine.zero_grad(set_to_none=True)
-        t0 = torch.tensor([min(s for _, s, _ in pipe.last_result.trace)], dtype=torch.float64)
+        t0 = torch.tensor([min(s for _, s, _ in pipe.last_result.trace)], dtype=torch.float64,
+                          device=device)
         dist.all_reduce(t0, op=dist.ReduceOp.MIN)  # perf_counter is system-wide on Linux
         events = [(str(a), s - t0.item(), e - t0.item()) for a, s, e in pipe.last_result.trace]
         gathered: list = [None] * n
         dist.all_gather_object(gathered, events)
         traced = gathered
     extra = {"ideal_s": ideal, "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_weight_s": wgt,
-             "peak_activation_bytes": [p.item() for p in peaks]}
+             "peak_activation_bytes": [p.item() for p in peaks], "memory_method": meter.method}
     return timing, extra, traced
 
 
 def worker(cfg: BenchConfig) -> dict:
-    info = bdist.init(threads=1)
-    rank, n = info.rank, info.world_size
+    info = bdist.init(cfg.backend, threads=1)
+    rank, n, device = info.rank, info.world_size, info.device
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
-    x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
+    x, y = place_model(spec, cfg.batch_size, cfg.seed, device)
     # Cut where measured time balances (both systems then run the same stages); rank 0 decides.
     balance = choose_balance(spec.blocks, n, by="time", sample=x[: max(1, cfg.batch_size // 2)],
                              balance=cfg.balance)
@@ -120,7 +126,7 @@ def worker(cfg: BenchConfig) -> dict:
             spec.loss_fn(full(x), y).backward()
             full.zero_grad(set_to_none=True)
 
-        single = measure(single_step, cfg.repeats, cfg.warmup)
+        single = measure(single_step, cfg.repeats, cfg.warmup, device=device)
     dist.barrier()
     timing_single = [single]
     dist.broadcast_object_list(timing_single, src=0)
@@ -140,20 +146,22 @@ def worker(cfg: BenchConfig) -> dict:
                 best_trace = {"schedule": schedule, "microbatches": m, "events": traced}
             if schedule in ("gpipe", "1f1b") and cfg.batch_size % m == 0:  # torch needs equal chunks
                 peer = TorchPipelining(stages[rank], rank, n, schedule, m, spec.loss_fn, info.device)
-                t = measure(lambda peer=peer: peer.step(x, y), cfg.repeats, cfg.warmup, distributed=True)
+                t = measure(lambda peer=peer: peer.step(x, y), cfg.repeats, cfg.warmup, device=device,
+                            distributed=True)
                 rows.append(_row("torch.distributed.pipelining", schedule, m, cfg.batch_size, t,
                                  balance=balance, torch_pipelining=True, ideal_s=extra["ideal_s"]))
-    ddp = DistributedDataParallel(nn.Sequential(*copy.deepcopy(spec.blocks)))
+    wrapped = ddp(nn.Sequential(*copy.deepcopy(spec.blocks)), device)
     xs, ys = x.chunk(n)[rank], y.chunk(n)[rank]
 
     def ddp_step():
-        spec.loss_fn(ddp(xs), ys).backward()
-        ddp.zero_grad(set_to_none=True)
+        spec.loss_fn(wrapped(xs), ys).backward()
+        wrapped.zero_grad(set_to_none=True)
 
     rows.append(_row("ddp", None, 1, cfg.batch_size, measure(ddp_step, cfg.repeats, cfg.warmup,
-                                                             distributed=True), stages=1))
+                                                             device=device, distributed=True), stages=1))
     bdist.destroy()
-    return {"rows": rows, "trace": best_trace, "balance": balance}
+    return {"rows": rows, "trace": best_trace, "balance": balance,
+            "memory_method": rows[1]["memory_method"]}
 
 
 def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:
@@ -169,4 +177,4 @@ def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:
         row["efficiency"] = ideal / r["mean_s"] if ideal else None
         configs.append(row)
     return {"config": asdict(cfg), "device": device, "balance": raw["balance"], "configs": configs,
-            "timeline": raw["trace"]}
+            "timeline": raw["trace"], "memory_method": raw["memory_method"]}

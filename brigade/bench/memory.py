@@ -1,7 +1,11 @@
-"""Peak activation memory of a stage: bytes of tensors autograd keeps for backward, tracked live.
+"""Peak memory of a stage's step, measured the best way its device allows.
 
-On CPU there is no allocator counter to read, so brigade counts what it can see:
-every tensor saved for backward is counted once (by storage) while it is alive.
+    CPU    "saved-tensors": no allocator counter to read, so brigade counts what it can see:
+           every tensor autograd saves for backward, once per storage, while it is alive.
+    CUDA   "allocator": the caching allocator's own peak over the step, above what was
+           allocated when the step began (activations, gradients, workspaces: all of it).
+
+`stage_meter(device)` picks one; both are context managers with `peak_bytes` and `method`.
 """
 
 from __future__ import annotations
@@ -11,8 +15,44 @@ import weakref
 import torch
 
 
+def stage_meter(device: torch.device, exclude=()) -> ActivationMeter | AllocatorPeak:
+    """The meter for a step on `device`: the allocator's peak on CUDA, saved tensors elsewhere.
+
+    Args:
+        device: where the stage runs (the process's device).
+        exclude: tensors not to count on CPU (e.g. the weights); the allocator's peak is taken
+            above the memory already allocated at the start, which holds them.
+    """
+    if device.type == "cuda":
+        return AllocatorPeak(device)
+    return ActivationMeter(exclude=exclude)
+
+
+class AllocatorPeak:
+    """Context manager: `peak_bytes` the CUDA allocator held above its level at entry."""
+
+    method = "allocator"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_bytes = 0
+        self._base = 0
+
+    def __enter__(self) -> AllocatorPeak:
+        torch.cuda.synchronize(self.device)  # frees of earlier kernels have happened
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize(self.device)
+        self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+
+
 class ActivationMeter:
     """Context manager: `peak_bytes` of saved-for-backward tensors alive at once."""
+
+    method = "saved-tensors"
 
     def __init__(self, exclude=()):
         self.live = 0

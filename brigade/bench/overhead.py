@@ -9,7 +9,8 @@ comm hook. Its step time is the gap between consecutive step records in metrics.
 The raw side is what one writes by hand from the DDP tutorial, on the same blocks
 (`brigade.train.run.build`), data, AdamW and clipping, timed at the same point of each step.
 Rounds alternate between the two so that drift in the machine's speed falls on both alike;
-the first `--warmup` steps of every round are left out.
+the first `--warmup` steps of every round are left out. Both loops run on the backend and
+device brigade train picks (the raw loop's model, batches and DDP on `DistInfo.device`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from brigade import dist as bdist
+from brigade.bench.place import ddp
 from brigade.config import RunConfig
 from brigade.errors import BrigadeError, RunError
 from brigade.train.data import Sampler
@@ -37,10 +38,10 @@ from brigade.train.run import build, to_toml
 
 def raw_worker(cfg: RunConfig) -> list[float]:
     """The tutorial's DDP loop; returns rank 0's wall clock after every step."""
-    info = bdist.init(threads=cfg.parallel.threads)
-    world = info.world_size
+    info = bdist.init(cfg.parallel.backend, threads=cfg.parallel.threads)
+    world, device = info.world_size, info.device
     blocks, loss_fn, train, _, _ = build(cfg)
-    model = DDP(torch.nn.Sequential(*blocks))
+    model = ddp(torch.nn.Sequential(*blocks), device)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
                             weight_decay=o.weight_decay)
@@ -49,6 +50,7 @@ def raw_worker(cfg: RunConfig) -> list[float]:
     dist.barrier()
     for _ in range(cfg.train.max_steps):
         x, y = train.batch(Sampler.shard(sampler.next_global(), info.rank, world))
+        x, y = x.to(device), y.to(device)
         loss = loss_fn(model(x), y)
         loss.backward()
         if o.grad_clip > 0:

@@ -22,7 +22,8 @@ from brigade.pipeline.partition import check_chain
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     """The tutorial's sizes on GPUs; on CPU, sizes that fit 10 minutes (2 with --quick)."""
     gpu = torch.cuda.device_count() >= 2
-    cfg = BenchConfig(model=args.model)
+    # NCCL needs a GPU per process: with fewer than 2, both processes run on the CPU (gloo).
+    cfg = BenchConfig(model=args.model, backend="nccl" if gpu else "gloo")
     if args.model == "resnet50":
         size = args.image_size or (128 if gpu else 64)
         cfg.model_options = {"image_size": size}

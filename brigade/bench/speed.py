@@ -2,9 +2,10 @@
 
     python -m brigade.bench.speed --out results/speed        # MLP 8 × Linear(1024), batch 256
 
-Each process is one "device" with one thread. The ideal pipelined step is the
-makespan `simulate()` gives from each stage's measured per-micro-batch forward
-and backward costs; efficiency = ideal step time ÷ measured step time.
+Each process is one "device" with one thread (or its GPU, under NCCL: everything is placed
+on `DistInfo.device`). The ideal pipelined step is the makespan `simulate()` gives from each
+stage's measured per-micro-batch forward and backward costs; efficiency = ideal step time ÷
+measured step time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from brigade import dist as bdist
 from brigade.bench.peers import TorchPipelining
+from brigade.bench.place import place_model
 from brigade.bench.timing import gathered_stage_costs, measure
 from brigade.models import load_model
 from brigade.pipeline.partition import choose_balance, split
@@ -38,13 +40,14 @@ class SpeedConfig:
     repeats: int = 10
     warmup: int = 3
     seed: int = 0
+    backend: str = "auto"
 
 
 def worker(cfg: SpeedConfig) -> dict:
-    info = bdist.init(threads=1)
-    rank = info.rank
+    info = bdist.init(cfg.backend, threads=1)
+    rank, device = info.rank, info.device
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
-    x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
+    x, y = place_model(spec, cfg.batch_size, cfg.seed, device)
     balance = choose_balance(spec.blocks, cfg.stages)
     single = {}
     if rank == 0:
@@ -54,7 +57,7 @@ def worker(cfg: SpeedConfig) -> dict:
             spec.loss_fn(full(x), y).backward()
             full.zero_grad(set_to_none=True)
 
-        single = asdict(measure(single_step, cfg.repeats, cfg.warmup))
+        single = asdict(measure(single_step, cfg.repeats, cfg.warmup, device=device))
     dist.barrier()
     rows = []
     for schedule, m in cfg.cases:
@@ -62,17 +65,18 @@ def worker(cfg: SpeedConfig) -> dict:
         fwd, bwd, wgt = gathered_stage_costs(stages, rank, x, y, spec.loss_fn, m)
         ideal = simulate(build(schedule, cfg.stages, m), fwd, bwd, weight=wgt).makespan
         mine = stages[rank]
-        pipe = Pipeline(mine, schedule, m, spec.loss_fn)
+        pipe = Pipeline(mine, schedule, m, spec.loss_fn, device=device)
 
         def brigade_step(pipe=pipe, mine=mine):
             pipe.step(x, y)
             mine.zero_grad(set_to_none=True)
 
-        ours = measure(brigade_step, cfg.repeats, cfg.warmup, distributed=True)
+        ours = measure(brigade_step, cfg.repeats, cfg.warmup, device=device, distributed=True)
         peer_schedule = schedule if schedule in ("gpipe", "1f1b") else "1f1b"
         peer = TorchPipelining(copy.deepcopy(mine), rank, cfg.stages, peer_schedule, m, spec.loss_fn,
-                               info.device)
-        theirs = measure(lambda peer=peer: peer.step(x, y), cfg.repeats, cfg.warmup, distributed=True)
+                               device)
+        theirs = measure(lambda peer=peer: peer.step(x, y), cfg.repeats, cfg.warmup, device=device,
+                         distributed=True)
         rows.append({"schedule": schedule, "microbatches": m, "balance": balance,
                      "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_weight_s": wgt,
                      "ideal_s": ideal,
@@ -110,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schedule", default="1f1b")
     args = parser.parse_args(argv)
     cases = [(args.schedule, int(m)) for m in args.microbatches.split(",")]
-    cfg = SpeedConfig(cases=cases, repeats=args.repeats)
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"  # NCCL: one GPU per process
+    cfg = SpeedConfig(cases=cases, repeats=args.repeats, backend=backend)
     result = summarise(cfg, bdist.launch(worker, cfg.stages, cfg)[0])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

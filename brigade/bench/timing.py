@@ -1,4 +1,8 @@
-"""Timing helpers: warm-up, repeats, mean and standard deviation, synchronised across ranks."""
+"""Timing helpers: warm-up, repeats, mean and standard deviation, synchronised across ranks.
+
+On a GPU the host only queues kernels: every clock read here is preceded by a device
+synchronisation (`now`), so a time covers the work, not its launch.
+"""
 
 from __future__ import annotations
 
@@ -23,23 +27,37 @@ def _sync(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
+def now(device: torch.device | None) -> float:
+    """`perf_counter()` once everything queued on `device` has run (a no-op wait on CPU)."""
+    _sync(device)
+    return time.perf_counter()
+
+
 def measure(fn: Callable[[], object], repeats: int = 5, warmup: int = 2, group=None,
             device: torch.device | None = None, distributed: bool = False) -> Timing:
-    """Time `fn` `repeats` times after `warmup` calls. With `distributed`, all ranks start each
-    repeat together (barrier) and a repeat lasts until the slowest rank is done (max-reduce)."""
+    """Time `fn` `repeats` times after `warmup` calls, the device synchronised around each.
+
+    Args:
+        device: the process's device (synchronised before each clock read; None: the CPU).
+        distributed: all ranks start each repeat together (barrier) and a repeat lasts until
+            the slowest rank is done (a max-reduce of a tensor on `device`).
+
+    Raises:
+        ValueError: `distributed` without a `device`: the reduce must run on the group's device.
+    """
+    if distributed and device is None:
+        raise ValueError("measure(distributed=True) needs device=: the process's device (DistInfo.device)")
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
         if distributed:
             dist.barrier(group=group)
-        _sync(device)
-        start = time.perf_counter()
+        start = now(device)
         fn()
-        _sync(device)
-        elapsed = time.perf_counter() - start
+        elapsed = now(device) - start
         if distributed:
-            t = torch.tensor([elapsed], dtype=torch.float64)
+            t = torch.tensor([elapsed], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             elapsed = t.item()
         samples.append(elapsed)
@@ -52,28 +70,30 @@ def stage_costs(module: torch.nn.Module, x: torch.Tensor, loss_fn=None, target=N
     """Median forward, backward and weight-gradient seconds of one stage on one micro-batch.
 
     The weight-gradient part is the W half of a split backward (see pipeline.backward);
-    no communication is included.
+    no communication is included. The module and `x` share a device, synchronised before
+    every clock read.
     """
     from brigade.pipeline.backward import backward_split
 
+    device = x.device
     fwd, bwd, wgt = [], [], []
     for k in range(2 * (repeats + 2)):
         inp = x.detach().requires_grad_(x.is_floating_point() and not first)
-        t0 = time.perf_counter()
+        t0 = now(device)
         y = module(inp)
         if loss_fn is not None:
             y = loss_fn(y, target)
-        t1 = time.perf_counter()
+        t1 = now(device)
         grad = None if loss_fn is not None else torch.ones_like(y)
         if k % 2 == 0:
             torch.autograd.backward(y, grad)
-            bwd.append(time.perf_counter() - t1)
+            bwd.append(now(device) - t1)
             fwd.append(t1 - t0)
         else:
             _, weight_step = backward_split(y, grad, None if first else inp, list(module.parameters()))
-            t2 = time.perf_counter()
+            t2 = now(device)
             weight_step()
-            wgt.append(time.perf_counter() - t2)
+            wgt.append(now(device) - t2)
     module.zero_grad(set_to_none=True)
     return statistics.median(fwd[2:]), statistics.median(bwd[2:]), statistics.median(wgt[2:])
 
@@ -83,7 +103,8 @@ def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tens
     """Every stage's (forward, backward, weight) seconds on the first of `m` micro-batches.
 
     Each rank measures its own stage on the input that stage sees, at the same time as the
-    others (as in a real step, both cores busy); the results are gathered on every rank.
+    others (as in a real step, both cores busy); the results are gathered on every rank,
+    through tensors on `x`'s device (the process's: stages and batch live there).
     """
     from brigade.pipeline import microbatch
 
@@ -95,8 +116,8 @@ def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tens
     target = microbatch.split(y, m)[0] if last else None
     costs = stage_costs(stages[rank], inp, loss_fn if last else None, target, first=rank == 0,
                         repeats=repeats)
-    gathered = [torch.zeros(3, dtype=torch.float64) for _ in stages]
-    dist.all_gather(gathered, torch.tensor(costs, dtype=torch.float64))
+    gathered = [torch.zeros(3, dtype=torch.float64, device=x.device) for _ in stages]
+    dist.all_gather(gathered, torch.tensor(costs, dtype=torch.float64, device=x.device))
     fwd, bwd, wgt = ([g[k].item() for g in gathered] for k in range(3))
     return fwd, bwd, wgt
 

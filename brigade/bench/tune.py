@@ -9,7 +9,8 @@
     3. time only the best few predictions (at most a third of the sweep) and keep the fastest.
 
 `--verify` also times the whole sweep, the chosen configuration again among the others,
-to show how close the choice is.
+to show how close the choice is. Blocks, batches and transfers live on the process's device;
+every time is read after synchronising it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from brigade import dist as bdist
 from brigade.bench.experiments import BenchConfig, scaled_splits
+from brigade.bench.place import place_model
 from brigade.bench.timing import measure, ping_pong, stage_costs
 from brigade.models import load_model
 from brigade.pipeline.partition import solve, split
@@ -31,7 +33,7 @@ from brigade.pipeline.schedule import build, simulate
 
 
 def block_costs(blocks: list[nn.Module], x: torch.Tensor, loss_fn, y) -> list[tuple[float, float, float]]:
-    """(forward, backward, weight) seconds of every block on input batch x."""
+    """(forward, backward, weight) seconds of every block on input batch x (blocks on x's device)."""
     out = []
     h = x
     for i, block in enumerate(blocks):
@@ -68,14 +70,14 @@ def predict(samples: dict[int, list], batch: int, m: int, schedule: str, n_stage
 
 
 def _time_config(spec, x, y, rank, n, schedule, m, balance, cfg) -> float:
-    stages = split(copy.deepcopy(spec.blocks), balance)
-    pipe = Pipeline(stages[rank], schedule, m, spec.loss_fn)
+    stages = split(copy.deepcopy(spec.blocks), balance)  # copies stay on the blocks' device, x's
+    pipe = Pipeline(stages[rank], schedule, m, spec.loss_fn, device=x.device)
 
     def step():
         pipe.step(x, y)
         stages[rank].zero_grad(set_to_none=True)
 
-    return measure(step, cfg.repeats, cfg.warmup, distributed=True).mean_s
+    return measure(step, cfg.repeats, cfg.warmup, device=x.device, distributed=True).mean_s
 
 
 def _comm_per_sample(spec, x, rank) -> float:
@@ -83,10 +85,11 @@ def _comm_per_sample(spec, x, rank) -> float:
     mid = len(spec.blocks) // 2
     with torch.no_grad():
         h = nn.Sequential(*spec.blocks[:mid])(x[:4])
-    t = torch.zeros_like(h)
+    t = torch.zeros_like(h)  # on the blocks' device, as the pipeline's activations are
     peer = 1 - rank
 
-    return measure(lambda: ping_pong(t, peer, rank == 0), 5, 2, distributed=True).mean_s / 2 / 4
+    return measure(lambda: ping_pong(t, peer, rank == 0), 5, 2, device=x.device,
+                   distributed=True).mean_s / 2 / 4
 
 
 def verify_sweep(predictions: list[dict], chosen: dict, time_config) -> dict:
@@ -121,10 +124,10 @@ def verify_sweep(predictions: list[dict], chosen: dict, time_config) -> dict:
 
 
 def worker(cfg: BenchConfig, verify: bool) -> dict:
-    info = bdist.init(threads=1)
+    info = bdist.init(cfg.backend, threads=1)
     rank, n = info.rank, info.world_size
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
-    x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
+    x, y = place_model(spec, cfg.batch_size, cfg.seed, info.device)
     splits = cfg.splits or scaled_splits(cfg.batch_size)
     ms = sorted({math.ceil(cfg.batch_size / s) for s in splits})
     space = [(s, m) for s in cfg.schedules for m in ms]
