@@ -4,8 +4,8 @@ Run it on every node with the flags you would give `brigade train`. First the ch
 can make alone (backend and device, port, rendezvous endpoint, the address it advertises), then,
 through the same elastic launch as training, the checks that need the whole group: an all-reduce
 and point-to-point transfers with their latency and bandwidth, the snapshot folder (writable, and
-the same folder on every node), and the clocks. Each check prints PASS or FAIL; a FAIL says how
-to fix it.
+the same folder on every node), and the clocks. Each check prints PASS, FAIL or SKIP (no peer to
+check with); a FAIL says how to fix it.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    skipped: bool = False  # nothing to check here (e.g. no peer): not a failure
 
     def line(self) -> str:
-        text = f"{'PASS' if self.ok else 'FAIL'}  {self.name:<16}{self.detail}"
-        return text + (f"\n      fix: {self.fix}" if self.fix else "")
+        verdict = "SKIP" if self.skipped else "PASS" if self.ok else "FAIL"
+        return f"{verdict}  {self.name:<16}{self.detail}" + (f"\n      fix: {self.fix}" if self.fix else "")
 
 
 @dataclass
@@ -187,6 +188,8 @@ def _allreduce(device: torch.device, world: int, rank: int, big: int, nonce: int
                      "that every node runs the same brigade and torch, and the network between them")
     one, payload = torch.zeros(1, device=device), torch.zeros(big, device=device)
     lat = _timed(lambda: dist.all_reduce(one), 20, device)
+    if world == 1:  # nothing crosses a link: no bandwidth to report
+        return Check("all-reduce", True, f"correct on 1 rank, no link to measure; latency {lat * 1e3:.2f} ms")
     t = _timed(lambda: dist.all_reduce(payload), 3, device)
     nbytes = payload.numel() * payload.element_size()
     busbw = 2 * (world - 1) / world * nbytes / t  # what each link carries in a ring all-reduce
@@ -205,6 +208,8 @@ def _delivered(device: torch.device, rank: int, other: int, big: int, nonce: int
 
 def _p2p(device: torch.device, world: int, rank: int, big: int, nonce: int = 0) -> Check | None:
     """Rank 0 exchanges data with every other rank, both ways; the slowest pair is reported."""
+    if world == 1:
+        return Check("point-to-point", True, "skipped: 1 process, no peer", skipped=True)
     small, payload = torch.zeros(1, device=device), torch.zeros(big, device=device)
     worst, error = (0.0, 0.0, 0), ""  # (latency, seconds for the payload, peer), first failure
     for peer in range(1, world):
@@ -232,8 +237,7 @@ def _p2p(device: torch.device, world: int, rank: int, big: int, nonce: int = 0) 
 def _folder(out: str, node: int, nnodes: int, local_rank: int, token: str) -> dict | None:
     """Each node's first process writes a marker in OUT, then reads everyone's back."""
     probe = Path(out) / f".doctor-{token}"
-    mine = probe / f"node{node}"
-    error = ""
+    mine, error = probe / f"node{node}", ""
     created = not Path(out).exists()  # an OUT that the doctor made is removed again
     dist.barrier()
     if local_rank == 0:
@@ -281,10 +285,8 @@ def _clock(world: int, rank: int, local_rank: int, device: torch.device) -> Chec
             t0 = time.time()
             dist.send(torch.tensor([t0], dtype=torch.float64, device=device), peer)
             dist.recv(t, peer)
-            theirs = t.item()
-            t1 = time.time()
-            offset = theirs - (t0 + t1) / 2
-            worst = max(worst, (abs(offset), (t1 - t0) / 2, peer))
+            theirs, t1 = t.item(), time.time()  # .item() first: the data is there
+            worst = max(worst, (abs(theirs - (t0 + t1) / 2), (t1 - t0) / 2, peer))
         elif rank == peer:
             dist.recv(t, 0)
             t.item()

@@ -77,6 +77,24 @@ def test_doctor_on_this_machine(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.timeout(200)
+def test_doctor_with_one_process_checks_what_it_can_and_skips_point_to_point(tmp_path):
+    result = brigade("doctor", "--nproc", "1", "--out", tmp_path / "runs", timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr  # was: ZeroDivisionError in rank 0
+    lines = result.stdout.splitlines()
+    names = [line.split()[1] for line in lines if line.startswith("PASS")]
+    assert names == ["backend", "port", "endpoint", "all-reduce", "snapshot", "clock"]
+    assert any(line.startswith("PASS  all-reduce      correct on 1 rank") for line in lines)
+    assert "SKIP  point-to-point  skipped: 1 process, no peer" in lines
+    assert "FAIL" not in result.stdout
+
+
+def test_a_skipped_check_is_not_a_failure():
+    skip = Check("point-to-point", True, "skipped: 1 process, no peer", skipped=True)
+    assert skip.line() == "SKIP  point-to-point  skipped: 1 process, no peer"
+    assert Check(**asdict(skip)) == skip  # crosses from the workers as a dict
+
+
 def test_doctor_fails_an_unwritable_snapshot_folder(tmp_path):
     (tmp_path / "a-file").write_text("x")
     result = brigade("doctor", "--out", tmp_path / "a-file" / "runs", timeout=120)

@@ -62,6 +62,7 @@ def test_bench_writes_json_plots_and_a_table(tmp_path):
     ours = [c for c in data["configs"] if c["name"] == "brigade"]
     assert len(ours) == 6 and all(c["efficiency"] > 0 and c["ideal_speedup"] > 0 for c in ours)
     assert all(len(c["peak_activation_bytes"]) == 2 for c in ours)
+    assert data["memory_method"] == "saved-tensors" and data["config"]["backend"] == "gloo"  # CPU here
     for name in ("bench_bars.png", "split_size_tradeoff.png", "timeline.png", "memory.png"):
         assert (out / name).stat().st_size > 1000, name
     trace = json.loads((out / "timeline_trace.json").read_text())
