@@ -19,6 +19,16 @@ runs them. The NCCL policy is therefore checked, not assumed.
              one group each side,         each head waits for a send that is
              all four ops match           queued behind the other's receive
 
+Under "grouped" every rank runs a step in one of two modes, the same on every
+rank (the first stage decides and broadcasts it, see `P2PTransport`):
+
+    predicted   [0SEND_F1 0RECV_B0]                     payloads only, sizes known
+    discovery   [0SEND_F1' 0RECV_B0'] ─wait─► [0SEND_F1 0RECV_B0]
+                 headers (dtype, shape)   host reads them, then the payloads
+
+`issued(plan, policy, mode)` lays both out as groups and `simulate_nccl` runs
+them; a discovery payload group is issued only once its header group completed.
+
 No torch import: this module is pure, like `schedule`.
 """
 
@@ -30,7 +40,64 @@ from brigade.pipeline.schedule import COMM_OPS, RECV_B, RECV_F, SEND_B, SEND_F, 
 
 GROUPED, EAGER = "grouped", "eager"
 POLICIES = (GROUPED, EAGER)  # grouped: safe under NCCL; eager: pre-posted receives (gloo)
+PREDICTED, DISCOVERY = "predicted", "discovery"
+MODES = (PREDICTED, DISCOVERY)  # how a grouped step learns its receive sizes
+STATIC, DYNAMIC = "static", "dynamic"
+SHAPES = (STATIC, DYNAMIC)  # dynamic: shapes depend on values, discover every step
 BEGIN = -1  # `Issue.after` for operations issued at the start of the step
+PAYLOAD, HEADER = 0, 1  # the part of a message an `Op` carries
+POLICY_ENV = "BRIGADE_P2P_POLICY"  # forces a policy, e.g. grouped on gloo in tests
+
+
+def policy_for(backend: str, requested: str | None = None) -> str:
+    """The posting policy for a backend: the one place that chooses per backend.
+
+    Args:
+        backend: the process group's backend ("nccl", "gloo", ...).
+        requested: a policy asked for explicitly (argument or `BRIGADE_P2P_POLICY`); empty
+            or None picks the backend's default: grouped for NCCL, eager elsewhere.
+
+    Returns:
+        "grouped" or "eager".
+
+    Raises:
+        PlanError: an unknown policy, or eager under NCCL (it deadlocks there).
+    """
+    if not requested:
+        return GROUPED if backend == "nccl" else EAGER
+    if requested not in POLICIES:
+        raise PlanError(f"{POLICY_ENV}={requested!r}: expected one of {', '.join(POLICIES)}, "
+                        "or unset for the backend's default")
+    if requested == EAGER and backend == "nccl":
+        raise PlanError(f"{POLICY_ENV}=eager deadlocks under NCCL (receives posted ahead of "
+                        "sends): use grouped, or unset it")
+    return requested
+
+
+def mode_for(previous: object, current: object, shapes: str = STATIC) -> str:
+    """The mode of a grouped step, decided by the first stage from its inputs.
+
+    Assumes every message's dtype and shape are a function of the step's plan and its
+    micro-batches' input shapes and dtypes: if `current` (that key) equals `previous`,
+    every receive is the size it was in the previous step. A model whose shapes depend
+    on values breaks this and needs `shapes="dynamic"` (discovery every step).
+
+    Args:
+        previous: the previous step's key, None before the first step.
+        current: this step's key (plan and input dtypes and shapes).
+        shapes: "static" or "dynamic".
+
+    Returns:
+        "predicted" or "discovery".
+
+    Raises:
+        PlanError: an unknown `shapes`.
+    """
+    if shapes not in SHAPES:
+        raise PlanError(f"shapes={shapes!r}: expected one of {', '.join(SHAPES)} "
+                        "(dynamic when a model's shapes depend on values)")
+    same = previous is not None and previous == current
+    return PREDICTED if same and shapes == STATIC else DISCOVERY
 
 
 @dataclass(frozen=True)
@@ -112,29 +179,66 @@ def _eager(comms: list[Action]) -> list[Issue]:
     return issues
 
 
-Op = tuple[Action, int]  # (comm action, part): part 0 = header and predicted payload, 1 = late payload
+Op = tuple[Action, int]  # (comm action, PAYLOAD or HEADER)
 
 
-def issued(plan: Plan, policy: str, mispredicted: bool = False) -> dict[int, list[tuple[Op, ...]]]:
+def issued(plan: Plan, policy: str, mode: str = PREDICTED) -> dict[int, list[tuple[Op, ...]]]:
     """Each rank's issued groups in stream order, for a plan with comms.
 
-    With `mispredicted`, every message's shape differs from the prediction (a
-    first step): each side then issues the real payload as a group of its own
-    right after the message's group (see `P2PTransport`).
+    In "predicted" mode each batch of `posting` is one group of payloads. In
+    "discovery" mode each batch is cut into `rounds` (see `discovery_batches`) and
+    each part is two groups: its headers, then its payloads (`simulate_nccl` issues
+    a receive's payload only once its header completed: the host reads it first).
+
+    Raises:
+        PlanError: an unknown policy or mode.
     """
+    if mode not in MODES:
+        raise PlanError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    done = rounds(plan, policy) if mode == DISCOVERY else {}
     streams: dict[int, list[tuple[Op, ...]]] = {}
     for r, acts in plan.items():
         groups: list[tuple[Op, ...]] = []
         for issue in posting(acts, policy):
-            groups.append(tuple((a, 0) for a in issue.ops))
-            if mispredicted:
-                groups += [((a, 1),) for a in issue.ops]
+            for ops in _cut(issue.ops, done) if mode == DISCOVERY else [issue.ops]:
+                if mode == DISCOVERY:
+                    groups.append(tuple((a, HEADER) for a in ops))
+                groups.append(tuple((a, PAYLOAD) for a in ops))
         streams[r] = groups
     return streams
 
 
+def rounds(plan: Plan, policy: str) -> dict[Action, int]:
+    """The round in which each comm action completes when `plan` runs in predicted mode.
+
+    Raises:
+        PlanError: the plan deadlocks under `policy`.
+    """
+    return {a: k for (a, _), k in simulate_nccl(issued(plan, policy)).items()}
+
+
+def discovery_batches(plan: Plan, rank: int, policy: str = GROUPED) -> list[Issue]:
+    """`rank`'s batches in discovery mode: `posting`'s, each cut by completion round.
+
+    Why cut: a batch's receives may depend on its own send (GPipe: [0SEND_F0 0RECV_B0]);
+    waiting for all its headers before sending its payload would deadlock. Ops that
+    complete in the same round of the predicted run do not depend on one another, so
+    their headers can be exchanged, read, and their payloads sent, round after round.
+    Needs the whole plan: rounds depend on every rank's order.
+    """
+    done = rounds(plan, policy)
+    return [Issue(issue.after, ops) for issue in posting(plan[rank], policy) for ops in _cut(issue.ops, done)]
+
+
+def _cut(ops: tuple[Action, ...], done: dict[Action, int]) -> list[tuple[Action, ...]]:
+    by_round: dict[int, list[Action]] = {}
+    for a in ops:
+        by_round.setdefault(done[a], []).append(a)
+    return [tuple(by_round[k]) for k in sorted(by_round)]
+
+
 def _name(op: Op) -> str:
-    return f"{op[0]}" + ("'" if op[1] else "")
+    return f"{op[0]}" + ("'" if op[1] == HEADER else "")  # 0SEND_F1' is 0SEND_F1's header
 
 
 def _pair(streams: dict[int, list[tuple[Op, ...]]]) -> dict[Op, Op]:
@@ -164,12 +268,16 @@ def _pair(streams: dict[int, list[tuple[Op, ...]]]) -> dict[Op, Op]:
     return partner
 
 
-def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]]) -> None:
-    """Run issued groups as NCCL does; return if every op completes.
+def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]]) -> dict[Op, int]:
+    """Run issued groups as NCCL does; return the round in which each op completed.
 
-    Each rank executes its groups in order; an op completes with its partner
-    when both sit in the groups at the head of their ranks' streams; a group
-    leaves the head once all its ops completed.
+    Each rank's host issues its groups in order; a group holding the payload of a
+    receive whose header this rank also receives is issued only once that header
+    completed (the host reads it to size the payload).
+    Each rank executes its issued groups in order; an op completes with its partner
+    when both sit in the groups at the head of their ranks' streams; a group leaves
+    the head once all its ops completed. (Issuing a group later than this, after
+    computing, changes nothing: groups behind the head cannot run anyway.)
 
     Raises:
         PlanError: "NCCL deadlock: ..." naming each stuck group and what it waits for.
@@ -177,18 +285,22 @@ def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]]) -> None:
     partner = _pair(streams)
     where = {op: r for r, groups in streams.items() for g in groups for op in g}
     head = {r: 0 for r in streams}
-    done: set[Op] = set()
+    done: dict[Op, int] = {}
+    now = 0
+
+    def issued_yet(r: int) -> bool:  # may the host issue rank r's head group?
+        return not _unread(streams[r][head[r]], where, done)
 
     def at_head(op: Op) -> bool:
         r = where[op]
-        return head[r] < len(streams[r]) and op in streams[r][head[r]]
+        return head[r] < len(streams[r]) and op in streams[r][head[r]] and issued_yet(r)
 
     while any(head[r] < len(g) for r, g in streams.items()):
         progressed = False
         for r, groups in streams.items():
             for op in groups[head[r]] if head[r] < len(groups) else ():
-                if op not in done and at_head(partner[op]):
-                    done.update((op, partner[op]))
+                if op not in done and at_head(op) and at_head(partner[op]):
+                    done[op] = done[partner[op]] = now
                     progressed = True
         for r, groups in streams.items():
             while head[r] < len(groups) and all(op in done for op in groups[head[r]]):
@@ -196,6 +308,14 @@ def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]]) -> None:
                 progressed = True
         if not progressed:
             raise PlanError("NCCL deadlock: " + "; ".join(_stuck(streams, head, done, partner, where)))
+        now += 1
+    return done
+
+
+def _unread(group, where, done) -> list[Op]:
+    """The headers, not yet arrived, of receives whose payloads are in `group`."""
+    return [(a, HEADER) for a, part in group if part == PAYLOAD and a.op in (RECV_F, RECV_B)
+            and (a, HEADER) in where and (a, HEADER) not in done]
 
 
 def _stuck(streams, head, done, partner, where) -> list[str]:
@@ -205,7 +325,10 @@ def _stuck(streams, head, done, partner, where) -> list[str]:
     lines = []
     for r, groups in streams.items():
         pending = [op for op in groups[head[r]] if op not in done] if head[r] < len(groups) else []
-        if pending:
+        headers = _unread(pending, where, done)
+        if headers:
+            lines.append(f"rank {r} cannot issue [{group(r)}] before {_name(headers[0])} completes")
+        elif pending:
             op = pending[0]
             q = where[partner[op]]
             lines.append(f"rank {r} is stuck at [{group(r)}]: {_name(op)} waits for "
@@ -213,12 +336,10 @@ def _stuck(streams, head, done, partner, where) -> list[str]:
     return lines
 
 
-def check(plan: Plan, policy: str) -> None:
-    """Prove that `plan` (with comms) runs without deadlock under NCCL with `policy`.
-
-    Every message's payload is taken to travel in its own group (shape predicted).
+def check(plan: Plan, policy: str, mode: str = PREDICTED) -> None:
+    """Prove that `plan` (with comms) runs without deadlock under NCCL with `policy` in `mode`.
 
     Raises:
         PlanError: on a deadlock or on sends and receives that do not pair up.
     """
-    simulate_nccl(issued(plan, policy))
+    simulate_nccl(issued(plan, policy, mode))

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from brigade import forensics
 from brigade.pipeline.backward import GradientReducer, backward_split
 from brigade.pipeline.schedule import COMM_OPS, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, W
+from brigade.pipeline.transport import Transport
 
 
 @dataclass
@@ -40,11 +41,11 @@ class StageRunner:
     Args:
         module: this stage's blocks (possibly wrapped in DistributedDataParallel).
         stage: index of this stage; n_stages: pipeline depth.
-        transport: object with send(tensor, stage), recv(stage), flush().
+        transport: a `Transport` (P2P between processes, or a local endpoint).
         loss_fn: (output, target) -> mean loss; used on the last stage only.
     """
 
-    def __init__(self, module: nn.Module, stage: int, n_stages: int, transport, loss_fn=None,
+    def __init__(self, module: nn.Module, stage: int, n_stages: int, transport: Transport, loss_fn=None,
                  autocast: torch.dtype | None = None):
         self.module = module
         self.stage = stage
@@ -94,7 +95,7 @@ class StageRunner:
         backward_done = 0
         total = None
         grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
-        self.transport.begin_step(actions)
+        self.transport.begin_step(actions, inputs if self.is_first else None)
         with grad_ctx:
             for a in actions:
                 self._record(a)

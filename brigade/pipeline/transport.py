@@ -3,12 +3,13 @@
 Two transports share one small interface (`send(tensor, stage)`,
 `recv(stage) -> tensor`, `flush()`), so the runtime does not know which it has:
 
-- `P2PTransport`: one stage per process, torch.distributed point-to-point
-  (gloo on CPU, NCCL on GPU). Every message is a fixed-size header (dtype and
-  shape) followed by the payload, so shapes may change between micro-batches.
+- `p2p.P2PTransport`: one stage per process, torch.distributed point-to-point
+  (gloo on CPU, NCCL on GPU), issued as `ordering` decides and proves safe.
+  Shapes may change between steps and micro-batches; headers (dtype, shape),
+  encoded here, travel only when shapes must be discovered.
 - `LocalTransport`: several stages in one process, one thread per device; a
   tensor is handed over through a queue, copied to the receiver's device (on
-  GPUs on a side stream, so the copy overlaps compute).
+  GPUs on a side stream per link, so the copy overlaps compute).
 """
 
 from __future__ import annotations
@@ -18,18 +19,16 @@ import threading
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from brigade.errors import RunError
-from brigade.pipeline.ordering import BEGIN, EAGER, GROUPED, peer_of, posting
-from brigade.pipeline.schedule import COMM_OPS, RECV_F, SEND_B, SEND_F, Action
+from brigade.pipeline.schedule import Action
 
 _DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 ]
 _MAX_DIMS = 8
-_HEADER = 2 + _MAX_DIMS
+HEADER_LEN = 2 + _MAX_DIMS  # int64 elements of an encoded header
 
 
 def encode_header(t: torch.Tensor) -> list[int]:
@@ -49,182 +48,38 @@ class StageAborted(RunError):
 
 
 class Transport(Protocol):
-    """What the runtime may call; `peers[s]` is the global rank of stage s (None in-process)."""
+    """What the runtime may call; `peers[s]` is the global rank of stage s (None in-process).
+
+    `begin_step` takes this rank's actions for the step and, on the first stage, its
+    micro-batches (a P2P transport decides from their shapes whether to discover shapes).
+    """
 
     peers: list[int] | None
 
-    def begin_step(self, actions: list[Action]) -> None: ...
+    def begin_step(self, actions: list[Action], inputs: list[torch.Tensor] | None = None) -> None: ...
     def send(self, tensor: torch.Tensor, stage: int) -> None: ...
     def recv(self, stage: int) -> torch.Tensor: ...
     def flush(self) -> None: ...
 
 
-class P2PTransport:
-    """Point-to-point between processes. `peers[s]` is the global rank running stage s.
-
-    What is issued when is decided by `ordering.posting(actions, policy)`, the
-    function `ordering.check` proves deadlock-free:
-
-    - "grouped" (NCCL, which runs a rank's point-to-point ops in issue order):
-      each send and the receives up to the next send go into one
-      `batch_isend_irecv`, so neighbours that both send before they receive meet.
-    - "eager" (gloo, the default there): each receive is posted as soon as the
-      previous one from that neighbour arrived, so a sender finds its receiver
-      ready (with gloo a send to a receiver that has not posted yet is only
-      completed later by the sender's I/O thread, which a busy CPU delays).
-
-    A message is a header (dtype, shape) and the payload. Both ends predict a
-    message's shape as that of the same micro-batch on the same link in an
-    earlier step, so the receiver posts header and payload together. When the
-    prediction is missing or wrong the sender follows the header with a
-    placeholder of the predicted size, then the payload in a batch of its own:
-
-        sender   [header (placeholder)] [payload]
-        receiver [header (predicted)]  read header ─► wrong? [recv payload]
-
-    Host synchronisation: the sender keeps one device header per shape (no
-    host-to-device copy per message); the receiver waits for the payload on its
-    compute stream, and reads only the header on the host, on a side stream
-    into pinned memory, so it waits for that header's arrival, not for the
-    device's queue. Late payloads (a first step, a changed shape) are correct
-    on gloo; `ordering.issued(..., mispredicted=True)` shows that NCCL may
-    deadlock on them, so under NCCL shapes must repeat from step to step.
-    """
-
-    def __init__(self, peers: list[int], device: torch.device, group=None, policy: str | None = None):
-        self.peers = peers
-        self.device = device
-        self.group = group
-        self.policy = policy or (GROUPED if dist.get_backend(group) == "nccl" else EAGER)
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._known: dict[tuple[int, str, int], tuple] = {}  # (peer, F|B, mb) -> (dtype, shape)
-        self._headers: dict[tuple, torch.Tensor] = {}  # (dtype, shape) -> header on device
-        self._staged: dict[Action, tuple[list, list]] = {}  # send -> (in-batch parts, late parts)
-        self._posted: dict[Action, tuple] = {}  # recv -> (ops, header, payload, predicted)
-        self._recv_works: dict[int, dist.Work] = {}  # id(P2POp) -> its work
-        self._comms: list[Action] = []
-        self._issues: dict[int, list[tuple[Action, ...]]] = {}
-        self._next = 0
-        self._meta = None
-        if device.type == "cuda":
-            self._meta = torch.cuda.Stream(device=device)
-            self._pinned = torch.empty(_HEADER, dtype=torch.int64, pin_memory=True)
-
-    def begin_step(self, actions: list[Action]) -> None:
-        """Take this rank's actions (with comms) for the step; issue what comes first."""
-        self._comms = [a for a in actions if a.op in COMM_OPS]
-        self._issues = {}
-        for issue in posting(actions, self.policy):
-            self._issues.setdefault(issue.after, []).append(issue.ops)
-        self._next = 0
-        self._issue_after(BEGIN)
-
-    def _expect(self, stage: int, sending: bool) -> Action:
-        if self._next >= len(self._comms):
-            raise RunError(f"transport: unexpected message with stage {stage}: begin_step lists no more")
-        a = self._comms[self._next]
-        if peer_of(a) != stage or (a.op in (SEND_F, SEND_B)) != sending:
-            raise RunError(f"transport: {'send to' if sending else 'recv from'} stage {stage} "
-                           f"where the plan has {a}")
-        return a
-
-    def _key(self, a: Action) -> tuple[int, str, int]:
-        return peer_of(a), "F" if a.op in (SEND_F, RECV_F) else "B", a.microbatch
-
-    def _issue_after(self, k: int) -> None:
-        for batch in self._issues.pop(k, []):
-            ops, late = [], []
-            for a in batch:
-                if a in self._staged:
-                    parts, tail = self._staged.pop(a)
-                    ops += [dist.P2POp(dist.isend, t, self.peers[peer_of(a)], self.group) for t in parts]
-                    late += [(a, t) for t in tail]
-                else:
-                    ops += self._post(a)
-            self._start(ops)
-            for a, t in late:
-                self._start([dist.P2POp(dist.isend, t, self.peers[peer_of(a)], self.group)])
-
-    def _start(self, ops: list) -> list:
-        works = dist.batch_isend_irecv(ops)
-        for op, work in zip(ops, works):
-            if op.op is dist.isend:
-                self._sends.append((work, op.tensor))  # kept alive until flush()
-            else:
-                self._recv_works[id(op)] = work
-        return works
-
-    def _read_header(self, work: dist.Work, header: torch.Tensor) -> list[int]:
-        if self._meta is None:
-            work.wait()
-            return header.tolist()
-        # Only a side stream waits for the header; the compute stream's queue is not drained.
-        with torch.cuda.stream(self._meta):
-            work.wait()
-            self._pinned.copy_(header, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record(self._meta)
-        header.record_stream(self._meta)
-        arrived.synchronize()
-        return self._pinned.tolist()
-
-    def _post(self, a: Action) -> list:
-        src = self.peers[peer_of(a)]
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        predicted = self._known.get(self._key(a))
-        tensors = [header]
-        if predicted is not None:
-            tensors.append(torch.empty(predicted[1], dtype=predicted[0], device=self.device))
-        ops = [dist.P2POp(dist.irecv, t, src, self.group) for t in tensors]
-        self._posted[a] = (ops, header, tensors[1] if predicted else None, predicted)
-        return ops
-
-    def send(self, tensor: torch.Tensor, stage: int) -> None:
-        """Hand `tensor` to the neighbour running `stage` (asynchronous until flush())."""
-        a = self._expect(stage, sending=True)
-        payload = tensor.detach().contiguous()
-        key = (payload.dtype, tuple(payload.shape))
-        header = self._headers.get(key)
-        if header is None:
-            header = torch.tensor(encode_header(payload), dtype=torch.int64, device=self.device)
-            self._headers[key] = header
-        predicted = self._known.get(self._key(a))
-        self._known[self._key(a)] = key
-        if predicted == key:
-            self._staged[a] = ([header, payload], [])
-        else:
-            placeholder = [torch.zeros(predicted[1], dtype=predicted[0], device=self.device)] \
-                if predicted else []
-            self._staged[a] = ([header, *placeholder], [payload])
-        self._issue_after(self._next)
-        self._next += 1
-
-    def recv(self, stage: int) -> torch.Tensor:
-        """The next message from the neighbour running `stage`."""
-        a = self._expect(stage, sending=False)
-        ops, header, payload, predicted = self._posted.pop(a)
-        works = [self._recv_works.pop(id(op)) for op in ops]
-        dtype, shape = decode_header(self._read_header(works[0], header))
-        if predicted == (dtype, tuple(shape)):
-            works[1].wait()
-        else:
-            for w in works[1:]:
-                w.wait()  # the placeholder
-            payload = torch.empty(shape, dtype=dtype, device=self.device)
-            self._start([dist.P2POp(dist.irecv, payload, self.peers[stage], self.group)])[0].wait()
-        self._known[self._key(a)] = (dtype, tuple(shape))
-        self._issue_after(self._next)
-        self._next += 1
-        return payload
-
-    def flush(self) -> None:
-        """Wait until every send of this step has been handed over."""
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
-
 class LocalTransport:
-    """Queues between the device threads of one process; `endpoint(s)` is stage s's view."""
+    """Queues between the device threads of one process; `endpoint(s)` is stage s's view.
+
+    On CPU a tensor is handed over as is (a detached alias: the sender never writes
+    it again). When either end is a GPU the copy runs on a side stream of its own
+    link (src, dst), so copies overlap compute and a stage's two neighbours never
+    queue behind each other's copies. The stream is on the destination when it
+    is a GPU (the copy is then allocated on that stream, so the allocator orders
+    its reuse after the copy), else on the source:
+
+        producer stream  ──compute──►|                      (wait_stream: copy after it)
+        link stream                  └─copy─►event
+        consumer stream                        └wait_event──► compute
+
+    `record_stream` keeps the allocator from reusing the source (freed by the
+    producer after the hand-off) or the copy (used by the consumer) too early. A
+    GPU-to-CPU copy lands in pinned memory; the CPU consumer waits on its event.
+    """
 
     def __init__(self, devices: list[torch.device], timeout_s: float = 300.0):
         self.devices = devices
@@ -232,33 +87,35 @@ class LocalTransport:
         self.abort = threading.Event()
         n = len(devices)
         self._queues = {(a, b): queue.Queue() for a in range(n) for b in range(n) if abs(a - b) == 1}
-        self._copy_streams = {
-            i: torch.cuda.Stream(device=d) for i, d in enumerate(devices) if d.type == "cuda"
-        }
+        self._links = {link: torch.cuda.Stream(device=self._copier(*link)) for link in self._queues
+                       if self._copier(*link) is not None}
+
+    def _copier(self, src: int, dst: int) -> torch.device | None:
+        """The device whose stream copies from stage src to dst (None: CPU to CPU)."""
+        return next((d for d in (self.devices[dst], self.devices[src]) if d.type == "cuda"), None)
 
     def endpoint(self, stage: int) -> LocalEndpoint:
         return LocalEndpoint(self, stage)
 
     def put(self, src: int, dst: int, tensor: torch.Tensor) -> None:
+        """Copy `tensor` towards stage dst (asynchronously on GPUs) and queue it."""
         tensor = tensor.detach()
-        device = self.devices[dst]
-        event = None
-        if device.type == "cuda":
-            stream = self._copy_streams[dst]
-            if tensor.is_cuda:
-                stream.wait_stream(torch.cuda.current_stream(tensor.device))
-            with torch.cuda.stream(stream):
-                moved = tensor.to(device, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            if tensor.is_cuda:
-                tensor.record_stream(stream)
-        else:
-            # Same CPU device: a detached alias is safe, the sender never writes it again.
-            moved = tensor.to(device)
+        stream = self._links.get((src, dst))
+        if stream is None:
+            self._queues[(src, dst)].put((tensor.to(self.devices[dst]), None))
+            return
+        if tensor.is_cuda:  # the copy must see everything the producer queued
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            moved = tensor.to(self.devices[dst], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        if tensor.is_cuda:
+            tensor.record_stream(stream)  # the producer may free it before the copy ran
         self._queues[(src, dst)].put((moved, event))
 
     def get(self, src: int, dst: int) -> torch.Tensor:
+        """The next tensor from stage src, ready for stage dst's current stream."""
         q = self._queues[(src, dst)]
         waited = 0.0
         while True:
@@ -272,9 +129,14 @@ class LocalTransport:
                 if waited > self.timeout_s:
                     msg = f"stage {dst}: nothing from stage {src} in {self.timeout_s:.0f}s"
                     raise RunError(msg) from None
-        if event is not None:
-            torch.cuda.current_stream(tensor.device).wait_event(event)
-            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+        if event is None:
+            return tensor
+        if not tensor.is_cuda:
+            event.synchronize()  # pinned host memory written by a GPU copy
+            return tensor
+        consumer = torch.cuda.current_stream(tensor.device)
+        consumer.wait_event(event)
+        tensor.record_stream(consumer)  # allocated on the link's stream, used on the consumer's
         return tensor
 
 
@@ -286,7 +148,7 @@ class LocalEndpoint:
     def __init__(self, hub: LocalTransport, stage: int):
         self.hub, self.stage = hub, stage
 
-    def begin_step(self, actions: list[Action]) -> None:
+    def begin_step(self, actions: list[Action], inputs: list[torch.Tensor] | None = None) -> None:
         """Nothing to post ahead: a queue hand-off needs no receive in advance."""
 
     def send(self, tensor: torch.Tensor, stage: int) -> None:

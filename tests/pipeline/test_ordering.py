@@ -4,24 +4,99 @@ from brigade.pipeline import ordering
 from brigade.pipeline.schedule import SCHEDULES, Action, PlanError, build, forward_only, validate
 
 
+@pytest.mark.parametrize("mode", ordering.MODES)
 @pytest.mark.parametrize("name", [*SCHEDULES, "forward"])
-def test_grouped_policy_never_deadlocks_under_nccl(name):
+def test_grouped_policy_never_deadlocks_under_nccl(name, mode):
     for p in range(1, 6):
         for m in range(1, 10):
             plan = validate(forward_only(p, m) if name == "forward" else build(name, p, m))
-            ordering.check(plan, ordering.GROUPED)
+            ordering.check(plan, ordering.GROUPED, mode)
+
+
+def test_discovery_sends_headers_then_payloads_round_by_round():
+    streams = ordering.issued(validate(build("1f1b", 2, 2)), ordering.GROUPED, ordering.DISCOVERY)
+    names = [" ".join(map(ordering._name, g)) for g in streams[0]]
+    assert names[:4] == ["0SEND_F0'", "0SEND_F0", "0SEND_F1' 0RECV_B0'", "0SEND_F1 0RECV_B0"]
+
+
+def _headers_then_payloads_per_batch(plan):
+    """The naive discovery layout: every header of a batch, then its payloads."""
+    return {r: [g for i in ordering.posting(acts, ordering.GROUPED)
+                for g in (tuple((a, ordering.HEADER) for a in i.ops),
+                          tuple((a, ordering.PAYLOAD) for a in i.ops))]
+            for r, acts in plan.items()}
+
+
+def test_naive_discovery_deadlocks_where_a_receive_needs_the_batch_send():
+    # GPipe, 1 micro-batch: 0RECV_B0's header needs 0SEND_F0's payload, in the next group.
+    streams = _headers_then_payloads_per_batch(validate(build("gpipe", 2, 1)))
+    with pytest.raises(PlanError, match=r"NCCL deadlock: rank 0 is stuck at \[0SEND_F0' 0RECV_B0'\]"):
+        ordering.simulate_nccl(streams)
+
+
+def test_discovery_batches_cut_by_round():
+    plan = validate(build("gpipe", 2, 1))
+    assert [i.ops for i in ordering.posting(plan[0], ordering.GROUPED)] == [
+        (Action(0, "SEND_F", 0), Action(0, "RECV_B", 0))]
+    assert [i.ops for i in ordering.discovery_batches(plan, 0)] == [
+        (Action(0, "SEND_F", 0),), (Action(0, "RECV_B", 0),)]
+
+
+def test_ranks_in_different_modes_mispair():
+    plan = validate(build("1f1b", 2, 2))
+    predicted = ordering.issued(plan, ordering.GROUPED)
+    discovery = ordering.issued(plan, ordering.GROUPED, ordering.DISCOVERY)
+    with pytest.raises(PlanError, match="should meet"):
+        ordering.simulate_nccl({0: predicted[0], 1: discovery[1]})
+
+
+def test_a_payload_is_not_received_before_its_header():
+    # The host sizes a receive from its header: both in one group can never be issued.
+    f = (Action(0, "SEND_F", 0), Action(1, "RECV_F", 0))
+    streams = {0: [((f[0], ordering.HEADER), (f[0], ordering.PAYLOAD))],
+               1: [((f[1], ordering.HEADER), (f[1], ordering.PAYLOAD))]}
+    stuck = "rank 1 cannot issue \\[1RECV_F0' 1RECV_F0\\] before 1RECV_F0' completes"
+    with pytest.raises(PlanError, match=stuck):
+        ordering.simulate_nccl(streams)
+
+
+def test_modes_follow_input_shapes():
+    key = (("0F0",), ((("float32",), (4, 3)),))
+    assert ordering.mode_for(None, key) == ordering.DISCOVERY  # first step
+    assert ordering.mode_for(key, key) == ordering.PREDICTED
+    assert ordering.mode_for(key, (("0F0",), ((("float32",), (5, 3)),))) == ordering.DISCOVERY
+    assert ordering.mode_for(key, key, ordering.DYNAMIC) == ordering.DISCOVERY
+
+
+def test_unknown_shapes_option_is_refused():
+    with pytest.raises(PlanError, match="shapes='sometimes'"):
+        ordering.mode_for(None, None, "sometimes")
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(PlanError, match="mode 'guess'"):
+        ordering.issued(validate(build("1f1b", 2, 2)), ordering.GROUPED, "guess")
+
+
+def test_policy_per_backend():
+    assert ordering.policy_for("nccl") == ordering.GROUPED
+    assert ordering.policy_for("gloo") == ordering.EAGER
+    assert ordering.policy_for("gloo", "grouped") == ordering.GROUPED
+
+
+def test_eager_is_refused_under_nccl():
+    with pytest.raises(PlanError, match="BRIGADE_P2P_POLICY=eager deadlocks under NCCL"):
+        ordering.policy_for("nccl", "eager")
+
+
+def test_unknown_requested_policy_is_refused():
+    with pytest.raises(PlanError, match="BRIGADE_P2P_POLICY='fastest': expected one of grouped, eager"):
+        ordering.policy_for("gloo", "fastest")
 
 
 def test_old_eager_policy_deadlocks_1f1b_on_two_stages():
     with pytest.raises(PlanError, match=r"NCCL deadlock: rank 0 is stuck at \[0RECV_B0\]"):
         ordering.check(validate(build("1f1b", 2, 4)), ordering.EAGER)
-
-
-def test_late_payloads_are_unsafe_under_nccl():
-    # Why the transport needs shapes predicted under NCCL: a payload sent after its group mis-pairs.
-    with pytest.raises(PlanError):
-        ordering.simulate_nccl(ordering.issued(validate(build("1f1b", 2, 4)), ordering.GROUPED,
-                                               mispredicted=True))
 
 
 def test_grouped_batches_one_send_with_the_receives_that_follow():

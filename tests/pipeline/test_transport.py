@@ -40,38 +40,48 @@ def test_local_recv_times_out():
         hub.endpoint(1).recv(0)
 
 
+SHAPES = [(4, 3), (4, 3), (5, 2), (5, 2)]  # per step: discover, predict, discover, predict
+
+
+def _message(step: int, a, m: int):
+    """What `a` (a send) carries in `step`: uneven last micro-batch, F fp32, B fp64."""
+    rows, cols = SHAPES[step]
+    shape = (rows - (a.microbatch == m - 1), cols)
+    value = 100 * step + 10 * a.stage + a.microbatch
+    return torch.full(shape, float(value), dtype=torch.float32 if a.op == "SEND_F" else torch.float64)
+
+
 def _exchange(rank: int, world: int, port: int, policy: str, out) -> None:
-    """Two gloo processes run a 1F1B step's comms through P2PTransport with `policy`."""
+    """`world` gloo processes run each schedule's comms for 4 steps through P2PTransport."""
     import torch.distributed as dist
 
-    from brigade.pipeline.schedule import build, validate
-    from brigade.pipeline.transport import P2PTransport
+    from brigade.pipeline.p2p import P2PTransport
+    from brigade.pipeline.schedule import RECV_F, Action, build, validate
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    t = P2PTransport([0, 1], torch.device("cpu"), policy=policy)
-    got = []
-    for step in range(2):  # step 0: no prediction (late payloads); step 1: predicted
-        acts = validate(build("1f1b", 2, 3))[rank]
-        t.begin_step(acts)
-        for a in acts:
-            value = torch.full((3 - a.microbatch, 2), float(10 * step + a.microbatch))
-            if a.op.startswith("SEND"):
-                t.send(value, 1 - rank)
-            elif a.op.startswith("RECV"):
-                got.append(t.recv(1 - rank).tolist())
-        t.flush()
-    out.put((rank, got))
+    wrong, modes, m = [], [], 3
+    for name in ("gpipe", "1f1b", "zb"):
+        plan = validate(build(name, world, m))
+        t = P2PTransport(list(range(world)), torch.device("cpu"), policy=policy, plans=[plan])
+        for step in range(len(SHAPES)):
+            inputs = [torch.zeros(SHAPES[step][0] - (i == m - 1), SHAPES[step][1]) for i in range(m)]
+            t.begin_step(plan[rank], inputs if rank == 0 else None)
+            modes.append(t.mode)
+            for a in plan[rank]:
+                if a.op.startswith("SEND"):
+                    t.send(_message(step, a, m), a.stage + (1 if a.op == "SEND_F" else -1))
+                elif a.op.startswith("RECV"):
+                    peer = a.stage + (-1 if a.op == RECV_F else 1)
+                    want = _message(step, Action(peer, "SEND_" + a.op[-1], a.microbatch), m)
+                    got = t.recv(peer)
+                    if got.dtype != want.dtype or not torch.equal(got, want):
+                        wrong.append(f"{name} step {step} {a}: {got.dtype} {list(got.shape)}")
+            t.flush()
+    out.put((rank, wrong, modes))
     dist.destroy_process_group()
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("policy", [
-    # Known gap (issue 13): a first step has no shape prediction; its late payloads mis-pair
-    # with receives posted ahead in the grouped policy (ordering.issued(mispredicted=True)).
-    pytest.param("grouped", marks=pytest.mark.xfail(strict=True, reason="late payloads mis-pair")),
-    "eager",
-])
-def test_p2p_policies_deliver_shapes_and_values_on_gloo(policy):
+def _spawn(target, world: int, *args, clean_exit: bool = True) -> dict:
     import socket
 
     import torch.multiprocessing as mp
@@ -81,12 +91,55 @@ def test_p2p_policies_deliver_shapes_and_values_on_gloo(policy):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_exchange, args=(r, 2, port, policy, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=100) for _ in procs)
+    results = {r: rest for r, *rest in (out.get(timeout=150) for _ in procs)}
     for p in procs:
         p.join(timeout=30)
-        assert p.exitcode == 0
-    expected = [torch.full((3 - i, 2), float(10 * step + i)).tolist() for step in range(2) for i in range(3)]
-    assert results[0] == expected and results[1] == expected
+        assert p.exitcode == 0 or not clean_exit
+    return results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("policy", ["grouped", "eager"])
+def test_p2p_policies_deliver_shapes_and_values_on_gloo(policy):
+    """Shapes change between steps and micro-batches; grouped runs both of its modes."""
+    results = _spawn(_exchange, 3, policy)
+    for rank, (wrong, modes) in results.items():
+        assert wrong == [], f"rank {rank}: {wrong}"
+        if policy == "grouped":
+            assert modes == ["discovery", "predicted"] * 6, f"rank {rank}: {modes}"
+
+
+def _changes_shape_alone(rank: int, world: int, port: int, out) -> None:
+    """Rank 0 sends a new shape although its inputs did not change (predicted step)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from brigade.pipeline.p2p import P2PTransport
+    from brigade.pipeline.schedule import forward_only, validate
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=10))
+    plan = validate(forward_only(2, 1))
+    t = P2PTransport([0, 1], torch.device("cpu"), policy="grouped", plans=[plan])
+    error = ""
+    try:
+        for rows in (2, 3):
+            t.begin_step(plan[rank], [torch.zeros(2)] if rank == 0 else None)
+            if rank == 0:
+                t.send(torch.zeros(rows), 1)
+            else:
+                t.recv(0)
+            t.flush()
+    except Exception as exc:  # rank 1 times out waiting; rank 0's message is the one checked
+        error = str(exc)
+    out.put((rank, error))
+
+
+@pytest.mark.timeout(120)
+def test_a_shape_that_changes_without_its_inputs_is_refused():
+    results = _spawn(_changes_shape_alone, 2, clean_exit=False)  # gloo aborts a timed-out group
+    assert "shapes depend on values here; use shapes='dynamic'" in results[0][0]
