@@ -90,6 +90,7 @@ class TrainConfig:
     sample_tokens: int = 300
     snapshot_every: int = 100  # 0: only at the end
     keep: int = 2  # snapshots kept
+    tensorboard: bool = False  # also write OUT/tensorboard event files (pip install 'brigade[tensorboard]')
     bf16: bool = True  # autocast to bf16 on GPUs (ignored on CPU)
 
 

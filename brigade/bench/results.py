@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from brigade.errors import BrigadeError, RunError
-from brigade.train.metrics import loop_seconds, read_records
+from brigade.train.metrics import events, loop_seconds, read_records, training, validation
 
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "32", "--block-size", "32",
         "--batch-size", "8", "--eval-batches", "1", "--sample-tokens", "0", "--warmup-steps", "2"]
@@ -64,8 +64,8 @@ class Job:
 
 def _main(run: Path, output: str, code: int, wall_s: float) -> dict:
     recs = read_records(run)
-    vals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
-    steps = max(r["step"] for r in recs if "loss" in r)
+    vals = [r["val_loss"] for r in validation(recs)]
+    steps = training(recs)[-1]["step"]
     sample = (run / "sample.txt").read_text(encoding="utf-8") if (run / "sample.txt").is_file() else ""
     return {"val_loss_first": vals[0], "val_loss_last": vals[-1], "steps": steps, "wall_s": wall_s,
             "sample": sample[:300]}
@@ -74,9 +74,9 @@ def _main(run: Path, output: str, code: int, wall_s: float) -> dict:
 def _snapshot(run: Path, output: str, code: int, wall_s: float) -> dict:
     recs = read_records(run)
     every = _toml_value(run / "config.toml", "snapshot_every")
-    return {"snapshot_s": [r["seconds"] for r in recs if r.get("event") == "snapshot"],
+    return {"snapshot_s": [r["seconds"] for r in events(recs, "snapshot")],
             "snapshot_every": every, "step_s": statistics.median(loop_seconds(recs, skip=5)),
-            "steps": max(r["step"] for r in recs if "loss" in r)}
+            "steps": training(recs)[-1]["step"]}
 
 
 def _toml_value(path: Path, key: str) -> int:
@@ -87,7 +87,7 @@ def _toml_value(path: Path, key: str) -> int:
 
 
 def _restart(run: Path, output: str, code: int, wall_s: float) -> dict:
-    firsts = [r for r in read_records(run) if r.get("event") == "first_step" and r["attempt"] > 0]
+    firsts = [r for r in events(read_records(run), "first_step") if r["attempt"] > 0]
     if not firsts:
         raise RunError(f"no restarted attempt in {run}/metrics.jsonl: the fault did not fire")
     r = firsts[-1]

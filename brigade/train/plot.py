@@ -2,38 +2,31 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from brigade.errors import BrigadeError
+from brigade.train.metrics import read_records, training, validation
 
 
-def read_metrics(out: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    train, val = [], []
-    path = out / "metrics.jsonl"
-    if not path.is_file():
-        raise BrigadeError(f"{out} has no metrics.jsonl: give the --out folder of a training run")
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        if "loss" in r:
-            train.append((r["step"], r["loss"]))
-        if r.get("val_loss") is not None:
-            val.append((r["step"], r["val_loss"]))
-    return train, val
+def loss_curves(records: list[dict]) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(step, loss) of the training steps and (step, val_loss) of the evaluations."""
+    return ([(r["step"], r["loss"]) for r in training(records)],
+            [(r["step"], r["val_loss"]) for r in validation(records)])
 
 
 def plot_run(out: str | Path) -> Path | None:
-    """Write out/loss.png (training and validation loss against step); returns its path."""
+    """Write out/loss.png (training and validation loss against step); returns its path, or None
+    if there is nothing to plot yet.
+
+    Raises:
+        BrigadeError: `out` has no metrics.jsonl.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    train, val = read_metrics(out)
+    train, val = loss_curves(read_records(out))
     if not train and not val:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))

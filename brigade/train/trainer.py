@@ -120,7 +120,8 @@ class Trainer:
         self.before_step: list[Callable[[int], None]] = []  # called with the step about to run
         self.stop_requested = False  # set by a callback to end fit() after this step
         self.is_main = dist.get_rank() == 0
-        self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps)
+        self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps,
+                               tensorboard=self.cfg.tensorboard)
         self.watchdog = forensics.start(self.parallel.hang_timeout, self.cfg.out,
                                         f"dp{self.layout.dp_rank} pp{self.layout.pp_rank}")
 
