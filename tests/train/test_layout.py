@@ -1,0 +1,190 @@
+"""The layout, directly: rank → (dp, pp) place, owned blocks and their names, the one-process engine.
+
+Most cases run in this process in a one-rank gloo group; one 2-process launch checks the
+rank mapping, the groups and the owned blocks' names of both dp × pp shapes of a world of 2
+(a 4-process dp 2 × pp 2 case would also pin row- against column-major order, at twice the
+cost; the trainer's dp2xpp2 equivalence test covers that layout end to end).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from brigade import dist as bdist
+from brigade.config import ParallelConfig
+from brigade.errors import BrigadeError
+from brigade.train.layout import Engine, Owned, by_device, make_layout
+
+CPU = torch.device("cpu")
+N_BLOCKS = 4
+WIDTH = 3
+
+
+def make_blocks(n: int = N_BLOCKS) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(n)]
+
+
+def batch(n: int = 6):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)
+
+
+@pytest.fixture(scope="module")
+def world1():
+    """A one-rank gloo group in this process (torn down after the module)."""
+    assert not dist.is_initialized(), "another test left a process group behind"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# by_device and Owned need no process group.
+
+def test_by_device_groups_in_first_seen_order():
+    a, c = torch.zeros(1), torch.zeros(2)
+    b, d = torch.zeros(1, device="meta"), torch.zeros(3, device="meta")
+    groups = by_device([a, b, c, d])
+    assert [[id(t) for t in g] for g in groups] == [[id(a), id(c)], [id(b), id(d)]]
+    assert by_device([]) == []
+
+
+def test_owned_names_blocks_by_global_index():
+    blocks = make_blocks()
+    owned = Owned(blocks, [1, 3])
+    names = dict(owned.named_parameters())
+    assert set(names) == {f"blocks.{i}.0.{p}" for i in (1, 3) for p in ("weight", "bias")}
+    assert names["blocks.3.0.weight"] is blocks[3][0].weight  # the blocks themselves, not copies
+    assert set(owned.state_dict()) == set(names)
+
+
+# make_layout in a one-rank group.
+
+def test_make_layout_single_process(world1):
+    layout = make_layout(ParallelConfig(dp=1, pp=1), CPU)
+    assert (layout.dp, layout.pp, layout.dp_rank, layout.pp_rank) == (1, 1, 0, 0)
+    assert dist.get_world_size(layout.dp_group) == dist.get_world_size(layout.pp_group) == 1
+    assert layout.device == CPU
+
+
+@pytest.mark.parametrize("dp,pp", [(2, 1), (1, 3)])
+def test_make_layout_refuses_a_shape_that_is_not_the_world(world1, dp, pp):
+    with pytest.raises(BrigadeError, match=rf"dp {dp} × pp {pp} = {dp * pp} but the world size is 1"):
+        make_layout(ParallelConfig(dp=dp, pp=pp), CPU)
+
+
+# Engine with pp = 1, dp = 1: the plain model's loss and gradients.
+
+@pytest.fixture
+def engine_and_reference(world1):
+    blocks = make_blocks()
+    reference = nn.Sequential(*copy.deepcopy(blocks))
+    cfg = ParallelConfig(dp=1, pp=1, microbatches=4)
+    engine = Engine(blocks, nn.functional.mse_loss, cfg, make_layout(cfg, CPU))
+    yield engine, reference
+    engine.close()
+
+
+def reference_step(reference: nn.Module, scale: float = 1.0) -> torch.Tensor:
+    x, y = batch()
+    loss = nn.functional.mse_loss(reference(x), y)
+    (loss * scale).backward()
+    return loss.detach()
+
+
+def paired(engine: Engine, reference: nn.Module):
+    """(engine parameter, reference parameter, name) for every parameter, matched by name."""
+    mine = dict(engine.owned.named_parameters())
+    ref = {f"blocks.{name}": p for name, p in reference.named_parameters()}
+    assert mine.keys() == ref.keys()  # layout-free names: blocks.<global index>.…
+    return [(mine[n], ref[n], n) for n in mine]
+
+
+def test_engine_step_equals_the_plain_model(engine_and_reference):
+    engine, reference = engine_and_reference
+    loss = engine.forward_backward(*batch(), loss_scale=1.0, sync=True)
+    torch.testing.assert_close(loss, reference_step(reference))
+    for p, q, name in paired(engine, reference):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert len(engine.grads()) == len(list(reference.parameters()))
+
+
+def test_engine_loss_scale_scales_gradients_not_the_loss(engine_and_reference):
+    engine, reference = engine_and_reference
+    loss = engine.forward_backward(*batch(), loss_scale=0.25, sync=True)
+    torch.testing.assert_close(loss, reference_step(reference, scale=0.25))
+    for p, q, name in paired(engine, reference):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_engine_grad_norm_is_clip_grad_norms(engine_and_reference):
+    engine, reference = engine_and_reference
+    engine.forward_backward(*batch(), loss_scale=1.0, sync=True)
+    reference_step(reference)
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    torch.testing.assert_close(engine.grad_norm(), want)
+
+
+def test_engine_evaluate_runs_without_gradients(engine_and_reference):
+    engine, reference = engine_and_reference
+    grad_mode = []
+    engine.owned.blocks["0"].register_forward_hook(lambda *_: grad_mode.append(torch.is_grad_enabled()))
+    loss = engine.evaluate(*batch())
+    with torch.no_grad():
+        want = nn.functional.mse_loss(reference(batch()[0]), batch()[1])
+    torch.testing.assert_close(loss, want)
+    assert grad_mode and not any(grad_mode)
+    assert not loss.requires_grad
+    assert all(p.grad is None for p in engine.owned.parameters())
+
+
+# One 2-process launch: every dp × pp shape of a world of 2, the blocks each rank owns, the error.
+
+SHAPES = [(2, 1), (1, 2)]
+
+
+def layouts_worker() -> dict:
+    """Per shape: this rank's place, its groups' ranks and its owned blocks' names; and the error."""
+    info = bdist.init(threads=1)
+    out: dict = {}
+    for dp, pp in SHAPES:
+        cfg = ParallelConfig(dp=dp, pp=pp, microbatches=2)
+        layout = make_layout(cfg, info.device)
+        engine = Engine(make_blocks(), nn.functional.mse_loss, cfg, layout)
+        names = sorted({n.split(".")[1] for n, _ in engine.owned.named_parameters()}, key=int)
+        out[f"{dp}x{pp}"] = dict(place=(layout.dp_rank, layout.pp_rank),
+                                 dp_group=dist.get_process_group_ranks(layout.dp_group),
+                                 pp_group=dist.get_process_group_ranks(layout.pp_group),
+                                 blocks=[int(i) for i in names])
+        engine.close()
+    try:
+        make_layout(ParallelConfig(dp=2, pp=2), info.device)
+    except BrigadeError as exc:
+        out["error"] = str(exc)
+    bdist.destroy()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_layouts_over_two_processes():
+    results = bdist.launch(layouts_worker, 2)
+    assert sorted(results) == [0, 1]
+    for dp, pp in SHAPES:
+        owners: dict[int, list[int]] = {}
+        for rank, got in results.items():
+            case = got[f"{dp}x{pp}"]
+            dp_rank, pp_rank = rank // pp, rank % pp  # the documented rank = dp_rank · pp + pp_rank
+            assert tuple(case["place"]) == (dp_rank, pp_rank), (dp, pp, rank)
+            assert case["pp_group"] == [dp_rank * pp + s for s in range(pp)]  # this pipeline's row
+            assert case["dp_group"] == [r * pp + pp_rank for r in range(dp)]  # this stage's column
+            owners.setdefault(pp_rank, case["blocks"])
+            assert case["blocks"] == owners[pp_rank]  # replicas hold the same blocks
+        # Stages own consecutive, disjoint runs of the global indices, covering the model.
+        assert [i for s in range(pp) for i in owners[s]] == list(range(N_BLOCKS))
+    for got in results.values():
+        assert got["error"].startswith("dp 2 × pp 2 = 4 but the world size is 2")
