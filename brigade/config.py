@@ -23,6 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from brigade import elastic
 from brigade.errors import BrigadeError
 
 if sys.version_info >= (3, 11):
@@ -51,7 +52,8 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     nproc: int = 2  # processes on this node
-    nnodes: int = 1  # machines; each runs `brigade train` with its own --node-rank
+    nnodes: int = 1  # machines (MAX of --nnodes MIN:MAX); each runs `brigade train` with its --node-rank
+    min_nodes: int = 0  # elastic: fewest machines to train on (MIN of --nnodes MIN:MAX); 0: --nnodes
     node_rank: int = 0
     rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous, for --nnodes > 1
     local_addr: str = ""  # address this node advertises; empty: the one that routes to node 0
@@ -65,6 +67,8 @@ class ParallelConfig:
     threads: int = 1  # CPU threads per process
     max_restarts: int = 0
     hang_timeout: int = 120  # seconds a collective or transfer may wait before the run fails
+    rdzv_timeout: int = 120  # seconds nodes wait for each other at a rendezvous (elastic: for MIN)
+    rdzv_last_call: int = 10  # elastic: seconds a rendezvous waits for more nodes once MIN are there
 
 
 @dataclass
@@ -170,7 +174,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             kind = _field_types(cls)[f.name]
             flag = "--" + f.name.replace("_", "-")
             default = f.default
-            if kind is bool:
+            if f.name == "nnodes":  # N, or MIN:MAX (parsed in `build`, so a mistake is one line)
+                group.add_argument(flag, default=argparse.SUPPRESS, metavar="N|MIN:MAX",
+                                   help=elastic.NNODES_HELP)
+            elif kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=f"(default: {default})")
             else:
@@ -199,6 +206,10 @@ def build(args: argparse.Namespace | None = None, toml: dict[str, dict] | None =
     for section, values in (toml or {}).items():
         for key, value in values.items():
             setattr(getattr(cfg, section), key, value)
+    if "nnodes" in given:  # a flag: N or MIN:MAX
+        given = {**given, "min_nodes": 0}
+        lo, given["nnodes"] = elastic.parse_nodes(given["nnodes"])
+        given["min_nodes"] = lo if lo < given["nnodes"] else 0
     for section in SECTIONS:
         part = getattr(cfg, section)
         for f in fields(part):
@@ -227,14 +238,16 @@ def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection
 
     Local stages live inside one process, so they do not divide the world. Under a launcher
     the world is the launcher's; `--nproc` and `--nnodes` then only need to agree with it if
-    the user gave them (`given`: field names typed or in the TOML file).
+    the user gave them (`given`: field names typed or in the TOML file). An elastic range
+    (--nnodes MIN:MAX) is checked at every node count it can reach: see `accumulation`.
 
     Returns:
         a copy of `cfg` with `dp` set and, under a launcher, `nproc` / `nnodes` the launcher's.
 
     Raises:
         BrigadeError: the world is not divisible by --pp, dp × pp ≠ world, a given --nproc or
-            --nnodes that the launcher contradicts, or a batch that does not split over dp.
+            --nnodes that the launcher contradicts, or a batch that does not split over dp
+            (at some reachable node count, for an elastic range).
     """
     p = cfg.parallel
     if world is None:
@@ -253,9 +266,13 @@ def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection
         fix = "" if world is None else f", or leave --dp out to derive it ({size} ÷ --pp)"
         raise BrigadeError(f"--dp {dp} × --pp {p.pp} = {dp * p.pp} but the world size is {size} ({where}): "
                            f"the world size must equal dp × pp{fix}")
-    _check_batch(cfg, dp)
-    parallel = dataclasses.replace(p, dp=dp, nproc=nproc, nnodes=nnodes)
-    return dataclasses.replace(cfg, parallel=parallel)
+    out = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp, nproc=nproc, nnodes=nnodes))
+    if p.min_nodes:  # every node count the range can reach
+        elastic.check_range(out.parallel, given, under_launcher=world is not None)
+        for n, dp_n in elastic.reachable(out.parallel):
+            _check_batch(out, dp_n, f" on {n} node(s)")
+    _check_batch(out, dp)
+    return out
 
 
 def _launcher_nodes(p: ParallelConfig, world: World, given: Collection[str]) -> tuple[int, int]:
@@ -264,6 +281,8 @@ def _launcher_nodes(p: ParallelConfig, world: World, given: Collection[str]) -> 
     if "nproc" in given and p.nproc != local:
         raise BrigadeError(f"--nproc {p.nproc} but {world.launcher} started {local} processes on this node: "
                            f"leave --nproc out under {world.launcher}, or have it start {p.nproc} per node")
+    if p.min_nodes:  # elastic: nodes stays MAX, the launcher's count must lie in the range
+        return elastic.launcher_nodes(p, world)
     nnodes = world.size // local if world.size % local == 0 else p.nnodes
     if "nnodes" in given and p.nnodes != nnodes:
         raise BrigadeError(f"--nnodes {p.nnodes} but {world.launcher} started {world.size} processes, "
@@ -271,18 +290,19 @@ def _launcher_nodes(p: ParallelConfig, world: World, given: Collection[str]) -> 
     return local, nnodes
 
 
-def _check_batch(cfg: RunConfig, dp: int) -> None:
+def _check_batch(cfg: RunConfig, dp: int, where: str = "") -> None:
     """The global batch must split evenly over replicas and accumulation, then micro-batches."""
-    p, t, o = cfg.parallel, cfg.train, cfg.optim
-    if t.batch_size % (dp * o.grad_accum):
+    p, t = cfg.parallel, cfg.train
+    k = elastic.accumulation(cfg, dp)
+    if t.batch_size % (dp * k):
         raise BrigadeError(
             f"--batch-size {t.batch_size} does not split evenly over dp {dp} × grad-accum "
-            f"{o.grad_accum}: use a multiple of {dp * o.grad_accum}"
+            f"{k}: use a multiple of {dp * k}"
         )
-    per_replica = t.batch_size // (dp * o.grad_accum)
+    per_replica = t.batch_size // (dp * k)
     if p.pp * p.local_stages > 1 and p.microbatches > per_replica:
         raise BrigadeError(
-            f"--microbatches {p.microbatches} is larger than each replica's batch ({per_replica}): "
+            f"--microbatches {p.microbatches} is larger than each replica's batch ({per_replica}{where}): "
             f"use at most {per_replica} or a larger --batch-size"
         )
 
@@ -339,7 +359,7 @@ def validate(cfg: RunConfig) -> None:
     _positive("nnodes", p.nnodes)
     if not 0 <= p.node_rank < p.nnodes:
         raise BrigadeError(f"--node-rank {p.node_rank}: must be between 0 and --nnodes - 1 ({p.nnodes - 1})")
-    if p.nnodes > 1:
+    if p.nnodes > 1 and (p.rdzv_endpoint or not p.min_nodes):  # elastic under torchrun: none needed
         parse_endpoint(p.rdzv_endpoint)
     if p.pp > 1 and p.local_stages > 1:
         raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")

@@ -144,7 +144,8 @@ def destroy() -> None:
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0,
            port: int | None = None, log_dir: str | None = None,
            threads_per_proc: int = 1, quiet: bool = True, nnodes: int = 1, node_rank: int = 0,
-           rdzv_endpoint: str = "", local_addr: str = "", rdzv_timeout: int = 120) -> dict[int, Any]:
+           rdzv_endpoint: str = "", local_addr: str = "", rdzv_timeout: int = 120,
+           min_nodes: int = 0, last_call: int = 10) -> dict[int, Any]:
     """Run `fn(*args)` in `nproc` processes under torch's elastic agent; returns {rank: result}.
 
     Single-node: the rendezvous binds to loopback. Several nodes: every node runs this with the
@@ -153,8 +154,15 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
     bootstrap) to that address's interface unless the environment already names one, so a
     hostname that resolves to loopback or to nothing does not matter. `fn` must be importable.
 
+    Elastic (`min_nodes` < `nnodes`): the agent trains on whichever of min_nodes..nnodes nodes
+    are present. A lost node fails the others' workers; the agent restarts them (one of
+    `max_restarts`) once the rendezvous has min_nodes again, waiting `last_call` seconds for
+    more, up to `rdzv_timeout`. A node that arrives while training runs makes every agent stop
+    its workers (SIGTERM: step, snapshot, leave) and meet again with it (no restart counted).
+
     Raises:
-        BrigadeError: the port is taken. RunError: a worker failed (its message, one line).
+        BrigadeError: the port is taken. RunError: a worker failed (its message, one line), or
+            the nodes did not meet within `rdzv_timeout`.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -172,6 +180,8 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         me = node_address(host, port, local_addr)
         local_addr, ifname = me.addr, me.ifname
         endpoint, rdzv = f"{host}:{port}", {"timeout": rdzv_timeout, "is_host": node_rank == 0}
+        if 0 < min_nodes < nnodes:  # a node silent for 3 heartbeats of 2 s is dropped, not 3 × 5 s
+            rdzv.update(join_timeout=rdzv_timeout, last_call_timeout=last_call, keep_alive_interval=2)
     else:
         # The rendezvous store, served from a loopback socket; torch's c10d backend finds it by
         # port (multi_tenant) instead of opening one on every interface.
@@ -186,14 +196,15 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
            # to loopback on one node; and with it, a node that rejoins after a crash waits forever
            # for a MASTER_ADDR published only in its first round (pytorch/pytorch#135712).
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "BRIGADE_AGENT_STORE": endpoint}  # for the hang watchdogs (forensics.py)
+           "BRIGADE_AGENT_STORE": endpoint,  # for the hang watchdogs (forensics.py)
+           "BRIGADE_NODE": str(node_rank)}  # names the node in an elastic run's layout records
     if ifname:  # gloo (and NCCL's bootstrap) on the interface the peers reach
         env.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
     if quiet:  # the caller may have its own handlers on these loggers (see train/events.py)
         for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
+        min_nodes=min_nodes or nnodes, max_nodes=nnodes, nproc_per_node=nproc,
         run_id=uuid.uuid4().hex[:8] if nnodes == 1 else f"brigade-{endpoint}",
         rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv, max_restarts=max_restarts,
         monitor_interval=0.1, start_method="spawn", logs_specs=_logs_specs(log_dir),
@@ -205,6 +216,10 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
     except ChildFailedError as exc:
         raise RunError(_first_failure(exc)) from None
     except RendezvousError as exc:
+        if 0 < min_nodes < nnodes:
+            raise RunError(f"fewer than {min_nodes} nodes met at the rendezvous {endpoint} within "
+                           f"--rdzv-timeout {rdzv_timeout} s ({type(exc).__name__}): start more nodes "
+                           "with the same command, then run it again here to resume") from None
         raise RunError(f"the nodes could not meet at the rendezvous {endpoint} ({type(exc).__name__}): "
                        "start every node with the same --nnodes and --rdzv-endpoint, and run "
                        "`brigade doctor` on each to see what blocks them") from None

@@ -6,19 +6,31 @@ event into one line, e.g.
     rank 1 died (SIGKILL) at step 7 — restarting 1/2 from snapshot step 5
 
 and keeps the agent's own log in OUT/logs/agent.log and every worker's
-stderr under OUT/logs/ for whoever needs them.
+stderr under OUT/logs/ for whoever needs them. In an elastic run (--nnodes MIN:MAX) each change
+of the world is one line on the nodes that were there, and a `layout` record in metrics.jsonl:
+
+    node 1 lost at step 12 — continuing on 1 node as dp 1 × pp 2 with gradient accumulation 2
+    (global batch 32 unchanged) from snapshot step 10
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import re
 import signal
+import socket
 from pathlib import Path
+
+import torch.distributed as dist
 
 from brigade import dist as bdist
 from brigade import forensics
+from brigade.config import RunConfig, World, resolve_layout
+from brigade.elastic import accumulation, first_nodes
+from brigade.train.metrics import read_records
 from brigade.train.snapshot import POINTER
 
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
@@ -110,10 +122,76 @@ def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
         return bdist.launch(fn, p.nproc, cfg, *args, max_restarts=p.max_restarts, port=port,
                             log_dir=str(logs), threads_per_proc=p.threads, quiet=False,
                             nnodes=p.nnodes, node_rank=p.node_rank, rdzv_endpoint=p.rdzv_endpoint,
-                            local_addr=p.local_addr)
+                            local_addr=p.local_addr, rdzv_timeout=p.rdzv_timeout,
+                            min_nodes=first_nodes(p) if p.min_nodes else 0, last_call=p.rdzv_last_call)
     finally:
         for lg, level, propagate, handlers in saved:
             lg.setLevel(level)
             lg.propagate = propagate
             lg.handlers = handlers
         file_handler.close()
+
+
+# --- elastic runs: one line and one record per change of the world -----------------------------
+
+def node_name() -> str:
+    """This node's name in layout records: brigade's --node-rank under its own launcher (which
+    sets BRIGADE_NODE), else the host's name (torchrun names no node the same in every round)."""
+    return os.environ.get("BRIGADE_NODE") or socket.gethostname()
+
+
+def this_round(cfg: RunConfig) -> RunConfig:
+    """An elastic run's configuration for the world this round of the rendezvous formed: dp (and
+    so the accumulation) from the process group, by `config.resolve_layout`. Else `cfg` itself."""
+    p = cfg.parallel
+    if not p.min_nodes:
+        return cfg
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc))
+    world = World(dist.get_world_size(), local, "the elastic agent")
+    return resolve_layout(dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=0)), world)
+
+
+def layout_record(cfg: RunConfig, resumed: int) -> tuple[dict | None, str | None]:
+    """An elastic run's `layout` record for this world and, if it differs from the previous
+    world's, its line (not elastic: None, None).
+
+    Collective (every rank calls it, before metrics are trimmed): rank 0 compares with the last
+    `layout` record in metrics.jsonl and tells everyone; the line is for the nodes that were there.
+    """
+    p, out = cfg.parallel, Path(cfg.train.out)
+    if not p.min_nodes:
+        return None, None
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, node_name())
+    nodes = sorted(set(names), key=lambda n: (len(n), n))
+    count = dist.get_world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc))
+    record = {"step": resumed, "event": "layout", "nodes": nodes, "n_nodes": max(count, 1), "dp": p.dp,
+              "pp": p.pp, "grad_accum": accumulation(cfg, p.dp), "batch_size": cfg.train.batch_size}
+    said = [record, None, []]
+    if dist.get_rank() == 0 and (out / "metrics.jsonl").is_file():
+        records = read_records(out)
+        before = [r for r in records if r.get("event") == "layout"]
+        last = max([r["step"] for r in records if "loss" in r], default=0)
+        if before and (before[-1]["n_nodes"], before[-1]["nodes"]) != (record["n_nodes"], nodes):
+            said = _change(record, before[-1], last, resumed)
+    dist.broadcast_object_list(said, src=0)
+    record, line, was_there = said
+    return record, (line if node_name() in was_there else None)
+
+
+def _change(record: dict, before: dict, last: int, resumed: int) -> list:
+    """[record with the change, its line, the nodes of the previous world]."""
+    lost = record["n_nodes"] < before["n_nodes"]
+    gone = [n for n in (before["nodes"] if lost else record["nodes"])
+            if n not in (record["nodes"] if lost else before["nodes"])]
+    delta = abs(record["n_nodes"] - before["n_nodes"])
+    who = (f"node{'s' if len(gone) > 1 else ''} {', '.join(gone)}" if len(gone) == delta
+           else f"{delta} node{'s' if delta > 1 else ''}")
+    at = last + 1 if lost else last  # lost during the step after the last logged; joined after it
+    n = record["n_nodes"]
+    line = (f"brigade: {who} {'lost' if lost else 'joined'} at step {at} — continuing on {n} "
+            f"node{'s' if n > 1 else ''} as dp {record['dp']} × pp {record['pp']} with gradient "
+            f"accumulation {record['grad_accum']} (global batch {record['batch_size']} unchanged) "
+            + (f"from snapshot step {resumed}" if resumed else "from the start"))
+    record = {**record, "change": "lost" if lost else "joined", "at_step": at, "who": gone or who}
+    return [record, line, before["nodes"]]

@@ -28,6 +28,7 @@ from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.pipeline.partition import check_chain, choose_balance, parse_balance
 from brigade.train import checkpoint
 from brigade.train.data import Vocab, load_text_data
+from brigade.train.events import launch_with_events, layout_record, this_round
 from brigade.train.faults import Fault, FaultInjector
 from brigade.train.snapshot import SnapshotError, find_latest, write_atomic
 from brigade.train.trainer import NonFiniteError, Trainer
@@ -197,6 +198,7 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     """One process of a training run (under brigade's launcher, torchrun, or srun)."""
     info = bdist.init(cfg.parallel.backend, cfg.parallel.threads,
                       forensics.group_timeout(cfg.parallel.hang_timeout))
+    cfg = this_round(cfg)  # elastic: dp from the world this round of the rendezvous formed
     blocks, loss_fn, train, val, vocab = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train)
@@ -205,9 +207,12 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     injector.should_stop = bdist.stop_requested
     resumed = _resume(trainer, cfg, vocab)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    layout, change = layout_record(cfg, resumed)  # reads metrics.jsonl before the trim
     if resumed and info.rank == 0:
         _trim_metrics(Path(cfg.train.out), resumed)
         print(f"brigade: resuming from snapshot step {resumed}", flush=True)
+    if change and info.local_rank == 0:
+        print(change, flush=True)
 
     def snap() -> Path:
         start = time.perf_counter()
@@ -239,8 +244,10 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     trainer.callbacks.append(after_step)
     injector.attach(trainer.model)
     with trainer.metrics:
+        if layout:
+            trainer.metrics.write(layout)
         history = _fit(trainer, cfg)
-        final = _latest_path(cfg) if trainer.stop_requested else snap()
+        final = find_latest(cfg.train.out, warn=lambda m: None).path if trainer.stop_requested else snap()
     summary = {"rank": info.rank, "step": trainer.state.step, "snapshot": str(final),
                "preempted": trainer.stop_requested,
                "params_sha256": json.loads((final / "manifest.json").read_text())["params_sha256"],
@@ -262,11 +269,6 @@ def _fit(trainer: Trainer, cfg: RunConfig) -> list[dict]:
                  if found else f"there is no snapshot in {cfg.train.out} yet")
         raise RunError(f"the {exc.what} is {exc.value} at step {exc.step}; {where}: lower --lr (now "
                        f"{exc.lr:g}) or --grad-clip, or check the data, then run again") from None
-
-
-def _latest_path(cfg: RunConfig) -> Path:
-    found = find_latest(cfg.train.out, warn=lambda m: None)
-    return found.path
 
 
 def _trim_metrics(out: Path, step: int) -> None:
@@ -315,11 +317,10 @@ def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> 
     out = Path(cfg.train.out)
     if p.node_rank == 0:  # one writer for the shared folder
         write_atomic(out / "config.toml", to_toml(cfg))
-    print(f"brigade: training {cfg.model.model} on {p.nproc * p.nnodes} processes (dp={p.dp} × pp={p.pp}"
+    nodes = f"{p.min_nodes} to {p.nnodes} nodes × {p.nproc}" if p.min_nodes else p.nproc * p.nnodes
+    print(f"brigade: training {cfg.model.model} on {nodes} processes (dp={p.dp} × pp={p.pp}"
           + (f" × {p.local_stages} local stages" if p.local_stages > 1 else "")
           + f", {p.schedule}), results in {out}/", flush=True)
-    from brigade.train.events import launch_with_events
-
     results = launch_with_events(worker, cfg, fault, port=port)
     if p.node_rank == 0:
         _finish(cfg, results)

@@ -13,6 +13,7 @@ or a map-style torch Dataset whose items are (input, target) pairs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade import dist as bdist
-from brigade import forensics
+from brigade import elastic, forensics
 from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, World, resolve_layout
 from brigade.errors import RunError
 from brigade.train.data import Sampler
@@ -126,10 +127,14 @@ class Trainer:
                                         f"dp{self.layout.dp_rank} pp{self.layout.pp_rank}")
 
     def _resolve_layout(self) -> None:
-        """dp = 0: derived from the process group's world by `config.resolve_layout`, the one owner."""
+        """dp = 0: derived from the process group's world by `config.resolve_layout`, the one owner;
+        gradient accumulation for that dp by `elastic.accumulation` (an elastic run keeps its
+        global batch: fewer replicas, more accumulation steps)."""
         run = RunConfig(parallel=self.parallel, optim=self.optim_cfg, train=self.cfg)
         world = World(dist.get_world_size(), launcher="the process group")
         self.parallel = resolve_layout(run, world).parallel
+        accum = elastic.accumulation(dataclasses.replace(run, parallel=self.parallel), self.parallel.dp)
+        self.optim_cfg = dataclasses.replace(self.optim_cfg, grad_accum=accum)
 
     @property
     def replica_batch(self) -> int:

@@ -1,0 +1,166 @@
+"""Elastic runs: two `brigade train --nnodes 1:2` agents on loopback, one process each (dp 2 × pp 1).
+
+One agent (its whole process group) is killed for good after a snapshot: the other goes on as
+dp 1 with twice the gradient accumulation, and every step's loss stays the uninterrupted run's.
+Then the killed node comes back with the same command and the job grows to it again. The seconds
+from the loss to the next step, and from the return to the first step with it, are printed
+(`pytest -s`).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import TINY, losses, train
+from tests.e2e.test_train import _wait_until_listening
+
+pytestmark = pytest.mark.timeout(600)
+# Many steps: node 0 alone must still be training when node 1 has started again (seconds).
+RUN = ["--max-steps", "300", "--snapshot-every", "10", "--eval-every", "1000", "--sample-tokens", "0",
+       "--batch-size", "16"]
+
+
+def _records(out: Path) -> list[dict]:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _wait_for(out: Path, what, seconds: float = 180) -> list[dict]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        rows = _records(out)
+        if what(rows):
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"waited {seconds} s; metrics: {_records(out)[-5:]}")
+
+
+def _layouts(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("event") == "layout"]
+
+
+def _steps_after(rows: list[dict], record: dict) -> list[dict]:
+    later = rows[rows.index(record) + 1:]
+    return [r for r in later if "loss" in r]
+
+
+class Nodes:
+    """Two `brigade train` agents meeting at one loopback endpoint, each in its own session."""
+
+    def __init__(self, out: Path):
+        from brigade.dist import free_port
+
+        self.port = free_port()
+        self.flags = ["train", "--out", str(out), *TINY, *RUN, "--nnodes", "1:2", "--nproc", "1",
+                      "--max-restarts", "2", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+                      "--rdzv-last-call", "3", "--rdzv-timeout", "60"]
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def start(self, k: int) -> subprocess.Popen:
+        self.procs[k] = subprocess.Popen([sys.executable, "-m", "brigade", *self.flags, "--node-rank", str(k)],
+                                         env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if k == 0:
+            _wait_until_listening(self.port)  # node 0 hosts the rendezvous store
+        return self.procs[k]
+
+    def kill(self, k: int) -> float:
+        """Node k goes down for good: SIGKILL to its agent and workers. Returns the time."""
+        os.killpg(self.procs[k].pid, signal.SIGKILL)
+        self.procs[k].communicate(timeout=60)
+        return time.time()
+
+    def finish(self, k: int) -> str:
+        out, err = self.procs[k].communicate(timeout=400)
+        assert self.procs[k].returncode == 0, out[-2000:] + err[-3000:]
+        return out
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run on one node: dp 2, the same global batch."""
+    out = tmp_path_factory.mktemp("elastic") / "reference"
+    result = train(out, *RUN, "--nproc", "2", timeout=400)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return losses(out)
+
+
+def _same_losses(out: Path, reference: dict[int, float]) -> None:
+    got = losses(out)
+    assert sorted(got) == sorted(reference)
+    worst = max(abs(got[s] - reference[s]) for s in reference)
+    assert worst <= 1e-5, f"largest per-step loss difference {worst:.2e}"
+
+
+def _lose_node_1(nodes: Nodes, out: Path) -> tuple[list[dict], float]:
+    """Both nodes train past a snapshot; node 1 is killed; node 0 resumes alone."""
+    nodes.start(0)
+    nodes.start(1)
+    rows = _wait_for(out, lambda rows: _layouts(rows) and _layouts(rows)[-1]["n_nodes"] == 2
+                     and len(_steps_after(rows, _layouts(rows)[-1])) >= 12)  # past a snapshot
+    killed = nodes.kill(1)
+    rows = _wait_for(out, lambda rows: _layouts(rows)[-1].get("change") == "lost"
+                     and _steps_after(rows, _layouts(rows)[-1]))
+    first = _steps_after(rows, _layouts(rows)[-1])[0]
+    print(f"\nnode lost → next step: {first['time'] - killed:.1f} s")
+    return rows, first["time"] - killed
+
+
+def test_a_node_lost_for_good(tmp_path, reference):
+    out = tmp_path / "elastic"
+    nodes = Nodes(out)
+    try:
+        rows, _ = _lose_node_1(nodes, out)
+        said = nodes.finish(0)
+    finally:
+        nodes.close()
+    lost = _layouts(rows)[-1]
+    assert (lost["n_nodes"], lost["dp"], lost["pp"], lost["grad_accum"]) == (1, 1, 1, 2)
+    assert (f"brigade: node 1 lost at step {lost['at_step']} — continuing on 1 node as dp 1 × pp 1 with "
+            f"gradient accumulation 2 (global batch 16 unchanged) from snapshot step {lost['step']}") in said
+    assert lost["step"] >= 10 and lost["step"] % 10 == 0
+    _same_losses(out, reference)
+
+
+def test_a_node_that_returns_is_grown_back_to(tmp_path, reference):
+    out = tmp_path / "elastic"
+    nodes = Nodes(out)
+    try:
+        _lose_node_1(nodes, out)
+        back = time.time()
+        nodes.start(1)  # the same command
+        rows = _wait_for(out, lambda rows: _layouts(rows)[-1].get("change") == "joined"
+                         and _steps_after(rows, _layouts(rows)[-1]))
+        first = _steps_after(rows, _layouts(rows)[-1])[0]
+        print(f"node back → first step with it: {first['time'] - back:.1f} s")
+        said = nodes.finish(0)
+        nodes.finish(1)
+    finally:
+        nodes.close()
+    joined = _layouts(rows)[-1]
+    assert (joined["n_nodes"], joined["dp"], joined["grad_accum"]) == (2, 2, 1)
+    assert (f"brigade: node 1 joined at step {joined['at_step']} — continuing on 2 nodes as dp 2 × pp 1 "
+            f"with gradient accumulation 1 (global batch 16 unchanged) from snapshot step "
+            f"{joined['step']}") in said
+    _same_losses(out, reference)
