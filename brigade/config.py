@@ -96,6 +96,7 @@ class TrainConfig:
     keep: int = 2  # snapshots kept
     tensorboard: bool = False  # also write OUT/tensorboard event files (pip install 'brigade[tensorboard]')
     bf16: bool = True  # autocast to bf16 on GPUs (ignored on CPU)
+    precision: str = ""  # bf16, fp16 (loss-scaled) or fp32 on any device; empty: follow --bf16
 
 
 @dataclass
@@ -338,6 +339,8 @@ def validate(cfg: RunConfig) -> None:
         _positive(name, getattr(p, name) if hasattr(p, name) else getattr(o, name))
     for name in ("max_steps", "batch_size", "eval_every", "eval_batches", "keep"):
         _positive(name, getattr(t, name))
+    from brigade.train.precision import autocast_dtype  # owns the names; raises on an unknown one
+    autocast_dtype(t.precision, t.bf16, "cpu")
     _positive("block_size", d.block_size)
     for name, value in (("dp", p.dp), ("max_restarts", p.max_restarts), ("lr", o.lr),
                         ("warmup_steps", o.warmup_steps), ("grad_clip", o.grad_clip),

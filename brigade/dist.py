@@ -79,28 +79,47 @@ def _prepare_env() -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
 
 
+def local_devices(device_type: str, local_rank: int, n: int = 1,
+                  count: int | None = None) -> list[torch.device]:
+    """The `n` (--local-stages) devices this process drives, stage 0's first: the one place that decides.
+
+    Local rank r drives cuda:r·n onwards when that many GPUs are visible (torchrun), else (r mod
+    count/n)·n onwards (Slurm shows each task its own: cuda:0 at LOCAL_RANK 3). `count`: default
+    `torch.cuda.device_count()`. Raises BrigadeError when fewer than `n` are visible.
+    """
+    if device_type != "cuda":
+        return [torch.device(device_type)] * n
+    count = torch.cuda.device_count() if count is None else count
+    if count < n:
+        raise BrigadeError(f"--local-stages {n} needs {n} GPUs per process but {count} are visible "
+                           "(CUDA_VISIBLE_DEVICES): lower --local-stages or give each task more GPUs")
+    first = local_rank * n if count >= (local_rank + 1) * n else (local_rank % (count // n)) * n
+    return [torch.device("cuda", first + i) for i in range(n)]
+
+
 def init(backend: str | None = None, threads: int | None = None,
-         timeout_s: float | None = None) -> DistInfo:
+         timeout_s: float | None = None, local_stages: int = 1) -> DistInfo:
     """Join the process group described by the environment (torchrun, Slurm, or none: alone).
 
     `timeout_s` bounds every collective and transfer: a stalled peer fails the run (and lets
     the elastic agent restart it) instead of hanging for the backend's default 30 minutes.
+    The group is bound to the process's GPU (`local_devices`), unless it drives several
+    (`local_stages` > 1): torch lets a new group bind only the default group's device, and
+    the layout binds each stage's group to that stage's GPU.
     """
     backend, device_type = pick_backend(backend)
     _prepare_env()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if threads:
         torch.set_num_threads(threads)
+    device = local_devices(device_type, local_rank, local_stages)[0]
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+        torch.cuda.set_device(device)
     # Seen here: after an elastic restart, gloo's eager full-mesh connect sometimes dials the
     # previous attempt's address and times out. Connecting each pair on first use avoids it.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     if not dist.is_initialized():
-        kwargs = {"device_id": device} if device_type == "cuda" else {}
+        kwargs = {"device_id": device} if device_type == "cuda" and local_stages == 1 else {}
         if timeout_s:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         store = _loopback_store(kwargs.get("timeout", datetime.timedelta(minutes=30)))
@@ -128,11 +147,11 @@ def _loopback_store(timeout: datetime.timedelta):
 init_single_or_env = init
 
 
-def info(backend: str | None = None) -> DistInfo:
-    """The current process's place, once the group is up."""
+def info(backend: str | None = None, local_stages: int = 1) -> DistInfo:
+    """The current process's place, once the group is up (device as in `init`)."""
     backend, device_type = pick_backend(backend)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    device = local_devices(device_type, local_rank, local_stages)[0]
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 

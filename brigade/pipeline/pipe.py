@@ -17,11 +17,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from brigade.errors import BrigadeError
 from brigade.pipeline import microbatch
 from brigade.pipeline.p2p import P2PTransport
 from brigade.pipeline.runtime import StageRunner, StepResult
 from brigade.pipeline.schedule import build, forward_only, validate
 from brigade.pipeline.transport import LocalTransport, StageAborted
+
+
+def check_autocast(dtype) -> None:
+    """Refuse an autocast dtype other than None, bf16 or fp16, in one line."""
+    if dtype not in (None, torch.bfloat16, torch.float16):
+        raise BrigadeError(f"autocast {dtype!r}: expected None (fp32), torch.bfloat16 or torch.float16")
 
 
 class Pipeline:
@@ -34,10 +41,16 @@ class Pipeline:
             `GradientReducer` (DDP's reducer does not see a split backward).
         loss_fn: (output, target) -> mean loss, applied on the last stage.
         group: the pipeline's process group (default: the whole world).
+        autocast: None (fp32), torch.bfloat16, or torch.float16, which needs a loss scale
+            (`step(loss_scale=...)`; the Trainer's `LossScaler` picks it). The loss is fp32.
+
+    Raises:
+        BrigadeError: another autocast dtype.
     """
 
     def __init__(self, module: nn.Module, schedule: str, n_microbatches: int, loss_fn,
                  group=None, device: torch.device | str = "cpu", autocast: torch.dtype | None = None):
+        check_autocast(autocast)
         self.group = group
         self.device = torch.device(device)
         self.n_stages = dist.get_world_size(group)
@@ -103,12 +116,13 @@ class LocalPipeline:
     Args:
         stages: one module per stage (moved to its device here).
         devices: one device per stage; "cpu" may repeat (each stage still gets a thread).
-        schedule, n_microbatches, loss_fn: as for `Pipeline`.
+        schedule, n_microbatches, loss_fn, autocast: as for `Pipeline`.
     """
 
     def __init__(self, stages: list[nn.Module], devices: list[torch.device | str], schedule: str,
                  n_microbatches: int, loss_fn, timeout_s: float = 300.0, wrap=None,
                  autocast: torch.dtype | None = None):
+        check_autocast(autocast)
         if len(devices) != len(stages):
             raise ValueError(f"{len(stages)} stages need {len(stages)} devices, got {len(devices)}")
         self.devices = [torch.device(d) for d in devices]

@@ -16,6 +16,7 @@ module holding only this process's blocks under their global index.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from brigade import dist as bdist
 from brigade import forensics
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
@@ -88,6 +90,26 @@ def _recorded_allreduce(group, bucket):
     return allreduce_hook(group, bucket)
 
 
+def _stage_group(device: torch.device):
+    """A group over the whole world for one local stage, bound to that stage's device.
+
+    A group created without `device_id` inherits the default group's binding; torch refuses
+    another. So `dist.init(local_stages=n)` leaves the default group unbound (see there).
+
+    Raises:
+        BrigadeError: the default group is bound to one GPU.
+    """
+    ranks = list(range(dist.get_world_size()))
+    if device.type != "cuda":
+        return dist.new_group(ranks)
+    bound = dist.distributed_c10d._get_default_group().bound_device_id
+    if bound is not None:
+        raise BrigadeError(f"the process group is bound to {bound} but this process drives several "
+                           "GPUs: pass local_stages to brigade.dist.init")
+    with torch.cuda.device(device):  # the communicator and its first collective on this GPU
+        return dist.new_group(ranks, device_id=device)
+
+
 class Engine:
     """One process's share of the model and how to run a batch through it.
 
@@ -128,23 +150,21 @@ class Engine:
     def _local_pipeline(self, stages, cfg: ParallelConfig, loss_fn, m: int, autocast):
         layout = self.layout
         n = cfg.local_stages
-        if layout.device.type == "cuda":
-            first = layout.device.index * n
-            if torch.cuda.device_count() < first + n:
-                raise BrigadeError(f"--local-stages {n} needs {first + n} GPUs on this node, "
-                                   f"{torch.cuda.device_count()} visible")
-            devices = [torch.device("cuda", first + i) for i in range(n)]
-        else:
-            devices = [torch.device("cpu")] * n
-        groups = [dist.new_group(list(range(dist.get_world_size()))) for _ in range(n)] \
-            if layout.dp > 1 else None
+        devices = bdist.local_devices(layout.device.type, int(os.environ.get("LOCAL_RANK", 0)), n)
+        if devices[0] != layout.device:
+            raise BrigadeError(f"the process group is bound to {layout.device} but stage 0 of "
+                               f"--local-stages {n} runs on {devices[0]}: pass local_stages={n} to "
+                               "brigade.dist.init and brigade.dist.info")
+        groups = [_stage_group(d) for d in devices] if layout.dp > 1 else None
 
         def wrap(i: int, module: nn.Module) -> nn.Module:
             if groups is None:
                 return module
             # One process group per stage: each stage's thread issues its own all-reduces.
-            ids = [devices[i]] if devices[i].type == "cuda" else None
-            return data_parallel(module, groups[i], ids)
+            if devices[i].type != "cuda":
+                return data_parallel(module, groups[i], None)
+            with torch.cuda.device(devices[i]):  # DDP's first broadcast, on stage i's GPU
+                return data_parallel(module, groups[i], [devices[i]])
 
         return LocalPipeline(stages, devices, cfg.schedule, m, loss_fn, wrap=wrap, autocast=autocast)
 

@@ -197,7 +197,7 @@ def _seconds_since_process_start() -> float:
 def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     """One process of a training run (under brigade's launcher, torchrun, or srun)."""
     info = bdist.init(cfg.parallel.backend, cfg.parallel.threads,
-                      forensics.group_timeout(cfg.parallel.hang_timeout))
+                      forensics.group_timeout(cfg.parallel.hang_timeout), cfg.parallel.local_stages)
     cfg = this_round(cfg)  # elastic: dp from the world this round of the rendezvous formed
     blocks, loss_fn, train, val, vocab = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,

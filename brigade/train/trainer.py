@@ -32,6 +32,7 @@ from brigade.errors import RunError
 from brigade.train.data import Sampler
 from brigade.train.layout import Engine, by_device, make_layout
 from brigade.train.metrics import Metrics
+from brigade.train.precision import LossScaler, autocast_dtype
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
@@ -100,8 +101,9 @@ class Trainer:
         self.optim_cfg = optim or OptimConfig()
         self.cfg = train or TrainConfig()
         if not dist.is_initialized():
-            bdist.init_single_or_env(self.parallel.backend, self.parallel.threads)
-        self.info = bdist.info(self.parallel.backend)
+            bdist.init_single_or_env(self.parallel.backend, self.parallel.threads,
+                                     local_stages=self.parallel.local_stages)
+        self.info = bdist.info(self.parallel.backend, self.parallel.local_stages)
         self._resolve_layout()
         # Every random stream is seeded, per rank: dropout (torch), and Python's / numpy's for user code.
         stream = self.cfg.seed + 1000 * dist.get_rank()
@@ -110,7 +112,8 @@ class Trainer:
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed(stream)
         self.layout = make_layout(self.parallel, self.info.device)
-        autocast = torch.bfloat16 if self.cfg.bf16 and self.info.device.type == "cuda" else None
+        autocast = autocast_dtype(self.cfg.precision, self.cfg.bf16, self.info.device.type)
+        self.scaler = LossScaler() if autocast == torch.float16 else None
         self.engine = Engine(blocks, loss_fn, self.parallel, self.layout, autocast=autocast)
         self.model = self.engine.owned
         self.optimizer = (optimizer or adamw(self.optim_cfg))(self.model)
@@ -153,26 +156,45 @@ class Trainer:
         lr = lr_at(self.state.step, self.optim_cfg, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        total = 0.0
+        scale = self.scaler.scale if self.scaler else 1.0  # fp16: see precision.py
+        total = None  # stays on the device: no host synchronisation until the one read below
         for j, chunk in enumerate(chunks):
             x, y = _batch(self.train_data, chunk)
-            loss = self.engine.forward_backward(x, y, loss_scale=1.0 / k, sync=j == k - 1)
-            total += float(loss) / k
-        norm = self.engine.grad_norm()
-        self._check_finite(total, float(norm))
-        if self.optim_cfg.grad_clip > 0:
-            coef = min(1.0, self.optim_cfg.grad_clip / (float(norm) + 1e-6))
-            if coef < 1.0:
-                for group in by_device(self.engine.grads()):
-                    torch._foreach_mul_(group, coef)
-        self.optimizer.step()
+            loss = self.engine.forward_backward(x, y, loss_scale=scale / k, sync=j == k - 1) / k
+            total = loss if total is None else total + loss
+        norm = self.engine.grad_norm() / scale
+        loss_v, norm_v = torch.stack([total.float(), norm.to(total.device)]).tolist()  # the step's one read
+        skipped = self.scaler is not None and self.scaler.skip(norm_v)
+        if not skipped:
+            self._check_finite(loss_v, norm_v)
+            self._unscale_and_clip(norm, scale)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.cursor = self.sampler.cursor
         elapsed = time.perf_counter() - start
         tokens = self.cfg.batch_size * (x.shape[1] if x.dim() > 1 else 1)
-        return {"step": self.state.step, "loss": total, "lr": lr, "grad_norm": float(norm),
-                "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+        record = {"step": self.state.step, "loss": loss_v, "lr": lr, "grad_norm": norm_v,
+                  "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+        if self.scaler is not None:
+            record.update(loss_scale=scale, skipped=skipped)
+        return record
+
+    def _unscale_and_clip(self, norm: torch.Tensor, scale: float) -> None:
+        """Divide out the loss scale and clip to --grad-clip, in one multiply, on the device.
+
+        `norm` is the unscaled norm; the coefficient is computed as clip_grad_norm_ does
+        (clamped on the device), so no value is read back to the host here.
+        """
+        coef = None
+        if self.optim_cfg.grad_clip > 0:
+            coef = torch.clamp(self.optim_cfg.grad_clip / (norm + 1e-6), max=1.0)
+        if scale != 1.0:
+            coef = 1.0 / scale if coef is None else coef / scale
+        if coef is None:
+            return
+        for group in by_device(self.engine.grads()):
+            torch._foreach_mul_(group, coef.to(group[0].device) if torch.is_tensor(coef) else coef)
 
     def _check_finite(self, loss: float, norm: float) -> None:
         """Refuse to step on a non-finite loss or gradient norm (clipping cannot mend it: the

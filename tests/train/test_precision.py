@@ -1,0 +1,132 @@
+"""Mixed precision on CPU autocast: the loss in fp32 under bf16/fp16, fp16's loss scaling."""
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brigade import config as bconfig
+from brigade import dist as bdist
+from brigade.config import OptimConfig, ParallelConfig, TrainConfig
+from brigade.errors import BrigadeError
+from brigade.models.gpt import GPTConfig, gpt, gpt_loss
+from brigade.pipeline import microbatch
+from brigade.pipeline.pipe import LocalPipeline
+from brigade.train.data import load_text_data
+from brigade.train.precision import LossScaler, autocast_dtype
+from brigade.train.trainer import Trainer
+
+
+def _stages():
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(16, 64), nn.GELU()), nn.Linear(64, 97)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_loss_and_its_sum_are_fp32_under_autocast(dtype):
+    """The pipeline's loss is the fp32 loss of the very outputs autocast produced."""
+    stages = _stages()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 16, generator=g), torch.randint(97, (24,), generator=g)
+    m = 3
+    with LocalPipeline(stages, ["cpu", "cpu"], "1f1b", m, F.cross_entropy, autocast=dtype) as pipe:
+        got = pipe.step(x, y)
+        assert pipe.last_results[-1].loss.dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        outs = [stages[1](stages[0](xs)) for xs in microbatch.split(x, m)]
+    assert outs[0].dtype == dtype  # autocast did run
+    ws, ys = microbatch.weights(24, m), microbatch.split(y, m)
+    want = sum(F.cross_entropy(o.float(), t) * w for o, t, w in zip(outs, ys, ws))
+    half = sum(F.cross_entropy(o, t) * w for o, t, w in zip(outs, ys, ws))  # the old computation
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert abs(float(half) - float(want)) > 1e-4  # so this test fails on a half-precision loss
+
+
+def test_an_unsupported_autocast_dtype_is_refused_in_one_line():
+    with pytest.raises(BrigadeError, match=r"^autocast torch.float64: expected None \(fp32\), "
+                                           r"torch.bfloat16 or torch.float16$"):
+        LocalPipeline(_stages(), ["cpu", "cpu"], "1f1b", 2, F.cross_entropy, autocast=torch.float64)
+
+
+@pytest.mark.parametrize("precision,bf16,device,want", [
+    ("", True, "cuda", torch.bfloat16), ("", True, "cpu", None), ("", False, "cuda", None),
+    ("bf16", False, "cpu", torch.bfloat16), ("fp16", True, "cuda", torch.float16),
+    ("fp16", False, "cpu", torch.float16), ("fp32", True, "cuda", None),
+])
+def test_precision_follows_bf16_unless_given(precision, bf16, device, want):
+    assert autocast_dtype(precision, bf16, device) is want
+
+
+def test_an_unknown_precision_is_refused_by_the_config():
+    parser = argparse.ArgumentParser()
+    bconfig.add_flags(parser)
+    with pytest.raises(BrigadeError, match=r"^--precision 'fp8': expected bf16, fp16 or fp32 "
+                                           r"\(or leave it empty to follow --bf16\)$"):
+        bconfig.build(parser.parse_args(["--precision", "fp8"]))
+
+
+def test_loss_scaler_backs_off_grows_and_gives_up():
+    s = LossScaler(scale=8.0, growth_interval=2, min_scale=2.0)
+    assert s.skip(float("inf")) and s.scale == 4.0
+    assert not s.skip(1.0) and s.scale == 4.0
+    assert not s.skip(1.0) and s.scale == 8.0  # two good steps in a row
+    assert s.skip(float("nan")) and s.scale == 4.0 and s.good_steps == 0
+    assert s.skip(float("inf")) and s.scale == 2.0
+    assert not s.skip(float("inf")) and s.scale == 2.0  # at the floor: the non-finite check reports it
+
+
+STEPS = 6
+
+
+def fp16_run(pp: int = 1, scale: float = 2.0 ** 19) -> dict:
+    """fp16 steps of a tiny GPT from a loss scale that overflows (here up to 2**18); records, and
+    whether the parameters stayed as they were after the first (skipped) step."""
+    vocab, train, _ = load_text_data("", 32, 0.1)
+    torch.manual_seed(0)
+    blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+    info = bdist.init(threads=1)
+    par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // pp, microbatches=2)
+    trainer = Trainer(blocks, gpt_loss, train, None, parallel=par, optim=OptimConfig(warmup_steps=2),
+                      train=TrainConfig(max_steps=STEPS, batch_size=8, precision="fp16"), metrics=False)
+    trainer.scaler.scale = scale
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    first = trainer.train_step()
+    unchanged = all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    history = [first] + [trainer.train_step() for _ in range(STEPS - 1)]
+    trainer.close()
+    bdist.destroy()
+    return {"history": history, "unchanged_after_skip": unchanged}
+
+
+@pytest.mark.timeout(120)
+def test_fp16_skips_an_overflowing_step_then_trains():
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        run = pool.apply(fp16_run)
+    h = run["history"]
+    assert h[0]["skipped"] and run["unchanged_after_skip"]
+    assert [(r["skipped"], r["loss_scale"]) for r in h] == \
+        [(True, 2.0 ** 19), (True, 2.0 ** 18)] + [(False, 2.0 ** 17)] * (STEPS - 2)
+    assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in h[2:])
+    assert h[-1]["loss"] < h[2]["loss"]  # the steps taken train
+
+
+@pytest.mark.timeout(240)
+def test_fp16_stages_skip_the_same_steps_and_keep_the_same_scale():
+    """pp 2: stage 0 sees no loss, yet skips exactly where the last stage does, at the same scale."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        alone = pool.apply(fp16_run)["history"]
+    runs = bdist.launch(fp16_run, 2, 2)
+    for rank, run in runs.items():
+        h = run["history"]
+        assert run["unchanged_after_skip"], f"rank {rank}"
+        assert [(r["skipped"], r["loss_scale"]) for r in h] == \
+            [(r["skipped"], r["loss_scale"]) for r in alone], f"rank {rank}"
+        assert [r["loss"] for r in h] == pytest.approx([r["loss"] for r in alone], abs=2e-3)
