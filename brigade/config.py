@@ -131,9 +131,8 @@ def _coerce(value: object, kind: type, where: str) -> object:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not ok:
-        raise BrigadeError(
-            f"{where} = {value!r} is a {type(value).__name__}, expected {kind.__name__}: fix it in the file"
-        )
+        raise BrigadeError(f"{where} = {value!r} is a {type(value).__name__}, expected {kind.__name__}: "
+                           "fix it in the file")
     return value
 
 
@@ -154,15 +153,12 @@ def load_toml(path: str | Path) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for section, table in raw.items():
         if section not in classes or not isinstance(table, dict):
-            raise BrigadeError(
-                f"{path}: unknown section [{section}]: expected one of {', '.join(classes)}"
-            )
+            raise BrigadeError(f"{path}: unknown section [{section}]: expected one of {', '.join(classes)}")
         kinds = _field_types(classes[section])
         for key, value in table.items():
             if key not in kinds:
-                raise BrigadeError(
-                    f"{path}: unknown key {key!r} in [{section}]: expected one of {', '.join(kinds)}"
-                )
+                raise BrigadeError(f"{path}: unknown key {key!r} in [{section}]: expected one of "
+                                   f"{', '.join(kinds)}")
             out.setdefault(section, {})[key] = _coerce(value, kinds[key], f"{path}: [{section}] {key}")
     return out
 
@@ -176,8 +172,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             if f.name == "nnodes":  # N, or MIN:MAX (parsed in `build`, so a mistake is one line)
-                group.add_argument(flag, default=argparse.SUPPRESS, metavar="N|MIN:MAX",
-                                   help=elastic.NNODES_HELP)
+                group.add_argument(flag, default=argparse.SUPPRESS, metavar="N|MIN:MAX", help=elastic.HELP)
             elif kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=f"(default: {default})")
@@ -207,10 +202,7 @@ def build(args: argparse.Namespace | None = None, toml: dict[str, dict] | None =
     for section, values in (toml or {}).items():
         for key, value in values.items():
             setattr(getattr(cfg, section), key, value)
-    if "nnodes" in given:  # a flag: N or MIN:MAX
-        given = {**given, "min_nodes": 0}
-        lo, given["nnodes"] = elastic.parse_nodes(given["nnodes"])
-        given["min_nodes"] = lo if lo < given["nnodes"] else 0
+    given = elastic.split_nnodes(given)  # --nnodes N or MIN:MAX → nnodes, min_nodes
     for section in SECTIONS:
         part = getattr(cfg, section)
         for f in fields(part):
@@ -240,23 +232,21 @@ def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection
     Local stages live inside one process, so they do not divide the world. Under a launcher
     the world is the launcher's; `--nproc` and `--nnodes` then only need to agree with it if
     the user gave them (`given`: field names typed or in the TOML file). An elastic range
-    (--nnodes MIN:MAX) is checked at every node count it can reach: see `accumulation`.
+    is checked at every node count it can reach (`elastic.check_range`).
 
     Returns:
         a copy of `cfg` with `dp` set and, under a launcher, `nproc` / `nnodes` the launcher's.
 
     Raises:
         BrigadeError: the world is not divisible by --pp, dp × pp ≠ world, a given --nproc or
-            --nnodes that the launcher contradicts, or a batch that does not split over dp
-            (at some reachable node count, for an elastic range).
+            --nnodes that the launcher contradicts, or a batch that does not split over dp.
     """
     p = cfg.parallel
-    if world is None:
-        size, where, nproc, nnodes = p.nproc * p.nnodes, f"--nproc {p.nproc} × --nnodes {p.nnodes}", \
-            p.nproc, p.nnodes
-    else:
-        size, where = world.size, f"set by {world.launcher}"
-        nproc, nnodes = _launcher_nodes(p, world, given)
+    nproc, nnodes, size = p.nproc, p.nnodes, p.nproc * p.nnodes
+    where = f"--nproc {p.nproc} × --nnodes {p.nnodes}"
+    if world is not None:
+        (nproc, nnodes), size = _launcher_nodes(p, world, given), world.size
+        where = f"set by {world.launcher}"
     dp = p.dp
     if dp == 0:
         if size % p.pp:
@@ -268,10 +258,8 @@ def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection
         raise BrigadeError(f"--dp {dp} × --pp {p.pp} = {dp * p.pp} but the world size is {size} ({where}): "
                            f"the world size must equal dp × pp{fix}")
     out = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp, nproc=nproc, nnodes=nnodes))
-    if p.min_nodes:  # every node count the range can reach
-        elastic.check_range(out.parallel, given, under_launcher=world is not None)
-        for n, dp_n in elastic.reachable(out.parallel):
-            _check_batch(out, dp_n, f" on {n} node(s)")
+    if p.min_nodes:
+        elastic.check_range(out.parallel, given, world is not None, lambda n, d: _check_batch(out, d, n))
     _check_batch(out, dp)
     return out
 
@@ -291,27 +279,21 @@ def _launcher_nodes(p: ParallelConfig, world: World, given: Collection[str]) -> 
     return local, nnodes
 
 
-def _check_batch(cfg: RunConfig, dp: int, where: str = "") -> None:
+def _check_batch(cfg: RunConfig, dp: int, nodes: int = 0) -> None:
     """The global batch must split evenly over replicas and accumulation, then micro-batches."""
-    p, t = cfg.parallel, cfg.train
-    k = elastic.accumulation(cfg, dp)
+    p, t, k = cfg.parallel, cfg.train, elastic.accumulation(cfg, dp)
     if t.batch_size % (dp * k):
-        raise BrigadeError(
-            f"--batch-size {t.batch_size} does not split evenly over dp {dp} × grad-accum "
-            f"{k}: use a multiple of {dp * k}"
-        )
-    per_replica = t.batch_size // (dp * k)
+        raise BrigadeError(f"--batch-size {t.batch_size} does not split evenly over dp {dp} × grad-accum "
+                           f"{k}: use a multiple of {dp * k}")
+    per_replica, where = t.batch_size // (dp * k), f" on {nodes} node(s)" if nodes else ""
     if p.pp * p.local_stages > 1 and p.microbatches > per_replica:
-        raise BrigadeError(
-            f"--microbatches {p.microbatches} is larger than each replica's batch ({per_replica}{where}): "
-            f"use at most {per_replica} or a larger --batch-size"
-        )
+        raise BrigadeError(f"--microbatches {p.microbatches} is larger than each replica's batch "
+                           f"({per_replica}{where}): use at most {per_replica} or a larger --batch-size")
 
 
 def _positive(name: str, value: float, zero_ok: bool = False) -> None:
     if value < 0 or (value == 0 and not zero_ok):
-        need = "≥ 0" if zero_ok else "≥ 1"
-        raise BrigadeError(f"--{name.replace('_', '-')} {value}: must be {need}")
+        raise BrigadeError(f"--{name.replace('_', '-')} {value}: must be {'≥ 0' if zero_ok else '≥ 1'}")
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

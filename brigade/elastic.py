@@ -9,7 +9,7 @@ nodes are lost, so a replica's chunk never grows and the optimizer sees the same
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from brigade.errors import BrigadeError
@@ -17,7 +17,7 @@ from brigade.errors import BrigadeError
 if TYPE_CHECKING:  # config imports this module
     from brigade.config import ParallelConfig, RunConfig, World
 
-NNODES_HELP = ("machines (default: 1); MIN:MAX for an elastic run that goes on when machines are lost "
+HELP = ("machines (default: 1); MIN:MAX for an elastic run that goes on when machines are lost "
                "and grows when they come back: needs --max-restarts ≥ 1, one restart per machine lost")
 
 
@@ -59,9 +59,19 @@ def reachable(p: ParallelConfig) -> list[tuple[int, int]]:
     return out
 
 
-def check_range(p: ParallelConfig, given: Collection[str], under_launcher: bool) -> None:
-    """No fixed --dp, enough processes for pp at MAX, and (under brigade's own launcher, whose
-    agent restarts the workers after a loss) --max-restarts ≥ 1.
+def split_nnodes(given: dict) -> dict:
+    """Typed flags with --nnodes N or MIN:MAX as nnodes (MAX) and min_nodes (MIN; 0: not elastic)."""
+    if "nnodes" not in given:
+        return given
+    lo, hi = parse_nodes(given["nnodes"])
+    return {**given, "nnodes": hi, "min_nodes": lo if lo < hi else 0}
+
+
+def check_range(p: ParallelConfig, given: Collection[str], under_launcher: bool,
+                check_batch: Callable[[int, int], None]) -> None:
+    """No fixed --dp, enough processes for pp at MAX, (under brigade's own launcher, whose agent
+    restarts the workers after a loss) --max-restarts ≥ 1, and `check_batch(nodes, dp)` passing
+    at every node count the run can reach (`reachable`).
 
     Raises:
         BrigadeError: naming the flag to change.
@@ -78,6 +88,8 @@ def check_range(p: ParallelConfig, given: Collection[str], under_launcher: bool)
     if not under_launcher and p.max_restarts < 1:
         raise BrigadeError(f"{rng} with --max-restarts 0: a lost node would end the run; set "
                            "--max-restarts to the number of node losses to survive (≥ 1)")
+    for nodes, dp in reachable(p):
+        check_batch(nodes, dp)
 
 
 def launcher_nodes(p: ParallelConfig, world: World) -> tuple[int, int]:

@@ -135,3 +135,74 @@ def test_a_config_file_counts_as_given(tmp_path):
     f.write_text("[parallel]\nnproc = 2\npp = 2\n")
     with pytest.raises(BrigadeError, match="--nproc 2 but torchrun started 4"):
         parse("--config", str(f), world=config.World(4, 4, "torchrun"))
+
+
+# --- elastic ranges: --nnodes MIN:MAX (brigade/elastic.py) -----------------------------------------
+
+ELASTIC = ["--rdzv-endpoint", "h:1", "--max-restarts", "1"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nnodes", "2:1"], r"^--nnodes '2:1': expected MIN:MAX with 1 ≤ MIN ≤ MAX, like 1:2$"),
+    (["--nnodes", "0:2"], r"^--nnodes '0:2': expected MIN:MAX with 1 ≤ MIN ≤ MAX"),
+    (["--nnodes", "1-2"], r"^--nnodes '1-2': expected a number of machines like 2, or an elastic range"),
+    (["--nnodes", "1:2:3"], r"^--nnodes '1:2:3': expected a number"),
+    (["--nnodes", ":2"], r"^--nnodes ':2': expected a number"),
+    # dp 3 at 3 nodes: 8 does not split over 3 replicas
+    (["--nnodes", "1:3", "--nproc", "1", "--batch-size", "8", *ELASTIC],
+     r"^--batch-size 8 cannot be kept on 3 node\(s\): .*; use a multiple of 12$"),
+    # a chunk of 4 at 3 nodes, of 3 at 2 nodes (12 ÷ (dp 2 × 2 steps)): fewer than 4 micro-batches
+    (["--nnodes", "2:3", "--nproc", "1", "--batch-size", "12", "--microbatches", "4", "--local-stages", "2",
+      *ELASTIC], r"^--microbatches 4 is larger than each replica's batch \(3 on 2 node\(s\)\)"),
+    (["--nnodes", "1:2", "--nproc", "1", "--rdzv-endpoint", "h:1"],
+     r"^--nnodes 1:2 with --max-restarts 0: a lost node would end the run"),
+    (["--nnodes", "1:2", "--nproc", "1", "--dp", "2", *ELASTIC],
+     r"^--dp 2 with --nnodes 1:2: leave --dp out"),
+    (["--nnodes", "1:3", "--nproc", "1", "--pp", "2", *ELASTIC],
+     r"world size 3 .* is not divisible by --pp 2"),
+])
+def test_bad_elastic_ranges(argv, message):
+    with pytest.raises(BrigadeError, match=message) as err:
+        parse(*argv)
+    assert err.value.exit_code == 2 and "\n" not in str(err.value)
+
+
+def test_an_elastic_range_the_launcher_contradicts():
+    with pytest.raises(BrigadeError, match=r"^--nnodes 1:2 but torchrun started 6 processes, 2 per node"):
+        parse("--nnodes", "1:2", "--pp", "2", world=config.World(6, 2, "torchrun"))
+
+
+@pytest.mark.parametrize("argv", [["--nnodes", "2:1"], ["--nnodes", "0:2"], ["--nnodes", "two"],
+                                  ["--nnodes", "1:3", "--nproc", "1", "--batch-size", "8", *ELASTIC]])
+def test_bad_elastic_ranges_on_the_command_line(argv, capsys, tmp_path):
+    from brigade.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("brigade train: error: --") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv,world,expected", [
+    # (flags, launcher's world, (min_nodes, nnodes, dp, accumulation at each reachable dp))
+    (["--nnodes", "1:2", "--nproc", "1", *ELASTIC], None, (1, 2, 2, {1: 2, 2: 1})),
+    (["--nnodes", "1:2", "--nproc", "2", "--pp", "2", "--grad-accum", "2", *ELASTIC], None,
+     (1, 2, 2, {1: 4, 2: 2})),
+    (["--nnodes", "2:4", "--nproc", "1", "--batch-size", "24", *ELASTIC], None,
+     (2, 4, 4, {2: 2, 3: 2, 4: 1})),
+    (["--nnodes", "1:2", "--nproc", "1", "--pp", "2", *ELASTIC], None, (1, 2, 1, {1: 1})),  # waits for 2
+    (["--nnodes", "2:2", "--rdzv-endpoint", "h:1"], None, (0, 2, 4, {4: 1})),  # MIN = MAX: not elastic
+    (["--nnodes", "1:2", "--pp", "2"], config.World(2, 2, "torchrun"), (1, 2, 1, {1: 2, 2: 1})),
+])
+def test_elastic_layout_and_accumulation(argv, world, expected):
+    from brigade.elastic import accumulation, first_nodes, reachable
+
+    cfg = parse(*argv, world=world)
+    p = cfg.parallel
+    dps = [dp for _, dp in reachable(p)] if p.min_nodes else [p.dp]
+    assert (p.min_nodes, p.nnodes, p.dp, {dp: accumulation(cfg, dp) for dp in dps}) == expected
+    if p.min_nodes:
+        assert first_nodes(p) == max(p.min_nodes, -(-p.pp // p.nproc))
+        for dp in dps:  # the global batch is kept, and a replica's chunk never grows
+            k, b = accumulation(cfg, dp), cfg.train.batch_size
+            assert b % (dp * k) == 0 and b // (dp * k) <= b // (p.dp * accumulation(cfg, p.dp))

@@ -72,9 +72,10 @@ class Nodes:
         self.procs: dict[int, subprocess.Popen] = {}
 
     def start(self, k: int) -> subprocess.Popen:
-        self.procs[k] = subprocess.Popen([sys.executable, "-m", "brigade", *self.flags, "--node-rank", str(k)],
-                                         env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cmd = [sys.executable, "-m", "brigade", *self.flags, "--node-rank", str(k)]
+        self.procs[k] = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                                         start_new_session=True, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE)
         if k == 0:
             _wait_until_listening(self.port)  # node 0 hosts the rendezvous store
         return self.procs[k]
