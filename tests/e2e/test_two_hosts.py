@@ -191,3 +191,77 @@ def _steps(out: Path) -> dict:
         return losses(out)
     except (OSError, ValueError, KeyError):
         return {}
+
+
+# --- elastic: --nnodes 1:2, dp 2 × pp 2 across the hosts; host 1 lost for good, or back -----------
+
+ELASTIC_RUN = ["--max-steps", "200", "--snapshot-every", "10", "--eval-every", "1000", "--pp", "2",
+               "--microbatches", "2", "--sample-tokens", "0", "--batch-size", "16"]
+
+
+def _elastic_flags(hosts, out: Path) -> list:
+    return ["train", "--out", out, *TINY, *ELASTIC_RUN, "--nproc", "2", "--nnodes", "1:2",
+            "--rdzv-endpoint", _endpoint(hosts), "--max-restarts", "2", "--rdzv-last-call", "3",
+            "--rdzv-timeout", "90"]
+
+
+def _lose_host_1(hosts, out: Path) -> tuple[subprocess.Popen, float]:
+    """dp 2 × pp 2 across both hosts past a snapshot, then host 1 goes down; host 0 resumes alone."""
+    from tests.e2e.test_elastic import _layouts, _steps_after, _wait_for
+
+    node0 = hosts.start(0, *_elastic_flags(hosts, out), "--node-rank", "0")
+    time.sleep(1)
+    hosts.start(1, *_elastic_flags(hosts, out), "--node-rank", "1")
+    _wait_for(out, lambda rows: _layouts(rows) and _layouts(rows)[-1]["n_nodes"] == 2
+              and len(_steps_after(rows, _layouts(rows)[-1])) >= 12, seconds=240)
+    hosts.kill_all(1)  # agent and workers, never to return
+    killed = time.time()
+    rows = _wait_for(out, lambda rows: _layouts(rows)[-1].get("change") == "lost"
+                     and _steps_after(rows, _layouts(rows)[-1]), seconds=240)
+    first = _steps_after(rows, _layouts(rows)[-1])[0]
+    print(f"\nhost lost → next step: {first['time'] - killed:.1f} s")
+    lost = _layouts(rows)[-1]
+    assert (lost["n_nodes"], lost["dp"], lost["pp"], lost["grad_accum"]) == (1, 1, 2, 2)
+    return node0, first["time"] - killed
+
+
+@pytest.fixture(scope="module")
+def elastic_reference(tmp_path_factory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("elastic-hosts") / "one-host"
+    result = train(out, *ELASTIC_RUN, "--nproc", "4", timeout=600)  # dp 2 × pp 2 on this machine
+    assert result.returncode == 0, result.stderr[-2000:]
+    return losses(out)
+
+
+@pytest.mark.timeout(900)
+def test_elastic_host_lost_for_good(hosts, tmp_path, elastic_reference):
+    from tests.e2e.test_elastic import _same_losses
+
+    out = tmp_path / "lost"
+    node0, _ = _lose_host_1(hosts, out)
+    out0, err0 = _finish(node0, 600)
+    assert node0.returncode == 0, err0[-3000:]
+    assert re.search(r"brigade: node 1 lost at step \d+ — continuing on 1 node as dp 1 × pp 2 with gradient "
+                     r"accumulation 2 \(global batch 16 unchanged\) from snapshot step \d+0", out0), out0
+    _same_losses(out, elastic_reference)
+
+
+@pytest.mark.timeout(900)
+def test_elastic_host_returns_and_the_job_grows_back(hosts, tmp_path, elastic_reference):
+    from tests.e2e.test_elastic import _layouts, _same_losses, _steps_after, _wait_for
+
+    out = tmp_path / "grows"
+    node0, _ = _lose_host_1(hosts, out)
+    back = time.time()
+    node1 = hosts.start(1, *_elastic_flags(hosts, out), "--node-rank", "1")  # the same command
+    rows = _wait_for(out, lambda rows: _layouts(rows)[-1].get("change") == "joined"
+                     and _steps_after(rows, _layouts(rows)[-1]), seconds=240)
+    print(f"host back → first step with it: {_steps_after(rows, _layouts(rows)[-1])[0]['time'] - back:.1f} s")
+    joined = _layouts(rows)[-1]
+    assert (joined["n_nodes"], joined["dp"], joined["pp"], joined["grad_accum"]) == (2, 2, 2, 1)
+    out1, err1 = _finish(node1, 600)
+    out0, err0 = _finish(node0, 600)
+    assert node0.returncode == 0, err0[-3000:]
+    assert node1.returncode == 0, err1[-3000:]
+    assert "brigade: node 1 joined at step" in out0 and "continuing on 2 nodes as dp 2 × pp 2" in out0
+    _same_losses(out, elastic_reference)
