@@ -1,4 +1,9 @@
-"""The CLI as a user runs it: output, JSON, exit codes, one-line errors."""
+"""The CLI as a user runs it: output, JSON, exit codes, one-line errors.
+
+Commands that start no worker and print (schedule, refused arguments) run `brigade.cli.main`
+in this process (the `cli` fixture, tests/conftest.py); `check` runs as a real subprocess, and
+one refused argument does too, end to end.
+"""
 
 import json
 import socket
@@ -13,11 +18,11 @@ def brigade(*args, timeout=120):
                           timeout=timeout)
 
 
-def test_schedule_grid_and_json():
-    out = brigade("schedule", "--schedule", "gpipe", "--stages", "2", "--microbatches", "3")
+def test_schedule_grid_and_json(cli):
+    out = cli("schedule", "--schedule", "gpipe", "--stages", "2", "--microbatches", "3")
     assert out.returncode == 0
     assert "rank 1 | .   1F0" in out.stdout and "bubble 0.250" in out.stdout
-    data = json.loads(brigade("schedule", "--stages", "4", "--microbatches", "8", "--json").stdout)
+    data = json.loads(cli("schedule", "--stages", "4", "--microbatches", "8", "--json").stdout)
     assert data["schedule"] == "1f1b" and data["stages"] == 4 and data["microbatches"] == 8
     assert data["bubble_fraction"] == pytest.approx(3 / 11) and data["makespan"] == 22
 
@@ -54,25 +59,32 @@ def test_check_local_runtime_user_factory(tmp_path):
     (["check", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["schedule", "--stages", "-1"], "stages=-1"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, message):
-    out = brigade(*args)
+def test_bad_input_is_one_line_and_exit_2(cli, args, message):
+    _assert_one_line(cli(*args), message)
+
+
+def _assert_one_line(out, message: str) -> None:
     assert out.returncode == 2
     assert message in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "Traceback" not in out.stderr
 
 
-def test_check_port_in_use():
+def test_bad_input_from_the_real_command():
+    _assert_one_line(brigade("check", "--model", "toy", "--stages", "4"), "only 3 blocks")
+
+
+def test_check_port_in_use(cli):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        out = brigade("check", "--model", "toy", "--port", str(port))
+        out = cli("check", "--model", "toy", "--port", str(port))
     assert out.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in out.stderr
     assert "Traceback" not in out.stderr
 
 
-def test_missing_factory_named():
-    out = brigade("check", "--model", "brigade/models/toy.py:nothing")
+def test_missing_factory_named(cli):
+    out = cli("check", "--model", "brigade/models/toy.py:nothing")
     assert out.returncode == 2 and "has no factory 'nothing'" in out.stderr and "mlp, toy" in out.stderr

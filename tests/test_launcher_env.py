@@ -1,6 +1,8 @@
 """The launcher's environment (torchrun's and Slurm's variables) and the devices a layout needs.
 
 Garbage in any launcher variable is one line naming it, a non-zero exit, and nothing written.
+The catalogue runs `brigade train` in this process (the `cli` fixture, tests/conftest.py) with the
+variables set by monkeypatch; one case runs the real command in a subprocess, end to end.
 """
 
 import os
@@ -23,12 +25,24 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
+FLAGS = ["--max-steps", "1", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--context", "16",
+         "--block-size", "16", "--batch-size", "8"]
+
+
 def train(tmp_path, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
+    """The real command, in a subprocess with exactly `env`."""
     out = tmp_path / "out"
-    return subprocess.run([sys.executable, "-m", "brigade", "train", "--out", str(out), "--max-steps", "1",
-                           "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--context", "16",
-                           "--block-size", "16", "--batch-size", "8", *flags],
+    return subprocess.run([sys.executable, "-m", "brigade", "train", "--out", str(out), *FLAGS, *flags],
                           capture_output=True, text=True, timeout=120, env=env)
+
+
+def train_here(cli, monkeypatch, tmp_path, variables: dict[str, str], *flags: str):
+    """The same command in this process, under the launcher variables `variables` and no others."""
+    for name in [*LAUNCHER_VARS, *(k for k in os.environ if k.startswith("SLURM_"))]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    return cli("train", "--out", tmp_path / "out", *FLAGS, *flags)
 
 
 def assert_refused(result: subprocess.CompletedProcess, tmp_path, *words: str) -> None:
@@ -70,9 +84,17 @@ GARBAGE = [
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("variables,named", GARBAGE, ids=[named for _, named in GARBAGE])
-def test_launcher_garbage_is_one_line(tmp_path, variables, named):
+def test_launcher_garbage_is_one_line(cli, monkeypatch, tmp_path, variables, named):
+    result = train_here(cli, monkeypatch, tmp_path, variables)
+    assert_refused(result, tmp_path, "brigade train: error: environment variable", named)
+
+
+@pytest.mark.timeout(150)
+def test_launcher_garbage_is_one_line_from_the_real_command(tmp_path):
+    variables, named = GARBAGE[2]  # RANK='x'
     result = train(tmp_path, clean_env(**variables))
     assert_refused(result, tmp_path, "brigade train: error: environment variable", named)
+    assert result.returncode == 2
 
 
 @pytest.mark.parametrize("variables,named", GARBAGE, ids=[named for _, named in GARBAGE])
@@ -106,13 +128,13 @@ def test_launcher_world_and_slurm_translation():
                               "MASTER_ADDR": "gpu07", "MASTER_PORT": "29734"}
 
 
-def test_a_typed_flag_that_contradicts_the_launcher_is_one_line(tmp_path):
+def test_a_typed_flag_that_contradicts_the_launcher_is_one_line(cli, monkeypatch, tmp_path):
     """Under torchrun's variables the launcher's world decides; a contradicting --nproc is refused."""
-    env = clean_env(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4")
-    result = train(tmp_path, env, "--nproc", "2", "--pp", "2")
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}
+    result = train_here(cli, monkeypatch, tmp_path, env, "--nproc", "2", "--pp", "2")
     assert_refused(result, tmp_path, "--nproc 2 but torchrun started 4 processes on this node")
     assert result.returncode == 2
-    result = train(tmp_path, env, "--dp", "1", "--pp", "2")
+    result = train_here(cli, monkeypatch, tmp_path, env, "--dp", "1", "--pp", "2")
     assert_refused(result, tmp_path, "--dp 1 × --pp 2 = 2 but the world size is 4 (set by torchrun)")
 
 
@@ -121,8 +143,8 @@ def test_a_typed_flag_that_contradicts_the_launcher_is_one_line(tmp_path):
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has GPUs: nccl is not refused")
 @pytest.mark.parametrize("flags", [["--backend", "nccl"], ["--local-stages", "2", "--backend", "nccl"]])
-def test_nccl_without_gpus_is_refused_before_any_process(tmp_path, flags):
-    result = train(tmp_path, clean_env(), *flags)
+def test_nccl_without_gpus_is_refused_before_any_process(cli, monkeypatch, tmp_path, flags):
+    result = train_here(cli, monkeypatch, tmp_path, {}, *flags)
     assert_refused(result, tmp_path, "backend nccl needs CUDA GPUs and none is visible: use --backend gloo")
     assert result.returncode == 2 and "brigade: training" not in result.stdout
 

@@ -1,5 +1,7 @@
 """Running brigade as a user does: a subprocess, its output, its exit code."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -19,8 +21,20 @@ def train(out, *args, timeout=240, env=None):
     return brigade("train", "--out", out, *TINY, *args, timeout=timeout, env=env)
 
 
+def inspect(out) -> dict:
+    """`brigade inspect OUT --json`, in this process: reading a result needs no process start
+    (`brigade inspect` itself runs as a user runs it in test_readme and test_bad_input)."""
+    from brigade.cli import main
+
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        code = main(["inspect", str(out), "--json"])
+    assert code == 0, errors.getvalue()
+    return json.loads(printed.getvalue())
+
+
 def final_hash(out) -> str:
-    return json.loads(brigade("inspect", out, "--json").stdout)["params_sha256"]
+    return inspect(out)["params_sha256"]
 
 
 def losses(out) -> dict[int, float]:

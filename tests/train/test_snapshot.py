@@ -1,7 +1,8 @@
 """The snapshot format: its typed manifest, what `verify` refuses, and what a user then sees.
 
-Pure tests build a snapshot folder by hand; the CLI tests damage a real one from a tiny run and
-check `brigade inspect` (one line, non-zero exit, nothing touched) and a resumed run's fallback.
+Pure tests build a snapshot folder by hand; the CLI tests damage a copy of a real one from a tiny
+run (`tiny_run`, tests/conftest.py, trained once per session) and check `brigade inspect`, run in
+this process (one line, non-zero exit, nothing touched), and a resumed run's fallback.
 """
 
 import hashlib
@@ -24,7 +25,7 @@ from brigade.train.snapshot import (
     set_rng_state,
     verify,
 )
-from tests.e2e.helpers import brigade, train
+from tests.e2e.helpers import inspect, train
 
 
 def _sha(data: bytes) -> str:
@@ -152,12 +153,9 @@ def test_rng_state_without_gpus_round_trips():
 
 # --- as a user sees it: `brigade inspect` and a resumed run ------------------------------------
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("good")
-    result = train(out, "--max-steps", "6", "--snapshot-every", "3", "--sample-tokens", "0")
-    assert result.returncode == 0, result.stderr
-    return out
+@pytest.fixture
+def run(tiny_run):
+    return tiny_run
 
 
 def _damage(snap: Path, case: str) -> str:
@@ -195,19 +193,19 @@ def _files(root: Path) -> dict:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", CASES)
-def test_inspect_a_damaged_snapshot(run, tmp_path, case):
+def test_inspect_a_damaged_snapshot(run, cli, tmp_path, case):
     out = tmp_path / "run"
     shutil.copytree(run, out)
     snap = out / "snapshots" / "step_00000006"
     message = _damage(snap, case)
     before = _files(out)
-    result = brigade("inspect", snap)
+    result = cli("inspect", snap)
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert "Traceback" not in result.stdout + result.stderr and result.stdout == ""
     # the run folder falls back to the previous good snapshot, with a warning
-    result = brigade("inspect", out, "--json")
+    result = cli("inspect", out, "--json")
     assert result.returncode == 0 and json.loads(result.stdout)["step"] == 3, result.stderr
     assert "skipping snapshot step_00000006" in result.stderr
     assert _files(out) == before, "inspect must not touch a snapshot"
@@ -224,4 +222,4 @@ def test_a_run_resumes_from_the_snapshot_before_a_damaged_one(run, tmp_path, cas
     assert "warning: skipping snapshot step_00000006" in result.stdout + result.stderr
     assert "resuming from snapshot step 3" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
-    assert json.loads(brigade("inspect", out, "--json").stdout)["step"] == 9
+    assert inspect(out)["step"] == 9

@@ -1,0 +1,66 @@
+"""Shared fixtures: `brigade` in this process for cases that start no worker, and one tiny trained run.
+
+A `python -m brigade ...` subprocess costs seconds of torch import; a case refused before any
+worker starts (configuration, preflight, launcher variables, a damaged snapshot) checks the same
+things in this process: the exit code, exactly one stderr line, no exception escaping `main`
+(which is what prints a traceback), nothing written. A few cases in each catalogue still run as
+a real subprocess, so the real command is proven end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import train
+
+
+class NoWorkers(AssertionError):
+    """Raised if an in-process case reached the point of starting worker processes."""
+
+
+def _refuse_to_launch(*_args, **_kwargs):
+    raise NoWorkers("this case must be refused before any worker starts, but brigade launched workers")
+
+
+@pytest.fixture
+def cli(capfd, monkeypatch):
+    """`cli(*args)` runs `brigade ARGS` in this process; returns a CompletedProcess (code, stdout, stderr).
+
+    The elastic agent is replaced by a function that fails the test: these cases must be refused
+    before any worker starts. An exception other than BrigadeError escapes (and fails the test),
+    as it would print a traceback from the real command. The environment is restored after.
+    """
+    import torch.distributed.launcher.api as launcher_api
+
+    from brigade.cli import main
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", _refuse_to_launch)
+    saved = dict(os.environ)
+
+    def run(*args) -> subprocess.CompletedProcess:
+        argv = [str(a) for a in args]
+        capfd.readouterr()  # only this command's output
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["brigade", *argv], code, out, err)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """A finished 6-step run with snapshots at steps 3 and 6 (read-only: copy it before damaging)."""
+    out = tmp_path_factory.mktemp("tiny-run")
+    result = train(out, "--max-steps", "6", "--snapshot-every", "3", "--sample-tokens", "0")
+    assert result.returncode == 0, result.stderr
+    return out
