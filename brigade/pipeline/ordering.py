@@ -19,15 +19,19 @@ runs them. The NCCL policy is therefore checked, not assumed.
              one group each side,         each head waits for a send that is
              all four ops match           queued behind the other's receive
 
-Under "grouped" every rank runs a step in one of two modes, the same on every
-rank (the first stage decides and broadcasts it, see `P2PTransport`):
+Under "grouped" a step is "predicted" (payloads only, sizes from the previous
+step) or "discovery" (headers first), the same on every rank (the first stage
+broadcasts it). Discovery cannot send a batch's headers, then its payloads:
 
-    predicted   [0SEND_F1 0RECV_B0]                     payloads only, sizes known
-    discovery   [0SEND_F1' 0RECV_B0'] ─wait─► [0SEND_F1 0RECV_B0]
-                 headers (dtype, shape)   host reads them, then the payloads
+    GPipe, 1 mb  rank 0 [0SEND_F0' 0RECV_B0'] [0SEND_F0 0RECV_B0]   0RECV_B0' needs
+                 rank 1 [1RECV_F0'] [1RECV_F0] [1SEND_B0'] ...      0SEND_F0: deadlock
 
-`issued(plan, policy, mode)` lays both out as groups and `simulate_nccl` runs
-them; a discovery payload group is issued only once its header group completed.
+so `discovery_batches` cuts each batch by the round its ops complete in the
+predicted run (ops of one round never wait for one another) and each part goes
+[headers] ─host reads them─► [payloads]. `issued(plan, policy, mode)` lays out
+both modes and `simulate_nccl` runs them, issuing a receive's payload only once
+its header arrived. A real rank issues a group later than modelled only while
+all its earlier groups are done, so the modelled run stays possible.
 
 No torch import: this module is pure, like `schedule`.
 """
@@ -220,11 +224,8 @@ def rounds(plan: Plan, policy: str) -> dict[Action, int]:
 def discovery_batches(plan: Plan, rank: int, policy: str = GROUPED) -> list[Issue]:
     """`rank`'s batches in discovery mode: `posting`'s, each cut by completion round.
 
-    Why cut: a batch's receives may depend on its own send (GPipe: [0SEND_F0 0RECV_B0]);
-    waiting for all its headers before sending its payload would deadlock. Ops that
-    complete in the same round of the predicted run do not depend on one another, so
-    their headers can be exchanged, read, and their payloads sent, round after round.
-    Needs the whole plan: rounds depend on every rank's order.
+    A batch's receives may need its own send (see the module docstring); ops of one
+    round of the predicted run do not. Needs the whole plan: rounds depend on every rank.
     """
     done = rounds(plan, policy)
     return [Issue(issue.after, ops) for issue in posting(plan[rank], policy) for ops in _cut(issue.ops, done)]

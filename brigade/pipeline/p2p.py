@@ -50,6 +50,7 @@ from brigade.pipeline.ordering import (
     POLICY_ENV,
     PREDICTED,
     STATIC,
+    Issue,
     discovery_batches,
     mode_for,
     peer_of,
@@ -87,6 +88,7 @@ class P2PTransport:
         self.shapes = shapes
         self.stage = peers.index(dist.get_rank())
         self.plans = list(plans)
+        self._cuts: dict[int, list[Issue]] = {}  # plan index -> its discovery batches
         self.mode = PREDICTED  # this step's mode (grouped policy)
         self._last_key = None  # first stage: previous step's (plan, input shapes)
         self._flag = torch.zeros(1, dtype=torch.int64, device=device)
@@ -108,8 +110,7 @@ class P2PTransport:
         self._comms = [a for a in actions if a.op in COMM_OPS]
         if self.policy == GROUPED:
             self.mode = self._agree_mode(actions, inputs)
-            batches = posting(actions, GROUPED) if self.mode == PREDICTED else \
-                discovery_batches(self._whole(actions), self.stage)
+            batches = posting(actions, GROUPED) if self.mode == PREDICTED else self._discovery(actions)
         else:
             batches = posting(actions, self.policy)
         self._issues = {}
@@ -131,10 +132,12 @@ class P2PTransport:
             return mode
         return PREDICTED if self._flag.item() else DISCOVERY  # the step's one host sync
 
-    def _whole(self, actions: list[Action]) -> Plan:
-        for plan in self.plans:
+    def _discovery(self, actions: list[Action]) -> list[Issue]:
+        for k, plan in enumerate(self.plans):
             if plan.get(self.stage) == actions:
-                return plan
+                if k not in self._cuts:  # simulates the whole plan: once per plan
+                    self._cuts[k] = discovery_batches(plan, self.stage)
+                return self._cuts[k]
         raise RunError(f"stage {self.stage}: discovering shapes needs the whole plan; pass it in "
                        "P2PTransport(plans=...) (Pipeline does)")
 
