@@ -106,6 +106,35 @@ def _pipelined(cfg, spec, stages, x, y, rank, schedule, m, trace=False):
     return timing, extra, traced
 
 
+def _single(cfg, spec, x, y, rank):
+    """The whole model on rank 0's device, whole batch; its timing, known to every rank."""
+    single = None
+    if rank == 0:
+        full = nn.Sequential(*copy.deepcopy(spec.blocks))
+
+        def single_step():
+            spec.loss_fn(full(x), y).backward()
+            full.zero_grad(set_to_none=True)
+
+        single = measure(single_step, cfg.repeats, cfg.warmup, device=x.device)
+    dist.barrier()
+    timing = [single]
+    dist.broadcast_object_list(timing, src=0)
+    return timing[0]
+
+
+def _ddp(cfg, spec, x, y, rank, n):
+    """DDP over the n processes, each on its device with 1/n of the batch."""
+    wrapped = ddp(nn.Sequential(*copy.deepcopy(spec.blocks)), x.device)
+    xs, ys = x.chunk(n)[rank], y.chunk(n)[rank]
+
+    def ddp_step():
+        spec.loss_fn(wrapped(xs), ys).backward()
+        wrapped.zero_grad(set_to_none=True)
+
+    return measure(ddp_step, cfg.repeats, cfg.warmup, device=x.device, distributed=True)
+
+
 def worker(cfg: BenchConfig) -> dict:
     info = bdist.init(cfg.backend, threads=1)
     rank, n, device = info.rank, info.world_size, info.device
@@ -117,20 +146,7 @@ def worker(cfg: BenchConfig) -> dict:
     agreed = [balance]
     dist.broadcast_object_list(agreed, src=0)
     balance = agreed[0]
-    rows: list[dict] = []
-    single = None
-    if rank == 0:
-        full = nn.Sequential(*copy.deepcopy(spec.blocks))
-
-        def single_step():
-            spec.loss_fn(full(x), y).backward()
-            full.zero_grad(set_to_none=True)
-
-        single = measure(single_step, cfg.repeats, cfg.warmup, device=device)
-    dist.barrier()
-    timing_single = [single]
-    dist.broadcast_object_list(timing_single, src=0)
-    rows.append(_row("single", None, 1, cfg.batch_size, timing_single[0], stages=1))
+    rows = [_row("single", None, 1, cfg.batch_size, _single(cfg, spec, x, y, rank), stages=1)]
     timing, extra, _ = _pipelined(cfg, spec, split(copy.deepcopy(spec.blocks), balance), x, y, rank,
                                   "gpipe", 1)
     rows.append(_row("model parallel", "gpipe", 1, cfg.batch_size, timing, balance=balance, **extra))
@@ -150,15 +166,7 @@ def worker(cfg: BenchConfig) -> dict:
                             distributed=True)
                 rows.append(_row("torch.distributed.pipelining", schedule, m, cfg.batch_size, t,
                                  balance=balance, torch_pipelining=True, ideal_s=extra["ideal_s"]))
-    wrapped = ddp(nn.Sequential(*copy.deepcopy(spec.blocks)), device)
-    xs, ys = x.chunk(n)[rank], y.chunk(n)[rank]
-
-    def ddp_step():
-        spec.loss_fn(wrapped(xs), ys).backward()
-        wrapped.zero_grad(set_to_none=True)
-
-    rows.append(_row("ddp", None, 1, cfg.batch_size, measure(ddp_step, cfg.repeats, cfg.warmup,
-                                                             device=device, distributed=True), stages=1))
+    rows.append(_row("ddp", None, 1, cfg.batch_size, _ddp(cfg, spec, x, y, rank, n), stages=1))
     bdist.destroy()
     return {"rows": rows, "trace": best_trace, "balance": balance,
             "memory_method": rows[1]["memory_method"]}
