@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from brigade import forensics
+from brigade.elastic import rendezvous_failed
 from brigade.errors import BrigadeError, RunError
 from brigade.launchenv import launcher_env, slurm_env
 from brigade.net import (
@@ -172,12 +173,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
     `local_addr`, by default the address that routes to node 0, and pins gloo (and NCCL's
     bootstrap) to that address's interface unless the environment already names one, so a
     hostname that resolves to loopback or to nothing does not matter. `fn` must be importable.
-
-    Elastic (`min_nodes` < `nnodes`): the agent trains on whichever of min_nodes..nnodes nodes
-    are present. A lost node fails the others' workers; the agent restarts them (one of
-    `max_restarts`) once the rendezvous has min_nodes again, waiting `last_call` seconds for
-    more, up to `rdzv_timeout`. A node that arrives while training runs makes every agent stop
-    its workers (SIGTERM: step, snapshot, leave) and meet again with it (no restart counted).
+    `min_nodes` > 0: elastic, on min_nodes..nnodes nodes (`brigade.elastic.rendezvous_failed`).
 
     Raises:
         BrigadeError: the port is taken. RunError: a worker failed (its message, one line), or
@@ -192,14 +188,11 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         raise BrigadeError(f"nproc={nproc}: need at least 1 process")
     if nnodes > 1:
         host, port = rdzv_endpoint.rsplit(":", 1)[0].strip("[]"), int(rdzv_endpoint.rsplit(":", 1)[1])
-        if node_rank == 0:
-            check_port(port, host="0.0.0.0")
-        else:
-            check_reachable(host, port)
+        check_port(port, host="0.0.0.0") if node_rank == 0 else check_reachable(host, port)
         me = node_address(host, port, local_addr)
         local_addr, ifname = me.addr, me.ifname
         endpoint, rdzv = f"{host}:{port}", {"timeout": rdzv_timeout, "is_host": node_rank == 0}
-        if 0 < min_nodes < nnodes:  # a node silent for 3 heartbeats of 2 s is dropped, not 3 × 5 s
+        if min_nodes:  # a node silent for 3 heartbeats of 2 s is dropped, not 3 × 5 s
             rdzv.update(join_timeout=rdzv_timeout, last_call_timeout=last_call, keep_alive_interval=2)
     else:
         # The rendezvous store, served from a loopback socket; torch's c10d backend finds it by
@@ -215,8 +208,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
            # to loopback on one node; and with it, a node that rejoins after a crash waits forever
            # for a MASTER_ADDR published only in its first round (pytorch/pytorch#135712).
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "BRIGADE_AGENT_STORE": endpoint,  # for the hang watchdogs (forensics.py)
-           "BRIGADE_NODE": str(node_rank)}  # names the node in an elastic run's layout records
+           "BRIGADE_AGENT_STORE": endpoint}  # for the hang watchdogs (forensics.py)
     if ifname:  # gloo (and NCCL's bootstrap) on the interface the peers reach
         env.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
     if quiet:  # the caller may have its own handlers on these loggers (see train/events.py)
@@ -235,10 +227,8 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
     except ChildFailedError as exc:
         raise RunError(_first_failure(exc)) from None
     except RendezvousError as exc:
-        if 0 < min_nodes < nnodes:
-            raise RunError(f"fewer than {min_nodes} nodes met at the rendezvous {endpoint} within "
-                           f"--rdzv-timeout {rdzv_timeout} s ({type(exc).__name__}): start more nodes "
-                           "with the same command, then run it again here to resume") from None
+        if min_nodes:
+            raise RunError(rendezvous_failed(min_nodes, endpoint, rdzv_timeout, exc)) from None
         raise RunError(f"the nodes could not meet at the rendezvous {endpoint} ({type(exc).__name__}): "
                        "start every node with the same --nnodes and --rdzv-endpoint, and run "
                        "`brigade doctor` on each to see what blocks them") from None
@@ -350,9 +340,7 @@ def _logs_specs(log_dir: str | None):
 def _first_failure(exc) -> str:
     """One line from a ChildFailedError: which rank, and its exception message."""
     rank, failure = min(exc.failures.items(), key=lambda kv: kv[1].timestamp or 0)
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
     text = str(message).strip()
     last = text.splitlines()[-1] if text else ""
     errors = "BrigadeError|SnapshotError|RunError|PlanError|StageAborted|HangError"

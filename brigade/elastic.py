@@ -4,6 +4,12 @@ The pipeline depth pp is fixed; dp = world ÷ pp follows the nodes present. The 
 is fixed too: --grad-accum is the accumulation at the largest world (MAX nodes) and grows as
 nodes are lost, so a replica's chunk never grows and the optimizer sees the same batches.
 `config.resolve_layout` calls these; no torch import.
+
+Under brigade's launcher (`dist.launch` with min_nodes > 0) a lost node fails the others'
+workers; their agents restart them (one of --max-restarts) once MIN nodes meet again, waiting
+--rdzv-last-call seconds for more and --rdzv-timeout at most. A node that arrives makes the
+agents stop their workers (SIGTERM: finish the step, snapshot, leave) and meet again with it;
+torch's agent counts no restart for that.
 """
 
 from __future__ import annotations
@@ -125,3 +131,10 @@ def accumulation(cfg: RunConfig, dp: int) -> int:
     need = math.lcm(*(d * -(-k * dp_max // d) for _, d in reachable(p)))
     raise BrigadeError(f"--batch-size {b} cannot be kept on {dp * p.pp // p.nproc} node(s): it does not "
                        f"split over dp {dp} × at least {least} accumulation steps; use a multiple of {need}")
+
+
+def rendezvous_failed(min_nodes: int, endpoint: str, timeout: int, exc: Exception) -> str:
+    """The one line for an elastic run whose nodes did not meet in time (too few for MIN or pp)."""
+    return (f"fewer than {min_nodes} nodes met at the rendezvous {endpoint} within --rdzv-timeout "
+            f"{timeout} s ({type(exc).__name__}): start more nodes with the same command, then run "
+            "it again here to resume")

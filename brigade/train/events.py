@@ -119,6 +119,7 @@ def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
         lg.propagate = False
     try:
         p = cfg.parallel
+        os.environ.setdefault("BRIGADE_NODE", str(p.node_rank))  # for `node_name`, in every worker
         return bdist.launch(fn, p.nproc, cfg, *args, max_restarts=p.max_restarts, port=port,
                             log_dir=str(logs), threads_per_proc=p.threads, quiet=False,
                             nnodes=p.nnodes, node_rank=p.node_rank, rdzv_endpoint=p.rdzv_endpoint,

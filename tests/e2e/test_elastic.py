@@ -165,3 +165,25 @@ def test_a_node_that_returns_is_grown_back_to(tmp_path, reference):
             f"with gradient accumulation 1 (global batch 16 unchanged) from snapshot step "
             f"{joined['step']}") in said
     _same_losses(out, reference)
+
+
+def test_fewer_processes_than_stages_waits_then_stops(tmp_path):
+    """--pp 2 with one process per node: one node alone cannot hold the pipeline. After node 1 is
+    lost, node 0 waits for a second node up to --rdzv-timeout, then stops with one line."""
+    out = tmp_path / "waits"
+    nodes = Nodes(out)
+    nodes.flags = [*nodes.flags, "--pp", "2", "--microbatches", "2", "--rdzv-timeout", "20"]
+    try:
+        nodes.start(0)
+        nodes.start(1)
+        _wait_for(out, lambda rows: len([r for r in rows if "loss" in r]) >= 12)
+        killed = nodes.kill(1)
+        said, err = nodes.procs[0].communicate(timeout=300)
+        waited = time.time() - killed
+    finally:
+        nodes.close()
+    assert nodes.procs[0].returncode == 1, said[-2000:] + err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("brigade train: error:")]
+    assert len(lines) == 1 and "fewer than 2 nodes met at the rendezvous" in lines[0], err[-2000:]
+    assert "within --rdzv-timeout 20 s" in lines[0] and "Traceback" not in err
+    assert 20 <= waited < 120, waited
