@@ -297,7 +297,7 @@ def test_too_many_processes_warns(tmp_path):
 
 
 # Property: whatever the TOML file or the command line, the answer is success or a clean error.
-_FIELDS = [(s, f.name) for s, cls in config._section_classes().items()
+_FIELDS = [(s, f.name) for s, cls in config.section_classes().items()
            for f in __import__("dataclasses").fields(cls)]
 _values = st.one_of(st.integers(-5, 300), st.floats(-2, 2, allow_nan=False), st.text(max_size=8),
                     st.booleans())

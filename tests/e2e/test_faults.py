@@ -1,4 +1,8 @@
-"""Kill any process at any moment: the run finishes as if nothing had happened, bit for bit."""
+"""Kill any process at any moment: the run finishes as if nothing had happened, bit for bit.
+
+Results are read in this process (`inspect`, `final_hash`: no process start); a case refused
+before any worker starts runs `brigade` in this process too (the `cli` fixture, tests/conftest.py).
+"""
 
 import json
 import os
@@ -13,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import TINY, brigade, final_hash, losses, train
+from tests.e2e.helpers import TINY, final_hash, inspect, losses, train
 
 pytestmark = pytest.mark.timeout(300)
 RUN = ["--max-steps", "12", "--snapshot-every", "5", "--dropout", "0.1", "--sample-tokens", "0"]
@@ -142,30 +146,10 @@ def test_sigkill_from_outside(long_reference, tmp_path):
     assert final_hash(out) == final_hash(long_reference)
 
 
-def test_sigterm_snapshots_and_exits_0_then_resumes(long_reference, tmp_path):
-    out = tmp_path / "preempted"
-    proc = _start(out)
-    _wait_for_step(out, 30, proc)
-    start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr
-    assert "stopped by SIGTERM" in stdout
-    assert time.monotonic() - start < 15
-    step = json.loads(brigade("inspect", out, "--json").stdout)["step"]
-    assert 30 <= step < 150 and step == max(losses(out))  # the step in flight finished and was kept
-    assert train(out, *LONG).returncode == 0
-    assert final_hash(out) == final_hash(long_reference)
-
-
-# A scheduler sends SIGTERM and kills 30 s later (Slurm's KillWait, Kubernetes' grace period).
-@pytest.mark.parametrize("layout", [[], ["--pp", "2"], ["--nproc", "4", "--pp", "2"],
-                                    ["--local-stages", "2"]],
-                         ids=["dp2", "pp2", "dp2xpp2", "dp2xlocal2"])
-def test_sigterm_exits_well_within_a_schedulers_grace(tmp_path, layout):
-    out = tmp_path / "preempted"
-    proc = _start(out, *layout)
-    _wait_for_step(out, 3, proc, limit=180)
+def _sigterm(out: Path, proc, step: int) -> tuple[str, int]:
+    """SIGTERM once the run reaches `step`: exit 0 well within a scheduler's grace, the step in
+    flight finished and kept in a complete snapshot. Returns stdout and the snapshot's step."""
+    _wait_for_step(out, step, proc, limit=180)
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
@@ -173,10 +157,33 @@ def test_sigterm_exits_well_within_a_schedulers_grace(tmp_path, layout):
     assert proc.returncode == 0, stderr
     assert elapsed < 15, f"{elapsed:.1f} s from SIGTERM to exit"
     assert "forcefully exiting" not in (out / "logs" / "agent.log").read_text()
-    step = max(losses(out))
-    assert f"stopped by SIGTERM; newest snapshot: step {step}." in stdout
-    inspected = json.loads(brigade("inspect", out, "--json").stdout)
-    assert inspected["step"] == step and inspected["checksums"] == "ok"
+    kept = max(losses(out))
+    assert kept >= step
+    assert f"stopped by SIGTERM; newest snapshot: step {kept}." in stdout
+    inspected = inspect(out)
+    assert inspected["step"] == kept and inspected["checksums"] == "ok"
+    return stdout, kept
+
+
+# The dp2 case of the grace test below: then resumed to the end, bit for bit.
+def test_sigterm_snapshots_and_exits_0_then_resumes(long_reference, tmp_path):
+    out = tmp_path / "preempted"
+    _, step = _sigterm(out, _start(out), 30)
+    assert 30 <= step < 150  # the step in flight finished and was kept
+    resumed = train(out, *LONG)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from snapshot step {step}" in resumed.stdout
+    assert max(losses(out)) == 150
+    assert final_hash(out) == final_hash(long_reference)
+
+
+# A scheduler sends SIGTERM and kills 30 s later (Slurm's KillWait, Kubernetes' grace period).
+# dp2 is test_sigterm_snapshots_and_exits_0_then_resumes, which resumes to the end.
+@pytest.mark.parametrize("layout", [["--pp", "2"], ["--nproc", "4", "--pp", "2"], ["--local-stages", "2"]],
+                         ids=["pp2", "dp2xpp2", "dp2xlocal2"])
+def test_sigterm_exits_well_within_a_schedulers_grace(tmp_path, layout):
+    out = tmp_path / "preempted"
+    _, step = _sigterm(out, _start(out, *layout), 3)
     resumed = train(out, *LONG[2:], "--max-steps", str(step + 2), *layout)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from snapshot step {step}" in resumed.stdout
@@ -215,7 +222,7 @@ def test_a_nan_loss_stops_the_run_at_that_step(tmp_path, layout, rank):
     assert max(losses(out)) == 9  # step 10 was never taken, nor logged
     snaps = out / "snapshots"
     assert sorted(p.name for p in snaps.iterdir()) == ["LATEST", "step_00000005"]
-    inspected = json.loads(brigade("inspect", out, "--json").stdout)
+    inspected = inspect(out)
     assert inspected["step"] == 5 and inspected["checksums"] == "ok"
     assert _all_finite(snaps / "step_00000005", tmp_path)
 
@@ -245,7 +252,7 @@ def test_resume_under_another_layout(tmp_path):
     assert train(whole, *base, "--pp", "2").returncode == 0
     out = tmp_path / "moved"
     assert train(out, *base, "--pp", "2", "--inject-fault", "kill:rank=1:step=8").returncode == 1
-    assert json.loads(brigade("inspect", out, "--json").stdout)["layout"]["pp"] == 2
+    assert inspect(out)["layout"]["pp"] == 2
     result = train(out, *base, "--pp", "1")  # now dp = 2
     assert result.returncode == 0, result.stderr
     assert "resuming from snapshot step 6" in result.stdout
@@ -253,8 +260,7 @@ def test_resume_under_another_layout(tmp_path):
     assert sorted(got) == list(range(1, 13))
     for step in range(7, 13):
         assert got[step] == pytest.approx(want[step], abs=1e-5)
-    assert json.loads(brigade("inspect", out, "--json").stdout)["layout"] == {"dp": 2, "pp": 1,
-                                                                               "local_stages": 1}
+    assert inspect(out)["layout"] == {"dp": 2, "pp": 1, "local_stages": 1}
 
 
 class _Evil:
@@ -262,7 +268,7 @@ class _Evil:
         return (os.system, ("touch PWNED",))
 
 
-def test_a_pickle_with_code_is_never_executed(reference, tmp_path):
+def test_a_pickle_with_code_is_never_executed(reference, cli, tmp_path, monkeypatch):
     out = tmp_path / "evil"
     shutil.copytree(reference, out)
     snap = out / "snapshots" / "step_00000012"
@@ -272,18 +278,20 @@ def test_a_pickle_with_code_is_never_executed(reference, tmp_path):
 
     manifest["files"][".metadata"] = sha256_file(snap / ".metadata")  # a consistent forgery
     (snap / "manifest.json").write_text(json.dumps(manifest))
-    gen = brigade("generate", "--from", out, "--tokens", "5", cwd=tmp_path)
+    with monkeypatch.context() as here:
+        here.chdir(tmp_path)  # where os.system would touch PWNED
+        gen = cli("generate", "--from", out, "--tokens", "5")
     assert gen.returncode == 2 and "refusing to load it" in gen.stderr
     resume = train(out, *RUN)
     assert resume.returncode != 0 and "refusing to load it" in resume.stderr
     assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
 
 
-def test_refuses_a_snapshot_of_another_model(reference, tmp_path):
+def test_refuses_a_snapshot_of_another_model(reference, cli, tmp_path):
     out = tmp_path / "other"
     shutil.copytree(reference, out)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    result = train(out, *RUN, "--n-embd", "64")
+    result = cli("train", "--out", out, *TINY, *RUN, "--n-embd", "64")
     assert result.returncode == 2
     assert "is of another model (differs in model.n_embd)" in result.stderr
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing touched

@@ -1,4 +1,9 @@
-"""`brigade train` end to end: what a user runs and what they get."""
+"""`brigade train` end to end: what a user runs and what they get.
+
+Training runs as a user starts it; reading its results (inspect, generate, plot) runs `brigade`
+in this process (the `cli` fixture, tests/conftest.py), since test_readme runs those commands
+as a user does.
+"""
 
 import json
 import os
@@ -9,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import TINY, brigade, final_hash, losses, train
+from tests.e2e.helpers import TINY, brigade, final_hash, inspect, losses, train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,26 +53,26 @@ def test_config_file_reproduces_the_run(run_dir, tmp_path):
     assert final_hash(tmp_path / "again") == final_hash(out)  # deterministic for a seed
 
 
-def test_generate_plot_inspect(run_dir):
+def test_generate_plot_inspect(run_dir, cli):
     out, _ = run_dir
-    gen = brigade("generate", "--from", out, "--prompt", "def ", "--tokens", "30")
+    gen = cli("generate", "--from", out, "--prompt", "def ", "--tokens", "30")
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("def ") and len(gen.stdout.rstrip("\n")) == 34
     (out / "loss.png").unlink()
-    plot = brigade("plot", out)
+    plot = cli("plot", out)
     assert plot.returncode == 0 and (out / "loss.png").is_file()
-    info = json.loads(brigade("inspect", out, "--json").stdout)
+    info = inspect(out)
     assert info["step"] == 20 and info["layout"] == {"dp": 2, "pp": 1, "local_stages": 1}
     assert len(info["params_sha256"]) == 64 and info["checksums"] == "ok"
 
 
-def test_plot_of_an_unfinished_run(tmp_path):
+def test_plot_of_an_unfinished_run(tmp_path, cli):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0, "lr": 0.1}\n{"step": 2, "lo')
-    assert brigade("plot", tmp_path).returncode == 0 and (tmp_path / "loss.png").is_file()
+    assert cli("plot", tmp_path).returncode == 0 and (tmp_path / "loss.png").is_file()
 
 
 def _layout(out) -> dict:
-    return json.loads(brigade("inspect", out, "--json").stdout)["layout"]
+    return inspect(out)["layout"]
 
 
 def test_runs_under_torchrun(tmp_path):
