@@ -1,0 +1,28 @@
+"""Typed run configuration: one dataclass per component, composed into `RunConfig`.
+
+    sections.py   the dataclasses, and the part a snapshot must match (`config_hash`)
+    sources.py    defaults ← TOML file ← flags (`build`), and TOML out (`to_toml`)
+    checks.py     `validate`: values in range, no model, data or world needed
+    resolve.py    `World` and `resolve_layout`: dp from the world, derived once
+"""
+
+from brigade.config.checks import parse_endpoint, validate
+from brigade.config.resolve import World, resolve_layout
+from brigade.config.sections import (
+    SECTIONS,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    config_hash,
+    config_subset,
+    field_types,
+    section_classes,
+)
+from brigade.config.sources import add_flags, build, load_toml, to_toml
+
+__all__ = ["SECTIONS", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",
+           "TrainConfig", "World", "add_flags", "build", "config_hash", "config_subset", "field_types",
+           "load_toml", "parse_endpoint", "resolve_layout", "section_classes", "to_toml", "validate"]

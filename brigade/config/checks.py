@@ -1,0 +1,65 @@
+"""Checks of a run configuration that need no model, data, processes or world."""
+
+from __future__ import annotations
+
+from brigade.config.sections import RunConfig
+from brigade.errors import BrigadeError
+
+
+def _positive(name: str, value: float, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise BrigadeError(f"--{name.replace('_', '-')} {value}: must be {'≥ 0' if zero_ok else '≥ 1'}")
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``"10.0.0.1:29500"`` → ("10.0.0.1", 29500).
+
+    Raises:
+        BrigadeError: not HOST:PORT.
+    """
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BrigadeError(f"--rdzv-endpoint {text!r}: expected HOST:PORT of node 0, like 10.0.0.1:29500")
+    return host.strip("[]"), int(port)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no model, data, processes or world (see `resolve_layout`); changes nothing.
+
+    Raises:
+        BrigadeError: naming the value, what was expected, and how to fix it.
+    """
+    m, d, p, o, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.train
+    for name in ("n_layer", "n_head", "n_embd", "context"):
+        _positive(name, getattr(m, name))
+    for name in ("nproc", "pp", "local_stages", "microbatches", "threads", "grad_accum", "hang_timeout"):
+        _positive(name, getattr(p, name) if hasattr(p, name) else getattr(o, name))
+    for name in ("max_steps", "batch_size", "eval_every", "eval_batches", "keep"):
+        _positive(name, getattr(t, name))
+    _positive("block_size", d.block_size)
+    for name, value in (("dp", p.dp), ("max_restarts", p.max_restarts), ("lr", o.lr),
+                        ("warmup_steps", o.warmup_steps), ("grad_clip", o.grad_clip),
+                        ("snapshot_every", t.snapshot_every), ("sample_tokens", t.sample_tokens)):
+        _positive(name, value, zero_ok=True)
+    if not 0 <= m.dropout < 1:
+        raise BrigadeError(f"--dropout {m.dropout}: must be in [0, 1)")
+    if not 0 < d.val_fraction < 1:
+        raise BrigadeError(f"--val-fraction {d.val_fraction}: must be between 0 and 1")
+    if d.block_size > m.context:
+        raise BrigadeError(
+            f"--block-size {d.block_size} is larger than the model's context {m.context}: "
+            f"use --block-size ≤ {m.context} or raise --context"
+        )
+    if m.n_embd % m.n_head:
+        raise BrigadeError(f"--n-embd {m.n_embd} is not a multiple of --n-head {m.n_head}")
+    from brigade.pipeline import schedule  # the registry owns the names
+    schedule.check(p.schedule)
+    from brigade.train.precision import autocast_dtype  # owns the names; raises on an unknown one
+    autocast_dtype(t.precision, t.bf16, "cpu")
+    _positive("nnodes", p.nnodes)
+    if not 0 <= p.node_rank < p.nnodes:
+        raise BrigadeError(f"--node-rank {p.node_rank}: must be between 0 and --nnodes - 1 ({p.nnodes - 1})")
+    if p.nnodes > 1 and (p.rdzv_endpoint or not p.min_nodes):  # elastic under torchrun: none needed
+        parse_endpoint(p.rdzv_endpoint)
+    if p.pp > 1 and p.local_stages > 1:
+        raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")

@@ -1,0 +1,91 @@
+"""The layout, derived once: data-parallel replicas from the world a launcher (or brigade) starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from brigade import elastic
+from brigade.config.sections import ParallelConfig, RunConfig
+from brigade.errors import BrigadeError
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes of a run as a launcher started them.
+
+    size: processes in all; local: on this node (None: the launcher does not say);
+    launcher: who started them, for messages ("torchrun", "Slurm").
+    """
+
+    size: int
+    local: int | None = None
+    launcher: str = "the launcher"
+
+
+def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection[str] = ()) -> RunConfig:
+    """The one place the layout is derived: dp = world ÷ pp when --dp is 0. Pure.
+
+    Local stages live inside one process, so they do not divide the world. Under a launcher
+    the world is the launcher's; `--nproc` and `--nnodes` then only need to agree with it if
+    the user gave them (`given`: field names typed or in the TOML file). An elastic range
+    is checked at every node count it can reach (`elastic.check_range`).
+
+    Returns:
+        a copy of `cfg` with `dp` set and, under a launcher, `nproc` / `nnodes` the launcher's.
+
+    Raises:
+        BrigadeError: the world is not divisible by --pp, dp × pp ≠ world, a given --nproc or
+            --nnodes that the launcher contradicts, or a batch that does not split over dp.
+    """
+    p = cfg.parallel
+    nproc, nnodes, size = p.nproc, p.nnodes, p.nproc * p.nnodes
+    where = f"--nproc {p.nproc} × --nnodes {p.nnodes}"
+    if world is not None:
+        (nproc, nnodes), size = _launcher_nodes(p, world, given), world.size
+        where = f"set by {world.launcher}"
+    dp = p.dp
+    if dp == 0:
+        if size % p.pp:
+            raise BrigadeError(f"world size {size} ({where}) is not divisible by --pp {p.pp}: make it a "
+                               "multiple of the pipeline stages")
+        dp = size // p.pp
+    if dp * p.pp != size:
+        fix = "" if world is None else f", or leave --dp out to derive it ({size} ÷ --pp)"
+        raise BrigadeError(f"--dp {dp} × --pp {p.pp} = {dp * p.pp} but the world size is {size} ({where}): "
+                           f"the world size must equal dp × pp{fix}")
+    out = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp, nproc=nproc, nnodes=nnodes))
+    if p.min_nodes:
+        elastic.check_range(out.parallel, given, world is not None, lambda n, d: _check_batch(out, d, n))
+    _check_batch(out, dp)
+    return out
+
+
+def _launcher_nodes(p: ParallelConfig, world: World, given: Collection[str]) -> tuple[int, int]:
+    """(processes on this node, nodes) as the launcher started them; a given flag must agree."""
+    local = world.local or world.size
+    if "nproc" in given and p.nproc != local:
+        raise BrigadeError(f"--nproc {p.nproc} but {world.launcher} started {local} processes on this node: "
+                           f"leave --nproc out under {world.launcher}, or have it start {p.nproc} per node")
+    if p.min_nodes:  # elastic: nodes stays MAX, the launcher's count must lie in the range
+        return elastic.launcher_nodes(p, world)
+    nnodes = world.size // local if world.size % local == 0 else p.nnodes
+    if "nnodes" in given and p.nnodes != nnodes:
+        raise BrigadeError(f"--nnodes {p.nnodes} but {world.launcher} started {world.size} processes, "
+                           f"{local} per node: leave --nnodes out under {world.launcher}")
+    return local, nnodes
+
+
+def _check_batch(cfg: RunConfig, dp: int, nodes: int = 0) -> None:
+    """The global batch must split evenly over replicas and accumulation, then micro-batches."""
+    p, t, k = cfg.parallel, cfg.train, elastic.accumulation(cfg, dp)
+    if t.batch_size % (dp * k):
+        raise BrigadeError(f"--batch-size {t.batch_size} does not split evenly over dp {dp} × grad-accum "
+                           f"{k}: use a multiple of {dp * k}")
+    per_replica, where = t.batch_size // (dp * k), f" on {nodes} node(s)" if nodes else ""
+    if p.pp * p.local_stages > 1 and p.microbatches > per_replica:
+        raise BrigadeError(f"--microbatches {p.microbatches} is larger than each replica's batch "
+                           f"({per_replica}{where}): use at most {per_replica} or a larger --batch-size")
+
+
