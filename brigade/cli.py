@@ -116,7 +116,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from brigade import config
     from brigade.dist import Stopped
     from brigade.launchenv import launcher_world
-    from brigade.train.events import snapshot_step
+    from brigade.snapshot.format import latest_step
     from brigade.train.faults import parse_fault
     from brigade.train.run import run
 
@@ -127,7 +127,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         run(cfg, fault, port=args.port)
     except Stopped as stop:
-        step = snapshot_step(Path(cfg.train.out))
+        step = latest_step(cfg.train.out)
         print(f"brigade: stopped by {stop.signame}; newest snapshot: step {step}. "
               f"Run the same command to resume.", flush=True)
         return 0 if stop.signame == "SIGTERM" else 130
@@ -174,10 +174,10 @@ def _add_inspect(sub) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from brigade.train.snapshot import resolve
+    from brigade.snapshot.format import resolve
 
     found = resolve(args.path)
-    m = found.meta
+    m = found.manifest
     info = {"path": str(found.path), "step": m.step, "layout": m.layout,
             "params_sha256": m.params_sha256, "config_hash": m.config_hash,
             "model": m.model, "files": len(m.files), "checksums": "ok"}

@@ -143,3 +143,14 @@ def launcher_world(env: Mapping[str, str] | None = None) -> World | None:
     """
     found = launcher_env(env)
     return None if found is None else World(found.world_size, found.local_world_size, found.launcher)
+
+
+def under_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """True inside a worker started by torchrun / an elastic agent, or one of several srun tasks.
+
+    Raises:
+        BrigadeError: a launcher variable (RANK, WORLD_SIZE, SLURM_*, ...) that is not an integer
+            or out of range.
+    """
+    env = os.environ if env is None else env
+    return launcher_world(env) is not None or "TORCHELASTIC_RUN_ID" in env

@@ -41,7 +41,7 @@ def flops_per_token(n_params: int, n_layer: int, context: int, n_embd: int) -> f
 def measure(steps: int) -> dict:
     """Train the main job's model on cuda:0 for `steps` steps; returns the figures."""
     from brigade.config import RunConfig
-    from brigade.train.run import build
+    from brigade.train.data import build
     from brigade.train.trainer import Trainer
 
     cfg = RunConfig()

@@ -7,7 +7,7 @@ GPT 4 × 128, context 128, global batch 32, dp = 2 on 2 processes of one thread)
 of its loop counts — the stop-flag all-reduce, metrics, the hang watchdog, callbacks, DDP's
 comm hook. Its step time is the gap between consecutive step records in metrics.jsonl.
 The raw side is what one writes by hand from the DDP tutorial, on the same blocks
-(`brigade.train.run.build`), data, AdamW and clipping, timed at the same point of each step.
+(`brigade.train.data.build`), data, AdamW and clipping, timed at the same point of each step.
 Rounds alternate between the two so that drift in the machine's speed falls on both alike;
 the first `--warmup` steps of every round are left out. Both loops run on the backend and
 device brigade train picks (the raw loop's model, batches and DDP on `DistInfo.device`).
@@ -29,11 +29,10 @@ import torch.distributed as dist
 
 from brigade import dist as bdist
 from brigade.bench.place import ddp
-from brigade.config import RunConfig
+from brigade.config import RunConfig, to_toml
 from brigade.errors import BrigadeError, RunError
-from brigade.train.data import Sampler
+from brigade.train.data import Sampler, build
 from brigade.train.metrics import loop_seconds, read_records
-from brigade.train.run import build, to_toml
 
 
 def raw_worker(cfg: RunConfig) -> list[float]:

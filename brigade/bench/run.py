@@ -88,8 +88,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_tune(args: argparse.Namespace) -> int:
     from brigade.bench.tune import worker as tune_worker
-    from brigade.train.run import to_toml
-    from brigade.train.snapshot import write_atomic
+    from brigade.config import to_toml
+    from brigade.fsutil import write_atomic
 
     cfg = bench_config(args)
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.models.resnet import resnet50
 from brigade.models.toy import mlp, toy
 from brigade.pipeline.partition import check_chain
+
+if TYPE_CHECKING:
+    from brigade.config import ModelConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 BUILTIN = ("gpt", "resnet50", "toy", "mlp")
@@ -94,6 +98,26 @@ def load_model(name: str, seed: int = 0, **options) -> ModelSpec:
             f"unknown model {name!r}: expected one of {', '.join(BUILTIN)} or path/to/file.py:factory"
         )
     return _from_file(name)
+
+
+def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None) -> ModelSpec:
+    """The model a run's configuration names: the one builder for training and its checks.
+
+    Args:
+        m: the run's model section.
+        seed: draws the initial weights.
+        vocab_size: a GPT's vocabulary (the text's characters); required for "gpt", unused otherwise.
+
+    Raises:
+        BrigadeError: as `load_model`.
+        ValueError: a GPT without `vocab_size`.
+    """
+    if m.model != "gpt":
+        return load_model(m.model, seed=seed)
+    if vocab_size is None:
+        raise ValueError("a GPT needs the vocabulary size of its text")
+    gpt_cfg = GPTConfig(vocab_size, m.context, m.n_layer, m.n_head, m.n_embd, m.dropout)
+    return load_model("gpt", seed=seed, gpt_cfg=gpt_cfg)
 
 
 def _import_file(path: Path):

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from brigade.errors import BrigadeError
+from brigade.models import ModelSpec, from_config
+
+if TYPE_CHECKING:
+    from brigade.config import RunConfig
 
 
 def default_corpus() -> str:
@@ -147,3 +152,35 @@ class Sampler:
         """This data-parallel rank's contiguous slice of a global batch."""
         per = len(indices) // world
         return indices[rank * per : (rank + 1) * per]
+
+
+class SyntheticData:
+    """Random (input, target) pairs from a model's own batch maker, the same for the same index:
+    the data of models that come without a dataset (toy, mlp, resnet50, a user's file)."""
+
+    def __init__(self, spec: ModelSpec, n: int = 100_000):
+        self.spec, self.n = spec, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(int(indices.sum()) * 7919 + len(indices))
+        return self.spec.make_batch(len(indices), g)
+
+
+def build(cfg: RunConfig) -> tuple[list, object, object, object, Vocab | None]:
+    """Blocks, loss, train and validation data, and vocabulary (GPT; else None) for a run.
+
+    The model comes from the registry (`models.from_config`), a GPT sized to the text's real
+    vocabulary; models without a dataset train on `SyntheticData`.
+
+    Raises:
+        BrigadeError: unreadable data, or a model the registry cannot build.
+    """
+    if cfg.model.model == "gpt":
+        vocab, train, val = load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
+        spec = from_config(cfg.model, cfg.train.seed, vocab_size=len(vocab))
+        return spec.blocks, spec.loss_fn, train, val, vocab
+    spec = from_config(cfg.model, cfg.train.seed)
+    return spec.blocks, spec.loss_fn, SyntheticData(spec), SyntheticData(spec, 4096), None

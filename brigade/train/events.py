@@ -16,7 +16,6 @@ of the world is one line on the nodes that were there, and a `layout` record in 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -29,34 +28,12 @@ import torch.distributed as dist
 from brigade import dist as bdist
 from brigade import forensics
 from brigade.config import RunConfig, World, resolve_layout
-from brigade.elastic import accumulation, first_nodes
-from brigade.train.metrics import read_records
-from brigade.train.snapshot import POINTER
+from brigade.elastic import accumulation
+from brigade.snapshot.format import latest_step
+from brigade.train import metrics
 
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 _RESTART = re.compile(r"(\d+)/(\d+) attempts left")
-
-
-def _last_step(out: Path) -> int:
-    path = out / "metrics.jsonl"
-    last = 0
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if "loss" in r:
-                last = r["step"]
-    return last
-
-
-def snapshot_step(out: Path) -> int | None:
-    pointer = out / "snapshots" / POINTER
-    if not pointer.is_file():
-        return None
-    m = re.search(r"(\d+)", pointer.read_text())
-    return int(m[1]) if m else None
 
 
 def describe_exit(code: int) -> str:
@@ -84,8 +61,8 @@ class EventLines(logging.Handler):
         elif (m := _RESTART.search(msg)) and "will restart" in msg:
             left, total = int(m[1]), int(m[2])
             attempt = total - left + 1
-            step = _last_step(self.out) + 1
-            snap = snapshot_step(self.out)
+            step = metrics.last_step(self.out) + 1
+            snap = latest_step(self.out)
             who = ", ".join(f"rank {r} died ({describe_exit(c)})" for r, c in self.failed) or \
                 "a worker stopped"
             if any(c == forensics.EXIT_CODE for _, c in self.failed):
@@ -120,11 +97,8 @@ def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
     try:
         p = cfg.parallel
         os.environ.setdefault("BRIGADE_NODE", str(p.node_rank))  # for `node_name`, in every worker
-        return bdist.launch(fn, p.nproc, cfg, *args, max_restarts=p.max_restarts, port=port,
-                            log_dir=str(logs), threads_per_proc=p.threads, quiet=False,
-                            nnodes=p.nnodes, node_rank=p.node_rank, rdzv_endpoint=p.rdzv_endpoint,
-                            local_addr=p.local_addr, rdzv_timeout=p.rdzv_timeout,
-                            min_nodes=first_nodes(p) if p.min_nodes else 0, last_call=p.rdzv_last_call)
+        spec = bdist.LaunchSpec.from_parallel(p, port=port, log_dir=str(logs), quiet=False)
+        return bdist.launch(fn, spec, cfg, *args)
     finally:
         for lg, level, propagate, handlers in saved:
             lg.setLevel(level)
@@ -170,9 +144,9 @@ def layout_record(cfg: RunConfig, resumed: int) -> tuple[dict | None, str | None
               "pp": p.pp, "grad_accum": accumulation(cfg, p.dp), "batch_size": cfg.train.batch_size}
     said = [record, None, []]
     if dist.get_rank() == 0 and (out / "metrics.jsonl").is_file():
-        records = read_records(out)
-        before = [r for r in records if r.get("event") == "layout"]
-        last = max([r["step"] for r in records if "loss" in r], default=0)
+        records = metrics.read_records(out)
+        before = metrics.events(records, "layout")
+        last = max([r["step"] for r in metrics.training(records)], default=0)
         if before and (before[-1]["n_nodes"], before[-1]["nodes"]) != (record["n_nodes"], nodes):
             said = _change(record, before[-1], last, resumed)
     dist.broadcast_object_list(said, src=0)

@@ -23,7 +23,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from brigade.errors import BrigadeError
-from brigade.train.snapshot import write_atomic
+from brigade.fsutil import write_atomic
 
 FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
 import sys
@@ -20,70 +18,22 @@ import torch.distributed as dist
 
 from brigade import dist as bdist
 from brigade import forensics
-from brigade.config import RunConfig, resolve_layout
+from brigade.config import RunConfig, resolve_layout, to_toml
 from brigade.errors import BrigadeError, RunError
-from brigade.launchenv import launcher_world
-from brigade.models import load_model
-from brigade.models.gpt import GPTConfig, gpt, gpt_loss
+from brigade.fsutil import write_atomic
+from brigade.launchenv import launcher_world, under_launcher
 from brigade.pipeline.partition import check_chain, choose_balance, parse_balance
-from brigade.train import checkpoint
-from brigade.train.data import Vocab, load_text_data
+from brigade.snapshot import collective
+from brigade.snapshot.compat import check_compatible, run_facts
+from brigade.snapshot.format import SnapshotError, find_latest, read_manifest
+from brigade.snapshot.rng import torch_rng_fingerprint
+from brigade.train import metrics
+from brigade.train.data import Vocab, build
 from brigade.train.events import launch_with_events, layout_record, this_round
 from brigade.train.faults import Fault, FaultInjector
-from brigade.train.snapshot import SnapshotError, find_latest, write_atomic
 from brigade.train.trainer import NonFiniteError, Trainer
 
 _IMPORTED = time.perf_counter()
-
-# What a snapshot must agree on to be resumed; the layout and run length may change.
-_HASHED = {"model": None, "data": None, "optim": None, "train": ("batch_size", "seed")}
-
-
-def config_subset(cfg: RunConfig) -> dict:
-    d = cfg.to_dict()
-    return {s: {k: v for k, v in d[s].items() if keys is None or k in keys} for s, keys in _HASHED.items()}
-
-
-def config_hash(cfg: RunConfig) -> str:
-    return hashlib.sha256(json.dumps(config_subset(cfg), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def to_toml(cfg: RunConfig) -> str:
-    lines = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
-            lines.append(f"{key} = {text}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-class SyntheticData:
-    """Random (input, target) pairs from a model's own batch maker, the same for the same index."""
-
-    def __init__(self, spec, n: int = 100_000):
-        self.spec, self.n = spec, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def batch(self, indices: torch.Tensor):
-        g = torch.Generator().manual_seed(int(indices.sum()) * 7919 + len(indices))
-        return self.spec.make_batch(len(indices), g)
-
-
-def build(cfg: RunConfig) -> tuple[list, object, object, object, Vocab | None]:
-    """Blocks, loss, train and validation data, vocabulary (GPT) for a configuration."""
-    m = cfg.model
-    if m.model == "gpt":
-        vocab, train, val = load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
-        torch.manual_seed(cfg.train.seed)
-        blocks = gpt(GPTConfig(len(vocab), m.context, m.n_layer, m.n_head, m.n_embd, m.dropout))
-        return blocks, gpt_loss, train, val, vocab
-    spec = load_model(m.model, seed=cfg.train.seed)
-    return spec.blocks, spec.loss_fn, SyntheticData(spec), SyntheticData(spec, 4096), None
-
 
 def check_out(out: str) -> None:
     """--out must be a folder we can write; nothing in it is touched here."""
@@ -106,17 +56,15 @@ def preflight(cfg: RunConfig) -> None:
     Raises:
         BrigadeError: naming what is wrong; nothing has been written.
     """
+    if cfg.train.tensorboard:
+        metrics.require_tensorboard()
     p, (_, device) = cfg.parallel, bdist.pick_backend(cfg.parallel.backend)  # nccl, no GPU: refused
     if device == "cuda" and (gpus := torch.cuda.device_count()) < (need := p.nproc * p.local_stages):
         raise BrigadeError(f"--nproc {p.nproc} × --local-stages {p.local_stages} on {p.backend} needs {need} "
                            f"GPUs on this node but {gpus} are visible: use fewer, or --backend gloo")
-    if cfg.model.model == "gpt":
-        load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
-        blocks = build_blocks_only(cfg)
-    else:
-        spec = load_model(cfg.model.model, seed=cfg.train.seed)
-        check_chain(spec.blocks, spec.make_batch(2, torch.Generator().manual_seed(0))[0])
-        blocks = spec.blocks
+    blocks, _, train, _, _ = build(cfg)  # the model the workers build: data read, vocabulary real
+    if cfg.model.model != "gpt":  # a user's blocks may not fit each other: say so before any launch
+        check_chain(blocks, train.batch(torch.arange(2))[0])
     choose_balance(blocks, p.pp * p.local_stages, balance=parse_balance(p.balance) if p.balance else None)
     if p.nnodes > 1:
         from brigade.config import parse_endpoint
@@ -131,33 +79,13 @@ def preflight(cfg: RunConfig) -> None:
         check_compatible(found.manifest, cfg)
 
 
-def build_blocks_only(cfg: RunConfig) -> list:
-    m = cfg.model
-    if m.model == "gpt":
-        return gpt(GPTConfig(8, m.context, m.n_layer, m.n_head, m.n_embd, m.dropout))
-    return load_model(m.model, seed=cfg.train.seed).blocks
-
-
-def check_compatible(manifest: dict, cfg: RunConfig) -> None:
-    """Refuse a snapshot of another model or training configuration (the layout may differ).
+def resume(trainer: Trainer, cfg: RunConfig) -> int:
+    """Collective: load the newest good snapshot in --out into `trainer`, if any (model, optimizer,
+    RNG, data cursor, fp16's loss scale); returns its step (0 if none).
 
     Raises:
-        SnapshotError: naming what differs.
+        SnapshotError: ranks see different snapshots, or it is of another configuration.
     """
-    if manifest.get("config_hash") == config_hash(cfg):
-        return
-    saved = manifest.get("config", {})
-    now = config_subset(cfg)
-    changed = [f"{s}.{k}" for s in now for k in now[s] if saved.get(s, {}).get(k) != now[s][k]]
-    what = "another model" if any(c.startswith("model.") for c in changed) else "another configuration"
-    raise SnapshotError(
-        f"the snapshot in {cfg.train.out} is of {what} (differs in {', '.join(changed) or 'hash'}): "
-        "use a new --out, or the settings it was trained with"
-    )
-
-
-def _resume(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None) -> int:
-    """Load the newest good snapshot in --out, if any; returns its step (0 if none)."""
     path = [None]
     if dist.get_rank() == 0:
         found = find_latest(cfg.train.out, warn=lambda m: print(f"brigade: warning: {m}", flush=True))
@@ -170,18 +98,10 @@ def _resume(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None) -> int:
         raise SnapshotError(f"rank {dist.get_rank()} sees other snapshots than rank 0 in "
                             f"{cfg.train.out}: the folder must be shared by every node")
     check_compatible(found.manifest, cfg)
-    checkpoint.load(found, trainer.model, trainer.optimizer)
-    trainer.state.step = found.manifest["step"]
-    trainer.sampler.cursor = trainer.state.cursor = found.manifest["cursor"]
-    return found.manifest["step"]
-
-
-def _snapshot_meta(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None) -> dict:
-    p = cfg.parallel
-    return {"cursor": trainer.sampler.cursor, "epoch": trainer.sampler.epoch,
-            "layout": {"dp": p.dp, "pp": p.pp, "local_stages": p.local_stages},
-            "config_hash": config_hash(cfg), "config": config_subset(cfg),
-            "model": cfg.model.model, "vocab": vocab.chars if vocab else None}
+    manifest = collective.load(found, trainer.model, trainer.optimizer, loss_scaler=trainer.scaler)
+    trainer.state.step = manifest.step
+    trainer.sampler.cursor = trainer.state.cursor = manifest.cursor
+    return manifest.step
 
 
 def _seconds_since_process_start() -> float:
@@ -195,7 +115,7 @@ def _seconds_since_process_start() -> float:
 
 
 def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
-    """One process of a training run (under brigade's launcher, torchrun, or srun)."""
+    """One process of a training run (under brigade's launcher, torchrun, or srun); its summary."""
     info = bdist.init(cfg.parallel.backend, cfg.parallel.threads,
                       forensics.group_timeout(cfg.parallel.hang_timeout), cfg.parallel.local_stages)
     cfg = this_round(cfg)  # elastic: dp from the world this round of the rendezvous formed
@@ -205,23 +125,57 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     injector = FaultInjector(fault, info.rank)
     bdist.watch_signals()  # SIGTERM: finish this step, snapshot, leave
     injector.should_stop = bdist.stop_requested
-    resumed = _resume(trainer, cfg, vocab)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    layout, change = layout_record(cfg, resumed)  # reads metrics.jsonl before the trim
+    resumed = resume(trainer, cfg)
+    layout = _announce(cfg, info, resumed)
+    snap = _snapshotter(trainer, cfg, vocab, injector)
+    trainer.before_step.append(injector.before_step)
+    trainer.callbacks.append(_after_step(cfg, info, resumed, snap))
+    injector.attach(trainer.model)
+    with trainer.metrics:
+        if layout:
+            trainer.metrics.write(layout)
+        history = _fit(trainer, cfg)
+        final = find_latest(cfg.train.out, warn=lambda m: None).path if trainer.stop_requested else snap()
+    summary = {"rank": info.rank, "step": trainer.state.step, "snapshot": str(final),
+               "preempted": trainer.stop_requested,
+               "params_sha256": read_manifest(final).params_sha256,
+               "rng": {"torch": torch_rng_fingerprint(), "python": random.random()},
+               "val_loss": next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)}
+    trainer.close()
+    bdist.destroy()
+    return summary
+
+
+def _announce(cfg: RunConfig, info, resumed: int) -> dict | None:
+    """An elastic run's layout record; the resume and layout-change lines; metrics of the attempt
+    that died dropped (after `layout_record` read them)."""
+    layout, change = layout_record(cfg, resumed)
     if resumed and info.rank == 0:
-        _trim_metrics(Path(cfg.train.out), resumed)
+        metrics.trim(cfg.train.out, resumed)
         print(f"brigade: resuming from snapshot step {resumed}", flush=True)
     if change and info.local_rank == 0:
         print(change, flush=True)
+    return layout
 
+
+def _snapshotter(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None, injector: FaultInjector):
+    """A function that writes the trainer's snapshot now (collective) and logs its time."""
     def snap() -> Path:
         start = time.perf_counter()
-        path = checkpoint.save(cfg.train.out, trainer.state.step, trainer.model, trainer.optimizer,
-                               _snapshot_meta(trainer, cfg, vocab), keep=cfg.train.keep,
+        facts = run_facts(cfg, trainer.sampler.cursor, trainer.sampler.epoch, vocab.chars if vocab else None)
+        path = collective.save(cfg.train.out, trainer.state.step, trainer.model, trainer.optimizer, facts,
+                               keep=cfg.train.keep, loss_scaler=trainer.scaler,
                                before_commit=lambda: injector.during_snapshot(trainer.state.step))
         trainer.metrics.write({"step": trainer.state.step, "event": "snapshot",
                                "seconds": time.perf_counter() - start})
         return path
+
+    return snap
+
+
+def _after_step(cfg: RunConfig, info, resumed: int, snap):
+    """The trainer's callback: first-step timing, the agreed stop flag (SIGTERM), periodic snapshots."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def after_step(tr: Trainer, record: dict) -> None:
         if "loss" not in record:
@@ -240,22 +194,7 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
         elif every and record["step"] % every == 0 and record["step"] < cfg.train.max_steps:
             snap()
 
-    trainer.before_step.append(injector.before_step)
-    trainer.callbacks.append(after_step)
-    injector.attach(trainer.model)
-    with trainer.metrics:
-        if layout:
-            trainer.metrics.write(layout)
-        history = _fit(trainer, cfg)
-        final = find_latest(cfg.train.out, warn=lambda m: None).path if trainer.stop_requested else snap()
-    summary = {"rank": info.rank, "step": trainer.state.step, "snapshot": str(final),
-               "preempted": trainer.stop_requested,
-               "params_sha256": json.loads((final / "manifest.json").read_text())["params_sha256"],
-               "rng": {"torch": checkpoint.torch_rng_fingerprint(), "python": random.random()},
-               "val_loss": next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)}
-    trainer.close()
-    bdist.destroy()
-    return summary
+    return after_step
 
 
 def _fit(trainer: Trainer, cfg: RunConfig) -> list[dict]:
@@ -265,35 +204,10 @@ def _fit(trainer: Trainer, cfg: RunConfig) -> list[dict]:
         return trainer.fit()
     except NonFiniteError as exc:
         found = find_latest(cfg.train.out, warn=lambda m: None)
-        where = (f"the newest good snapshot is step {found.manifest['step']} in {found.path.parent}"
+        where = (f"the newest good snapshot is step {found.manifest.step} in {found.path.parent}"
                  if found else f"there is no snapshot in {cfg.train.out} yet")
         raise RunError(f"the {exc.what} is {exc.value} at step {exc.step}; {where}: lower --lr (now "
                        f"{exc.lr:g}) or --grad-clip, or check the data, then run again") from None
-
-
-def _trim_metrics(out: Path, step: int) -> None:
-    """Drop records past the resumed step: they belong to the attempt that died."""
-    path = out / "metrics.jsonl"
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (ValueError, KeyError):
-            continue
-    write_atomic(path, "".join(line + "\n" for line in keep))
-
-
-def under_launcher() -> bool:
-    """True inside a worker started by torchrun / an elastic agent, or one of several srun tasks.
-
-    Raises:
-        BrigadeError: a launcher variable (RANK, WORLD_SIZE, SLURM_*, ...) that is not an integer
-            or out of range.
-    """
-    return launcher_world() is not None or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> dict[int, dict]:

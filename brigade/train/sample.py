@@ -11,10 +11,10 @@ from torch import nn
 from brigade.config import ModelConfig
 from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt
-from brigade.train.checkpoint import load_model_only
+from brigade.snapshot.collective import load_model_only
+from brigade.snapshot.format import resolve
 from brigade.train.data import Vocab
 from brigade.train.layout import Owned
-from brigade.train.snapshot import resolve
 
 
 @torch.no_grad()
@@ -39,7 +39,7 @@ def sample_from_run(path: str | Path, prompt: str, tokens: int, seed: int = 0,
         BrigadeError: no snapshot, not a GPT run, or characters the run never saw.
     """
     found = resolve(path)
-    manifest = found.meta
+    manifest = found.manifest
     if manifest.model != "gpt" or not manifest.vocab:
         raise BrigadeError(f"{path} is a {manifest.model} run: generate needs a GPT trained on text")
     if tokens < 1:

@@ -274,7 +274,7 @@ def test_a_pickle_with_code_is_never_executed(reference, cli, tmp_path, monkeypa
     snap = out / "snapshots" / "step_00000012"
     (snap / ".metadata").write_bytes(pickle.dumps(_Evil()))
     manifest = json.loads((snap / "manifest.json").read_text())
-    from brigade.train.snapshot import sha256_file
+    from brigade.snapshot.format import sha256_file
 
     manifest["files"][".metadata"] = sha256_file(snap / ".metadata")  # a consistent forgery
     (snap / "manifest.json").write_text(json.dumps(manifest))

@@ -191,3 +191,11 @@ def test_brigade_train_tensorboard_writes_every_metric_at_its_step(tmp_path):
     assert got["event/first_step/attempt"] == [(1, 0.0)]
     assert set(_texts(tmp_path / "tensorboard")) == {"events/snapshot/text_summary",
                                                      "events/first_step/text_summary"}
+
+
+def test_brigade_train_tensorboard_without_the_package_exits_2(cli, tmp_path, no_tensorboard):
+    from tests.e2e.helpers import TINY
+
+    result = cli("train", "--out", tmp_path / "run", *TINY, "--tensorboard")
+    assert (result.returncode, result.stderr) == (2, f"brigade train: error: {MISSING}\n")
+    assert not (tmp_path / "run").exists()

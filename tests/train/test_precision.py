@@ -130,3 +130,57 @@ def test_fp16_stages_skip_the_same_steps_and_keep_the_same_scale():
         assert [(r["skipped"], r["loss_scale"]) for r in h] == \
             [(r["skipped"], r["loss_scale"]) for r in alone], f"rank {rank}"
         assert [r["loss"] for r in h] == pytest.approx([r["loss"] for r in alone], abs=2e-3)
+
+
+def fp16_resumed(out: str, stop_at: int | None) -> dict:
+    """TINY fp16 for STEPS steps from a loss scale that overflows twice, grown every 2 good steps,
+    so the scale at step 3 (2**17, one good step) is not a fresh scaler's (2**16, none). With
+    `stop_at`: snapshot there, then a new trainer resumes from it as `brigade train` does."""
+    from brigade.snapshot import collective
+    from brigade.snapshot.compat import run_facts
+    from brigade.train.data import build
+    from brigade.train.run import resume
+    from tests.e2e.helpers import TINY
+
+    parser = argparse.ArgumentParser()
+    bconfig.add_flags(parser)
+    cfg = bconfig.build(parser.parse_args([*TINY, "--precision", "fp16", "--nproc", "1", "--out", out,
+                                           "--max-steps", str(STEPS)]))
+    bdist.init(threads=1)
+
+    def trainer(scale: float | None) -> Trainer:
+        blocks, loss_fn, train, _, vocab = build(cfg)
+        t = Trainer(blocks, loss_fn, train, None, parallel=cfg.parallel, optim=cfg.optim, train=cfg.train,
+                    metrics=False)
+        t.scaler.growth_interval, t.vocab = 2, vocab
+        if scale is not None:
+            t.scaler.scale = scale
+        return t
+
+    tr = trainer(2.0 ** 19)
+    history = [tr.train_step() for _ in range(stop_at or STEPS)]
+    if stop_at:
+        facts = run_facts(cfg, tr.sampler.cursor, tr.sampler.epoch, tr.vocab.chars)
+        collective.save(out, stop_at, tr.model, tr.optimizer, facts, loss_scaler=tr.scaler)
+        tr.close()
+        tr = trainer(None)
+        assert resume(tr, cfg) == stop_at
+        history += [tr.train_step() for _ in range(STEPS - stop_at)]
+    digest = collective.model_params_sha256(tr.model)
+    tr.close()
+    bdist.destroy()
+    return {"params_sha256": digest, "scales": [(r["skipped"], r["loss_scale"]) for r in history]}
+
+
+@pytest.mark.timeout(240)
+def test_fp16_resume_restores_the_loss_scale_bit_for_bit(tmp_path):
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        whole = pool.apply(fp16_resumed, (str(tmp_path / "whole"), None))
+        resumed = pool.apply(fp16_resumed, (str(tmp_path / "resumed"), 3))
+    # 2**19 and 2**18 overflow; after two good steps at 2**17 the scale grows to 2**18: a resume
+    # that restarted the scaler would take step 4 at 2**16 and grow later
+    assert whole["scales"][:4] == [(True, 2.0 ** 19), (True, 2.0 ** 18), (False, 2.0 ** 17),
+                                   (False, 2.0 ** 17)]
+    assert resumed == whole

@@ -2,8 +2,12 @@
 
 What a snapshot holds: model and optimizer state (DCP, layout-free names), the
 step and the data cursor (from which the epoch follows), the LR schedule (a
-pure function of the step), each rank's RNG states, a hash of the
-configuration, and the run's extra metadata (e.g. the vocabulary).
+pure function of the step), each rank's RNG states, fp16's loss scale, a hash of the
+configuration, and the run's extra metadata (e.g. the vocabulary). The folders and
+the manifest are `format.py`'s.
+
+No pickle from disk is trusted: DCP's metadata goes through an unpickler that only
+admits DCP's own metadata classes, and tensors load with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import warnings
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,26 +31,74 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from brigade import forensics
-from brigade.train.snapshot import (
+from brigade.fsutil import fsync_path, write_atomic
+from brigade.snapshot.format import (
     MANIFEST,
-    POINTER,
-    Found,
     Manifest,
-    SafeReader,
+    Snapshot,
     SnapshotError,
-    fsync_path,
+    folder_name,
     params_sha256,
-    rng_state,
-    set_rng_state,
+    read_pointer,
     sha256_file,
     snapshot_dirs,
     tensor_sha256,
-    write_atomic,
+    write_pointer,
 )
+from brigade.snapshot.rng import rng_state, set_rng_state
 
 # Optimizer state keyed per parameter name ("state.blocks.3.w.exp_avg", "param_groups.blocks.3.w.lr"),
 # not by group index: stages hold different groups, and keys must not collide across ranks.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class LossScale(Protocol):
+    """fp16's loss scaler (`brigade.train.precision.LossScaler`) as a snapshot sees it."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admit only the classes DCP puts in its `.metadata` file."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
+                                                                   (torch.dtype, torch.layout,
+                                                                    torch.memory_format))))
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath"))
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise SnapshotError(f"snapshot metadata refers to {module}.{name}, which a snapshot never "
+                                "contains: the file is not a brigade snapshot; refusing to load it")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, loading `.metadata` through `_MetadataUnpickler`."""
+
+    def read_metadata(self):
+        path = Path(self.path) / ".metadata"
+        with open(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except SnapshotError:
+                raise
+            except Exception as exc:
+                raise SnapshotError(f"{path} is unreadable ({type(exc).__name__}): the snapshot is damaged")\
+                    from None
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 
 
 def _param_hashes(model: nn.Module) -> dict[str, str]:
@@ -62,17 +116,23 @@ def model_params_sha256(model: nn.Module) -> str:
 
 
 def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, keep: int = 2,
-         before_commit=None) -> Path:
+         before_commit=None, loss_scaler: LossScale | None = None) -> Path:
     """Write a snapshot of `step` collectively; returns its folder (on every rank).
 
     Args:
-        meta: JSON-able facts for the manifest (cursor, layout, config hash, vocab...).
+        meta: JSON-able facts for the manifest (`compat.run_facts`: cursor, layout, config hash...).
         keep: complete snapshots to keep; older ones are removed only after this one is in place.
         before_commit: test hook, called on every rank after the data is written, before the rename.
+        loss_scaler: fp16's scaler, whose scale the manifest keeps (the same on every rank).
+
+    Raises:
+        SnapshotError: on every rank, when any rank failed to write; the previous snapshot stays.
     """
     rank = dist.get_rank()
     snaps = Path(out) / "snapshots"
-    name = f"step_{step:08d}"
+    name = folder_name(step)
+    if loss_scaler is not None:
+        meta = {**meta, "loss_scale": loss_scaler.state_dict()}
     tmp = snaps / f".tmp-{name}"
     if rank == 0:
         snaps.mkdir(parents=True, exist_ok=True)
@@ -105,7 +165,7 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
     if _failed(error) or not written:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        kept = (snaps / POINTER).read_text().strip() if (snaps / POINTER).is_file() else "none"
+        kept = read_pointer(snaps) or "none"
         raise SnapshotError(
             f"writing snapshot step {step} in {snaps} failed ({error or 'on another rank'}); "
             f"the previous snapshot ({kept}) is intact: free space or choose another --out"
@@ -153,7 +213,7 @@ def _commit(tmp: Path, final: Path, snaps: Path, step: int, meta: dict, hashes: 
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_path(snaps)
-    write_atomic(snaps / POINTER, final.name)
+    write_pointer(snaps, final.name)
     for old in snapshot_dirs(out)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -183,23 +243,34 @@ def _first_line(exc: BaseException) -> str:
     return (useful or lines or [type(exc).__name__])[-1].strip()[:300]
 
 
-def load(found: Found, model: nn.Module, optimizer) -> dict:
-    """Restore model, optimizer and this rank's RNG from a verified snapshot; returns the manifest."""
+def load(snapshot: Snapshot, model: nn.Module, optimizer,
+         loss_scaler: LossScale | None = None) -> Manifest:
+    """Restore model, optimizer, this rank's RNG and fp16's loss scale from a verified snapshot.
+
+    Args:
+        loss_scaler: fp16's scaler, given the saved scale if the snapshot has one.
+    Returns:
+        the snapshot's manifest.
+    Raises:
+        SnapshotError: DCP cannot load it into this model (one line).
+    """
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
     try:
         with _quiet_dcp():
-            dcp.load(state, storage_reader=SafeReader(found.path))
+            dcp.load(state, storage_reader=SafeReader(snapshot.path))
     except SnapshotError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP's own error is a BaseException
-        raise SnapshotError(f"{found.path}: {_first_line(exc)}") from None
+        raise SnapshotError(f"{snapshot.path}: {_first_line(exc)}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_OPTIONS)
-    rng_file = found.path / f"rng_{dist.get_rank() if dist.is_initialized() else 0}.json"
+    rng_file = snapshot.path / f"rng_{dist.get_rank() if dist.is_initialized() else 0}.json"
     if rng_file.is_file():
         set_rng_state(json.loads(rng_file.read_text()), _devices(model))
-    return found.manifest
+    if loss_scaler is not None and snapshot.manifest.loss_scale is not None:
+        loss_scaler.load_state_dict(snapshot.manifest.loss_scale)
+    return snapshot.manifest
 
 
 def load_model_only(path: Path, model: nn.Module) -> None:
@@ -216,6 +287,3 @@ def load_model_only(path: Path, model: nn.Module) -> None:
             raise SnapshotError(f"{path}: {_first_line(exc)}") from None
     model.load_state_dict(state["model"])
 
-
-def torch_rng_fingerprint() -> str:
-    return tensor_sha256(torch.get_rng_state())

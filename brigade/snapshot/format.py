@@ -1,4 +1,4 @@
-"""Complete, atomic, verified snapshots with torch.distributed.checkpoint.
+"""The snapshot format on disk: folders, the typed manifest, the LATEST pointer, verification.
 
     OUT/snapshots/
       step_00000200/           a complete snapshot
@@ -11,28 +11,23 @@
 Write: DCP into a temporary folder → fsync → checksums and manifest → rename →
 LATEST. A kill at any moment leaves the previous snapshot and pointer intact.
 Read: newest first, checksums verified; a corrupt or incomplete one is skipped
-with a warning. No pickle from disk is trusted: DCP's metadata goes through an
-unpickler that only admits DCP's own metadata classes, and tensors load with
-`weights_only=True`.
+with a warning. Writing and loading across ranks is `collective.py`; whether a snapshot
+fits a configuration is `compat.py`; the RNG states are `rng.py`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import pickle
-import random
 import sys
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from brigade.errors import BrigadeError
+from brigade.fsutil import write_atomic
 
 POINTER = "LATEST"
 MANIFEST = "manifest.json"
@@ -40,43 +35,6 @@ MANIFEST = "manifest.json"
 
 class SnapshotError(BrigadeError):
     """A snapshot that cannot be used: corrupt, incomplete, or from another run."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admit only the classes DCP puts in its `.metadata` file."""
-
-    def find_class(self, module: str, name: str):
-        allowed = (
-            module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                                   (torch.dtype, torch.layout,
-                                                                    torch.memory_format))))
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath"))
-            or (module == "collections" and name == "OrderedDict")
-        )
-        if not allowed:
-            raise SnapshotError(f"snapshot metadata refers to {module}.{name}, which a snapshot never "
-                                "contains: the file is not a brigade snapshot; refusing to load it")
-        return super().find_class(module, name)
-
-
-class SafeReader(dcp.FileSystemReader):
-    def read_metadata(self):
-        path = Path(self.path) / ".metadata"
-        with open(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except SnapshotError:
-                raise
-            except Exception as exc:
-                raise SnapshotError(f"{path} is unreadable ({type(exc).__name__}): the snapshot is damaged")\
-                    from None
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def sha256_file(path: Path) -> str:
@@ -100,75 +58,13 @@ def params_sha256(named: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-def rng_state(devices: Sequence[torch.device] = ()) -> dict:
-    """This process's random-number generator states, as JSON-able lists.
-
-    Args:
-        devices: the GPUs this process computes on (where its model lives), in stage order. Only
-            their generators are saved, not every visible GPU's: a rank owns its devices only,
-            and a node with fewer GPUs can resume.
-    Returns:
-        {"torch", "python", optional "cuda" (one state per device, in order), optional "numpy"}.
-    """
-    state = {"torch": torch.get_rng_state().tolist(), "python": _py_state(random.getstate())}
-    gpus = [d for d in devices if d.type == "cuda"]
-    if gpus:
-        state["cuda"] = [torch.cuda.get_rng_state(d).tolist() for d in gpus]
-    if "numpy" in sys.modules:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]
-    return state
-
-
-def _py_state(s):
-    return [s[0], list(s[1]), s[2]]
-
-
-def set_rng_state(state: dict, devices: Sequence[torch.device] = ()) -> None:
-    """Restore what `rng_state` saved; the k-th saved GPU state goes to the k-th of `devices`.
-
-    Matching by position, not by index, lets a rank resume on other GPU numbers; states or
-    devices without a partner (another layout) are left as they are.
-    """
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    gpus = [d for d in devices if d.type == "cuda"]
-    for saved, device in zip(state.get("cuda", []), gpus):
-        torch.cuda.set_rng_state(torch.tensor(saved, dtype=torch.uint8), device)
-    if "numpy" in state and "numpy" in sys.modules:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-
-
 @dataclass(frozen=True)
 class Manifest:
     """What `manifest.json` holds: the one list of its keys and their types.
 
-    Written by `checkpoint.save` (rank 0, last), read here by `verify`; readers use these
+    Written by `collective.save` (rank 0, last), read here by `verify`; readers use these
     attributes. Keys this version does not know are kept in `extra` (a newer writer's additions).
+    Optional keys (`loss_scale`) may be absent: snapshots written before them still read.
     """
 
     step: int
@@ -182,11 +78,13 @@ class Manifest:
     params_sha256: str
     world_size: int
     files: dict  # file name -> sha256 of every data file in the snapshot
+    loss_scale: dict | None = None  # fp16: {"scale", "good_steps"} of the LossScaler; else absent
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        """The JSON object `from_json` reads back."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        """The JSON object `from_json` reads back (optional keys only when set)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name != "extra" and not (f.name in _OPTIONAL and getattr(self, f.name) is None)}
         return {**self.extra, **d}
 
     @classmethod
@@ -201,11 +99,13 @@ class Manifest:
         known = {f.name: f for f in fields(cls) if f.name != "extra"}
         for name in known:
             if name not in data:
+                if name in _OPTIONAL:
+                    continue
                 raise ValueError(f"has no {name!r} key")
             if not _KEY_TYPES[name](data[name]):
                 raise ValueError(f"has {name!r} = {_short(data[name])}, expected {_KEY_DOCS[name]}")
         extra = {k: v for k, v in data.items() if k not in known}
-        return cls(**{k: data[k] for k in known}, extra=extra)
+        return cls(**{k: data[k] for k in known if k in data}, extra=extra)
 
 
 def _is_count(v: object) -> bool:
@@ -223,6 +123,13 @@ def _is_file_list(v: object) -> bool:
                     and "\\" not in k and _is_digest(d) for k, d in v.items()))
 
 
+def _is_loss_scale(v: object) -> bool:
+    return (v is None or isinstance(v, dict) and set(v) == {"scale", "good_steps"}
+            and isinstance(v["scale"], (int, float)) and not isinstance(v["scale"], bool)
+            and v["scale"] > 0 and _is_count(v["good_steps"]))
+
+
+_OPTIONAL = ("loss_scale",)
 _KEY_TYPES = {
     "step": _is_count, "cursor": _is_count, "epoch": _is_count,
     "layout": lambda v: isinstance(v, dict) and all(_is_count(x) for x in v.values()),
@@ -233,6 +140,7 @@ _KEY_TYPES = {
     "params_sha256": _is_digest,
     "world_size": lambda v: _is_count(v) and v >= 1,
     "files": _is_file_list,
+    "loss_scale": _is_loss_scale,
 }
 _KEY_DOCS = {
     "step": "an integer ≥ 0", "cursor": "an integer ≥ 0", "epoch": "an integer ≥ 0",
@@ -240,6 +148,7 @@ _KEY_DOCS = {
     "config": "an object of objects", "model": "a model name", "vocab": "a string or null",
     "params_sha256": "a sha256 hex digest", "world_size": "an integer ≥ 1",
     "files": "a non-empty object of file name → sha256 hex digest",
+    "loss_scale": "null or an object of scale > 0 and good_steps ≥ 0",
 }
 
 
@@ -248,15 +157,39 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-@dataclass
-class Found:
-    path: Path
-    meta: Manifest
+@dataclass(frozen=True)
+class Snapshot:
+    """A verified snapshot: its folder and its manifest."""
 
-    @property
-    def manifest(self) -> dict:
-        """The manifest as its JSON object (for readers not yet on `meta`'s attributes)."""
-        return self.meta.to_json()
+    path: Path
+    manifest: Manifest
+
+
+def folder_name(step: int) -> str:
+    """The folder of step `step`'s snapshot inside OUT/snapshots: names sort by step."""
+    return f"step_{step:08d}"
+
+
+def read_pointer(snaps: Path) -> str | None:
+    """The folder name LATEST points to in `snaps` (OUT/snapshots), or None without one."""
+    pointer = snaps / POINTER
+    if not pointer.is_file():
+        return None
+    return pointer.read_text().strip() or None
+
+
+def write_pointer(snaps: Path, name: str) -> None:
+    """Point LATEST at the snapshot folder `name`, atomically (after that folder is in place)."""
+    write_atomic(snaps / POINTER, name)
+
+
+def latest_step(out: str | Path) -> int | None:
+    """The step of the snapshot LATEST points to under the run folder `out` (not verified:
+    for messages while a run goes on); None if there is none."""
+    name = read_pointer(Path(out) / "snapshots")
+    if name is None or not name.startswith("step_") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
 
 
 def snapshot_dirs(root: Path) -> list[Path]:
@@ -266,13 +199,28 @@ def snapshot_dirs(root: Path) -> list[Path]:
         return []
     dirs = sorted((d for d in snaps.iterdir() if d.is_dir() and d.name.startswith("step_")),
                   key=lambda d: d.name, reverse=True)
-    pointer = snaps / POINTER
-    if pointer.is_file():
-        first = snaps / pointer.read_text().strip()
-        if first in dirs:
-            dirs.remove(first)
-            dirs.insert(0, first)
+    pointed = read_pointer(snaps)
+    if pointed is not None and snaps / pointed in dirs:
+        dirs.remove(snaps / pointed)
+        dirs.insert(0, snaps / pointed)
     return dirs
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The typed manifest of the snapshot folder `path`, checksums not checked (see `verify`).
+
+    Raises:
+        SnapshotError: missing or malformed manifest.
+    """
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise SnapshotError(f"{path} has no {MANIFEST}: the snapshot is incomplete")
+    try:
+        return Manifest.from_json(json.loads(manifest_path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SnapshotError(f"{manifest_path} is not JSON: the snapshot is damaged") from None
+    except ValueError as exc:  # from_json: names the key
+        raise SnapshotError(f"{manifest_path} {exc}: the snapshot is damaged") from None
 
 
 def verify(path: Path) -> Manifest:
@@ -281,15 +229,7 @@ def verify(path: Path) -> Manifest:
     Raises:
         SnapshotError: missing or malformed manifest, missing or unlisted data file, checksum mismatch.
     """
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise SnapshotError(f"{path} has no {MANIFEST}: the snapshot is incomplete")
-    try:
-        manifest = Manifest.from_json(json.loads(manifest_path.read_text(encoding="utf-8")))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise SnapshotError(f"{manifest_path} is not JSON: the snapshot is damaged") from None
-    except ValueError as exc:  # from_json: names the key
-        raise SnapshotError(f"{manifest_path} {exc}: the snapshot is damaged") from None
+    manifest = read_manifest(path)
     present = {f.name for f in path.iterdir()} - {MANIFEST}
     unlisted = sorted(present - set(manifest.files))
     if unlisted:
@@ -304,18 +244,22 @@ def verify(path: Path) -> Manifest:
     return manifest
 
 
-def find_latest(out: str | Path, warn=warnings.warn) -> Found | None:
-    """The newest verified snapshot under `out`, falling back past damaged ones."""
+def find_latest(out: str | Path, warn=warnings.warn) -> Snapshot | None:
+    """The newest verified snapshot under the run folder `out`, falling back past damaged ones.
+
+    Args:
+        warn: called with one line per snapshot skipped.
+    """
     root = Path(out)
     for path in snapshot_dirs(root):
         try:
-            return Found(path, verify(path))
+            return Snapshot(path, verify(path))
         except SnapshotError as exc:
             warn(f"skipping snapshot {path.name}: {exc}")
     return None
 
 
-def resolve(path: str | Path) -> Found:
+def resolve(path: str | Path) -> Snapshot:
     """A run folder (its newest good snapshot) or a snapshot folder, verified.
 
     Raises:
@@ -325,7 +269,7 @@ def resolve(path: str | Path) -> Found:
     if not p.exists():
         raise BrigadeError(f"{str(p)!r} not found: give a run folder (--out of a run) or a snapshot folder")
     if (p / MANIFEST).exists() or p.name.startswith("step_"):
-        return Found(p, verify(p))
+        return Snapshot(p, verify(p))
     found = find_latest(p, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
     if found is None:
         raise BrigadeError(f"{p} holds no complete snapshot: train with --out {p} first")

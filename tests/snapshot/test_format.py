@@ -15,16 +15,9 @@ import pytest
 import torch
 
 from brigade.errors import BrigadeError
+from brigade.snapshot.format import MANIFEST, Manifest, SnapshotError, find_latest, latest_step, verify
+from brigade.snapshot.rng import rng_state, set_rng_state
 from brigade.train.sample import sample_from_run
-from brigade.train.snapshot import (
-    MANIFEST,
-    Manifest,
-    SnapshotError,
-    find_latest,
-    rng_state,
-    set_rng_state,
-    verify,
-)
 from tests.e2e.helpers import inspect, train
 
 
@@ -86,6 +79,8 @@ MALFORMED = [
     ("files-a-list", {**GOOD, "files": list(DATA)}, "has 'files' = [\".metadata\""),
     ("files-empty", {**GOOD, "files": {}}, "has 'files' = {}, expected a non-empty object"),
     ("file-outside", {**GOOD, "files": {**GOOD["files"], "../x": _sha(b"")}}, "has 'files' = "),
+    ("scale-zero", {**GOOD, "loss_scale": {"scale": 0, "good_steps": 1}}, "has 'loss_scale' = "),
+    ("scale-no-steps", {**GOOD, "loss_scale": {"scale": 2.0}}, "expected null or an object of scale > 0"),
 ]
 
 
@@ -126,12 +121,29 @@ def test_a_checksum_mismatch(tmp_path):
         verify(snap)
 
 
+def test_fp16_loss_scale_is_an_optional_typed_key(tmp_path):
+    scaled = {**GOOD, "loss_scale": {"scale": 131072.0, "good_steps": 1}}
+    m = verify(make_snapshot(tmp_path, scaled))
+    assert m.loss_scale == {"scale": 131072.0, "good_steps": 1} and m.to_json() == scaled
+    assert verify(make_snapshot(tmp_path, name="step_00000003")).loss_scale is None  # older snapshots
+
+
+def test_latest_step_reads_the_pointer_only(tmp_path):
+    assert latest_step(tmp_path) is None
+    make_snapshot(tmp_path)
+    assert latest_step(tmp_path) is None  # no LATEST yet
+    (tmp_path / "snapshots" / "LATEST").write_text("step_00000006\n")
+    assert latest_step(tmp_path) == 6
+    (tmp_path / "snapshots" / "LATEST").write_text("garbage")
+    assert latest_step(tmp_path) is None
+
+
 def test_find_latest_falls_back_past_a_malformed_manifest(tmp_path):
     make_snapshot(tmp_path, name="step_00000003")
     make_snapshot(tmp_path, {**GOOD, "files": {}})
     warnings = []
     found = find_latest(tmp_path, warn=warnings.append)
-    assert found.path.name == "step_00000003" and found.meta.step == 6
+    assert found.path.name == "step_00000003" and found.manifest.step == 6
     assert len(warnings) == 1 and warnings[0].startswith("skipping snapshot step_00000006: ")
 
 

@@ -1,0 +1,43 @@
+"""Whether a snapshot can resume a run: the configuration facts a manifest records, and the check.
+
+A snapshot resumes a run whose model, data, optimizer, batch size and seed are the ones it was
+trained with (`config.config_subset`, hashed by `config.config_hash`); the layout and the run's
+length may change.
+"""
+
+from __future__ import annotations
+
+from brigade.config import RunConfig, config_hash, config_subset
+from brigade.snapshot.format import Manifest, SnapshotError
+
+
+def run_facts(cfg: RunConfig, cursor: int, epoch: int, vocab: str | None) -> dict:
+    """The run's part of a manifest (`collective.save` adds the step, checksums and hashes).
+
+    Args:
+        cursor, epoch: the data sampler's position.
+        vocab: a GPT's characters; None for other models.
+    """
+    p = cfg.parallel
+    return {"cursor": cursor, "epoch": epoch,
+            "layout": {"dp": p.dp, "pp": p.pp, "local_stages": p.local_stages},
+            "config_hash": config_hash(cfg), "config": config_subset(cfg),
+            "model": cfg.model.model, "vocab": vocab}
+
+
+def check_compatible(manifest: Manifest, cfg: RunConfig) -> None:
+    """Refuse a snapshot of another model or training configuration (the layout may differ).
+
+    Raises:
+        SnapshotError: naming what differs.
+    """
+    if manifest.config_hash == config_hash(cfg):
+        return
+    saved = manifest.config
+    now = config_subset(cfg)
+    changed = [f"{s}.{k}" for s in now for k in now[s] if saved.get(s, {}).get(k) != now[s][k]]
+    what = "another model" if any(c.startswith("model.") for c in changed) else "another configuration"
+    raise SnapshotError(
+        f"the snapshot in {cfg.train.out} is of {what} (differs in {', '.join(changed) or 'hash'}): "
+        "use a new --out, or the settings it was trained with"
+    )
