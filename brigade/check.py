@@ -223,5 +223,5 @@ def run_check(cfg: CheckConfig, cases: list[tuple[str, int]] | None = None,
     if cfg.runtime == "local":
         with exact_matmuls():
             return [run_case(cfg, s, m, None).to_dict() for s, m in cases]
-    results = bdist.launch(worker, cfg.stages, cfg, cases, port=port)
+    results = bdist.launch(worker, bdist.LaunchSpec(cfg.stages, port=port), cfg, cases)
     return results[0]

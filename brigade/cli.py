@@ -23,9 +23,16 @@ def _model_arg(p: argparse.ArgumentParser, default: str) -> None:
                    help="gpt, resnet50, toy, mlp, or path/to/file.py:factory (default: %(default)s)")
 
 
+def _schedule_arg(p: argparse.ArgumentParser) -> None:
+    from brigade.pipeline import schedule
+
+    p.add_argument("--schedule", default=schedule.DEFAULT,
+                   help=f"{schedule.help_text()} (default: %(default)s)")
+
+
 def _add_schedule(sub) -> None:
     p = sub.add_parser("schedule", help="print a pipeline schedule's grid and bubble")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or zb (default: %(default)s)")
+    _schedule_arg(p)
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -33,10 +40,11 @@ def _add_schedule(sub) -> None:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from brigade.pipeline import schedule as sch
+    from brigade.pipeline.plan import render, simulate
+    from brigade.pipeline.schedule import build
 
-    plan = sch.build(args.schedule, args.stages, args.microbatches)
-    sim = sch.simulate(plan, 1.0, 1.0)
+    plan = build(args.schedule, args.stages, args.microbatches)
+    sim = simulate(plan, 1.0, 1.0)
     if args.json:
         print(json.dumps({
             "schedule": args.schedule, "stages": args.stages, "microbatches": args.microbatches,
@@ -46,7 +54,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     else:
         print(f"{args.schedule}: {args.stages} stages, {args.microbatches} micro-batches "
               "(unit forward and backward costs)")
-        print(sch.render(plan))
+        print(render(plan))
     return 0
 
 
@@ -54,7 +62,7 @@ def _add_check(sub) -> None:
     p = sub.add_parser("check", help="compare a pipeline with a single device, loss and gradients")
     _model_arg(p, "gpt")
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or zb (default: %(default)s)")
+    _schedule_arg(p)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--runtime", default="process", choices=["process", "local"],
                    help="one process per stage, or one thread per device in this process")
@@ -199,12 +207,15 @@ def _add_bench(sub) -> None:
 
 def _sweep_args(p: argparse.ArgumentParser) -> None:
     """What `bench` and `tune` both sweep over."""
+    from brigade.pipeline import schedule
+
     p.add_argument("--quick", action="store_true", help="fewer split sizes and repeats (≤ 2 min on 2 cores)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None, help="resnet50 only")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--splits", default=None, help="split sizes, like 1,4,16 (default: tutorial's, scaled)")
-    p.add_argument("--schedules", default="gpipe,1f1b,zb")
+    p.add_argument("--schedules", default=",".join(schedule.names()),
+                   help=f"comma-separated, from {schedule.expected()} (default: %(default)s)")
     p.add_argument("--port", type=int, default=None)
 
 
@@ -249,16 +260,14 @@ def _add_doctor(sub) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from brigade.config import parse_endpoint
+    from brigade import config
     from brigade.doctor import Setup, run_doctor
 
-    if args.nproc < 1 or args.nnodes < 1:
-        raise BrigadeError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be ≥ 1")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise BrigadeError(f"--node-rank {args.node_rank}: must be between 0 and --nnodes - 1 "
-                           f"({args.nnodes - 1})")
-    if args.nnodes > 1:
-        parse_endpoint(args.rdzv_endpoint)
+    cfg = config.RunConfig()  # checked as `brigade train` checks the same flags
+    p = cfg.parallel
+    p.nproc, p.nnodes, p.node_rank = args.nproc, args.nnodes, args.node_rank
+    p.rdzv_endpoint, p.local_addr = args.rdzv_endpoint, args.local_addr
+    config.validate(cfg)
     setup = Setup(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.local_addr,
                   args.backend, args.out, args.port)
     return 0 if run_doctor(setup) else 1

@@ -25,19 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from brigade import forensics
+from brigade import forensics, rendezvous
 from brigade.elastic import rendezvous_failed
 from brigade.errors import BrigadeError, RunError
 from brigade.launchenv import launcher_env, slurm_env
-from brigade.net import (
-    check_port,
-    check_reachable,
-    free_port,
-    interface_of,
-    is_loopback,
-    listen,
-    node_address,
-)
+from brigade.net import free_port
+from brigade.rendezvous import LaunchSpec
 
 
 class Stopped(Exception):
@@ -123,26 +116,11 @@ def init(backend: str | None = None, threads: int | None = None,
         kwargs = {"device_id": device} if device_type == "cuda" and local_stages == 1 else {}
         if timeout_s:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        store = _loopback_store(kwargs.get("timeout", datetime.timedelta(minutes=30)))
+        store = rendezvous.loopback_store(kwargs.get("timeout", datetime.timedelta(minutes=30)))
         if store is not None:
             kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend, **kwargs)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
-
-
-def _loopback_store(timeout: datetime.timedelta):
-    """The group's store on loopback when MASTER_ADDR is loopback (else None: torch's env://).
-
-    torch's own TCPStore listens on every interface; a single-node run has no business there.
-    """
-    addr, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
-    if not is_loopback(addr) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None
-    world = int(os.environ["WORLD_SIZE"])
-    if os.environ["RANK"] == "0":
-        return dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=listen(addr, port).detach())  # the store owns the fd
-    return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
 
 
 init_single_or_env = init
@@ -161,79 +139,74 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0,
-           port: int | None = None, log_dir: str | None = None,
-           threads_per_proc: int = 1, quiet: bool = True, nnodes: int = 1, node_rank: int = 0,
-           rdzv_endpoint: str = "", local_addr: str = "", rdzv_timeout: int = 120,
-           min_nodes: int = 0, last_call: int = 10) -> dict[int, Any]:
-    """Run `fn(*args)` in `nproc` processes under torch's elastic agent; returns {rank: result}.
+def launch(fn: Callable[..., Any], spec: LaunchSpec | int, *args: Any) -> dict[int, Any]:
+    """Run `fn(*args)` in `spec.nproc` processes under torch's elastic agent; returns {rank: result}.
 
     Single-node: the rendezvous binds to loopback. Several nodes: every node runs this with the
-    same `rdzv_endpoint` (node 0's HOST:PORT); node 0 hosts the store. Each node advertises
-    `local_addr`, by default the address that routes to node 0, and pins gloo (and NCCL's
+    same `spec.rdzv_endpoint` (node 0's HOST:PORT); node 0 hosts the store. Each node advertises
+    `spec.local_addr`, by default the address that routes to node 0, and pins gloo (and NCCL's
     bootstrap) to that address's interface unless the environment already names one, so a
-    hostname that resolves to loopback or to nothing does not matter. `fn` must be importable.
-    `min_nodes` > 0: elastic, on min_nodes..nnodes nodes (`brigade.elastic.rendezvous_failed`).
+    hostname that resolves to loopback or to nothing does not matter (`brigade.rendezvous`).
+    `fn` must be importable. `spec.min_nodes` > 0: elastic (`brigade.elastic.rendezvous_failed`).
+
+    Args:
+        spec: a `LaunchSpec` (`LaunchSpec.from_parallel` for a run), or just a process count.
 
     Raises:
         BrigadeError: the port is taken. RunError: a worker failed (its message, one line), or
-            the nodes did not meet within `rdzv_timeout`.
+            the nodes did not meet within `spec.rdzv_timeout`. Stopped: the agent got a signal.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    if nproc < 1:
-        raise BrigadeError(f"nproc={nproc}: need at least 1 process")
-    if nnodes > 1:
-        host, port = rdzv_endpoint.rsplit(":", 1)[0].strip("[]"), int(rdzv_endpoint.rsplit(":", 1)[1])
-        check_port(port, host="0.0.0.0") if node_rank == 0 else check_reachable(host, port)
-        me = node_address(host, port, local_addr)
-        local_addr, ifname = me.addr, me.ifname
-        endpoint, rdzv = f"{host}:{port}", {"timeout": rdzv_timeout, "is_host": node_rank == 0}
-        if min_nodes:  # a node silent for 3 heartbeats of 2 s is dropped, not 3 × 5 s
-            rdzv.update(join_timeout=rdzv_timeout, last_call_timeout=last_call, keep_alive_interval=2)
-    else:
-        # The rendezvous store, served from a loopback socket; torch's c10d backend finds it by
-        # port (multi_tenant) instead of opening one on every interface.
-        sock = listen("127.0.0.1", port)
-        port = sock.getsockname()[1]
-        server = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,  # noqa: F841
-                               wait_for_workers=False, master_listen_fd=sock.detach())  # (owns the fd)
-        local_addr, ifname = "127.0.0.1", interface_of("127.0.0.1")
-        endpoint, rdzv = f"127.0.0.1:{port}", {"timeout": rdzv_timeout, "is_host": True}
-    env = {"OMP_NUM_THREADS": str(threads_per_proc),  # also silences torchrun's note
-           # Without the agent's shared store the workers' store is rank 0's, which brigade binds
-           # to loopback on one node; and with it, a node that rejoins after a crash waits forever
-           # for a MASTER_ADDR published only in its first round (pytorch/pytorch#135712).
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "BRIGADE_AGENT_STORE": endpoint}  # for the hang watchdogs (forensics.py)
-    if ifname:  # gloo (and NCCL's bootstrap) on the interface the peers reach
-        env.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
-    if quiet:  # the caller may have its own handlers on these loggers (see train/events.py)
+    spec = spec if isinstance(spec, LaunchSpec) else LaunchSpec(spec)
+    if spec.nproc < 1:
+        raise BrigadeError(f"nproc={spec.nproc}: need at least 1 process")
+    meet = rendezvous.multi_node(spec) if spec.nnodes > 1 else rendezvous.single_node(spec)
+    if spec.quiet:  # the caller may have its own handlers on these loggers (see train/events.py)
         for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    config = LaunchConfig(
-        min_nodes=min_nodes or nnodes, max_nodes=nnodes, nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex[:8] if nnodes == 1 else f"brigade-{endpoint}",
-        rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv, max_restarts=max_restarts,
-        monitor_interval=0.1, start_method="spawn", logs_specs=_logs_specs(log_dir),
-        local_addr=local_addr,
-    )
     try:
-        with _environment(env):
-            return elastic_launch(config, _call_and_leave)(fn, *args)
+        with _environment(_worker_env(spec, meet)):
+            return elastic_launch(_launch_config(spec, meet), _call_and_leave)(fn, *args)
     except ChildFailedError as exc:
         raise RunError(_first_failure(exc)) from None
     except RendezvousError as exc:
-        if min_nodes:
-            raise RunError(rendezvous_failed(min_nodes, endpoint, rdzv_timeout, exc)) from None
-        raise RunError(f"the nodes could not meet at the rendezvous {endpoint} ({type(exc).__name__}): "
+        if spec.min_nodes:
+            raise RunError(rendezvous_failed(spec.min_nodes, meet.endpoint, spec.rdzv_timeout, exc)) from None
+        raise RunError(f"the nodes could not meet at the rendezvous {meet.endpoint} ({type(exc).__name__}): "
                        "start every node with the same --nnodes and --rdzv-endpoint, and run "
                        "`brigade doctor` on each to see what blocks them") from None
     except SignalException as exc:  # the agent was told to stop; it stopped the workers too
         raise Stopped(signal.Signals(exc.sigval).name) from None
+
+
+def _worker_env(spec: LaunchSpec, meet: rendezvous.Rendezvous) -> dict[str, str]:
+    """Variables for the agent and its workers (those the user has set win)."""
+    env = {"OMP_NUM_THREADS": str(spec.threads_per_proc),  # also silences torchrun's note
+           # Without the agent's shared store the workers' store is rank 0's, which brigade binds
+           # to loopback on one node; and with it, a node that rejoins after a crash waits forever
+           # for a MASTER_ADDR published only in its first round (pytorch/pytorch#135712).
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "BRIGADE_AGENT_STORE": meet.endpoint}  # for the hang watchdogs (forensics.py)
+    if meet.ifname:  # gloo (and NCCL's bootstrap) on the interface the peers reach
+        env.update(GLOO_SOCKET_IFNAME=meet.ifname, NCCL_SOCKET_IFNAME=meet.ifname)
+    return env
+
+
+def _launch_config(spec: LaunchSpec, meet: rendezvous.Rendezvous):
+    """torch's LaunchConfig for this spec and rendezvous."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=spec.min_nodes or spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
+        run_id=uuid.uuid4().hex[:8] if spec.nnodes == 1 else f"brigade-{meet.endpoint}",
+        rdzv_backend="c10d", rdzv_endpoint=meet.endpoint, rdzv_configs=meet.configs,
+        max_restarts=spec.max_restarts, monitor_interval=0.1, start_method="spawn",
+        logs_specs=_logs_specs(spec.log_dir), local_addr=meet.local_addr,
+    )
 
 
 @contextlib.contextmanager

@@ -335,9 +335,9 @@ def run_doctor(s: Setup, say=print, big: int = 1 << 20) -> bool:
         say("group checks skipped: fix the FAILs above first")
         return False
     try:
-        results = bdist.launch(group_worker, s.nproc, s, big, port=s.port, nnodes=s.nnodes,
-                               node_rank=s.node_rank, rdzv_endpoint=s.rdzv_endpoint,
-                               local_addr=s.local_addr, rdzv_timeout=60)
+        spec = bdist.LaunchSpec(s.nproc, port=s.port, nnodes=s.nnodes, node_rank=s.node_rank,
+                                rdzv_endpoint=s.rdzv_endpoint, local_addr=s.local_addr, rdzv_timeout=60)
+        results = bdist.launch(group_worker, spec, s, big)
     except RunError as exc:
         say(Check("group", False, str(exc), "run `brigade doctor` with the same --nnodes and "
                   "--rdzv-endpoint on every node within a minute; see the FAILs above").line())

@@ -108,7 +108,7 @@ CASES = [
                                     "127.0.0.1:29999"], "--node-rank 2: must be between 0 and", 2),
     ("doctor endpoint malformed", ["doctor", "--nnodes", "2", "--rdzv-endpoint", "node0"],
      "expected HOST:PORT", 2),
-    ("doctor zero processes", ["doctor", "--nproc", "0"], "--nproc 0 --nnodes 1: both must be ≥ 1", 2),
+    ("doctor zero processes", ["doctor", "--nproc", "0"], "--nproc 0: must be ≥ 1", 2),
 ]
 
 

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from brigade import dist as bdist
+from brigade import rendezvous
 from brigade.errors import BrigadeError
 
 
@@ -74,7 +75,7 @@ def test_the_default_group_is_bound_only_to_a_process_s_single_gpu(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(kw))
-    monkeypatch.setattr(bdist, "_loopback_store", lambda timeout: None)
+    monkeypatch.setattr(rendezvous, "loopback_store", lambda timeout: None)
     bdist.init("nccl", local_stages=local_stages)
     first = torch.device("cuda", 3 * local_stages)
     assert calls and ("device_id" in calls[0]) == bound

@@ -25,29 +25,31 @@ from torch import nn
 
 from brigade import dist as bdist
 from brigade.bench.memory import stage_meter
-from brigade.bench.peers import TorchPipelining
+from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining
 from brigade.bench.place import ddp, place_model
-from brigade.bench.timing import gathered_stage_costs, measure
+from brigade.bench.timing import (
+    Workload,
+    gathered_stage_costs,
+    measure,
+    pipeline_step,
+    time_pipeline,
+    time_single,
+    train_step,
+)
 from brigade.models import load_model
 from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import Pipeline
-from brigade.pipeline.schedule import build, simulate
+from brigade.pipeline.plan import simulate
+from brigade.pipeline.schedule import build, names
 
 TUTORIAL_SPLITS = [1, 3, 5, 8, 10, 12, 20, 40, 60]  # of a batch of 120
 
 
 @dataclass
-class BenchConfig:
-    model: str = "resnet50"
-    model_options: dict = field(default_factory=dict)
-    batch_size: int = 32
-    repeats: int = 5
-    warmup: int = 1
+class BenchConfig(Workload):
     splits: list[int] = field(default_factory=list)  # split sizes; empty: the tutorial's, scaled
-    schedules: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "zb"])
+    schedules: list[str] = field(default_factory=names)
     balance: list[int] | None = None
-    seed: int = 0
-    backend: str = "auto"  # gloo on CPU; nccl only with a GPU per process (see run.bench_config)
 
 
 def scaled_splits(batch: int) -> list[int]:
@@ -78,15 +80,10 @@ def _pipelined(cfg, spec, stages, x, y, rank, schedule, m, trace=False):
     ideal = simulate(build(schedule, n, m), fwd, bwd, weight=wgt).makespan
     mine = stages[rank]
     pipe = Pipeline(mine, schedule, m, spec.loss_fn, device=device)
-
-    def step():
-        pipe.step(x, y)
-        mine.zero_grad(set_to_none=True)
-
-    timing = measure(step, cfg.repeats, cfg.warmup, device=device, distributed=True)
+    timing = time_pipeline(pipe, mine, x, y, cfg)
     meter = stage_meter(device, exclude=list(mine.parameters()))
     with meter:
-        step()
+        pipeline_step(pipe, mine, x, y)()
     peaks = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(n)]
     dist.all_gather(peaks, torch.tensor([float(meter.peak_bytes)], dtype=torch.float64, device=device))
     traced = None
@@ -108,15 +105,7 @@ def _pipelined(cfg, spec, stages, x, y, rank, schedule, m, trace=False):
 
 def _single(cfg, spec, x, y, rank):
     """The whole model on rank 0's device, whole batch; its timing, known to every rank."""
-    single = None
-    if rank == 0:
-        full = nn.Sequential(*copy.deepcopy(spec.blocks))
-
-        def single_step():
-            spec.loss_fn(full(x), y).backward()
-            full.zero_grad(set_to_none=True)
-
-        single = measure(single_step, cfg.repeats, cfg.warmup, device=x.device)
+    single = time_single(spec.blocks, spec.loss_fn, x, y, cfg) if rank == 0 else None
     dist.barrier()
     timing = [single]
     dist.broadcast_object_list(timing, src=0)
@@ -127,12 +116,8 @@ def _ddp(cfg, spec, x, y, rank, n):
     """DDP over the n processes, each on its device with 1/n of the batch."""
     wrapped = ddp(nn.Sequential(*copy.deepcopy(spec.blocks)), x.device)
     xs, ys = x.chunk(n)[rank], y.chunk(n)[rank]
-
-    def ddp_step():
-        spec.loss_fn(wrapped(xs), ys).backward()
-        wrapped.zero_grad(set_to_none=True)
-
-    return measure(ddp_step, cfg.repeats, cfg.warmup, device=x.device, distributed=True)
+    return measure(train_step(wrapped, spec.loss_fn, xs, ys), cfg.repeats, cfg.warmup, device=x.device,
+                   distributed=True)
 
 
 def worker(cfg: BenchConfig) -> dict:
@@ -160,10 +145,9 @@ def worker(cfg: BenchConfig) -> dict:
             if timing.mean_s < best_time:
                 best_time = timing.mean_s
                 best_trace = {"schedule": schedule, "microbatches": m, "events": traced}
-            if schedule in ("gpipe", "1f1b") and cfg.batch_size % m == 0:  # torch needs equal chunks
+            if schedule in TORCH_SCHEDULES and cfg.batch_size % m == 0:  # torch needs equal chunks
                 peer = TorchPipelining(stages[rank], rank, n, schedule, m, spec.loss_fn, info.device)
-                t = measure(lambda peer=peer: peer.step(x, y), cfg.repeats, cfg.warmup, device=device,
-                            distributed=True)
+                t = time_pipeline(peer, peer.module, x, y, cfg)
                 rows.append(_row("torch.distributed.pipelining", schedule, m, cfg.batch_size, t,
                                  balance=balance, torch_pipelining=True, ideal_s=extra["ideal_s"]))
     rows.append(_row("ddp", None, 1, cfg.batch_size, _ddp(cfg, spec, x, y, rank, n), stages=1))

@@ -27,12 +27,26 @@ class Row:
     reproduce: str
 
 
+ROWS: list[Row] = []  # in the order of the figure functions below, which is the table's
+
+
+def row(what: str, file: str, reproduce: str) -> Callable[[Callable[[dict], str]], Callable[[dict], str]]:
+    """Decorator: the function renders the figure of a new row of the table."""
+    def add(figure: Callable[[dict], str]) -> Callable[[dict], str]:
+        ROWS.append(Row(what, file, figure, reproduce))
+        return figure
+    return add
+
+
+@row("main job: GPT 4×128, context 128, batch 32, dp = 2, 1000 steps", "train/main.json", "`brigade train`")
 def _main(d: dict) -> str:
     minutes, seconds = divmod(round(d["wall_s"]), 60)
     return (f"validation loss {d['val_loss_first']:.2f} → {d['val_loss_last']:.2f} after {d['steps']} "
             f"steps; the command took {minutes} min {seconds:02d} s")
 
 
+@row("transparency, all layouts (dp2, pp2, dp2×local2, pp2-zb, dp2×pp2, grad-accum), 20 steps",
+     "check/transparency.json", "`python -m pytest tests/train/test_trainer.py`")
 def _transparency(d: dict) -> str:
     if d["passed"] is None:  # transcribed: the tolerance the tests assert, without a run of them
         return f"per-step losses equal to one device within {d['tolerance']:g} (not yet run by the script)"
@@ -40,11 +54,15 @@ def _transparency(d: dict) -> str:
     return f"per-step losses equal to one device within {d['tolerance']:g}: {d['passed']} tests, {verdict}"
 
 
+@row("transparency, GPT, 4 stages, m = 8, both runtimes", "check/check.json",
+     "`brigade check --model gpt --stages 4 --microbatches 8`")
 def _check(d: dict) -> str:
     return (f"max \\|Δloss\\| {d['max_abs_loss_diff']:.1g}, max \\|Δgrad\\| {d['max_abs_grad_diff']:.1g}, "
             f"max \\|Δparam\\| {d['max_abs_param_diff']:.1g}")
 
 
+@row("`brigade train`'s whole loop vs a raw torch DDP loop (same GPT, batch, AdamW, clipping)",
+     "overhead/overhead.json", "`python -m brigade.bench.overhead`")
 def _overhead(d: dict) -> str:
     # A file without "config" was written by the older bench, which timed Trainer.train_step only.
     what = "" if "config" in d else "; measured on Trainer.train_step alone, before the whole-loop bench"
@@ -52,25 +70,33 @@ def _overhead(d: dict) -> str:
             f"{d['raw_median_s'] * 1e3:.1f} ms per step){what}")
 
 
+@row("MLP 8 × Linear(1024), batch 256, 2 stages, m = 2, zero-bubble", "speed/speed.json",
+     "`python -m brigade.bench.speed --schedule zb --microbatches 2`")
 def _speed_zb(d: dict) -> str:
-    c = d["cases"][0]
-    return (f"{c['brigade_mean_s'] * 1e3:.1f} ms: ×{c['vs_torch_pipelining']:.2f} "
-            f"torch.distributed.pipelining's {c['torch_schedule'].upper()} "
-            f"({c['torch_pipelining_mean_s'] * 1e3:.1f} ms), ×{c['speedup_vs_single']:.2f} a single "
-            f"device, efficiency {c['efficiency']:.2f}")
+    c, f = d["cases"][0], _speed_figures(d)
+    return (f"{f['ours']} ms: ×{f['vs']} torch.distributed.pipelining's {c['torch_schedule'].upper()} "
+            f"({f['theirs']} ms), ×{c['speedup_vs_single']:.2f} a single device, efficiency {f['eff']}")
 
 
+@row("same, 1F1B on both sides", "speed-1f1b/speed.json",
+     "`python -m brigade.bench.speed --schedule 1f1b --microbatches 2`")
 def _speed_1f1b(d: dict) -> str:
+    f = _speed_figures(d)
+    return f"brigade {f['ours']} ms vs torch {f['theirs']} ms (×{f['vs']}), efficiency {f['eff']}"
+
+
+def _speed_figures(d: dict) -> dict[str, str]:
+    """The figures both speed rows print, rounded as the README has them."""
     c = d["cases"][0]
-    return (f"brigade {c['brigade_mean_s'] * 1e3:.1f} ms vs torch "
-            f"{c['torch_pipelining_mean_s'] * 1e3:.1f} ms "
-            f"(×{c['vs_torch_pipelining']:.2f}), efficiency {c['efficiency']:.2f}")
+    return {"ours": f"{c['brigade_mean_s'] * 1e3:.1f}", "theirs": f"{c['torch_pipelining_mean_s'] * 1e3:.1f}",
+            "vs": f"{c['vs_torch_pipelining']:.2f}", "eff": f"{c['efficiency']:.2f}"}
 
 
 def _name(row: dict) -> str:
     return f"{row['schedule'].upper()}, m = {row['microbatches']}"
 
 
+@row("GPT 8×256, context 128, batch 32", "bench-gpt/bench.json", "`brigade bench --model gpt --quick`")
 def _bench_gpt(d: dict) -> str:
     p = dict(headline(d["configs"]))
     ours, theirs = p["brigade pipelined (best)"], p["torch pipelining (best)"]
@@ -80,6 +106,7 @@ def _bench_gpt(d: dict) -> str:
             f"device ({one:.3f} s); the bench took {d['wall_s']:.0f} s")
 
 
+@row("ResNet-50, 64 px, batch 32, the tutorial's split sizes scaled", "bench/bench.json", "`brigade bench`")
 def _bench_resnet(d: dict) -> str:
     p = dict(headline(d["configs"]))
     one, mp = p["Single device"]["mean_s"], p["Model parallel"]["mean_s"]
@@ -90,6 +117,8 @@ def _bench_resnet(d: dict) -> str:
             f"the bench took {d['wall_s']:.0f} s")
 
 
+@row("snapshot at the default interval (every 100 steps), main job", "train/snapshot.json",
+     "`brigade train --max-steps 300`")
 def _snapshot(d: dict) -> str:
     s = d["snapshot_s"]
     share = sum(s) / len(s) / (d["snapshot_every"] * d["step_s"])
@@ -97,11 +126,15 @@ def _snapshot(d: dict) -> str:
             f"≈ {100 * share:.1f} % of training time")
 
 
+@row("restart after `kill:rank=1:step=150`", "faults/restart.json",
+     "`brigade train --max-steps 300 --inject-fault kill:rank=1:step=150 --max-restarts 1`")
 def _restart(d: dict) -> str:
     return (f"the restarted worker (attempt {d['attempt']}, resumed from step {d['resumed_from']}) "
             f"completes its first step {d['first_step_s']:.2f} s after its process starts")
 
 
+@row("two hosts (network namespaces, veth), dp 2 × pp 2 across them", "two-hosts/two_hosts.json",
+     "`python -m pytest tests/e2e/test_two_hosts.py` (as root)")
 def _two_hosts(d: dict) -> str:
     same = "the one-host run's `params_sha256` and losses" if d["same_params_sha256"] and d["same_losses"] \
         else "DIFFERENT parameters or losses than one host"
@@ -110,19 +143,25 @@ def _two_hosts(d: dict) -> str:
             f"with {same}")
 
 
+@row("`brigade doctor` across those two hosts, 2 processes each", "two-hosts/doctor.json",
+     "`brigade doctor --nnodes 2 --node-rank K --rdzv-endpoint 10.213.0.1:29631` in each namespace")
 def _doctor(d: dict) -> str:
-    return (f"all-reduce latency {d['allreduce_latency_ms']:.2f} ms, "
-            f"4 MiB in {d['allreduce_4mib_ms']:.0f} ms "
-            f"({d['allreduce_gbps_per_link']:.2f} GB/s per link); P2P 4 MiB at {d['p2p_gbps']:.1f} GB/s; "
-            f"clock skew {d['clock_skew_ms']:.1f} ms")
+    speeds = (f"{d['allreduce_4mib_ms']:.0f} ms ({d['allreduce_gbps_per_link']:.2f} GB/s per link); "
+              f"P2P 4 MiB at {d['p2p_gbps']:.1f} GB/s")
+    skew = f"clock skew {d['clock_skew_ms']:.1f} ms"
+    return f"all-reduce latency {d['allreduce_latency_ms']:.2f} ms, 4 MiB in {speeds}; {skew}"
 
 
+@row("hang report for `stall:rank=1:step=5`, dp 2 × pp 2, `--hang-timeout 10`", "faults/hang.json",
+     "`brigade train --nproc 4 --pp 2 --hang-timeout 10 --inject-fault stall:rank=1:step=5`")
 def _hang(d: dict) -> str:
     return (f"table, stacks and verdict naming rank {d['stuck_rank']} printed {d['stuck_for_s']:.1f} s "
             f"after its last action; the command returned (exit {d['exit_code']}) {d['wall_s']:.0f} s "
             "after it started")
 
 
+@row("tuner: split size, schedule and cut points for the GPT 8×256", "tune-gpt/tune.json",
+     "`brigade tune --model gpt --quick --verify`")
 def _tune(d: dict) -> str:
     c, b = d["chosen"], d["sweep_best"]
     if "chosen_sweep_mean_s" in d:
@@ -133,36 +172,6 @@ def _tune(d: dict) -> str:
             f"{c['balance']}: {timed}, {100 * d['within']:+.1f} % from the sweep's best ({_name(b)})")
 
 
-ROWS = [
-    Row("main job: GPT 4×128, context 128, batch 32, dp = 2, 1000 steps", "train/main.json", _main,
-        "`brigade train`"),
-    Row("transparency, all layouts (dp2, pp2, dp2×local2, pp2-zb, dp2×pp2, grad-accum), 20 steps",
-        "check/transparency.json", _transparency, "`python -m pytest tests/train/test_trainer.py`"),
-    Row("transparency, GPT, 4 stages, m = 8, both runtimes", "check/check.json", _check,
-        "`brigade check --model gpt --stages 4 --microbatches 8`"),
-    Row("`brigade train`'s whole loop vs a raw torch DDP loop (same GPT, batch, AdamW, clipping)",
-        "overhead/overhead.json", _overhead, "`python -m brigade.bench.overhead`"),
-    Row("MLP 8 × Linear(1024), batch 256, 2 stages, m = 2, zero-bubble", "speed/speed.json", _speed_zb,
-        "`python -m brigade.bench.speed --schedule zb --microbatches 2`"),
-    Row("same, 1F1B on both sides", "speed-1f1b/speed.json", _speed_1f1b,
-        "`python -m brigade.bench.speed --schedule 1f1b --microbatches 2`"),
-    Row("GPT 8×256, context 128, batch 32", "bench-gpt/bench.json", _bench_gpt,
-        "`brigade bench --model gpt --quick`"),
-    Row("ResNet-50, 64 px, batch 32, the tutorial's split sizes scaled", "bench/bench.json", _bench_resnet,
-        "`brigade bench`"),
-    Row("snapshot at the default interval (every 100 steps), main job", "train/snapshot.json", _snapshot,
-        "`brigade train --max-steps 300`"),
-    Row("restart after `kill:rank=1:step=150`", "faults/restart.json", _restart,
-        "`brigade train --max-steps 300 --inject-fault kill:rank=1:step=150 --max-restarts 1`"),
-    Row("two hosts (network namespaces, veth), dp 2 × pp 2 across them", "two-hosts/two_hosts.json",
-        _two_hosts, "`python -m pytest tests/e2e/test_two_hosts.py` (as root)"),
-    Row("`brigade doctor` across those two hosts, 2 processes each", "two-hosts/doctor.json", _doctor,
-        "`brigade doctor --nnodes 2 --node-rank K --rdzv-endpoint 10.213.0.1:29631` in each namespace"),
-    Row("hang report for `stall:rank=1:step=5`, dp 2 × pp 2, `--hang-timeout 10`", "faults/hang.json", _hang,
-        "`brigade train --nproc 4 --pp 2 --hang-timeout 10 --inject-fault stall:rank=1:step=5`"),
-    Row("tuner: split size, schedule and cut points for the GPT 8×256", "tune-gpt/tune.json", _tune,
-        "`brigade tune --model gpt --quick --verify`"),
-]
 
 
 def table(results: str | Path = "results") -> str:

@@ -16,6 +16,7 @@ from brigade.bench.experiments import BenchConfig, summarise, worker
 from brigade.errors import BrigadeError
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
+from brigade.pipeline import schedule
 from brigade.pipeline.partition import check_chain
 
 
@@ -45,8 +46,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         cfg.splits = sorted({max(1, cfg.batch_size // k) for k in (2, 8)}, reverse=True)
     cfg.schedules = [s.strip() for s in args.schedules.split(",")]
     for s in cfg.schedules:
-        if s not in ("gpipe", "1f1b", "zb"):
-            raise BrigadeError(f"--schedules: unknown schedule {s!r}: expected gpipe, 1f1b or zb")
+        schedule.check(s, "--schedules")
     if cfg.batch_size < 2 or any(not 1 <= s <= cfg.batch_size for s in cfg.splits):
         raise BrigadeError(f"split sizes must be between 1 and the batch size ({cfg.batch_size})")
     return cfg
@@ -66,7 +66,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"brigade bench: {cfg.model}, batch {cfg.batch_size}, split sizes "
           f"{cfg.splits or 'the tutorial’s, scaled'}, {cfg.repeats} repeats, on {device}", flush=True)
     start = time.perf_counter()
-    raw = bdist.launch(worker, 2, cfg, port=args.port)[0]
+    raw = bdist.launch(worker, bdist.LaunchSpec(2, port=args.port), cfg)[0]
     data = summarise(cfg, raw, device)
     data["wall_s"] = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def run_tune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise BrigadeError(f"--out {args.out!r} is a file: give a folder")
-    result = bdist.launch(tune_worker, 2, cfg, args.verify, port=args.port)[0]
+    result = bdist.launch(tune_worker, bdist.LaunchSpec(2, port=args.port), cfg, args.verify)[0]
     chosen = result["chosen"]
     out.mkdir(parents=True, exist_ok=True)
     toml = out / "tune.toml"

@@ -18,29 +18,26 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from brigade import dist as bdist
-from brigade.bench.peers import TorchPipelining
+from brigade.bench.peers import TorchPipelining, nearest_torch_schedule
 from brigade.bench.place import place_model
-from brigade.bench.timing import gathered_stage_costs, measure
+from brigade.bench.timing import Workload, gathered_stage_costs, time_pipeline, time_single
 from brigade.models import load_model
 from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import Pipeline
-from brigade.pipeline.schedule import build, simulate
+from brigade.pipeline.plan import simulate
+from brigade.pipeline.schedule import DEFAULT, build, help_text
 
 
 @dataclass
-class SpeedConfig:
+class SpeedConfig(Workload):
     model: str = "mlp"
-    model_options: dict = field(default_factory=dict)
     batch_size: int = 256
-    stages: int = 2
-    cases: list[tuple[str, int]] = field(default_factory=lambda: [("1f1b", 2)])
     repeats: int = 10
     warmup: int = 3
-    seed: int = 0
-    backend: str = "auto"
+    stages: int = 2
+    cases: list[tuple[str, int]] = field(default_factory=lambda: [(DEFAULT, 2)])
 
 
 def worker(cfg: SpeedConfig) -> dict:
@@ -49,15 +46,7 @@ def worker(cfg: SpeedConfig) -> dict:
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, device)
     balance = choose_balance(spec.blocks, cfg.stages)
-    single = {}
-    if rank == 0:
-        full = nn.Sequential(*copy.deepcopy(spec.blocks))
-
-        def single_step():
-            spec.loss_fn(full(x), y).backward()
-            full.zero_grad(set_to_none=True)
-
-        single = asdict(measure(single_step, cfg.repeats, cfg.warmup, device=device))
+    single = asdict(time_single(spec.blocks, spec.loss_fn, x, y, cfg)) if rank == 0 else {}
     dist.barrier()
     rows = []
     for schedule, m in cfg.cases:
@@ -65,18 +54,11 @@ def worker(cfg: SpeedConfig) -> dict:
         fwd, bwd, wgt = gathered_stage_costs(stages, rank, x, y, spec.loss_fn, m)
         ideal = simulate(build(schedule, cfg.stages, m), fwd, bwd, weight=wgt).makespan
         mine = stages[rank]
-        pipe = Pipeline(mine, schedule, m, spec.loss_fn, device=device)
-
-        def brigade_step(pipe=pipe, mine=mine):
-            pipe.step(x, y)
-            mine.zero_grad(set_to_none=True)
-
-        ours = measure(brigade_step, cfg.repeats, cfg.warmup, device=device, distributed=True)
-        peer_schedule = schedule if schedule in ("gpipe", "1f1b") else "1f1b"
+        ours = time_pipeline(Pipeline(mine, schedule, m, spec.loss_fn, device=device), mine, x, y, cfg)
+        peer_schedule = nearest_torch_schedule(schedule)
         peer = TorchPipelining(copy.deepcopy(mine), rank, cfg.stages, peer_schedule, m, spec.loss_fn,
                                device)
-        theirs = measure(lambda peer=peer: peer.step(x, y), cfg.repeats, cfg.warmup, device=device,
-                         distributed=True)
+        theirs = time_pipeline(peer, peer.module, x, y, cfg)
         rows.append({"schedule": schedule, "microbatches": m, "balance": balance,
                      "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_weight_s": wgt,
                      "ideal_s": ideal,
@@ -111,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="results/speed")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--microbatches", default="2", help="comma-separated m values")
-    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--schedule", default=DEFAULT, help=help_text())
     args = parser.parse_args(argv)
     cases = [(args.schedule, int(m)) for m in args.microbatches.split(",")]
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"  # NCCL: one GPU per process

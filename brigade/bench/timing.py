@@ -6,13 +6,35 @@ synchronisation (`now`), so a time covers the work, not its launch.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Workload:
+    """What every benchmark runs and how often it times it: a model (by name), a batch, repeats."""
+
+    model: str = "resnet50"
+    model_options: dict = field(default_factory=dict)
+    batch_size: int = 32
+    repeats: int = 5
+    warmup: int = 1
+    seed: int = 0
+    backend: str = "auto"  # gloo on CPU; nccl only with a GPU per process (see bench.run)
+
+
+class Steps(Protocol):
+    """A pipeline that runs one training step: brigade's `Pipeline` or torch's, in `peers`."""
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> object: ...
 
 
 @dataclass
@@ -63,6 +85,36 @@ def measure(fn: Callable[[], object], repeats: int = 5, warmup: int = 2, group=N
         samples.append(elapsed)
     std = statistics.stdev(samples) if len(samples) > 1 else 0.0
     return Timing(statistics.fmean(samples), std, samples)
+
+
+def pipeline_step(pipe: Steps, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One pipelined training step, then this stage's gradients zeroed: the step benchmarks time."""
+    def step() -> None:
+        pipe.step(x, y)
+        module.zero_grad(set_to_none=True)
+    return step
+
+
+def time_pipeline(pipe: Steps, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                  work: Workload) -> Timing:
+    """`pipeline_step` timed on every rank together (`measure(distributed=True)` on x's device)."""
+    return measure(pipeline_step(pipe, module, x, y), work.repeats, work.warmup, device=x.device,
+                   distributed=True)
+
+
+def train_step(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """Forward, loss, backward, gradients zeroed: one step of an unpipelined model."""
+    def step() -> None:
+        loss_fn(model(x), y).backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def time_single(blocks: list[nn.Module], loss_fn, x: torch.Tensor, y: torch.Tensor,
+                work: Workload) -> Timing:
+    """A copy of the whole model on x's device, on the whole batch, in this process alone."""
+    full = nn.Sequential(*copy.deepcopy(blocks))
+    return measure(train_step(full, loss_fn, x, y), work.repeats, work.warmup, device=x.device)
 
 
 def stage_costs(module: torch.nn.Module, x: torch.Tensor, loss_fn=None, target=None,

@@ -25,11 +25,12 @@ from torch import nn
 from brigade import dist as bdist
 from brigade.bench.experiments import BenchConfig, scaled_splits
 from brigade.bench.place import place_model
-from brigade.bench.timing import measure, ping_pong, stage_costs
+from brigade.bench.timing import measure, ping_pong, stage_costs, time_pipeline
 from brigade.models import load_model
 from brigade.pipeline.partition import solve, split
 from brigade.pipeline.pipe import Pipeline
-from brigade.pipeline.schedule import build, simulate
+from brigade.pipeline.plan import simulate
+from brigade.pipeline.schedule import build
 
 
 def block_costs(blocks: list[nn.Module], x: torch.Tensor, loss_fn, y) -> list[tuple[float, float, float]]:
@@ -72,12 +73,7 @@ def predict(samples: dict[int, list], batch: int, m: int, schedule: str, n_stage
 def _time_config(spec, x, y, rank, n, schedule, m, balance, cfg) -> float:
     stages = split(copy.deepcopy(spec.blocks), balance)  # copies stay on the blocks' device, x's
     pipe = Pipeline(stages[rank], schedule, m, spec.loss_fn, device=x.device)
-
-    def step():
-        pipe.step(x, y)
-        stages[rank].zero_grad(set_to_none=True)
-
-    return measure(step, cfg.repeats, cfg.warmup, device=x.device, distributed=True).mean_s
+    return time_pipeline(pipe, stages[rank], x, y, cfg).mean_s
 
 
 def _comm_per_sample(spec, x, rank) -> float:

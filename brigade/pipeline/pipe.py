@@ -20,8 +20,9 @@ from torch import nn
 from brigade.errors import BrigadeError
 from brigade.pipeline import microbatch
 from brigade.pipeline.p2p import P2PTransport
+from brigade.pipeline.plan import validate
 from brigade.pipeline.runtime import StageRunner, StepResult
-from brigade.pipeline.schedule import build, forward_only, validate
+from brigade.pipeline.schedule import build, forward_only
 from brigade.pipeline.transport import LocalTransport, StageAborted
 
 
@@ -36,7 +37,7 @@ class Pipeline:
 
     Args:
         module: this stage's blocks, already on `device` (may be DDP-wrapped).
-        schedule: "gpipe", "1f1b" or "zb"; n_microbatches: micro-batches per step. Under
+        schedule: a name in schedule.SCHEDULES; n_microbatches: micro-batches per step. Under
             zb a DDP-wrapped module's gradients are reduced by the runner's
             `GradientReducer` (DDP's reducer does not see a split backward).
         loss_fn: (output, target) -> mean loss, applied on the last stage.

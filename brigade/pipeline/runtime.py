@@ -1,9 +1,10 @@
 """The interpreter: runs one stage's list of actions for one step.
 
-`StageRunner.run` walks the actions in order and does exactly what each says;
-it never decides the order itself, so every schedule runs through this one
-loop. It talks to neighbours only through a transport (`send`, `recv`,
-`flush`), so the same code serves processes and device threads.
+`StageRunner.run` walks the actions in order and hands each to the handler of
+its kind (`_HANDLERS`, as torch's `_perform_action` does); it never decides the
+order itself, so every schedule runs through this one loop. It talks to
+neighbours only through a transport (`send`, `recv`, `flush`), so the same code
+serves processes and device threads.
 
 Loss convention: on the last stage each micro-batch's mean loss is multiplied
 by its share of the batch (`microbatch.weights`) before backward, so the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from brigade import forensics
 from brigade.pipeline.backward import GradientReducer, backward_split
-from brigade.pipeline.schedule import COMM_OPS, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, W
+from brigade.pipeline.schedule import COMM_OPS, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, PlanError, W
 from brigade.pipeline.transport import Transport
 
 
@@ -33,6 +35,46 @@ class StepResult:
     loss: torch.Tensor | None = None  # last stage: weighted sum of micro-batch losses
     outputs: list[torch.Tensor] = field(default_factory=list)  # last stage, if asked
     trace: list[tuple[Action, float, float]] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    """One step's state, shared by the action handlers of `StageRunner`."""
+
+    actions: list[Action]
+    inputs: list[torch.Tensor] | None
+    targets: list[torch.Tensor] | None
+    weights: list[float] | None
+    keep_outputs: bool
+    sync: bool
+    result: StepResult = field(default_factory=StepResult)
+    held: dict[int, tuple] = field(default_factory=dict)  # mb -> (stage input, output or loss)
+    inbox: dict[int, torch.Tensor] = field(default_factory=dict)  # received activations or gradients
+    weight_steps: dict[int, Callable] = field(default_factory=dict)  # mb -> its pending W
+    total: torch.Tensor | None = None
+    reducer: GradientReducer | None = None
+    backward_done: int = 0
+    weight_done: int = 0
+
+    def __post_init__(self) -> None:
+        self.training = any(a.op in (B, I) for a in self.actions)
+        self.n_backward = sum(a.op == B for a in self.actions)
+        self.n_weight = sum(a.op == W for a in self.actions)
+
+    def take(self, store: dict, a: Action, what: str):
+        """Remove and return micro-batch `a.microbatch`'s entry, or name the action that lacks it."""
+        if a.microbatch not in store:
+            raise self.missing(a, what)
+        return store.pop(a.microbatch)
+
+    @staticmethod
+    def missing(a: Action, what: str) -> PlanError:
+        return PlanError(f"{a}: no {what} for micro-batch {a.microbatch} on stage {a.stage} at this point: "
+                         "the action list is out of order (check it with brigade.pipeline.plan.validate)")
+
+
+_HANDLERS = {RECV_F: "_on_recv", RECV_B: "_on_recv", F: "_on_forward", SEND_F: "_on_send_forward",
+             B: "_on_backward", I: "_on_input_grad", W: "_on_weight_grad", SEND_B: "_on_send_backward"}
 
 
 class StageRunner:
@@ -81,74 +123,82 @@ class StageRunner:
             trace: record (action, start, end) in perf_counter seconds.
             sync: under DistributedDataParallel, all-reduce gradients on this step's last
                 backward; False while accumulating gradients over several steps.
+
+        Raises:
+            PlanError: an action needs what no earlier action made (a B before its F, ...).
         """
-        training = any(a.op in (B, I) for a in actions)
-        weight_steps: dict[int, object] = {}
-        n_weight, weight_done = sum(a.op == W for a in actions), 0
-        reducer = self.split_reducer if sync and n_weight else None
-        if reducer is not None:
-            reducer.reset()
-        result = StepResult()
-        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (stage input, output or loss)
-        inbox: dict[int, torch.Tensor] = {}  # received activations or gradients
-        n_backward = sum(a.op == B for a in actions)
-        backward_done = 0
-        total = None
-        grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
+        st = _Step(actions, inputs, targets, weights, keep_outputs, sync)
+        st.reducer = self.split_reducer if sync and st.n_weight else None
+        if st.reducer is not None:
+            st.reducer.reset()
         self.transport.begin_step(actions, inputs if self.is_first else None)
-        with grad_ctx:
+        with contextlib.nullcontext() if st.training else torch.no_grad():
             for a in actions:
                 self._record(a)
                 start = time.perf_counter() if trace else 0.0
-                i = a.microbatch
-                if a.op in (RECV_F, RECV_B):
-                    inbox[i] = self.transport.recv(self.stage + (-1 if a.op == RECV_F else 1))
-                elif a.op == F:
-                    x = inputs[i] if self.is_first else inbox.pop(i)
-                    if training and not self.is_first and x.is_floating_point():
-                        x.requires_grad_(True)
-                    y = self._forward(x)
-                    if self.is_last:
-                        if keep_outputs:
-                            result.outputs.append(y.detach())
-                        if targets is not None:
-                            y = self._loss(y, targets[i], weights[i] if weights else 1.0)
-                            total = y.detach() if total is None else total + y.detach()
-                    if training or not self.is_last:
-                        held[i] = (x, y)
-                elif a.op == SEND_F:
-                    _, y = held[i] if training else held.pop(i)
-                    self.transport.send(y, self.stage + 1)
-                elif a.op == B:
-                    backward_done += 1
-                    x, y = held.pop(i)
-                    grad = None if self.is_last else inbox.pop(i)
-                    self._backward(y, grad, last=sync and backward_done == n_backward)
-                    if not self.is_first:
-                        inbox[i] = x.grad
-                elif a.op == I:
-                    x, y = held[i]  # kept until W
-                    grad = None if self.is_last else inbox.pop(i)
-                    dx, weight_steps[i] = backward_split(
-                        y, grad, None if self.is_first else x, list(self.module.parameters()))
-                    if not self.is_first:
-                        inbox[i] = dx
-                elif a.op == W:
-                    weight_done += 1
-                    # Gradients are complete only in the step's last weight pass.
-                    last_w = reducer is not None and weight_done == n_weight
-                    weight_steps.pop(i)(reducer.ready if last_w else None)
-                    held.pop(i)
-                elif a.op == SEND_B:
-                    self.transport.send(inbox.pop(i), self.stage - 1)
+                getattr(self, _HANDLERS[a.op])(a, st)
                 if trace:
-                    result.trace.append((a, start, time.perf_counter()))
+                    st.result.trace.append((a, start, time.perf_counter()))
             forensics.doing(f"flush sends (stage {self.stage})", waiting=True)
             self.transport.flush()
-        if reducer is not None:
-            reducer.finish()  # before anyone reads .grad (norm, clipping, optimizer)
-        result.loss = total
-        return result
+        if st.reducer is not None:
+            st.reducer.finish()  # before anyone reads .grad (norm, clipping, optimizer)
+        st.result.loss = st.total
+        return st.result
+
+    # --- one handler per action kind (`_HANDLERS`); each reads and updates the step's state ---
+
+    def _on_recv(self, a: Action, st: _Step) -> None:
+        st.inbox[a.microbatch] = self.transport.recv(self.stage + (-1 if a.op == RECV_F else 1))
+
+    def _on_forward(self, a: Action, st: _Step) -> None:
+        i = a.microbatch
+        x = st.inputs[i] if self.is_first else st.take(st.inbox, a, "received activation")
+        if st.training and not self.is_first and x.is_floating_point():
+            x.requires_grad_(True)
+        y = self._forward(x)
+        if self.is_last:
+            if st.keep_outputs:
+                st.result.outputs.append(y.detach())
+            if st.targets is not None:
+                y = self._loss(y, st.targets[i], st.weights[i] if st.weights else 1.0)
+                st.total = y.detach() if st.total is None else st.total + y.detach()
+        if st.training or not self.is_last:
+            st.held[i] = (x, y)
+
+    def _on_send_forward(self, a: Action, st: _Step) -> None:
+        held = st.held.get(a.microbatch) if st.training else st.held.pop(a.microbatch, None)
+        if held is None:
+            raise st.missing(a, "forward output")
+        self.transport.send(held[1], self.stage + 1)
+
+    def _on_backward(self, a: Action, st: _Step) -> None:
+        st.backward_done += 1
+        x, y = st.take(st.held, a, "forward output")
+        grad = None if self.is_last else st.take(st.inbox, a, "received gradient")
+        self._backward(y, grad, last=st.sync and st.backward_done == st.n_backward)
+        if not self.is_first:
+            st.inbox[a.microbatch] = x.grad
+
+    def _on_input_grad(self, a: Action, st: _Step) -> None:
+        if a.microbatch not in st.held:
+            raise st.missing(a, "forward output")
+        x, y = st.held[a.microbatch]  # kept until W
+        grad = None if self.is_last else st.take(st.inbox, a, "received gradient")
+        dx, st.weight_steps[a.microbatch] = backward_split(
+            y, grad, None if self.is_first else x, list(self.module.parameters()))
+        if not self.is_first:
+            st.inbox[a.microbatch] = dx
+
+    def _on_weight_grad(self, a: Action, st: _Step) -> None:
+        st.weight_done += 1
+        # Gradients are complete only in the step's last weight pass.
+        last_w = st.reducer is not None and st.weight_done == st.n_weight
+        st.take(st.weight_steps, a, "input gradient (I)")(st.reducer.ready if last_w else None)
+        st.held.pop(a.microbatch)
+
+    def _on_send_backward(self, a: Action, st: _Step) -> None:
+        self.transport.send(st.take(st.inbox, a, "input gradient"), self.stage - 1)
 
     def _record(self, a: Action) -> None:
         """Tell the hang watchdog what this stage does now, naming the peer a transfer waits on."""

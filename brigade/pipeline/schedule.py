@@ -2,8 +2,12 @@
 
 A plan maps each rank (one pipeline stage per rank) to the ordered list of
 actions it performs in one training step. Plans are data: they are built,
-checked (`validate`), costed (`simulate`) and drawn (`render`) without torch
-and without processes. The runtime only interprets them.
+checked (`plan.validate`), costed (`plan.simulate`) and drawn (`plan.render`)
+without torch and without processes. The runtime only interprets them.
+
+Every schedule is registered here (`SCHEDULES`, by `@register`): the CLI's help texts, the
+configuration's check and the benchmarks read its names from there, so a new schedule is one
+decorated function in this file (and an entry in `bench/peers.py` if torch has it too).
 
     GPipe, 2 stages, 3 micro-batches (time across, ranks down):
 
@@ -18,7 +22,8 @@ action that needs a neighbour's result.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from brigade.errors import BrigadeError
 
@@ -29,6 +34,7 @@ COMPUTE_OPS = (F, B, I, W)
 COMM_OPS = (SEND_F, RECV_F, SEND_B, RECV_B)
 
 Plan = dict[int, list["Action"]]
+Builder = Callable[[int, int], Plan]  # (n_stages, n_microbatches) -> plan
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
@@ -63,6 +69,65 @@ class Action:
         return Action(int(match[1]), match[2], int(match[3]))
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """A registered schedule: its name on the command line, its builder, one line for help texts."""
+
+    name: str
+    build: Builder
+    description: str
+
+
+SCHEDULES: dict[str, Schedule] = {}
+DEFAULT = "1f1b"
+
+
+def register(name: str, description: str) -> Callable[[Builder], Builder]:
+    """Decorator: make a builder `(n_stages, n_microbatches) -> Plan` available as `name`."""
+    def add(builder: Builder) -> Builder:
+        SCHEDULES[name] = Schedule(name, builder, description)
+        return builder
+    return add
+
+
+def names() -> list[str]:
+    """The registered schedules' names, in registration order."""
+    return list(SCHEDULES)
+
+
+def expected() -> str:
+    """``"gpipe, 1f1b or zb"``: the names as an error message lists them."""
+    *rest, last = names()
+    return f"{', '.join(rest)} or {last}" if rest else last
+
+
+def help_text() -> str:
+    """One line per schedule for a flag's help: ``gpipe: all forwards, then all backwards; ...``."""
+    return "; ".join(f"{s.name}: {s.description}" for s in SCHEDULES.values())
+
+
+def check(name: str, flag: str = "--schedule") -> str:
+    """Return `name` if it is a registered schedule.
+
+    Raises:
+        PlanError: naming the flag, the value and the registered names.
+    """
+    if name not in SCHEDULES:
+        raise PlanError(f"{flag} {name!r}: unknown schedule: expected {expected()}")
+    return name
+
+
+def build(schedule: str, n_stages: int, n_microbatches: int) -> Plan:
+    """Build a named schedule's plan.
+
+    Raises:
+        PlanError: for an unknown name or sizes below 1.
+    """
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[schedule].build(n_stages, n_microbatches)
+
+
 def _check_sizes(n_stages: int, n_microbatches: int) -> None:
     if n_stages < 1:
         raise PlanError(f"stages={n_stages}: need at least 1 stage")
@@ -70,6 +135,7 @@ def _check_sizes(n_stages: int, n_microbatches: int) -> None:
         raise PlanError(f"microbatches={n_microbatches}: need at least 1 micro-batch")
 
 
+@register("gpipe", "all forwards, then all backwards (memory: m activations)")
 def gpipe(n_stages: int, n_microbatches: int) -> Plan:
     """All forwards, then all backwards (GPipe). Peak memory holds m activations."""
     _check_sizes(n_stages, n_microbatches)
@@ -77,6 +143,7 @@ def gpipe(n_stages: int, n_microbatches: int) -> Plan:
     return {s: [Action(s, F, i) for i in mbs] + [Action(s, B, i) for i in mbs] for s in range(n_stages)}
 
 
+@register("1f1b", "warm-up, then one forward one backward (memory: p activations)")
 def one_f_one_b(n_stages: int, n_microbatches: int) -> Plan:
     """1F1B (PipeDream-flush): a warm-up of forwards, then alternate, then drain.
 
@@ -101,6 +168,7 @@ def forward_only(n_stages: int, n_microbatches: int) -> Plan:
     return {s: [Action(s, F, i) for i in range(n_microbatches)] for s in range(n_stages)}
 
 
+@register("zb", "1F1B with each backward split in I and W, W filling bubbles")
 def zero_bubble(n_stages: int, n_microbatches: int) -> Plan:
     """ZB-H1-style: 1F1B with each backward split into I (input gradient) and W (weight).
 
@@ -135,20 +203,6 @@ def zero_bubble(n_stages: int, n_microbatches: int) -> Plan:
     return plan
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}
-
-
-def build(schedule: str, n_stages: int, n_microbatches: int) -> Plan:
-    """Build a named schedule's plan.
-
-    Raises:
-        PlanError: for an unknown name or sizes below 1.
-    """
-    if schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[schedule](n_stages, n_microbatches)
-
-
 def with_comms(plan: Plan) -> Plan:
     """Insert the sends and receives each compute action implies (a pure pass)."""
     last = max(plan)
@@ -174,216 +228,5 @@ def with_comms(plan: Plan) -> Plan:
 
 
 def compute_only(plan: Plan) -> Plan:
+    """The plan without its sends and receives."""
     return {r: [a for a in acts if a.op in COMPUTE_OPS] for r, acts in plan.items()}
-
-
-@dataclass
-class Simulation:
-    """Result of `simulate`: times are in the units of the costs given."""
-
-    makespan: float
-    timeline: dict[int, list[tuple[Action, float, float]]]
-    busy: dict[int, float]
-    bubble_fraction: float
-    idle: dict[int, float] = field(default_factory=dict)
-
-
-def _grad_op(a: Action) -> bool:
-    """The action that produces the gradient sent upstream: B, or I when B is split."""
-    return a.op in (B, I)
-
-
-def _check_backwards(rank: int, seen: dict, n_mb: int) -> None:
-    for i in range(n_mb):
-        if (F, i) not in seen:
-            raise PlanError(f"rank {rank} never runs {Action(rank, F, i)}")
-        has_b, has_i, has_w = ((op, i) in seen for op in (B, I, W))
-        if has_b and (has_i or has_w):
-            raise PlanError(f"{Action(rank, B, i)} and a split backward {Action(rank, I, i)}/"
-                            f"{Action(rank, W, i)} both present: use one or the other")
-        if not has_b and not has_i:
-            raise PlanError(f"rank {rank} never runs {Action(rank, B, i)}")
-        if has_i != has_w:
-            missing = Action(rank, W if has_i else I, i)
-            raise PlanError(f"rank {rank} never runs {missing}")
-
-
-def _check_structure(plan: Plan) -> tuple[int, int, bool]:
-    """Stage/rank agreement, micro-batch ranges, F before B (or I before W). Returns (p, m, training)."""
-    if not plan:
-        raise PlanError("empty plan: expected one action list per rank")
-    n_stages = len(plan)
-    if sorted(plan) != list(range(n_stages)):
-        raise PlanError(f"ranks {sorted(plan)}: expected 0..{n_stages - 1}")
-    fwd = {r: [a.microbatch for a in acts if a.op == F] for r, acts in plan.items()}
-    n_mb = max((len(v) for v in fwd.values()), default=0)
-    training = any(a.op in (B, I, W) for acts in plan.values() for a in acts)
-    needs = {B: F, I: F, W: I}
-    for rank, actions in plan.items():
-        seen: dict[tuple[str, int], Action] = {}
-        for a in actions:
-            if a.stage != rank:
-                raise PlanError(f"{a} is listed under rank {rank}: one stage per rank")
-            if not 0 <= a.microbatch < n_mb:
-                raise PlanError(f"{a}: micro-batch out of range 0..{n_mb - 1}")
-            if a.op in COMPUTE_OPS:
-                if (a.op, a.microbatch) in seen:
-                    raise PlanError(f"{a} appears twice on rank {rank}")
-                before = needs.get(a.op)
-                if before and (before, a.microbatch) not in seen:
-                    raise PlanError(f"{a} comes before {Action(rank, before, a.microbatch)}")
-            seen[(a.op, a.microbatch)] = a
-        if training:
-            _check_backwards(rank, seen, n_mb)
-        else:
-            for i in range(n_mb):
-                if (F, i) not in seen:
-                    raise PlanError(f"rank {rank} never runs {Action(rank, F, i)}")
-    return n_stages, n_mb, training
-
-
-def _check_order(plan: Plan) -> None:
-    """Neighbours must agree on the order of what crosses between them (FIFO links)."""
-    def seq(rank: int, forward: bool) -> list[Action]:
-        return [a for a in plan[rank] if (a.op == F if forward else _grad_op(a))]
-
-    for s in range(len(plan) - 1):
-        for forward, left, right in ((True, s, s + 1), (False, s + 1, s)):
-            for k, (a, b) in enumerate(zip(seq(left, forward), seq(right, forward))):
-                if a.microbatch != b.microbatch:
-                    raise PlanError(
-                        f"{b}: stage {right} runs micro-batch {b.microbatch} as its "
-                        f"#{k} {'F' if forward else 'B'} but stage {left} produces {a.microbatch} "
-                        "there; neighbouring stages must agree on order"
-                    )
-
-
-def _waiting_on(a: Action) -> Action:
-    return Action(a.stage, RECV_F if a.op == F else RECV_B, a.microbatch)
-
-
-def _execute(plan: Plan, cost) -> dict[int, list]:
-    """List-schedule the compute actions; sends never block, receives wait.
-
-    `cost(rank, op)` is an action's duration; `cost(rank, "comm")` the link delay.
-    Raises PlanError naming every blocked action if no rank can progress.
-    """
-    last = len(plan) - 1
-    done: dict[tuple[int, str, int], float] = {}
-    pos = {r: 0 for r in plan}
-    clock = {r: 0.0 for r in plan}
-    timeline: dict[int, list] = {r: [] for r in plan}
-    acts = compute_only(plan)
-    while any(pos[r] < len(acts[r]) for r in plan):
-        progressed = False
-        for r in plan:
-            while pos[r] < len(acts[r]):
-                a = acts[r][pos[r]]
-                dep = None
-                if a.op == F and r > 0:
-                    dep = (r - 1, F, a.microbatch)
-                elif _grad_op(a) and r < last:
-                    dep = (r + 1, "grad", a.microbatch)
-                if dep is not None and dep not in done:
-                    break
-                ready = done[dep] + cost(r, "comm") if dep is not None else 0.0
-                start = max(clock[r], ready)
-                end = start + cost(r, a.op)
-                done[(r, "grad" if _grad_op(a) else a.op, a.microbatch)] = end
-                clock[r] = end
-                timeline[r].append((a, start, end))
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            blocked = [str(_waiting_on(acts[r][pos[r]])) for r in plan if pos[r] < len(acts[r])]
-            raise PlanError(f"deadlock: ranks wait forever at {', '.join(blocked)}")
-    return timeline
-
-
-def validate(plan: Plan) -> Plan:
-    """Check a plan and return it with communication inserted.
-
-    Checks: one stage per rank; every micro-batch's forward (and backward, in
-    a training plan) exactly once, forward before backward; neighbours agree on
-    the order of activations and gradients; sends pair with receives without
-    deadlock (sends are asynchronous, receives block).
-
-    Raises:
-        PlanError: naming the first offending action.
-    """
-    if any(a.op in COMM_OPS for acts in plan.values() for a in acts):
-        full = plan
-        plan = compute_only(plan)
-        if with_comms(plan) != full:
-            expected = with_comms(plan)
-            for r in full:
-                for got, want in zip(full[r], expected[r]):
-                    if got != want:
-                        raise PlanError(f"rank {r}: found {got} where {want} belongs")
-            raise PlanError("communication does not match the compute actions")
-    _check_structure(plan)
-    _check_order(plan)
-    _execute(plan, lambda r, op: 0.0 if op == "comm" else 1.0)
-    return with_comms(plan)
-
-
-def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None) -> Simulation:
-    """Cost a plan: when each action runs, the makespan, and the bubble.
-
-    Args:
-        plan: a valid plan (compute-only or with comms).
-        forward: per-micro-batch forward cost, one float for all stages or a list per stage.
-        backward: same for a whole backward (B); defaults to the forward costs.
-        comm: delay between a stage finishing and its neighbour being able to start.
-        weight: for split backwards, the W part of `backward` (I costs the rest);
-            defaults to half of it.
-
-    Returns:
-        Simulation with makespan, per-rank timeline (action, start, end), busy
-        time, idle time and bubble fraction = idle / (ranks × makespan).
-    """
-    plan = compute_only(validate(plan))
-    backward = forward if backward is None else backward
-
-    def per_stage(c, r: int) -> float:
-        return float(c[r]) if isinstance(c, (list, tuple)) else float(c)
-
-    def cost(r: int, op: str) -> float:
-        if op == "comm":
-            return comm
-        if op == F:
-            return per_stage(forward, r)
-        b = per_stage(backward, r)
-        w = b / 2 if weight is None else min(per_stage(weight, r), b)
-        return {B: b, I: b - w, W: w}[op]
-
-    timeline = _execute(plan, cost)
-    makespan = max((end for tl in timeline.values() for _, _, end in tl), default=0.0)
-    busy = {r: sum(e - s for _, s, e in tl) for r, tl in timeline.items()}
-    idle = {r: makespan - b for r, b in busy.items()}
-    total = makespan * len(plan)
-    bubble = sum(idle.values()) / total if total else 0.0
-    return Simulation(makespan, timeline, busy, bubble, idle)
-
-
-def render(plan: Plan, forward: float = 1.0, backward: float = 1.0) -> str:
-    """ASCII grid of a plan: time across, ranks down.
-
-    One column is the shortest action's duration; a longer action fills its
-    first column with its name and the rest with ``~``.
-    """
-    sim = simulate(plan, forward, backward)
-    durations = [e - s for tl in sim.timeline.values() for _, s, e in tl if e > s]
-    unit = min(durations, default=1.0)
-    width = max(len(str(a)) for acts in plan.values() for a in acts) + 1
-    slots = int(round(sim.makespan / unit))
-    lines = ["t      | " + "".join(f"{t:<{width}}" for t in range(slots))]
-    for r, tl in sim.timeline.items():
-        cells = ["." for _ in range(slots)]
-        for a, start, end in tl:
-            first, last = int(round(start / unit)), int(round(end / unit))
-            for t in range(first, last):
-                cells[t] = str(a) if t == first else "~"
-        lines.append(f"rank {r:<2}| " + "".join(f"{c:<{width}}" for c in cells))
-    lines.append(f"bubble {sim.bubble_fraction:.3f}  makespan {sim.makespan:g}")
-    return "\n".join(line.rstrip() for line in lines)

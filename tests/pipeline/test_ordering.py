@@ -1,7 +1,8 @@
 import pytest
 
 from brigade.pipeline import ordering
-from brigade.pipeline.schedule import SCHEDULES, Action, PlanError, build, forward_only, validate
+from brigade.pipeline.plan import validate
+from brigade.pipeline.schedule import SCHEDULES, Action, PlanError, build, forward_only
 
 
 @pytest.mark.parametrize("mode", ordering.MODES)

@@ -18,6 +18,7 @@ from torch import nn
 
 from brigade.errors import BrigadeError, RunError
 from brigade.pipeline import microbatch
+from brigade.pipeline.plan import validate
 from brigade.pipeline.runtime import StageRunner, StepResult
 from brigade.pipeline.schedule import (
     COMM_OPS,
@@ -29,7 +30,6 @@ from brigade.pipeline.schedule import (
     Action,
     build,
     forward_only,
-    validate,
 )
 
 BATCH = 7  # with m = 3: micro-batches of 3, 2, 2 (an uneven split, so the weights matter)
@@ -302,9 +302,6 @@ def test_backward_before_forward_fails_instead_of_hanging(n_stages):
         pipeline_step("gpipe", n_stages, 1, backward_first(n_stages))
 
 
-@pytest.mark.xfail(strict=True, reason="runtime bug: an action list out of order (B before its F) "
-                   "fails with a bare KeyError: 0 from StageRunner.run, naming neither the action "
-                   "nor the fix; it should raise BrigadeError/RunError naming e.g. 1B0")
 def test_backward_before_forward_names_the_action():
-    with pytest.raises(BrigadeError, match="1B0"):
+    with pytest.raises(BrigadeError, match="1B0: no forward output for micro-batch 0 on stage 1"):
         pipeline_step("gpipe", 2, 1, backward_first(2))

@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 
+from brigade.pipeline.plan import render, simulate, validate
 from brigade.pipeline.schedule import (
     Action,
     PlanError,
@@ -11,9 +12,6 @@ from brigade.pipeline.schedule import (
     forward_only,
     gpipe,
     one_f_one_b,
-    render,
-    simulate,
-    validate,
     with_comms,
 )
 
@@ -127,3 +125,31 @@ def test_render_draws_time_across_ranks_down():
     assert text.splitlines()[1].split() == ["rank", "0", "|", "0F0", "0F1", ".", ".", "0B0", "0B1"]
     assert text.splitlines()[2].split() == ["rank", "1", "|", ".", "1F0", "1F1", "1B0", "1B1", "."]
     assert "bubble 0.333" in text
+
+
+def test_a_schedule_registered_here_is_accepted_everywhere(monkeypatch, capsys):
+    """Adding a schedule touches schedule.py only: config, CLI and bench read the registry."""
+    from brigade import config
+    from brigade.bench.run import bench_config
+    from brigade.cli import build_parser, main
+    from brigade.pipeline import schedule
+
+    monkeypatch.setattr(schedule, "SCHEDULES", dict(schedule.SCHEDULES))
+    schedule.register("gpipe-again", "GPipe under another name, for this test")(gpipe)
+
+    cfg = config.RunConfig()
+    cfg.parallel.schedule = "gpipe-again"
+    config.validate(cfg)  # accepted: no error
+    cfg.parallel.schedule = "zigzag"
+    with pytest.raises(PlanError, match="--schedule 'zigzag': unknown schedule: expected gpipe, 1f1b, zb "
+                                        "or gpipe-again"):
+        config.validate(cfg)
+
+    assert main(["schedule", "--schedule", "gpipe-again", "--stages", "2", "--microbatches", "2"]) == 0
+    assert "bubble 0.333" in capsys.readouterr().out
+    bench = build_parser().parse_args(["bench", "--model", "toy"])
+    assert bench_config(bench).schedules == ["gpipe", "1f1b", "zb", "gpipe-again"]
+    with pytest.raises(PlanError, match="--schedules 'fast': unknown schedule"):
+        bench_config(build_parser().parse_args(["bench", "--model", "toy", "--schedules", "fast,zb"]))
+    assert "gpipe-again: GPipe under another name" in schedule.help_text()
+    assert schedule.names()[-1] == "gpipe-again"

@@ -56,7 +56,8 @@ def _exchange(rank: int, world: int, port: int, policy: str, out) -> None:
     import torch.distributed as dist
 
     from brigade.pipeline.p2p import P2PTransport
-    from brigade.pipeline.schedule import RECV_F, Action, build, validate
+    from brigade.pipeline.plan import validate
+    from brigade.pipeline.schedule import RECV_F, Action, build
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     wrong, modes, m = [], [], 3
@@ -119,7 +120,8 @@ def _changes_shape_alone(rank: int, world: int, port: int, out) -> None:
     import torch.distributed as dist
 
     from brigade.pipeline.p2p import P2PTransport
-    from brigade.pipeline.schedule import forward_only, validate
+    from brigade.pipeline.plan import validate
+    from brigade.pipeline.schedule import forward_only
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=10))
