@@ -142,13 +142,7 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
     forensics.doing(f"snapshot step {step}: barrier before writing", waiting=True)
     dist.barrier()
     forensics.doing(f"snapshot step {step}: writing")
-    try:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
-        write_atomic(tmp / f"rng_{rank}.json", json.dumps(rng_state(_devices(model))))
-        error = ""
-    except (OSError, CheckpointException) as exc:
-        error = _first_line(exc)
+    error = _write_data(tmp, rank, model, optimizer)
     hashes = _param_hashes(model)
     if before_commit is not None:
         before_commit()
@@ -171,6 +165,17 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, ke
             f"the previous snapshot ({kept}) is intact: free space or choose another --out"
         )
     return final
+
+
+def _write_data(tmp: Path, rank: int, model: nn.Module, optimizer) -> str:
+    """This rank's DCP shards and RNG states into `tmp`; "" or the error's one line."""
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
+        write_atomic(tmp / f"rng_{rank}.json", json.dumps(rng_state(_devices(model))))
+    except (OSError, CheckpointException) as exc:
+        return _first_line(exc)
+    return ""
 
 
 def _failed(error: str) -> bool:
