@@ -1,7 +1,7 @@
 """brigade: data, model and pipeline parallel training for PyTorch, on CPU or GPU, one machine or many."""
 
+from brigade.agent import launch
 from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig
-from brigade.dist import launch
 from brigade.errors import BrigadeError
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
 from brigade.train.trainer import Trainer

@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import dist as bdist
+from brigade import agent, groups
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
 from brigade.pipeline import microbatch
 from brigade.pipeline.partition import check_chain, choose_balance, split
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
 from brigade.pipeline.schedule import build
+from brigade.rendezvous import LaunchSpec
 
 
 @dataclass
@@ -132,7 +133,7 @@ def run_case(cfg: CheckConfig, schedule: str, m: int, rank: int | None, lr: floa
     ref_loss, ref_grads, ref_state, ref_kind = _reference(spec, x, y, m, lr)
     balance = choose_balance(spec.blocks, cfg.stages, by=cfg.balance_by, sample=x[:2],
                              balance=cfg.balance)
-    device = bdist.init().device if rank is not None else torch.device("cpu")
+    device = groups.init().device if rank is not None else torch.device("cpu")
     if rank is not None and dist.is_initialized():  # measured balances may differ between ranks
         agreed = torch.tensor(balance, device=device)  # NCCL takes only tensors on the group's GPU
         dist.broadcast(agreed, 0)
@@ -182,12 +183,12 @@ def exact_matmuls():
 
 def worker(cfg: CheckConfig, cases: list[tuple[str, int]]) -> list[dict]:
     """Process entry point: run every case in one process group (one start for many cases)."""
-    info = bdist.init(threads=1)
+    info = groups.init(threads=1)
     try:
         with exact_matmuls():
             return [run_case(cfg, s, m, info.rank).to_dict() for s, m in cases]
     finally:
-        bdist.destroy()
+        groups.destroy()
 
 
 def preflight(cfg: CheckConfig, cases: list[tuple[str, int]]) -> None:
@@ -223,5 +224,5 @@ def run_check(cfg: CheckConfig, cases: list[tuple[str, int]] | None = None,
     if cfg.runtime == "local":
         with exact_matmuls():
             return [run_case(cfg, s, m, None).to_dict() for s, m in cases]
-    results = bdist.launch(worker, bdist.LaunchSpec(cfg.stages, port=port), cfg, cases)
+    results = agent.launch(worker, LaunchSpec(cfg.stages, port=port), cfg, cases)
     return results[0]

@@ -122,7 +122,7 @@ def _add_train(sub) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from brigade import config
-    from brigade.dist import Stopped
+    from brigade.agent import Stopped
     from brigade.launchenv import launcher_world
     from brigade.snapshot.format import latest_step
     from brigade.train.faults import parse_fault

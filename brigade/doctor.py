@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from brigade import dist as bdist
-from brigade import net
+from brigade import agent, groups, net
 from brigade.bench.timing import measure, ping_pong
 from brigade.errors import BrigadeError, RunError
+from brigade.rendezvous import LaunchSpec
 
 MAX_SKEW_S = 1.0
 
@@ -61,7 +61,7 @@ class Setup:
 
 def check_backend(s: Setup) -> Check:
     try:
-        backend, device = bdist.pick_backend(s.backend)
+        backend, device = groups.pick_backend(s.backend)
     except BrigadeError as exc:
         return _failed("backend", exc)
     available = dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available()
@@ -307,7 +307,7 @@ def skew_check(worst: tuple[float, float, int] | None) -> Check:
 
 def group_worker(s: Setup, big: int) -> list[dict]:
     """One rank of the doctor's group; returns every group check (the same list on every rank)."""
-    info = bdist.init(s.backend, threads=1, timeout_s=120)
+    info = groups.init(s.backend, threads=1, timeout_s=120)
     rank, world = info.rank, info.world_size
     token = [os.urandom(4).hex()]
     dist.broadcast_object_list(token, src=0)
@@ -335,9 +335,9 @@ def run_doctor(s: Setup, say=print, big: int = 1 << 20) -> bool:
         say("group checks skipped: fix the FAILs above first")
         return False
     try:
-        spec = bdist.LaunchSpec(s.nproc, port=s.port, nnodes=s.nnodes, node_rank=s.node_rank,
+        spec = LaunchSpec(s.nproc, port=s.port, nnodes=s.nnodes, node_rank=s.node_rank,
                                 rdzv_endpoint=s.rdzv_endpoint, local_addr=s.local_addr, rdzv_timeout=60)
-        results = bdist.launch(group_worker, spec, s, big)
+        results = agent.launch(group_worker, spec, s, big)
     except RunError as exc:
         say(Check("group", False, str(exc), "run `brigade doctor` with the same --nnodes and "
                   "--rdzv-endpoint on every node within a minute; see the FAILs above").line())

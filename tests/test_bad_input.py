@@ -276,7 +276,7 @@ def test_port_in_use(cli, tmp_path):
 
 
 def test_rendezvous_endpoint_that_does_not_answer(cli, tmp_path):
-    from brigade.dist import free_port
+    from brigade.net import free_port
 
     port = free_port()
     start = os.times().elapsed

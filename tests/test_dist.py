@@ -4,8 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from brigade import dist as bdist
-from brigade import rendezvous
+from brigade import groups, rendezvous
 from brigade.errors import BrigadeError
 
 
@@ -23,17 +22,17 @@ def cuda(*indices):
 ])
 def test_device_is_local_rank_when_visible_else_wraps(monkeypatch, local_rank, n, count, want):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    assert bdist.local_devices("cuda", local_rank, n) == want
+    assert groups.local_devices("cuda", local_rank, n) == want
 
 
 def test_too_few_visible_gpus_for_the_local_stages_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(BrigadeError, match=r"^--local-stages 2 needs 2 GPUs per process but 1 are visible"):
-        bdist.local_devices("cuda", 0, 2)
+        groups.local_devices("cuda", 0, 2)
 
 
 def test_cpu_repeats_for_every_stage():
-    assert bdist.local_devices("cpu", 5, 3) == [torch.device("cpu")] * 3
+    assert groups.local_devices("cpu", 5, 3) == [torch.device("cpu")] * 3
 
 
 @pytest.fixture
@@ -54,16 +53,16 @@ def one_visible_gpu_at_local_rank_3(monkeypatch):
 
 
 def test_init_and_info_bind_the_one_visible_gpu(one_visible_gpu_at_local_rank_3):
-    got = bdist.init("nccl")
+    got = groups.init("nccl")
     assert got.device == torch.device("cuda", 0) and got.local_rank == 3
     assert one_visible_gpu_at_local_rank_3 == [torch.device("cuda", 0)]
-    assert bdist.info("nccl").device == torch.device("cuda", 0)
+    assert groups.info("nccl").device == torch.device("cuda", 0)
 
 
 def test_init_binds_the_first_of_a_process_s_local_stages(one_visible_gpu_at_local_rank_3, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert bdist.init("nccl", local_stages=2).device == torch.device("cuda", 6)
-    assert bdist.info("nccl", local_stages=2).device == torch.device("cuda", 6)
+    assert groups.init("nccl", local_stages=2).device == torch.device("cuda", 6)
+    assert groups.info("nccl", local_stages=2).device == torch.device("cuda", 6)
 
 
 @pytest.mark.parametrize("local_stages,bound", [(1, True), (2, False)])
@@ -76,7 +75,7 @@ def test_the_default_group_is_bound_only_to_a_process_s_single_gpu(
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(kw))
     monkeypatch.setattr(rendezvous, "loopback_store", lambda timeout: None)
-    bdist.init("nccl", local_stages=local_stages)
+    groups.init("nccl", local_stages=local_stages)
     first = torch.device("cuda", 3 * local_stages)
     assert calls and ("device_id" in calls[0]) == bound
     assert calls[0].get("device_id", first) == first

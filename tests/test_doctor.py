@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from brigade import dist as bdist
-from brigade import doctor
+from brigade import agent, doctor, groups
 from brigade.doctor import Check, Setup
 from brigade.net import free_port
 from tests.e2e.helpers import brigade
@@ -107,7 +106,7 @@ def test_doctor_fails_an_unwritable_snapshot_folder(tmp_path):
 def _broken_delivery_worker(fault: str) -> list[dict]:
     """One rank of a 2-rank group: the doctor's all-reduce and point-to-point checks while
     torch.distributed loses data as `fault` says (the calls still pair up, so nothing hangs)."""
-    info = bdist.init("gloo", threads=1, timeout_s=60)
+    info = groups.init("gloo", threads=1, timeout_s=60)
     send, recv = dist.send, dist.recv
     if fault == "recv-keeps-nothing":  # the data crosses but never lands in the caller's buffer
         dist.recv = lambda t, src=None, *a, **k: recv(torch.empty_like(t), src, *a, **k)
@@ -117,7 +116,7 @@ def _broken_delivery_worker(fault: str) -> list[dict]:
         dist.all_reduce = lambda *a, **k: None
     checks = [doctor._allreduce(info.device, info.world_size, info.rank, 1024, 12345),
               doctor._p2p(info.device, info.world_size, info.rank, 1024, 12345)]
-    bdist.destroy()
+    groups.destroy()
     return [asdict(c) for c in checks if c is not None]
 
 
@@ -129,7 +128,7 @@ def _broken_delivery_worker(fault: str) -> list[dict]:
     ("all-reduce-does-nothing", ["all-reduce"]),
 ])
 def test_the_doctor_fails_when_data_is_not_delivered(fault, failing):
-    checks = bdist.launch(_broken_delivery_worker, 2, fault)[0]
+    checks = agent.launch(_broken_delivery_worker, 2, fault)[0]
     assert [c["name"] for c in checks] == ["all-reduce", "point-to-point"]
     assert [c["name"] for c in checks if not c["ok"]] == failing, checks
     for c in checks:

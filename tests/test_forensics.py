@@ -108,16 +108,16 @@ def test_a_paused_watchdog_does_not_judge_and_resumes_afresh(tmp_path):
 def test_ddp_gradient_buckets_are_recorded(monkeypatch):
     import torch
 
-    from brigade import dist as bdist
+    from brigade import groups
     from brigade.train.layout import data_parallel
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)  # init() sets them; they must not outlive this test
-    bdist.init("gloo")  # a group of one, in this process
+    groups.init("gloo")  # a group of one, in this process
     try:
         model = data_parallel(torch.nn.Linear(4, 4), None, None)
         model(torch.ones(2, 4)).sum().backward()
         what, _, waiting, _ = forensics.current()["MainThread"]
         assert what == "allreduce bucket 0" and waiting
     finally:
-        bdist.destroy()
+        groups.destroy()

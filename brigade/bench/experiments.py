@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import dist as bdist
+from brigade import groups
 from brigade.bench.memory import stage_meter
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining
 from brigade.bench.place import ddp, place_model
@@ -121,7 +121,7 @@ def _ddp(cfg, spec, x, y, rank, n):
 
 
 def worker(cfg: BenchConfig) -> dict:
-    info = bdist.init(cfg.backend, threads=1)
+    info = groups.init(cfg.backend, threads=1)
     rank, n, device = info.rank, info.world_size, info.device
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, device)
@@ -151,7 +151,7 @@ def worker(cfg: BenchConfig) -> dict:
                 rows.append(_row("torch.distributed.pipelining", schedule, m, cfg.batch_size, t,
                                  balance=balance, torch_pipelining=True, ideal_s=extra["ideal_s"]))
     rows.append(_row("ddp", None, 1, cfg.batch_size, _ddp(cfg, spec, x, y, rank, n), stages=1))
-    bdist.destroy()
+    groups.destroy()
     return {"rows": rows, "trace": best_trace, "balance": balance,
             "memory_method": rows[1]["memory_method"]}
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from brigade import dist as bdist
+from brigade import agent, groups
 from brigade.bench.place import ddp
 from brigade.config import RunConfig, to_toml
 from brigade.errors import BrigadeError, RunError
@@ -37,7 +37,7 @@ from brigade.train.metrics import loop_seconds, read_records
 
 def raw_worker(cfg: RunConfig) -> list[float]:
     """The tutorial's DDP loop; returns rank 0's wall clock after every step."""
-    info = bdist.init(cfg.parallel.backend, threads=cfg.parallel.threads)
+    info = groups.init(cfg.parallel.backend, threads=cfg.parallel.threads)
     world, device = info.world_size, info.device
     blocks, loss_fn, train, _, _ = build(cfg)
     model = ddp(torch.nn.Sequential(*blocks), device)
@@ -59,7 +59,7 @@ def raw_worker(cfg: RunConfig) -> list[float]:
         dist.all_reduce(loss.detach())  # the loss every rank reports, as brigade does
         float(loss.detach())  # the loss reaches the host, as brigade's metrics need it
         stamps.append(time.time())
-    bdist.destroy()
+    groups.destroy()
     return stamps
 
 
@@ -96,7 +96,7 @@ def brigade_round(cfg: RunConfig, warmup: int, folder: Path) -> float:
 
 def raw_round(cfg: RunConfig, warmup: int) -> float:
     """Mean seconds per step of the raw DDP loop, timed like brigade's."""
-    stamps = bdist.launch(raw_worker, cfg.parallel.nproc, cfg)[0]
+    stamps = agent.launch(raw_worker, cfg.parallel.nproc, cfg)[0]
     gaps = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])]
     return statistics.mean(gaps)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from brigade import dist as bdist
+from brigade import agent
 from brigade.bench import plot
 from brigade.bench.experiments import BenchConfig, summarise, worker
 from brigade.errors import BrigadeError
@@ -18,6 +18,7 @@ from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
 from brigade.pipeline import schedule
 from brigade.pipeline.partition import check_chain
+from brigade.rendezvous import LaunchSpec
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
@@ -66,7 +67,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"brigade bench: {cfg.model}, batch {cfg.batch_size}, split sizes "
           f"{cfg.splits or 'the tutorial’s, scaled'}, {cfg.repeats} repeats, on {device}", flush=True)
     start = time.perf_counter()
-    raw = bdist.launch(worker, bdist.LaunchSpec(2, port=args.port), cfg)[0]
+    raw = agent.launch(worker, LaunchSpec(2, port=args.port), cfg)[0]
     data = summarise(cfg, raw, device)
     data["wall_s"] = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,7 @@ def run_tune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise BrigadeError(f"--out {args.out!r} is a file: give a folder")
-    result = bdist.launch(tune_worker, bdist.LaunchSpec(2, port=args.port), cfg, args.verify)[0]
+    result = agent.launch(tune_worker, LaunchSpec(2, port=args.port), cfg, args.verify)[0]
     chosen = result["chosen"]
     out.mkdir(parents=True, exist_ok=True)
     toml = out / "tune.toml"

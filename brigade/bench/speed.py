@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from brigade import dist as bdist
+from brigade import agent, groups
 from brigade.bench.peers import TorchPipelining, nearest_torch_schedule
 from brigade.bench.place import place_model
 from brigade.bench.timing import Workload, gathered_stage_costs, time_pipeline, time_single
@@ -41,7 +41,7 @@ class SpeedConfig(Workload):
 
 
 def worker(cfg: SpeedConfig) -> dict:
-    info = bdist.init(cfg.backend, threads=1)
+    info = groups.init(cfg.backend, threads=1)
     rank, device = info.rank, info.device
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, device)
@@ -64,7 +64,7 @@ def worker(cfg: SpeedConfig) -> dict:
                      "ideal_s": ideal,
                      "brigade": asdict(ours), "torch_pipelining": asdict(theirs),
                      "torch_schedule": peer_schedule})
-    bdist.destroy()
+    groups.destroy()
     return {"single": single, "rows": rows}
 
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = [(args.schedule, int(m)) for m in args.microbatches.split(",")]
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"  # NCCL: one GPU per process
     cfg = SpeedConfig(cases=cases, repeats=args.repeats, backend=backend)
-    result = summarise(cfg, bdist.launch(worker, cfg.stages, cfg)[0])
+    result = summarise(cfg, agent.launch(worker, cfg.stages, cfg)[0])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "speed.json").write_text(json.dumps(result, indent=2))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import dist as bdist
+from brigade import groups
 from brigade.bench.experiments import BenchConfig, scaled_splits
 from brigade.bench.place import place_model
 from brigade.bench.timing import measure, ping_pong, stage_costs, time_pipeline
@@ -120,7 +120,7 @@ def verify_sweep(predictions: list[dict], chosen: dict, time_config) -> dict:
 
 
 def worker(cfg: BenchConfig, verify: bool) -> dict:
-    info = bdist.init(cfg.backend, threads=1)
+    info = groups.init(cfg.backend, threads=1)
     rank, n = info.rank, info.world_size
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, info.device)
@@ -149,5 +149,5 @@ def worker(cfg: BenchConfig, verify: bool) -> dict:
     if verify:
         result.update(verify_sweep(predictions, chosen, lambda c: _time_config(
             spec, x, y, rank, n, c["schedule"], c["microbatches"], c["balance"], cfg)))
-    bdist.destroy()
+    groups.destroy()
     return result

@@ -25,8 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from brigade import dist as bdist
-from brigade import forensics
+from brigade import forensics, groups
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
 from brigade.pipeline.partition import choose_balance, parse_balance, split
@@ -34,13 +33,13 @@ from brigade.pipeline.pipe import LocalPipeline, Pipeline
 
 
 def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict = {}
+    found: dict = {}
     for t in tensors:
-        groups.setdefault(t.device, []).append(t)
-    return list(groups.values())
+        found.setdefault(t.device, []).append(t)
+    return list(found.values())
 
 
-class Owned(nn.Module):
+class OwnedBlocks(nn.Module):
     """The blocks this process holds, named by their index in the whole model."""
 
     def __init__(self, blocks: list[nn.Module], indices: list[int]):
@@ -105,13 +104,14 @@ def _stage_group(device: torch.device):
     bound = dist.distributed_c10d._get_default_group().bound_device_id
     if bound is not None:
         raise BrigadeError(f"the process group is bound to {bound} but this process drives several "
-                           "GPUs: pass local_stages to brigade.dist.init")
+                           "GPUs: pass local_stages to brigade.groups.init")
     with torch.cuda.device(device):  # the communicator and its first collective on this GPU
         return dist.new_group(ranks, device_id=device)
 
 
-class Engine:
-    """One process's share of the model and how to run a batch through it.
+class ProcessModel:
+    """This process's part of the model — its blocks, their pipeline and data-parallel wrappers —
+    and how a batch runs through it (loss, gradients, gradient norm) in every layout.
 
     Args:
         blocks: the whole model as blocks (identical on every process).
@@ -133,7 +133,7 @@ class Engine:
         else:
             mine = [layout.pp_rank]
         indices = [starts[s] + k for s in mine for k in range(balance[s])]
-        self.owned = Owned(blocks, indices).to(layout.device)
+        self.owned = OwnedBlocks(blocks, indices).to(layout.device)
         self.is_output_rank = layout.pp_rank == layout.pp - 1
         self.local = cfg.local_stages > 1
         m = cfg.microbatches if n_stages > 1 else 1
@@ -150,21 +150,21 @@ class Engine:
     def _local_pipeline(self, stages, cfg: ParallelConfig, loss_fn, m: int, autocast):
         layout = self.layout
         n = cfg.local_stages
-        devices = bdist.local_devices(layout.device.type, int(os.environ.get("LOCAL_RANK", 0)), n)
+        devices = groups.local_devices(layout.device.type, int(os.environ.get("LOCAL_RANK", 0)), n)
         if devices[0] != layout.device:
             raise BrigadeError(f"the process group is bound to {layout.device} but stage 0 of "
                                f"--local-stages {n} runs on {devices[0]}: pass local_stages={n} to "
-                               "brigade.dist.init and brigade.dist.info")
-        groups = [_stage_group(d) for d in devices] if layout.dp > 1 else None
+                               "brigade.groups.init and brigade.groups.info")
+        stage_groups = [_stage_group(d) for d in devices] if layout.dp > 1 else None
 
         def wrap(i: int, module: nn.Module) -> nn.Module:
-            if groups is None:
+            if stage_groups is None:
                 return module
             # One process group per stage: each stage's thread issues its own all-reduces.
             if devices[i].type != "cuda":
-                return data_parallel(module, groups[i], None)
+                return data_parallel(module, stage_groups[i], None)
             with torch.cuda.device(devices[i]):  # DDP's first broadcast, on stage i's GPU
-                return data_parallel(module, groups[i], [devices[i]])
+                return data_parallel(module, stage_groups[i], [devices[i]])
 
         return LocalPipeline(stages, devices, cfg.schedule, m, loss_fn, wrap=wrap, autocast=autocast)
 

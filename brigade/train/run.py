@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from brigade import dist as bdist
-from brigade import forensics
+from brigade import agent, forensics, groups
 from brigade.config import RunConfig, resolve_layout, to_toml
 from brigade.errors import BrigadeError, RunError
 from brigade.fsutil import write_atomic
@@ -29,8 +28,8 @@ from brigade.snapshot.format import SnapshotError, find_latest, read_manifest
 from brigade.snapshot.rng import torch_rng_fingerprint
 from brigade.train import metrics
 from brigade.train.data import Vocab, build
-from brigade.train.events import launch_with_events, layout_record, this_round
 from brigade.train.faults import Fault, FaultInjector
+from brigade.train.supervise import launch_with_events, layout_record, this_round
 from brigade.train.trainer import NonFiniteError, Trainer
 
 _IMPORTED = time.perf_counter()
@@ -58,7 +57,7 @@ def preflight(cfg: RunConfig) -> None:
     """
     if cfg.train.tensorboard:
         metrics.require_tensorboard()
-    p, (_, device) = cfg.parallel, bdist.pick_backend(cfg.parallel.backend)  # nccl, no GPU: refused
+    p, (_, device) = cfg.parallel, groups.pick_backend(cfg.parallel.backend)  # nccl, no GPU: refused
     if device == "cuda" and (gpus := torch.cuda.device_count()) < (need := p.nproc * p.local_stages):
         raise BrigadeError(f"--nproc {p.nproc} × --local-stages {p.local_stages} on {p.backend} needs {need} "
                            f"GPUs on this node but {gpus} are visible: use fewer, or --backend gloo")
@@ -116,15 +115,15 @@ def _seconds_since_process_start() -> float:
 
 def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
     """One process of a training run (under brigade's launcher, torchrun, or srun); its summary."""
-    info = bdist.init(cfg.parallel.backend, cfg.parallel.threads,
+    info = groups.init(cfg.parallel.backend, cfg.parallel.threads,
                       forensics.group_timeout(cfg.parallel.hang_timeout), cfg.parallel.local_stages)
     cfg = this_round(cfg)  # elastic: dp from the world this round of the rendezvous formed
     blocks, loss_fn, train, val, vocab = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train)
     injector = FaultInjector(fault, info.rank)
-    bdist.watch_signals()  # SIGTERM: finish this step, snapshot, leave
-    injector.should_stop = bdist.stop_requested
+    agent.watch_signals()  # SIGTERM: finish this step, snapshot, leave
+    injector.should_stop = agent.stop_requested
     resumed = resume(trainer, cfg)
     layout = _announce(cfg, info, resumed)
     snap = _snapshotter(trainer, cfg, vocab, injector)
@@ -142,7 +141,7 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
                "rng": {"torch": torch_rng_fingerprint(), "python": random.random()},
                "val_loss": next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)}
     trainer.close()
-    bdist.destroy()
+    groups.destroy()
     return summary
 
 
@@ -184,7 +183,7 @@ def _after_step(cfg: RunConfig, info, resumed: int, snap):
             tr.metrics.write({"step": record["step"], "event": "first_step", "attempt": attempt,
                               "resumed_from": resumed,
                               "seconds_from_process_start": _seconds_since_process_start()})
-        flag = torch.tensor([1.0 if bdist.stop_requested() else 0.0], device=info.device)
+        flag = torch.tensor([1.0 if agent.stop_requested() else 0.0], device=info.device)
         forensics.doing(f"step {record['step']}: allreduce stop flag", waiting=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         every = cfg.train.snapshot_every
@@ -216,7 +215,7 @@ def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> 
 
     Raises:
         BrigadeError: the layout contradicts the world, or a preflight check fails.
-        bdist.Stopped: the launcher was sent a signal; the workers wrote a snapshot and left.
+        agent.Stopped: the launcher was sent a signal; the workers wrote a snapshot and left.
     """
     cfg = resolve_layout(cfg, launcher_world())
     if under_launcher():

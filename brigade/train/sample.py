@@ -14,7 +14,7 @@ from brigade.models.gpt import GPTConfig, gpt
 from brigade.snapshot.collective import load_model_only
 from brigade.snapshot.format import resolve
 from brigade.train.data import Vocab
-from brigade.train.layout import Owned
+from brigade.train.layout import OwnedBlocks
 
 
 @torch.no_grad()
@@ -51,7 +51,7 @@ def sample_from_run(path: str | Path, prompt: str, tokens: int, seed: int = 0,
                            "the snapshot is damaged or from another version") from None
     vocab = Vocab(manifest.vocab)
     blocks = gpt(GPTConfig(len(vocab), m.context, m.n_layer, m.n_head, m.n_embd, 0.0))
-    owned = Owned(blocks, list(range(len(blocks))))
+    owned = OwnedBlocks(blocks, list(range(len(blocks))))
     load_model_only(found.path, owned)
     model = nn.Sequential(*blocks).eval()
     idx = vocab.encode(prompt or "\n")[None, :]

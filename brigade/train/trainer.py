@@ -1,7 +1,7 @@
 """The training loop: model-agnostic, the same in every layout.
 
 A Trainer takes blocks, a loss function, datasets and an optimizer factory;
-`Engine` (layout.py) decides where blocks run. Each optimizer step:
+`ProcessModel` (layout.py) decides where blocks run. Each optimizer step:
 
     for each of grad_accum batches: global batch → this replica's slice → forward/backward
     clip the whole model's gradient norm → optimizer step → LR schedule → metrics
@@ -25,12 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import dist as bdist
-from brigade import elastic, forensics
+from brigade import elastic, forensics, groups
 from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, World, resolve_layout
 from brigade.errors import RunError
 from brigade.train.data import Sampler
-from brigade.train.layout import Engine, by_device, make_layout
+from brigade.train.layout import ProcessModel, by_device, make_layout
 from brigade.train.metrics import Metrics
 from brigade.train.precision import LossScaler, autocast_dtype
 
@@ -101,9 +100,9 @@ class Trainer:
         self.optim_cfg = optim or OptimConfig()
         self.cfg = train or TrainConfig()
         if not dist.is_initialized():
-            bdist.init_single_or_env(self.parallel.backend, self.parallel.threads,
+            groups.init(self.parallel.backend, self.parallel.threads,
                                      local_stages=self.parallel.local_stages)
-        self.info = bdist.info(self.parallel.backend, self.parallel.local_stages)
+        self.info = groups.info(self.parallel.backend, self.parallel.local_stages)
         self._resolve_layout()
         # Every random stream is seeded, per rank: dropout (torch), and Python's / numpy's for user code.
         stream = self.cfg.seed + 1000 * dist.get_rank()
@@ -114,7 +113,7 @@ class Trainer:
         self.layout = make_layout(self.parallel, self.info.device)
         autocast = autocast_dtype(self.cfg.precision, self.cfg.bf16, self.info.device.type)
         self.scaler = LossScaler() if autocast == torch.float16 else None
-        self.engine = Engine(blocks, loss_fn, self.parallel, self.layout, autocast=autocast)
+        self.engine = ProcessModel(blocks, loss_fn, self.parallel, self.layout, autocast=autocast)
         self.model = self.engine.owned
         self.optimizer = (optimizer or adamw(self.optim_cfg))(self.model)
         self.train_data, self.val_data = train_data, val_data

@@ -63,7 +63,7 @@ class Nodes:
     """Two `brigade train` agents meeting at one loopback endpoint, each in its own session."""
 
     def __init__(self, out: Path):
-        from brigade.dist import free_port
+        from brigade.net import free_port
 
         self.port = free_port()
         self.flags = ["train", "--out", str(out), *TINY, *RUN, "--nnodes", "1:2", "--nproc", "1",

@@ -77,7 +77,7 @@ def _layout(out) -> dict:
 
 def test_runs_under_torchrun(tmp_path):
     """torchrun's world decides: 4 processes with --pp 2 is dp 2 × pp 2 (brigade's --nproc is 2)."""
-    from brigade.dist import free_port
+    from brigade.net import free_port
 
     out = tmp_path / "tr"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
@@ -92,7 +92,7 @@ def test_runs_under_torchrun(tmp_path):
 
 def test_runs_under_slurm_variables(tmp_path):
     """Four tasks as `srun -n 4 python -m brigade train --pp 2` starts them: SLURM_* only."""
-    from brigade.dist import free_port
+    from brigade.net import free_port
 
     port = str(free_port())
     out = tmp_path / "slurm"
@@ -128,7 +128,7 @@ def _wait_until_listening(port: int, seconds: float = 60) -> None:
 
 def test_two_torchrun_agents_on_loopback(tmp_path):
     """`torchrun --nnodes 2 --rdzv-backend c10d`, 2 processes each: dp 2 × pp 2 from the world of 4."""
-    from brigade.dist import free_port
+    from brigade.net import free_port
 
     port = free_port()
     out = tmp_path / "agents"
@@ -164,7 +164,7 @@ def test_two_node_agents_on_loopback(tmp_path):
     pid) and waits for node 0's store before it runs brigade, so node 0 holds no rank 0 and must
     still finish the run (plot, sample) and exit 0.
     """
-    from brigade.dist import free_port
+    from brigade.net import free_port
 
     port = free_port()
     out = tmp_path / "nodes"

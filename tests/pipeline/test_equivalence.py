@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from brigade import dist as bdist
+from brigade import agent, groups
 from brigade.check import CheckConfig, run_check
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
@@ -91,7 +91,7 @@ def _reference(spec, x, y):
 
 def shapes_worker():
     """Variable batch and sequence length between steps, then inference, on 2 processes."""
-    info = bdist.init(threads=1)
+    info = groups.init(threads=1)
     spec = load_model("gpt", seed=0, **TINY_GPT)
     stage = split(spec.blocks, [2, 2])[info.rank]
     pipe = Pipeline(stage, "1f1b", 3, spec.loss_fn)
@@ -105,13 +105,13 @@ def shapes_worker():
     logits = pipe.forward(x)
     if pipe.is_last:
         out.append((logits - ref(x)).abs().max().item())
-    bdist.destroy()
+    groups.destroy()
     return out
 
 
 @pytest.mark.timeout(120)
 def test_process_runtime_handles_changing_shapes_and_inference():
-    results = bdist.launch(shapes_worker, 2)
+    results = agent.launch(shapes_worker, 2)
     assert len(results[1]) == 3, "the last stage returns the inference outputs"
     for diffs in results.values():
         assert max(diffs) <= 1e-5
@@ -176,7 +176,7 @@ def zb_data_parallel_worker(bucket_caps: list[float | None]) -> list[dict[str, f
         finish(self)
 
     GradientReducer.finish = recording_finish
-    info = bdist.init(threads=1)
+    info = groups.init(threads=1)
     batches = [load_model("gpt", seed=0, **TINY_GPT).make_batch(8, torch.Generator().manual_seed(s))
                for s in (1, 2)]
     mine = [(x.chunk(2)[info.rank], y.chunk(2)[info.rank]) for x, y in batches]
@@ -184,12 +184,12 @@ def zb_data_parallel_worker(bucket_caps: list[float | None]) -> list[dict[str, f
     for cap in bucket_caps:
         spec = load_model("gpt", seed=0, **TINY_GPT)
         ref, half = (nn.Sequential(*copy.deepcopy(spec.blocks)) for _ in range(2))
-        groups = [dist.new_group([0, 1]) for _ in range(2)]  # one per stage thread
+        stage_groups = [dist.new_group([0, 1]) for _ in range(2)]  # one per stage thread
 
-        def wrap(i, module, cap=cap, groups=groups):
+        def wrap(i, module, cap=cap, stage_groups=stage_groups):
             if cap is None:
-                return data_parallel(module, groups[i], None)
-            return DistributedDataParallel(module, process_group=groups[i], bucket_cap_mb=cap)
+                return data_parallel(module, stage_groups[i], None)
+            return DistributedDataParallel(module, process_group=stage_groups[i], bucket_cap_mb=cap)
 
         started.clear()
         with LocalPipeline(split(spec.blocks, [2, 2]), ["cpu"] * 2, "zb", 3, spec.loss_fn,
@@ -206,14 +206,14 @@ def zb_data_parallel_worker(bucket_caps: list[float | None]) -> list[dict[str, f
                     "accumulating": accumulating, "synced": _max_grad_diff(pipe.parameters(),
                     ref.parameters()), "halves_differ": _max_grad_diff(half.parameters(),
                     full_first.parameters())})
-    bdist.destroy()
+    groups.destroy()
     return out
 
 
 @pytest.mark.timeout(180)
 def test_zero_bubble_data_parallel_gradients_match_single_device():
     """After a zb step under dp 2 every gradient is the full batch's, and sync=False keeps it local."""
-    results = bdist.launch(zb_data_parallel_worker, 2, [None, 0.002])
+    results = agent.launch(zb_data_parallel_worker, 2, [None, 0.002])
     for rank, cases in results.items():
         for case in cases:
             assert case["halves_differ"] > 1e-3, "a replica's half must differ from the full batch"
@@ -227,7 +227,7 @@ def test_zero_bubble_data_parallel_gradients_match_single_device():
 def grouped_policy_worker():
     """Each schedule on 2 processes under the NCCL posting policy (forced on gloo), over steps
     whose shapes repeat and change, then inference; losses against the single-device reference."""
-    info = bdist.init(threads=1)
+    info = groups.init(threads=1)
     spec = load_model("gpt", seed=0, **TINY_GPT)
     stage = split(spec.blocks, [2, 2])[info.rank]
     out = []
@@ -244,14 +244,14 @@ def grouped_policy_worker():
         logits = pipe.forward(x)
         diff = (logits - ref(x)).abs().max().item() if pipe.is_last else 0.0
         out.append((schedule, transport.policy, transport.mode, diff))
-    bdist.destroy()
+    groups.destroy()
     return out
 
 
 @pytest.mark.timeout(240)
 def test_grouped_policy_on_gloo_matches_single_device(monkeypatch):
     monkeypatch.setenv("BRIGADE_P2P_POLICY", "grouped")
-    results = bdist.launch(grouped_policy_worker, 2)
+    results = agent.launch(grouped_policy_worker, 2)
     modes = ["discovery", "predicted"] * 2 + ["discovery"]  # inference: a new plan
     for rank, cases in results.items():
         for schedule in ("gpipe", "1f1b", "zb"):

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import dist as bdist
+from brigade import agent, groups
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
-from brigade.train.layout import Engine, Owned, by_device, make_layout
+from brigade.train.layout import OwnedBlocks, ProcessModel, by_device, make_layout
 
 CPU = torch.device("cpu")
 N_BLOCKS = 4
@@ -44,7 +44,7 @@ def world1():
     dist.destroy_process_group()
 
 
-# by_device and Owned need no process group.
+# by_device and OwnedBlocks need no process group.
 
 def test_by_device_groups_in_first_seen_order():
     a, c = torch.zeros(1), torch.zeros(2)
@@ -56,7 +56,7 @@ def test_by_device_groups_in_first_seen_order():
 
 def test_owned_names_blocks_by_global_index():
     blocks = make_blocks()
-    owned = Owned(blocks, [1, 3])
+    owned = OwnedBlocks(blocks, [1, 3])
     names = dict(owned.named_parameters())
     assert set(names) == {f"blocks.{i}.0.{p}" for i in (1, 3) for p in ("weight", "bias")}
     assert names["blocks.3.0.weight"] is blocks[3][0].weight  # the blocks themselves, not copies
@@ -78,14 +78,14 @@ def test_make_layout_refuses_a_shape_that_is_not_the_world(world1, dp, pp):
         make_layout(ParallelConfig(dp=dp, pp=pp), CPU)
 
 
-# Engine with pp = 1, dp = 1: the plain model's loss and gradients.
+# ProcessModel with pp = 1, dp = 1: the plain model's loss and gradients.
 
 @pytest.fixture
 def engine_and_reference(world1):
     blocks = make_blocks()
     reference = nn.Sequential(*copy.deepcopy(blocks))
     cfg = ParallelConfig(dp=1, pp=1, microbatches=4)
-    engine = Engine(blocks, nn.functional.mse_loss, cfg, make_layout(cfg, CPU))
+    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, make_layout(cfg, CPU))
     yield engine, reference
     engine.close()
 
@@ -97,7 +97,7 @@ def reference_step(reference: nn.Module, scale: float = 1.0) -> torch.Tensor:
     return loss.detach()
 
 
-def paired(engine: Engine, reference: nn.Module):
+def paired(engine: ProcessModel, reference: nn.Module):
     """(engine parameter, reference parameter, name) for every parameter, matched by name."""
     mine = dict(engine.owned.named_parameters())
     ref = {f"blocks.{name}": p for name, p in reference.named_parameters()}
@@ -150,12 +150,12 @@ SHAPES = [(2, 1), (1, 2)]
 
 def layouts_worker() -> dict:
     """Per shape: this rank's place, its groups' ranks and its owned blocks' names; and the error."""
-    info = bdist.init(threads=1)
+    info = groups.init(threads=1)
     out: dict = {}
     for dp, pp in SHAPES:
         cfg = ParallelConfig(dp=dp, pp=pp, microbatches=2)
         layout = make_layout(cfg, info.device)
-        engine = Engine(make_blocks(), nn.functional.mse_loss, cfg, layout)
+        engine = ProcessModel(make_blocks(), nn.functional.mse_loss, cfg, layout)
         names = sorted({n.split(".")[1] for n, _ in engine.owned.named_parameters()}, key=int)
         out[f"{dp}x{pp}"] = dict(place=(layout.dp_rank, layout.pp_rank),
                                  dp_group=dist.get_process_group_ranks(layout.dp_group),
@@ -166,13 +166,13 @@ def layouts_worker() -> dict:
         make_layout(ParallelConfig(dp=2, pp=2), info.device)
     except BrigadeError as exc:
         out["error"] = str(exc)
-    bdist.destroy()
+    groups.destroy()
     return out
 
 
 @pytest.mark.timeout(300)
 def test_layouts_over_two_processes():
-    results = bdist.launch(layouts_worker, 2)
+    results = agent.launch(layouts_worker, 2)
     assert sorted(results) == [0, 1]
     for dp, pp in SHAPES:
         owners: dict[int, list[int]] = {}

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brigade import agent, groups
 from brigade import config as bconfig
-from brigade import dist as bdist
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
 from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
@@ -88,7 +88,7 @@ def fp16_run(pp: int = 1, scale: float = 2.0 ** 19) -> dict:
     vocab, train, _ = load_text_data("", 32, 0.1)
     torch.manual_seed(0)
     blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
-    info = bdist.init(threads=1)
+    info = groups.init(threads=1)
     par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // pp, microbatches=2)
     trainer = Trainer(blocks, gpt_loss, train, None, parallel=par, optim=OptimConfig(warmup_steps=2),
                       train=TrainConfig(max_steps=STEPS, batch_size=8, precision="fp16"), metrics=False)
@@ -98,7 +98,7 @@ def fp16_run(pp: int = 1, scale: float = 2.0 ** 19) -> dict:
     unchanged = all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     history = [first] + [trainer.train_step() for _ in range(STEPS - 1)]
     trainer.close()
-    bdist.destroy()
+    groups.destroy()
     return {"history": history, "unchanged_after_skip": unchanged}
 
 
@@ -123,7 +123,7 @@ def test_fp16_stages_skip_the_same_steps_and_keep_the_same_scale():
 
     with mp.get_context("spawn").Pool(1) as pool:
         alone = pool.apply(fp16_run)["history"]
-    runs = bdist.launch(fp16_run, 2, 2)
+    runs = agent.launch(fp16_run, 2, 2)
     for rank, run in runs.items():
         h = run["history"]
         assert run["unchanged_after_skip"], f"rank {rank}"
@@ -146,7 +146,7 @@ def fp16_resumed(out: str, stop_at: int | None) -> dict:
     bconfig.add_flags(parser)
     cfg = bconfig.build(parser.parse_args([*TINY, "--precision", "fp16", "--nproc", "1", "--out", out,
                                            "--max-steps", str(STEPS)]))
-    bdist.init(threads=1)
+    groups.init(threads=1)
 
     def trainer(scale: float | None) -> Trainer:
         blocks, loss_fn, train, _, vocab = build(cfg)
@@ -168,7 +168,7 @@ def fp16_resumed(out: str, stop_at: int | None) -> dict:
         history += [tr.train_step() for _ in range(STEPS - stop_at)]
     digest = collective.model_params_sha256(tr.model)
     tr.close()
-    bdist.destroy()
+    groups.destroy()
     return {"params_sha256": digest, "scales": [(r["skipped"], r["loss_scale"]) for r in history]}
 
 

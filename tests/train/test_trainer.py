@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from brigade import dist as bdist
+from brigade import agent, groups
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.train.data import load_text_data
@@ -18,7 +18,7 @@ def losses(pp: int = 1, local_stages: int = 1, grad_accum: int = 1, schedule: st
     vocab, train, val = load_text_data("", 32, 0.1)
     torch.manual_seed(0)
     blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
-    info = bdist.init(threads=1)
+    info = groups.init(threads=1)
     par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // pp,
                          local_stages=local_stages, microbatches=2, schedule=schedule)
     trainer = Trainer(blocks, gpt_loss, train, None, parallel=par,
@@ -26,7 +26,7 @@ def losses(pp: int = 1, local_stages: int = 1, grad_accum: int = 1, schedule: st
                       train=TrainConfig(max_steps=STEPS, batch_size=batch_size), metrics=False)
     history = trainer.fit()
     trainer.close()
-    bdist.destroy()
+    groups.destroy()
     return [r["loss"] for r in history if "loss" in r]
 
 
@@ -51,7 +51,7 @@ def reference():
 ], ids=["dp2", "pp2", "dp2xlocal2", "pp2-zb", "dp2xpp2", "dp2xpp2-zb", "dp2xlocal2-zb"])
 def test_layouts_match_a_single_device(reference, layout):
     nproc = layout.pop("nproc")
-    results = bdist.launch(losses, nproc, layout.get("pp", 1), layout.get("local_stages", 1), 1,
+    results = agent.launch(losses, nproc, layout.get("pp", 1), layout.get("local_stages", 1), 1,
                            layout.get("schedule", "1f1b"))
     assert len(reference) == STEPS
     for rank, got in results.items():
@@ -61,14 +61,14 @@ def test_layouts_match_a_single_device(reference, layout):
 
 @pytest.mark.timeout(120)
 def test_gradient_accumulation_matches_one_big_batch(reference):
-    got = bdist.launch(losses, 2, 1, 1, 2)[0]  # dp=2, two accumulated halves per replica
+    got = agent.launch(losses, 2, 1, 1, 2)[0]  # dp=2, two accumulated halves per replica
     assert got == pytest.approx(reference, abs=1e-5)
 
 
 @pytest.mark.timeout(180)
 def test_zero_bubble_gradient_accumulation_under_data_parallel(reference):
     """dp 2 × local-pp 2 under zb, two accumulated halves per replica: reduced once per step."""
-    results = bdist.launch(losses, 2, 1, 2, 2, "zb")
+    results = agent.launch(losses, 2, 1, 2, 2, "zb")
     for rank, got in results.items():
         assert got == pytest.approx(reference, abs=1e-5), f"rank {rank}"
 

@@ -1,6 +1,7 @@
-"""Readable lines for what the elastic agent does, raw logs to a file.
+"""Supervising a run under the elastic agent: launch it, and say in one line what the agent does.
 
-torchelastic reports a dead worker with pages of frames. brigade turns each
+`launch_with_events` starts the workers through `brigade.agent.launch` and keeps the agent's
+raw log in a file. torchelastic reports a dead worker with pages of frames. brigade turns each
 event into one line, e.g.
 
     rank 1 died (SIGKILL) at step 7 — restarting 1/2 from snapshot step 5
@@ -25,10 +26,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from brigade import dist as bdist
-from brigade import forensics
+from brigade import agent, forensics
 from brigade.config import RunConfig, World, resolve_layout
 from brigade.elastic import accumulation
+from brigade.rendezvous import LaunchSpec
 from brigade.snapshot.format import latest_step
 from brigade.train import metrics
 
@@ -81,7 +82,7 @@ def _loggers() -> list[logging.Logger]:
 
 
 def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
-    """`bdist.launch` with one readable line per failure or restart; raw logs in OUT/logs."""
+    """`agent.launch` with one readable line per failure or restart; raw logs in OUT/logs."""
     out = Path(cfg.train.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -97,8 +98,8 @@ def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
     try:
         p = cfg.parallel
         os.environ.setdefault("BRIGADE_NODE", str(p.node_rank))  # for `node_name`, in every worker
-        spec = bdist.LaunchSpec.from_parallel(p, port=port, log_dir=str(logs), quiet=False)
-        return bdist.launch(fn, spec, cfg, *args)
+        spec = LaunchSpec.from_parallel(p, port=port, log_dir=str(logs), quiet=False)
+        return agent.launch(fn, spec, cfg, *args)
     finally:
         for lg, level, propagate, handlers in saved:
             lg.setLevel(level)

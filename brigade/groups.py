@@ -1,0 +1,117 @@
+"""Process groups and devices: the launcher's environment in, a joined group and a device out.
+
+Inside a worker (started by brigade's launcher, torchrun or srun), `init()` reads the
+environment the launcher set, picks the backend and this process's device(s) — one place
+decides which GPU a local rank drives (`local_devices`) — and joins the process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from brigade import rendezvous
+from brigade.errors import BrigadeError
+from brigade.launchenv import launcher_env, slurm_env
+from brigade.net import free_port
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def pick_backend(requested: str | None = None) -> tuple[str, str]:
+    """(backend, device type): NCCL on CUDA when GPUs exist, else gloo on CPU."""
+    if requested in (None, "auto"):
+        return ("nccl", "cuda") if torch.cuda.is_available() else ("gloo", "cpu")
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise BrigadeError("backend nccl needs CUDA GPUs and none is visible: use --backend gloo")
+    if requested not in ("nccl", "gloo"):
+        raise BrigadeError(f"unknown backend {requested!r}: expected auto, gloo or nccl")
+    return requested, ("cuda" if requested == "nccl" else "cpu")
+
+
+def _prepare_env() -> None:
+    """Under torchrun the variables are set; under Slurm translate them; alone, a world of one."""
+    found = launcher_env()
+    if found is not None and found.launcher == "torchrun":
+        return
+    if "SLURM_PROCID" in os.environ:
+        os.environ.update(slurm_env(os.environ))
+        return
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+
+
+def local_devices(device_type: str, local_rank: int, n: int = 1,
+                  count: int | None = None) -> list[torch.device]:
+    """The `n` (--local-stages) devices this process drives, stage 0's first: the one place that decides.
+
+    Local rank r drives cuda:r·n onwards when that many GPUs are visible (torchrun), else (r mod
+    count/n)·n onwards (Slurm shows each task its own: cuda:0 at LOCAL_RANK 3). `count`: default
+    `torch.cuda.device_count()`. Raises BrigadeError when fewer than `n` are visible.
+    """
+    if device_type != "cuda":
+        return [torch.device(device_type)] * n
+    count = torch.cuda.device_count() if count is None else count
+    if count < n:
+        raise BrigadeError(f"--local-stages {n} needs {n} GPUs per process but {count} are visible "
+                           "(CUDA_VISIBLE_DEVICES): lower --local-stages or give each task more GPUs")
+    first = local_rank * n if count >= (local_rank + 1) * n else (local_rank % (count // n)) * n
+    return [torch.device("cuda", first + i) for i in range(n)]
+
+
+def init(backend: str | None = None, threads: int | None = None,
+         timeout_s: float | None = None, local_stages: int = 1) -> DistInfo:
+    """Join the process group described by the environment (torchrun, Slurm, or none: alone).
+
+    `timeout_s` bounds every collective and transfer: a stalled peer fails the run (and lets
+    the elastic agent restart it) instead of hanging for the backend's default 30 minutes.
+    The group is bound to the process's GPU (`local_devices`), unless it drives several
+    (`local_stages` > 1): torch lets a new group bind only the default group's device, and
+    the layout binds each stage's group to that stage's GPU.
+    """
+    backend, device_type = pick_backend(backend)
+    _prepare_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if threads:
+        torch.set_num_threads(threads)
+    device = local_devices(device_type, local_rank, local_stages)[0]
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    # Seen here: after an elastic restart, gloo's eager full-mesh connect sometimes dials the
+    # previous attempt's address and times out. Connecting each pair on first use avoids it.
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if device_type == "cuda" and local_stages == 1 else {}
+        if timeout_s:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        store = rendezvous.loopback_store(kwargs.get("timeout", datetime.timedelta(minutes=30)))
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(backend, **kwargs)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def info(backend: str | None = None, local_stages: int = 1) -> DistInfo:
+    """The current process's place, once the group is up (device as in `init`)."""
+    backend, device_type = pick_backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = local_devices(device_type, local_rank, local_stages)[0]
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
