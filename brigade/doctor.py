@@ -145,9 +145,8 @@ def _failed(name: str, exc: BrigadeError) -> Check:
 
 
 def _endpoint(s: Setup) -> tuple[str, int]:
-    from brigade.config import parse_endpoint
 
-    return parse_endpoint(s.rdzv_endpoint)
+    return net.parse_endpoint(s.rdzv_endpoint)
 
 
 def local_checks(s: Setup) -> list[Check]:

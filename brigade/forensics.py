@@ -29,6 +29,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from brigade.errors import BrigadeError
+from brigade.net import parse_endpoint
+
 EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: the attempt hung; a restart may well succeed
 WARMUP_EXTRA_S = 180  # added to --hang-timeout until the first step is done (connections, resume)
 
@@ -289,10 +292,10 @@ def start(timeout_s: float, out: str | Path | None, place: str) -> Watchdog | No
     where = os.environ.get("BRIGADE_AGENT_STORE") or \
         f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
     try:
-        host, port = where.rsplit(":", 1)
-        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
-                              timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
-    except (ValueError, RuntimeError):
+        host, port = parse_endpoint(where)
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                              wait_for_workers=False)
+    except (BrigadeError, RuntimeError):
         return None  # initialised some other way (init_method=...): no forensics, the group timeout holds
     return Watchdog(dist.PrefixStore(f"brigade-watchdog/{nonce[0]}", store), dist.get_rank(),
                     dist.get_world_size(), timeout_s, timeout_s + WARMUP_EXTRA_S, out, place).start()

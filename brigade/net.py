@@ -26,6 +26,18 @@ class NodeAddress:
     hostname_ok: bool  # whether this machine's hostname resolves to `addr`
 
 
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``"10.0.0.1:29500"`` → ("10.0.0.1", 29500).
+
+    Raises:
+        BrigadeError: not HOST:PORT.
+    """
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BrigadeError(f"--rdzv-endpoint {text!r}: expected HOST:PORT of node 0, like 10.0.0.1:29500")
+    return host.strip("[]"), int(port)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

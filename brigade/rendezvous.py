@@ -4,7 +4,7 @@ and the store a single node's workers use.
 One node: everything stays on loopback. The agents' rendezvous store is served from a
 loopback socket, and rank 0's process-group store too (`loopback_store`): torch's own
 TCPStore would listen on every interface. Several nodes: node 0 hosts the rendezvous at
-HOST:PORT (`config.parse_endpoint` reads it, the one parser of it), and each node advertises
+HOST:PORT (`net.parse_endpoint` reads it, the one parser of it), and each node advertises
 the address that routes there (`net.node_address`), pinning gloo and NCCL to its interface.
 """
 
@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from brigade.net import check_port, check_reachable, interface_of, is_loopback, listen, node_address
+from brigade.net import (
+    check_port,
+    check_reachable,
+    interface_of,
+    is_loopback,
+    listen,
+    node_address,
+    parse_endpoint,
+)
 
 if TYPE_CHECKING:
     from brigade.config import ParallelConfig
@@ -86,7 +94,6 @@ def multi_node(spec: LaunchSpec) -> Rendezvous:
     Raises:
         BrigadeError: a malformed endpoint, a port taken, node 0 silent, or no route to it.
     """
-    from brigade.config import parse_endpoint
 
     host, port = parse_endpoint(spec.rdzv_endpoint)
     check_port(port, host="0.0.0.0") if spec.node_rank == 0 else check_reachable(host, port)

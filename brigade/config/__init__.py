@@ -6,7 +6,7 @@
     resolve.py    `World` and `resolve_layout`: dp from the world, derived once
 """
 
-from brigade.config.checks import parse_endpoint, validate
+from brigade.config.checks import validate
 from brigade.config.resolve import World, resolve_layout
 from brigade.config.sections import (
     SECTIONS,
@@ -22,6 +22,7 @@ from brigade.config.sections import (
     section_classes,
 )
 from brigade.config.sources import add_flags, build, load_toml, to_toml
+from brigade.net import parse_endpoint
 
 __all__ = ["SECTIONS", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",
            "TrainConfig", "World", "add_flags", "build", "config_hash", "config_subset", "field_types",

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 from brigade.config.sections import RunConfig
 from brigade.errors import BrigadeError
+from brigade.net import parse_endpoint
 
 
 def _positive(name: str, value: float, zero_ok: bool = False) -> None:
     if value < 0 or (value == 0 and not zero_ok):
         raise BrigadeError(f"--{name.replace('_', '-')} {value}: must be {'≥ 0' if zero_ok else '≥ 1'}")
-
-
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``"10.0.0.1:29500"`` → ("10.0.0.1", 29500).
-
-    Raises:
-        BrigadeError: not HOST:PORT.
-    """
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise BrigadeError(f"--rdzv-endpoint {text!r}: expected HOST:PORT of node 0, like 10.0.0.1:29500")
-    return host.strip("[]"), int(port)
 
 
 def validate(cfg: RunConfig) -> None:

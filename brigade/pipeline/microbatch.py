@@ -15,13 +15,11 @@ from brigade.errors import BrigadeError
 
 def check(batch_size: int, n_microbatches: int) -> None:
     """Raise BrigadeError unless 1 ≤ m ≤ batch size."""
-    if n_microbatches < 1:
-        raise BrigadeError(f"microbatches={n_microbatches}: need at least 1")
-    if n_microbatches > batch_size:
-        raise BrigadeError(
-            f"microbatches={n_microbatches} is larger than the batch ({batch_size}): "
-            f"use at most {batch_size} micro-batches or a larger batch"
-        )
+    if not 1 <= n_microbatches <= batch_size:
+        why = (": need at least 1" if n_microbatches < 1 else
+               f" is larger than the batch ({batch_size}): use at most {batch_size} micro-batches "
+               "or a larger batch")
+        raise BrigadeError(f"microbatches={n_microbatches}{why}")
 
 
 def split(x: torch.Tensor, n_microbatches: int) -> list[torch.Tensor]:

@@ -110,6 +110,8 @@ def time_costs(blocks: Sequence[nn.Module], sample: torch.Tensor, repeats: int =
             inp = _clone(x)
             if inp.is_floating_point():
                 inp.requires_grad_(True)
+            if inp.is_cuda:  # the clock starts when the GPU is idle, not while it still copies
+                torch.cuda.synchronize(inp.device)
             start = time.perf_counter()
             out = block(inp)
             if out.requires_grad:

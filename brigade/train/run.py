@@ -66,8 +66,7 @@ def preflight(cfg: RunConfig) -> None:
         check_chain(blocks, train.batch(torch.arange(2))[0])
     choose_balance(blocks, p.pp * p.local_stages, balance=parse_balance(p.balance) if p.balance else None)
     if p.nnodes > 1:
-        from brigade.config import parse_endpoint
-        from brigade.net import node_address
+        from brigade.net import node_address, parse_endpoint
 
         me = node_address(*parse_endpoint(p.rdzv_endpoint), p.local_addr)
         print(f"brigade: node {p.node_rank} of {p.nnodes} advertises {me.addr}"
