@@ -31,7 +31,7 @@ check versions "$PY" -c "
 import os, torch
 if os.environ.get('GPU_CHECK_ON_CPU'):
     print('on the CPU, by request (GPU_CHECK_ON_CPU=1)'); raise SystemExit
-assert torch.cuda.is_available(), 'no GPU visible to torch'
+if not torch.cuda.is_available(): raise SystemExit('no GPU visible to torch')
 print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| NCCL',
       '.'.join(map(str, torch.cuda.nccl.version())), '|', torch.cuda.get_device_name(0),
       '| bf16', torch.cuda.is_bf16_supported())"
