@@ -34,7 +34,8 @@ class Stopped(Exception):
         self.signame = signame
 
 
-def launch(fn: Callable[..., Any], spec: LaunchSpec | int, *args: Any) -> dict[int, Any]:
+def launch(fn: Callable[..., Any], spec: LaunchSpec | int | None = None, *args: Any,
+           nproc: int | None = None) -> dict[int, Any]:
     """Run `fn(*args)` in `spec.nproc` processes under torch's elastic agent; returns {rank: result}.
 
     Single-node: the rendezvous binds to loopback. Several nodes: every node runs this with the
@@ -46,6 +47,7 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec | int, *args: Any) -> dict[i
 
     Args:
         spec: a `LaunchSpec` (`LaunchSpec.from_parallel` for a run), or just a process count.
+        nproc: the process count, by name (`launch(main, nproc=2)`), when `spec` is not given.
 
     Raises:
         BrigadeError: the port is taken. RunError: a worker failed (its message, one line), or
@@ -56,7 +58,9 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec | int, *args: Any) -> dict[i
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    spec = spec if isinstance(spec, LaunchSpec) else LaunchSpec(spec)
+    if (spec is None) == (nproc is None):
+        raise BrigadeError("launch: give the process count once, as launch(fn, 2) or launch(fn, nproc=2)")
+    spec = spec if isinstance(spec, LaunchSpec) else LaunchSpec(nproc if spec is None else spec)
     if spec.nproc < 1:
         raise BrigadeError(f"nproc={spec.nproc}: need at least 1 process")
     meet = rendezvous.multi_node(spec) if spec.nnodes > 1 else rendezvous.single_node(spec)
@@ -85,7 +89,8 @@ def _worker_env(spec: LaunchSpec, meet: rendezvous.Rendezvous) -> dict[str, str]
            # to loopback on one node; and with it, a node that rejoins after a crash waits forever
            # for a MASTER_ADDR published only in its first round (pytorch/pytorch#135712).
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "BRIGADE_AGENT_STORE": meet.endpoint}  # for the hang watchdogs (forensics.py)
+           "BRIGADE_AGENT_STORE": meet.endpoint,  # for the hang watchdogs (forensics.py)
+           "BRIGADE_NODE": str(spec.node_rank)}  # names this node in elastic layout records
     if meet.ifname:  # gloo (and NCCL's bootstrap) on the interface the peers reach
         env.update(GLOO_SOCKET_IFNAME=meet.ifname, NCCL_SOCKET_IFNAME=meet.ifname)
     return env

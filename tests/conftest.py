@@ -26,6 +26,21 @@ def _refuse_to_launch(*_args, **_kwargs):
     raise NoWorkers("this case must be refused before any worker starts, but brigade launched workers")
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Every test leaves os.environ as it found it.
+
+    A process that joins a group alone (`groups.init` in this process) sets RANK, WORLD_SIZE and
+    MASTER_PORT for itself; left behind, they would make every later subprocess believe a
+    launcher started it, on a port this process still holds.
+    """
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture
 def cli(capfd, monkeypatch):
     """`cli(*args)` runs `brigade ARGS` in this process; returns a CompletedProcess (code, stdout, stderr).

@@ -97,7 +97,6 @@ def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
         lg.propagate = False
     try:
         p = cfg.parallel
-        os.environ.setdefault("BRIGADE_NODE", str(p.node_rank))  # for `node_name`, in every worker
         spec = LaunchSpec.from_parallel(p, port=port, log_dir=str(logs), quiet=False)
         return agent.launch(fn, spec, cfg, *args)
     finally:
@@ -111,8 +110,9 @@ def launch_with_events(fn, cfg, *args, port: int | None = None) -> dict:
 # --- elastic runs: one line and one record per change of the world -----------------------------
 
 def node_name() -> str:
-    """This node's name in layout records: brigade's --node-rank under its own launcher (which
-    sets BRIGADE_NODE), else the host's name (torchrun names no node the same in every round)."""
+    """This node's name in layout records: brigade's --node-rank under its own launcher (the
+    agent sets BRIGADE_NODE for its workers), else the host's name (torchrun names no node the
+    same in every round)."""
     return os.environ.get("BRIGADE_NODE") or socket.gethostname()
 
 
