@@ -118,7 +118,7 @@ def _transparency(run: Path, output: str, code: int, wall_s: float) -> dict:
 
 ROOT = "needs root for network namespaces: run `sudo python -m pytest tests/e2e/test_two_hosts.py -s`"
 _T = " ".join(TINY)
-_PYTEST = "python -m pytest tests/train/test_trainer.py -q -p no:cacheprovider"
+_PYTEST = "python -m pytest tests/train/test_trainer.py -p no:cacheprovider"
 JOBS: dict[str, Job] = {
     "main": Job("brigade train", "train/main.json", f"brigade train {_T} --max-steps 4", _main),
     "transparency": Job(_PYTEST, "check/transparency.json", f"{_PYTEST} -k accumulation_matches",

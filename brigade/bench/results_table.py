@@ -45,7 +45,8 @@ def _main(d: dict) -> str:
             f"steps; the command took {minutes} min {seconds:02d} s")
 
 
-@row("transparency, all layouts (dp2, pp2, dp2×local2, pp2-zb, dp2×pp2, grad-accum), 20 steps",
+@row("transparency, all layouts (dp2, pp2, dp2×local2, pp2-zb, dp2×pp2, dp2×pp2-zb, dp2×local2-zb, "
+     "grad-accum, zb grad-accum under dp), 20 steps",
      "check/transparency.json", "`python -m pytest tests/train/test_trainer.py`")
 def _transparency(d: dict) -> str:
     if d["passed"] is None:  # transcribed: the tolerance the tests assert, without a run of them

@@ -144,7 +144,9 @@ def processes(cmd: str, out: Path) -> list[tuple[list[str], dict]]:
     if "K" in argv:
         k = argv.index("K")
         return [(_python(argv[:k] + [str(r)] + argv[k + 1:]), {}) for r in (0, 1)]
-    return [(_python(argv), {})]
+    # torchrun's own default port (29500) is shared by every test running at once: give it a free
+    # one through its environment (PET_MASTER_PORT), leaving the command as written.
+    return [(_python(argv), {"PET_MASTER_PORT": str(port)} if argv[0] == "torchrun" else {})]
 
 
 def run_all(procs: list[tuple[list[str], dict]], cwd: Path,
