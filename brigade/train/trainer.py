@@ -147,7 +147,7 @@ class Trainer:
         return Sampler.shard(indices, self.layout.dp_rank, self.layout.dp)
 
     def train_step(self) -> dict:
-        """One optimizer step over `grad_accum` global batches; returns its metrics record."""
+        """One optimizer step: one global batch in `grad_accum` chunks per replica; returns a record."""
         start = time.perf_counter()
         k = self.optim_cfg.grad_accum
         indices = self._replica_slice(self.sampler.next_global())
