@@ -40,7 +40,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from brigade.pipeline.schedule import COMM_OPS, RECV_B, RECV_F, SEND_B, SEND_F, Action, Plan, PlanError
+from brigade.pipeline.schedule import (
+    COMM_OPS,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    Plan,
+    PlanError,
+    stage_ranks,
+)
 
 GROUPED, EAGER = "grouped", "eager"
 POLICIES = (GROUPED, EAGER)  # grouped: safe under NCCL; eager: pre-posted receives (gloo)
@@ -218,7 +228,7 @@ def rounds(plan: Plan, policy: str) -> dict[Action, int]:
     Raises:
         PlanError: the plan deadlocks under `policy`.
     """
-    return {a: k for (a, _), k in simulate_nccl(issued(plan, policy)).items()}
+    return {a: k for (a, _), k in simulate_nccl(issued(plan, policy), stage_ranks(plan)).items()}
 
 
 def discovery_batches(plan: Plan, rank: int, policy: str = GROUPED) -> list[Issue]:
@@ -242,14 +252,16 @@ def _name(op: Op) -> str:
     return f"{op[0]}" + ("'" if op[1] == HEADER else "")  # 0SEND_F1' is 0SEND_F1's header
 
 
-def _pair(streams: dict[int, list[tuple[Op, ...]]]) -> dict[Op, Op]:
-    """Match the k-th send from a to b with the k-th receive at b from a (NCCL pairs by order)."""
+def _pair(streams: dict[int, list[tuple[Op, ...]]], ranks: dict[int, int]) -> dict[Op, Op]:
+    """Match the k-th send from rank a to b with the k-th receive at b from a (NCCL pairs by
+    order per pair of ranks, whichever stages of theirs the messages link)."""
     queues: dict[tuple[int, int, bool], list[Op]] = {}
     for r, groups in streams.items():
         for g in groups:
             for op in g:
                 send = op[0].op in (SEND_F, SEND_B)
-                src, dst = (r, peer_of(op[0])) if send else (peer_of(op[0]), r)
+                peer = ranks[peer_of(op[0])]
+                src, dst = (r, peer) if send else (peer, r)
                 queues.setdefault((src, dst, send), []).append(op)
     partner: dict[Op, Op] = {}
     for (src, dst, send), ops in queues.items():
@@ -258,18 +270,20 @@ def _pair(streams: dict[int, list[tuple[Op, ...]]]) -> dict[Op, Op]:
         recvs = queues.get((src, dst, False), [])
         for k, (s, part) in enumerate(ops):
             r = recvs[k] if k < len(recvs) else None
-            want = (Action(dst, RECV_F if s.op == SEND_F else RECV_B, s.microbatch), part)
+            want = (Action(peer_of(s), RECV_F if s.op == SEND_F else RECV_B, s.microbatch), part)
             if r != want:
                 found = f"its #{k} receive there is {_name(r)}" if r else "no receive is issued there"
                 raise PlanError(f"{_name((s, part))} should meet {_name(want)} on rank {dst} but {found}")
             partner[(s, part)], partner[r] = r, (s, part)
     unmatched = [op for g in streams.values() for ops in g for op in ops if op not in partner]
     if unmatched:
-        raise PlanError(f"{_name(unmatched[0])} is never matched by rank {peer_of(unmatched[0][0])}")
+        raise PlanError(f"{_name(unmatched[0])} is never matched by rank "
+                        f"{ranks[peer_of(unmatched[0][0])]}")
     return partner
 
 
-def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]]) -> dict[Op, int]:
+def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]],
+                  ranks: dict[int, int] | None = None) -> dict[Op, int]:
     """Run issued groups as NCCL does; return the round in which each op completed.
 
     Each rank's host issues its groups in order; a group holding the payload of a
@@ -283,7 +297,7 @@ def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]]) -> dict[Op, int]:
     Raises:
         PlanError: "NCCL deadlock: ..." naming each stuck group and what it waits for.
     """
-    partner = _pair(streams)
+    partner = _pair(streams, ranks if ranks is not None else _identity(streams))
     where = {op: r for r, groups in streams.items() for g in groups for op in g}
     head = {r: 0 for r in streams}
     done: dict[Op, int] = {}
@@ -311,6 +325,11 @@ def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]]) -> dict[Op, int]:
             raise PlanError("NCCL deadlock: " + "; ".join(_stuck(streams, head, done, partner, where)))
         now += 1
     return done
+
+
+def _identity(streams) -> dict[int, int]:
+    """One stage per rank: stage s on rank s (and one past the last, which no op names)."""
+    return {s: s for s in range(len(streams) + 1)}
 
 
 def _unread(group, where, done) -> list[Op]:
@@ -343,4 +362,4 @@ def check(plan: Plan, policy: str, mode: str = PREDICTED) -> None:
     Raises:
         PlanError: on a deadlock or on sends and receives that do not pair up.
     """
-    simulate_nccl(issued(plan, policy, mode))
+    simulate_nccl(issued(plan, policy, mode), stage_ranks(plan))

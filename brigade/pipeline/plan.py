@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from brigade.pipeline.schedule import (
     COMM_OPS,
-    COMPUTE_OPS,
     RECV_B,
     RECV_F,
     Action,
@@ -22,6 +21,7 @@ from brigade.pipeline.schedule import (
     PlanError,
     W,
     compute_only,
+    stage_ranks,
     with_comms,
 )
 
@@ -35,6 +35,7 @@ class Simulation:
     busy: dict[int, float]
     bubble_fraction: float
     idle: dict[int, float] = field(default_factory=dict)
+    peak_held: dict[int, int] = field(default_factory=dict)  # stage -> micro-batches held at once
 
 
 def _grad_op(a: Action) -> bool:
@@ -42,61 +43,75 @@ def _grad_op(a: Action) -> bool:
     return a.op in (B, I)
 
 
-def _check_backwards(rank: int, seen: dict, n_mb: int) -> None:
+def _check_backwards(stage: int, seen: dict, n_mb: int) -> None:
     for i in range(n_mb):
-        if (F, i) not in seen:
-            raise PlanError(f"rank {rank} never runs {Action(rank, F, i)}")
         has_b, has_i, has_w = ((op, i) in seen for op in (B, I, W))
         if has_b and (has_i or has_w):
-            raise PlanError(f"{Action(rank, B, i)} and a split backward {Action(rank, I, i)}/"
-                            f"{Action(rank, W, i)} both present: use one or the other")
+            raise PlanError(f"{Action(stage, B, i)} and a split backward {Action(stage, I, i)}/"
+                            f"{Action(stage, W, i)} both present: use one or the other")
         if not has_b and not has_i:
-            raise PlanError(f"rank {rank} never runs {Action(rank, B, i)}")
+            raise PlanError(f"stage {stage} never runs {Action(stage, B, i)}")
         if has_i != has_w:
-            missing = Action(rank, W if has_i else I, i)
-            raise PlanError(f"rank {rank} never runs {missing}")
+            raise PlanError(f"stage {stage} never runs {Action(stage, W if has_i else I, i)}")
+
+
+def _placement(plan: Plan) -> dict[int, int]:
+    """Stage → rank, checking that ranks are 0..R-1, stages 0..S-1, each stage on one rank."""
+    if not plan:
+        raise PlanError("empty plan: expected one action list per rank")
+    if sorted(plan) != list(range(len(plan))):
+        raise PlanError(f"ranks {sorted(plan)}: expected 0..{len(plan) - 1}")
+    ranks: dict[int, int] = {}
+    for r, acts in plan.items():
+        for a in acts:
+            if ranks.setdefault(a.stage, r) != r:
+                raise PlanError(f"{a} is listed under rank {r} but stage {a.stage} runs on rank "
+                                f"{ranks[a.stage]}: a stage lives on one rank")
+    if sorted(ranks) != list(range(len(ranks))):
+        missing = sorted(set(range(max(ranks, default=-1) + 1)) - set(ranks))
+        raise PlanError(f"no rank runs stage {missing[0] if missing else 0}: stages must be 0..S-1")
+    return ranks
 
 
 def _check_structure(plan: Plan) -> tuple[int, int, bool]:
-    """Stage/rank agreement, micro-batch ranges, F before B (or I before W). Returns (p, m, training)."""
-    if not plan:
-        raise PlanError("empty plan: expected one action list per rank")
-    n_stages = len(plan)
-    if sorted(plan) != list(range(n_stages)):
-        raise PlanError(f"ranks {sorted(plan)}: expected 0..{n_stages - 1}")
-    fwd = {r: [a.microbatch for a in acts if a.op == F] for r, acts in plan.items()}
-    n_mb = max((len(v) for v in fwd.values()), default=0)
+    """Placement, micro-batch ranges, F before B (or I before W). Returns (stages, m, training)."""
+    ranks = _placement(plan)
+    by_stage: dict[int, list[Action]] = {s: [] for s in ranks}
+    for r in plan:
+        for a in plan[r]:
+            by_stage[a.stage].append(a)
+    n_mb = max((sum(a.op == F for a in acts) for acts in by_stage.values()), default=0)
     training = any(a.op in (B, I, W) for acts in plan.values() for a in acts)
     needs = {B: F, I: F, W: I}
-    for rank, actions in plan.items():
+    for stage, actions in by_stage.items():
         seen: dict[tuple[str, int], Action] = {}
         for a in actions:
-            if a.stage != rank:
-                raise PlanError(f"{a} is listed under rank {rank}: one stage per rank")
             if not 0 <= a.microbatch < n_mb:
                 raise PlanError(f"{a}: micro-batch out of range 0..{n_mb - 1}")
-            if a.op in COMPUTE_OPS:
-                if (a.op, a.microbatch) in seen:
-                    raise PlanError(f"{a} appears twice on rank {rank}")
-                before = needs.get(a.op)
-                if before and (before, a.microbatch) not in seen:
-                    raise PlanError(f"{a} comes before {Action(rank, before, a.microbatch)}")
+            if (a.op, a.microbatch) in seen:
+                raise PlanError(f"{a} appears twice on rank {ranks[stage]}")
+            before = needs.get(a.op)
+            if before and (before, a.microbatch) not in seen:
+                raise PlanError(f"{a} comes before {Action(stage, before, a.microbatch)}")
             seen[(a.op, a.microbatch)] = a
+        for i in range(n_mb):
+            if (F, i) not in seen:
+                raise PlanError(f"stage {stage} never runs {Action(stage, F, i)}")
         if training:
-            _check_backwards(rank, seen, n_mb)
-        else:
-            for i in range(n_mb):
-                if (F, i) not in seen:
-                    raise PlanError(f"rank {rank} never runs {Action(rank, F, i)}")
-    return n_stages, n_mb, training
+            _check_backwards(stage, seen, n_mb)
+    return len(ranks), n_mb, training
 
 
 def _check_order(plan: Plan) -> None:
-    """Neighbours must agree on the order of what crosses between them (FIFO links)."""
-    def seq(rank: int, forward: bool) -> list[Action]:
-        return [a for a in plan[rank] if (a.op == F if forward else _grad_op(a))]
+    """Stages on two ranks must agree on the order of what crosses between them (FIFO links)."""
+    ranks = stage_ranks(plan)
 
-    for s in range(len(plan) - 1):
+    def seq(stage: int, forward: bool) -> list[Action]:
+        return [a for a in plan[ranks[stage]] if a.stage == stage and (a.op == F if forward else _grad_op(a))]
+
+    for s in range(len(ranks) - 1):
+        if ranks[s] == ranks[s + 1]:
+            continue  # handed over by reference, found by micro-batch
         for forward, left, right in ((True, s, s + 1), (False, s + 1, s)):
             for k, (a, b) in enumerate(zip(seq(left, forward), seq(right, forward))):
                 if a.microbatch != b.microbatch:
@@ -114,10 +129,12 @@ def _waiting_on(a: Action) -> Action:
 def _execute(plan: Plan, cost) -> dict[int, list]:
     """List-schedule the compute actions; sends never block, receives wait.
 
-    `cost(rank, op)` is an action's duration; `cost(rank, "comm")` the link delay.
+    `cost(stage, op)` is an action's duration; `cost(stage, "comm")` the link delay
+    (paid only between stages on different ranks).
     Raises PlanError naming every blocked action if no rank can progress.
     """
-    last = len(plan) - 1
+    ranks = stage_ranks(plan)
+    last = max(ranks, default=0)
     done: dict[tuple[int, str, int], float] = {}
     pos = {r: 0 for r in plan}
     clock = {r: 0.0 for r in plan}
@@ -128,17 +145,17 @@ def _execute(plan: Plan, cost) -> dict[int, list]:
         for r in plan:
             while pos[r] < len(acts[r]):
                 a = acts[r][pos[r]]
-                dep = None
-                if a.op == F and r > 0:
-                    dep = (r - 1, F, a.microbatch)
-                elif _grad_op(a) and r < last:
-                    dep = (r + 1, "grad", a.microbatch)
+                s, dep = a.stage, None
+                if a.op == F and s > 0:
+                    dep = (s - 1, F, a.microbatch)
+                elif _grad_op(a) and s < last:
+                    dep = (s + 1, "grad", a.microbatch)
                 if dep is not None and dep not in done:
                     break
-                ready = done[dep] + cost(r, "comm") if dep is not None else 0.0
-                start = max(clock[r], ready)
-                end = start + cost(r, a.op)
-                done[(r, "grad" if _grad_op(a) else a.op, a.microbatch)] = end
+                delay = cost(s, "comm") if dep is not None and ranks[dep[0]] != r else 0.0
+                start = max(clock[r], done[dep] + delay if dep is not None else 0.0)
+                end = start + cost(s, a.op)
+                done[(s, "grad" if _grad_op(a) else a.op, a.microbatch)] = end
                 clock[r] = end
                 timeline[r].append((a, start, end))
                 pos[r] += 1
@@ -152,10 +169,10 @@ def _execute(plan: Plan, cost) -> dict[int, list]:
 def validate(plan: Plan) -> Plan:
     """Check a plan and return it with communication inserted.
 
-    Checks: one stage per rank; every micro-batch's forward (and backward, in
-    a training plan) exactly once, forward before backward; neighbours agree on
-    the order of activations and gradients; sends pair with receives without
-    deadlock (sends are asynchronous, receives block).
+    Checks: each stage on one rank; every micro-batch's forward (and backward, in
+    a training plan) exactly once per stage, forward before backward; stages on two
+    ranks agree on the order of activations and gradients; sends pair with receives
+    without deadlock (sends are asynchronous, receives block).
 
     Raises:
         PlanError: naming the first offending action.
@@ -181,7 +198,8 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None)
 
     Args:
         plan: a valid plan (compute-only or with comms).
-        forward: per-micro-batch forward cost, one float for all stages or a list per stage.
+        forward: per-micro-batch forward cost, one float for all stages or a list per stage
+            (indexed by stage: P·V entries when ranks hold several stages).
         backward: same for a whole backward (B); defaults to the forward costs.
         comm: delay between a stage finishing and its neighbour being able to start.
         weight: for split backwards, the W part of `backward` (I costs the rest);
@@ -194,16 +212,16 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None)
     plan = compute_only(validate(plan))
     backward = forward if backward is None else backward
 
-    def per_stage(c, r: int) -> float:
-        return float(c[r]) if isinstance(c, (list, tuple)) else float(c)
+    def per_stage(c, stage: int) -> float:
+        return float(c[stage]) if isinstance(c, (list, tuple)) else float(c)
 
-    def cost(r: int, op: str) -> float:
+    def cost(stage: int, op: str) -> float:
         if op == "comm":
             return comm
         if op == F:
-            return per_stage(forward, r)
-        b = per_stage(backward, r)
-        w = b / 2 if weight is None else min(per_stage(weight, r), b)
+            return per_stage(forward, stage)
+        b = per_stage(backward, stage)
+        w = b / 2 if weight is None else min(per_stage(weight, stage), b)
         return {B: b, I: b - w, W: w}[op]
 
     timeline = _execute(plan, cost)
@@ -212,7 +230,25 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None)
     idle = {r: makespan - b for r, b in busy.items()}
     total = makespan * len(plan)
     bubble = sum(idle.values()) / total if total else 0.0
-    return Simulation(makespan, timeline, busy, bubble, idle)
+    return Simulation(makespan, timeline, busy, bubble, idle, peak_held(plan))
+
+
+def peak_held(plan: Plan) -> dict[int, int]:
+    """Per stage, the most micro-batches whose activations it holds at once (F done, B or W not).
+
+    Memory in units of one micro-batch's activations of that stage: what a schedule costs in
+    memory, independent of the model (GPipe: m; 1F1B: p - s on stage s).
+    """
+    held: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for acts in compute_only(plan).values():
+        for a in acts:
+            if a.op == F:
+                held[a.stage] = held.get(a.stage, 0) + 1
+                peak[a.stage] = max(peak.get(a.stage, 0), held[a.stage])
+            elif a.op in (B, W):
+                held[a.stage] -= 1
+    return dict(sorted(peak.items()))
 
 
 def render(plan: Plan, forward: float = 1.0, backward: float = 1.0) -> str:

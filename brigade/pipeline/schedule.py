@@ -1,13 +1,23 @@
 """Pipeline schedules as pure plans.
 
-A plan maps each rank (one pipeline stage per rank) to the ordered list of
-actions it performs in one training step. Plans are data: they are built,
-checked (`plan.validate`), costed (`plan.simulate`) and drawn (`plan.render`)
-without torch and without processes. The runtime only interprets them.
+A plan maps each rank to the ordered list of actions it performs in one training
+step. An action names its stage; a rank may hold several stages (`virtual` V per
+rank, P·V stages in all), placed by the schedule's placement, stage → rank:
 
-Every schedule is registered here (`SCHEDULES`, by `@register`): the CLI's help texts, the
-configuration's check and the benchmarks read its names from there, so a new schedule is one
-decorated function in this file (and an entry in `bench/peers.py` if torch has it too).
+    single  stage s on rank s (V = 1)
+    loop    stage s on rank s mod p (interleaved, looped BFS)
+    v       stage s on rank s for s < p, on rank 2p-1-s after (ZB-V: the model goes
+            down the ranks and back up, so rank 0 holds the first and the last stage)
+
+The placement is also written in the plan itself (`stage_ranks`): every stage's
+compute actions sit in its rank's list. Plans are data: they are built, checked
+(`plan.validate`), costed (`plan.simulate`) and drawn (`plan.render`) without torch
+and without processes. The runtime only interprets them.
+
+Every schedule is registered (`SCHEDULES`, by `@register`, with its placement and the V
+it runs): the CLI's help texts, the configuration's check and the benchmarks read names
+from there, so a new schedule is one decorated function (here, or in `virtual.py` for
+several stages per rank) and an entry in `bench/peers.py` if torch has it too.
 
     GPipe, 2 stages, 3 micro-batches (time across, ranks down):
 
@@ -34,7 +44,9 @@ COMPUTE_OPS = (F, B, I, W)
 COMM_OPS = (SEND_F, RECV_F, SEND_B, RECV_B)
 
 Plan = dict[int, list["Action"]]
-Builder = Callable[[int, int], Plan]  # (n_stages, n_microbatches) -> plan
+Builder = Callable[[int, int, int], Plan]  # (n_ranks, n_microbatches, n_virtual) -> plan
+SINGLE, LOOP, V_SHAPE = "single", "loop", "v"
+PLACEMENTS = (SINGLE, LOOP, V_SHAPE)
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
@@ -71,23 +83,75 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A registered schedule: its name on the command line, its builder, one line for help texts."""
+    """A registered schedule: its name on the command line, its builder, one line for help texts,
+    its placement (`PLACEMENTS`) and the stages per rank it runs: `virtual` = that fixed V, or
+    None for any V ≥ 1 (then `DEFAULT_VIRTUAL` unless asked)."""
 
     name: str
     build: Builder
     description: str
+    placement: str = SINGLE
+    virtual: int | None = 1
+
+    def resolve_virtual(self, virtual: int = 0, flag: str = "--virtual") -> int:
+        """The V this schedule runs with: `virtual`, or its default when 0.
+
+        Raises:
+            PlanError: a V this schedule cannot run, naming what it can.
+        """
+        if virtual == 0:
+            return self.virtual or DEFAULT_VIRTUAL
+        if virtual < 0 or (self.virtual is not None and virtual != self.virtual):
+            can = f"exactly {self.virtual}" if self.virtual else "any V of 1 or more"
+            hint = "; interleaved, looped-bfs and zbv hold several" if self.virtual == 1 else ""
+            raise PlanError(f"{flag} {virtual}: schedule {self.name} runs {can} stage(s) per rank"
+                            f"{hint}")
+        return virtual
 
 
 SCHEDULES: dict[str, Schedule] = {}
 DEFAULT = "1f1b"
+DEFAULT_VIRTUAL = 2  # stages per rank of a schedule that takes any V, when none is asked
 
 
-def register(name: str, description: str) -> Callable[[Builder], Builder]:
-    """Decorator: make a builder `(n_stages, n_microbatches) -> Plan` available as `name`."""
+def register(name: str, description: str, placement: str = SINGLE,
+             virtual: int | None = 1) -> Callable[[Builder], Builder]:
+    """Decorator: make a builder `(n_ranks, n_microbatches, n_virtual) -> Plan` available as `name`.
+
+    Args:
+        placement: "single", "loop" or "v" (module docstring). virtual: the V it runs, or None (any).
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
+
     def add(builder: Builder) -> Builder:
-        SCHEDULES[name] = Schedule(name, builder, description)
+        SCHEDULES[name] = Schedule(name, builder, description, placement, virtual)
         return builder
     return add
+
+
+def place(placement: str, n_ranks: int, n_virtual: int) -> list[int]:
+    """The rank of each of the n_ranks · n_virtual stages under `placement`."""
+    p, n = n_ranks, n_ranks * n_virtual
+    if placement == SINGLE or placement == LOOP:
+        return [s % p for s in range(n)]
+    if placement == V_SHAPE:
+        if n_virtual != 2:
+            raise PlanError(f"the V placement holds 2 stages per rank, not {n_virtual}")
+        return [s if s < p else 2 * p - 1 - s for s in range(n)]
+    raise PlanError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
+
+
+def stage_ranks(plan: Plan) -> dict[int, int]:
+    """The rank each stage runs on, as the plan places its compute actions."""
+    return {a.stage: r for r, acts in plan.items() for a in acts if a.op in COMPUTE_OPS}
+
+
+def stages_on(schedule: str, n_ranks: int, rank: int, virtual: int = 0) -> list[int]:
+    """The stages `rank` holds under `schedule` with `virtual` stages per rank (0: its default)."""
+    sched = SCHEDULES[check(schedule)]
+    ranks = place(sched.placement, n_ranks, sched.resolve_virtual(virtual))
+    return [s for s, r in enumerate(ranks) if r == rank]
 
 
 def names() -> list[str]:
@@ -117,15 +181,16 @@ def check(name: str, flag: str = "--schedule") -> str:
     return name
 
 
-def build(schedule: str, n_stages: int, n_microbatches: int) -> Plan:
-    """Build a named schedule's plan.
+def build(schedule: str, n_ranks: int, n_microbatches: int, virtual: int = 0) -> Plan:
+    """Build a named schedule's plan over `n_ranks` ranks, `virtual` stages each (0: its default).
 
     Raises:
-        PlanError: for an unknown name or sizes below 1.
+        PlanError: for an unknown name, sizes below 1, or a V the schedule cannot run.
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[schedule].build(n_stages, n_microbatches)
+    sched = SCHEDULES[schedule]
+    return sched.build(n_ranks, n_microbatches, sched.resolve_virtual(virtual))
 
 
 def _check_sizes(n_stages: int, n_microbatches: int) -> None:
@@ -136,7 +201,7 @@ def _check_sizes(n_stages: int, n_microbatches: int) -> None:
 
 
 @register("gpipe", "all forwards, then all backwards (memory: m activations)")
-def gpipe(n_stages: int, n_microbatches: int) -> Plan:
+def gpipe(n_stages: int, n_microbatches: int, n_virtual: int = 1) -> Plan:
     """All forwards, then all backwards (GPipe). Peak memory holds m activations."""
     _check_sizes(n_stages, n_microbatches)
     mbs = range(n_microbatches)
@@ -144,7 +209,7 @@ def gpipe(n_stages: int, n_microbatches: int) -> Plan:
 
 
 @register("1f1b", "warm-up, then one forward one backward (memory: p activations)")
-def one_f_one_b(n_stages: int, n_microbatches: int) -> Plan:
+def one_f_one_b(n_stages: int, n_microbatches: int, n_virtual: int = 1) -> Plan:
     """1F1B (PipeDream-flush): a warm-up of forwards, then alternate, then drain.
 
     Stage s keeps at most p - s micro-batches in flight, so its activation
@@ -162,14 +227,22 @@ def one_f_one_b(n_stages: int, n_microbatches: int) -> Plan:
     return plan
 
 
-def forward_only(n_stages: int, n_microbatches: int) -> Plan:
-    """Inference: every stage runs the forwards in order, no backward."""
+def forward_only(n_stages: int, n_microbatches: int, placement: list[int] | None = None) -> Plan:
+    """Inference: every stage runs the forwards in order, no backward.
+
+    With a `placement` (stage → rank, from `place`) a rank runs its stages in order, each for
+    every micro-batch: inputs always come from an earlier stage, so no rank waits in a cycle.
+    """
     _check_sizes(n_stages, n_microbatches)
-    return {s: [Action(s, F, i) for i in range(n_microbatches)] for s in range(n_stages)}
+    placement = placement or list(range(n_stages))
+    plan: Plan = {r: [] for r in sorted(set(placement))}
+    for s, r in enumerate(placement):
+        plan[r] += [Action(s, F, i) for i in range(n_microbatches)]
+    return plan
 
 
 @register("zb", "1F1B with each backward split in I and W, W filling bubbles")
-def zero_bubble(n_stages: int, n_microbatches: int) -> Plan:
+def zero_bubble(n_stages: int, n_microbatches: int, n_virtual: int = 1) -> Plan:
     """ZB-H1-style: 1F1B with each backward split into I (input gradient) and W (weight).
 
     Built by a greedy list schedule under unit costs: a stage runs an I as soon as
@@ -204,25 +277,35 @@ def zero_bubble(n_stages: int, n_microbatches: int) -> Plan:
 
 
 def with_comms(plan: Plan) -> Plan:
-    """Insert the sends and receives each compute action implies (a pure pass)."""
-    last = max(plan)
+    """Insert the sends and receives each compute action implies (a pure pass).
+
+    Only between stages on different ranks: two stages on one rank (the turn of a V)
+    hand over by reference, without a message.
+    """
+    if any(a.op in COMM_OPS for acts in plan.values() for a in acts):
+        bad = next(a for acts in plan.values() for a in acts if a.op in COMM_OPS)
+        raise PlanError(f"{bad}: with_comms expects a compute-only plan")
+    ranks = stage_ranks(plan)
+    last = max(ranks, default=0)
+
+    def remote(s: int, other: int) -> bool:
+        return 0 <= other <= last and ranks.get(other) != ranks.get(s)
+
     out: Plan = {}
     for rank, actions in plan.items():
         seq: list[Action] = []
         for a in actions:
-            if a.op in COMM_OPS:
-                raise PlanError(f"{a}: with_comms expects a compute-only plan")
             s, i = a.stage, a.microbatch
             if a.op == F:
-                seq += [Action(s, RECV_F, i)] if s > 0 else []
+                seq += [Action(s, RECV_F, i)] if remote(s, s - 1) else []
                 seq.append(a)
-                seq += [Action(s, SEND_F, i)] if s < last else []
+                seq += [Action(s, SEND_F, i)] if remote(s, s + 1) else []
             elif a.op == W:
                 seq.append(a)
             else:
-                seq += [Action(s, RECV_B, i)] if s < last else []
+                seq += [Action(s, RECV_B, i)] if remote(s, s + 1) else []
                 seq.append(a)
-                seq += [Action(s, SEND_B, i)] if s > 0 else []
+                seq += [Action(s, SEND_B, i)] if remote(s, s - 1) else []
         out[rank] = seq
     return out
 
