@@ -75,7 +75,8 @@ def _overhead(d: dict) -> str:
      "`python -m brigade.bench.speed --schedule zb --microbatches 2`")
 def _speed_zb(d: dict) -> str:
     c, f = d["cases"][0], _speed_figures(d)
-    return (f"{f['ours']} ms: ×{f['vs']} torch.distributed.pipelining's {c['torch_schedule'].upper()} "
+    peer = c.get("torch_class", c["torch_schedule"].upper())  # files before torch_class: the name
+    return (f"{f['ours']} ms: ×{f['vs']} torch.distributed.pipelining's {peer} "
             f"({f['theirs']} ms), ×{c['speedup_vs_single']:.2f} a single device, efficiency {f['eff']}")
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from brigade import agent, groups
-from brigade.bench.peers import TorchPipelining, nearest_torch_schedule
+from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, nearest_torch_schedule
 from brigade.bench.place import place_model
 from brigade.bench.timing import Workload, gathered_stage_costs, time_pipeline, time_single
 from brigade.models import load_model
@@ -56,14 +56,14 @@ def worker(cfg: SpeedConfig) -> dict:
         mine = stages[rank]
         ours = time_pipeline(Pipeline(mine, schedule, m, spec.loss_fn, device=device), mine, x, y, cfg)
         peer_schedule = nearest_torch_schedule(schedule)
-        peer = TorchPipelining(copy.deepcopy(mine), rank, cfg.stages, peer_schedule, m, spec.loss_fn,
+        peer = TorchPipelining({rank: copy.deepcopy(mine)}, cfg.stages, peer_schedule, m, spec.loss_fn,
                                device)
         theirs = time_pipeline(peer, peer.module, x, y, cfg)
         rows.append({"schedule": schedule, "microbatches": m, "balance": balance,
                      "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_weight_s": wgt,
                      "ideal_s": ideal,
                      "brigade": asdict(ours), "torch_pipelining": asdict(theirs),
-                     "torch_schedule": peer_schedule})
+                     "torch_schedule": peer_schedule, "torch_class": TORCH_SCHEDULES[peer_schedule].cls})
     groups.destroy()
     return {"single": single, "rows": rows}
 
@@ -76,7 +76,7 @@ def summarise(cfg: SpeedConfig, raw: dict) -> dict:
         ours, theirs = r["brigade"]["mean_s"], r["torch_pipelining"]["mean_s"]
         out["cases"].append({
             **{k: r[k] for k in ("schedule", "microbatches", "balance", "stage_forward_s",
-                                 "stage_backward_s", "stage_weight_s", "torch_schedule")},
+                                 "stage_backward_s", "stage_weight_s", "torch_schedule", "torch_class")},
             "brigade_mean_s": ours, "brigade_std_s": r["brigade"]["std_s"],
             "torch_pipelining_mean_s": theirs, "torch_pipelining_std_s": r["torch_pipelining"]["std_s"],
             "ideal_s": r["ideal_s"],
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     for c in result["cases"]:
         print(f"{c['schedule']} m={c['microbatches']}: brigade {c['brigade_mean_s'] * 1e3:.1f} ms "
               f"(×{c['speedup_vs_single']:.2f} vs single, efficiency {c['efficiency']:.2f}), "
-              f"torch.distributed.pipelining ({c['torch_schedule']}) "
+              f"torch.distributed.pipelining ({c['torch_class']}) "
               f"{c['torch_pipelining_mean_s'] * 1e3:.1f} ms "
               f"→ brigade ×{c['vs_torch_pipelining']:.2f}")
     print(f"wrote {out / 'speed.json'}")
