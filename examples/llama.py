@@ -1,0 +1,120 @@
+"""A Llama-style decoder as brigade blocks: RMSNorm, rotary embeddings, grouped-query attention,
+SwiGLU, a causal mask built from a padding mask (a side input), and a head tied to the embedding.
+
+    brigade check --model examples/llama.py:model --stages 2
+
+Shapes: B batch, T time, C n_embd, H n_head, K n_kv_head, D head size, V vocab_size.
+Nothing here knows about parallelism: the blocks declare the side input they take, and the
+head shares the embedding's weight; brigade delivers the mask and keeps the copies equal.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE = -100  # target at a padded position: no loss there
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # (..., C) -> (..., C)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x, cos, sin):  # (B, H, T, D), (T, D/2) -> (B, H, T, D): rotate pairs by position
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab_size: int, n_embd: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, n_embd)
+
+    def forward(self, tokens):  # (B, T) int64 -> (B, T, C)
+        return self.tok(tokens)
+
+
+class Decoder(nn.Module):
+    side_inputs = ("padding_mask",)  # brigade hands it to forward, from the batch
+
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, block_size: int, theta: float = 10000.0):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.d = n_head, n_kv_head, n_embd // n_head
+        self.attn_norm, self.mlp_norm = RMSNorm(n_embd), RMSNorm(n_embd)
+        self.q = nn.Linear(n_embd, n_head * self.d, bias=False)
+        self.kv = nn.Linear(n_embd, 2 * n_kv_head * self.d, bias=False)
+        self.o = nn.Linear(n_head * self.d, n_embd, bias=False)
+        hidden = 64 * ((8 * n_embd // 3 + 63) // 64)
+        self.gate, self.up = nn.Linear(n_embd, hidden, bias=False), nn.Linear(n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, n_embd, bias=False)
+        angles = torch.outer(torch.arange(block_size), theta ** (-torch.arange(0, self.d, 2) / self.d))
+        self.register_buffer("cos", angles.cos(), persistent=False)  # (block_size, D/2)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x, *, padding_mask):  # (B, T, C), (B, T) bool -> (B, T, C)
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q(h).view(b, t, self.n_head, self.d).transpose(1, 2)  # (B, H, T, D)
+        kv = self.kv(h).view(b, t, 2 * self.n_kv_head, self.d).transpose(1, 2)  # (B, 2K, T, D)
+        k, v = kv.chunk(2, dim=1)  # (B, K, T, D) each
+        q, k = rotate(q, self.cos[:t], self.sin[:t]), rotate(k, self.cos[:t], self.sin[:t])
+        k, v = (z.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for z in (k, v))  # (B, H, T, D)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        # Attend to earlier real tokens, and always to itself: a padded row never has no key.
+        mask = (causal & padding_mask[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=x.device)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Head(nn.Module):
+    def __init__(self, embed: Embed):
+        super().__init__()
+        self.norm = RMSNorm(embed.tok.embedding_dim)
+        self.out = nn.Linear(embed.tok.embedding_dim, embed.tok.num_embeddings, bias=False)
+        self.out.weight = embed.tok.weight  # tied: one parameter on two blocks
+
+    def forward(self, x):  # (B, T, C) -> (B, T, V)
+        return self.out(self.norm(x))
+
+
+def model(vocab_size: int = 96, block_size: int = 32, n_layer: int = 4, n_embd: int = 64,
+          n_head: int = 4, n_kv_head: int = 2) -> list[nn.Module]:
+    """[Embed, Decoder × n_layer, Head], the head tied to the embedding."""
+    if n_embd % n_head or n_head % n_kv_head or (n_embd // n_head) % 2:
+        raise ValueError(f"n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: need n_head | n_embd, "
+                         "n_kv_head | n_head and an even head size")
+    embed = Embed(vocab_size, n_embd)
+    blocks = [embed, *(Decoder(n_embd, n_head, n_kv_head, block_size) for _ in range(n_layer))]
+    for m in nn.ModuleList(blocks).modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+    return [*blocks, Head(embed)]
+
+
+def batch(n: int, generator: torch.Generator, vocab_size: int = 96, block_size: int = 32):
+    """Counting sequences ((start + i) mod V) padded at the end to `block_size`: learnable."""
+    start = torch.randint(vocab_size, (n, 1), generator=generator)
+    seq = (start + torch.arange(block_size + 1)) % vocab_size  # (B, T + 1)
+    lengths = torch.randint(block_size // 2, block_size + 1, (n, 1), generator=generator)
+    real = torch.arange(block_size + 1) < lengths  # (B, T + 1): True on real tokens
+    seq = seq.masked_fill(~real, 0)
+    targets = seq[:, 1:].masked_fill(~real[:, 1:], IGNORE)
+    return {"tokens": seq[:, :-1], "padding_mask": real[:, :-1]}, targets
+
+
+def loss(logits, targets):  # (B, T, V), (B, T) -> scalar
+    """Mean over sequences of each sequence's mean over its real tokens.
+
+    Per sequence first, so a micro-batch's loss weighted by its share of the batch sums to the
+    batch's loss, however the padding falls.
+    """
+    per_token = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
+    real = (targets != IGNORE).float()  # (B, T)
+    return ((per_token * real).sum(1) / real.sum(1).clamp(min=1)).mean()

@@ -1,0 +1,96 @@
+"""examples/llama.py: trains as one sequential composition, and equals its blocks run by hand."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from brigade.models import load_model
+from brigade.pipeline import microbatch, shared, side
+from brigade.pipeline.side import StageModule
+
+FILE = Path(__file__).resolve().parents[2] / "examples" / "llama.py"
+SPEC = f"{FILE}:model"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    spec = load_model(SPEC, seed=0)
+    return spec, __import__(spec.loss_fn.__module__)
+
+
+def inputs(spec, n=6, seed=0):
+    return spec.make_batch(n, torch.Generator().manual_seed(seed))
+
+
+def test_the_file_loads_as_a_model_with_batch_and_loss(llama):
+    spec, _ = llama
+    assert len(spec.blocks) == 6 and spec.loss_fn.__name__ == "loss"
+    x, y = inputs(spec)
+    assert set(x) == {"tokens", "padding_mask"} and x["tokens"].shape == y.shape == (6, 32)
+    assert (~x["padding_mask"]).any(), "some positions are padding"
+    assert ((y == -100) | x["padding_mask"]).all(), "a padded input position has no target"
+    (tie,) = shared.find_shared(spec.blocks)
+    assert tie.uses == ((0, "tok.weight"), (5, "out.weight"))
+
+
+def test_stage_module_equals_the_blocks_by_hand(llama):
+    spec, _ = llama
+    x, _ = inputs(spec)
+    main, extra = side.split_inputs(x, spec.blocks)
+    assert main is x["tokens"] and list(extra) == ["padding_mask"]
+    h = main
+    for block in spec.blocks:
+        h = block(h, **({"padding_mask": x["padding_mask"]} if side.declared(block) else {}))
+    out = StageModule(spec.blocks)(main, extra)
+    assert out.shape == (6, 32, 96)
+    torch.testing.assert_close(out, h, rtol=0, atol=0)
+
+
+def test_trains_on_one_process(llama):
+    spec, _ = llama
+    blocks = copy.deepcopy(spec.blocks)
+    stage = StageModule(blocks)
+    assert blocks[5].out.weight is blocks[0].tok.weight, "deepcopy keeps the tie"
+    opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
+    x, y = inputs(spec, n=8, seed=1)
+    main, extra = side.split_inputs(x, blocks)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = spec.loss_fn(stage(main, extra), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_padding_does_not_leak_into_real_positions(llama):
+    """Changing padded tokens changes no output at a real position: the mask works."""
+    spec, _ = llama
+    stage = StageModule(spec.blocks).eval()
+    x, _ = inputs(spec)
+    main, extra = side.split_inputs(x, spec.blocks)
+    noisy = main.masked_fill(~extra["padding_mask"], 7)
+    real = extra["padding_mask"]
+    torch.testing.assert_close(stage(main, extra)[real], stage(noisy, extra)[real])
+
+
+def test_microbatched_loss_equals_the_batch_loss(llama):
+    """The loss is a mean over sequences, so micro-batch losses weighted by share add up."""
+    spec, _ = llama
+    stage = StageModule(spec.blocks)
+    x, y = inputs(spec, n=7)
+    main, extra = side.split_inputs(x, spec.blocks)
+    full = spec.loss_fn(stage(main, extra), y)
+    parts = zip(microbatch.split_structure((main, extra), 3, 7), microbatch.split(y, 3),
+                microbatch.weights(7, 3))
+    summed = sum(spec.loss_fn(stage(m, e), t) * w for (m, e), t, w in parts)
+    torch.testing.assert_close(summed, full)
+
+
+def test_bad_sizes_are_refused(llama):
+    _, module = llama
+    with pytest.raises(ValueError, match=r"n_kv_head=3: need .*n_kv_head \| n_head"):
+        module.model(n_head=4, n_kv_head=3)
