@@ -1,7 +1,9 @@
 """A minGPT-style decoder as an ordered list of blocks: embedding, transformer blocks, head.
 
 Shapes: B batch, T time (≤ block_size), C n_embd, V vocab_size.
-No weight tying between the embedding and the head, so stages stay independent.
+With `tie_embeddings` the head's output weight is the token embedding's (one parameter on the
+first and last block: brigade.pipeline.shared keeps the copies equal across stages). Off by
+default until the pipeline engine carries ties.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    tie_embeddings: bool = False  # the head reuses the token embedding's weight (V, C)
 
 
 class Embedding(nn.Module):
@@ -86,7 +89,8 @@ class Head(nn.Module):
 
 
 def gpt(cfg: GPTConfig | None = None) -> list[nn.Module]:
-    """The GPT as blocks: [Embedding, Block × n_layer, Head]."""
+    """The GPT as blocks: [Embedding, Block × n_layer, Head], the head tied to the embedding
+    when `cfg.tie_embeddings`."""
     cfg = cfg or GPTConfig()
     if cfg.n_embd % cfg.n_head:
         raise ValueError(f"n_embd={cfg.n_embd} must be a multiple of n_head={cfg.n_head}")
@@ -95,6 +99,8 @@ def gpt(cfg: GPTConfig | None = None) -> list[nn.Module]:
     blocks.append(Head(cfg))
     for b in blocks:
         b.apply(_init)
+    if cfg.tie_embeddings:
+        blocks[-1].out.weight = blocks[0].tok.weight
     return blocks
 
 

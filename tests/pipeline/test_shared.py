@@ -189,3 +189,51 @@ def test_optimizer_steps_keep_copies_equal():
         ref_opt.step()
     for i, path in ties[0].uses:
         torch.testing.assert_close(shared.parameter(blocks[i], path), ref_blocks[0].tok.weight)
+
+
+def tiny_gpt(tie=True):
+    from brigade.models.gpt import GPTConfig, gpt
+
+    torch.manual_seed(0)
+    return gpt(GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_embeddings=tie))
+
+
+def test_the_tied_gpt_shares_one_parameter_and_is_off_by_default():
+    from brigade.models.gpt import GPTConfig
+
+    assert GPTConfig().tie_embeddings is False  # until the engine carries ties
+    tied, untied = tiny_gpt(), tiny_gpt(tie=False)
+    (tie,) = shared.find_shared(tied)
+    assert tie.uses == ((0, "tok.weight"), (3, "out.weight")) and shared.find_shared(untied) == []
+    count = sum(p.numel() for p in nn.ModuleList(tied).parameters())
+    assert count == sum(p.numel() for p in nn.ModuleList(untied).parameters()) - 11 * 16
+
+
+def test_the_tied_gpt_split_in_two_stages_matches_one_device():
+    """Two stages in one process, joined as a boundary joins them (structure helpers), with the
+    tie untied: the loss, every gradient and one AdamW step equal the tied model's."""
+    from brigade.models.gpt import gpt_loss
+    from brigade.pipeline import structure
+    from brigade.pipeline.side import StageModule
+
+    ref, blocks = tiny_gpt(), tiny_gpt()
+    ties = shared.untie(blocks)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(11, (4, 8), generator=g), torch.randint(11, (4, 8), generator=g)
+    ref_loss = gpt_loss(StageModule(ref)(x), y)
+    ref_loss.backward()
+    first, last = StageModule(blocks[:2]), StageModule(blocks[2:], indices=[2, 3], stage=1)
+    sent = first(x)
+    received = structure.as_inputs(sent)
+    loss = gpt_loss(last(received), y)
+    loss.backward()
+    torch.autograd.backward(*structure.backward_pairs(sent, structure.input_grads(received)))
+    shared.sum_tied_grads(ties, dict(enumerate(blocks)))
+    torch.testing.assert_close(loss, ref_loss)
+    ref_grads = dict(nn.ModuleList(ref).named_parameters(remove_duplicate=False))
+    for name, p in nn.ModuleList(blocks).named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, msg=name)
+    for model_blocks in (ref, blocks):
+        torch.optim.AdamW(nn.ModuleList(model_blocks).parameters(), lr=0.1).step()
+    torch.testing.assert_close(blocks[3].out.weight, ref[0].tok.weight)
+    torch.testing.assert_close(blocks[0].tok.weight, ref[0].tok.weight)
