@@ -2,21 +2,24 @@
 
     single           rank 0 alone runs the whole model on the whole batch
     model parallel   2 stages, no micro-batching (m = 1)
-    pipelined        GPipe, 1F1B and zero-bubble over a sweep of split sizes
-    torch            torch.distributed.pipelining, same stages and micro-batches
+    brigade          each schedule × its stages per rank (V) × a sweep of split sizes
+    torch            torch.distributed.pipelining: every schedule the installed torch offers
+                     (`peers.TORCH_SCHEDULES`) at the same p, V and m, on the same stages
     ddp              DistributedDataParallel over the same 2 devices, half the batch each
 
-Every configuration: warm-up, then `repeats` timed steps (all ranks start together; a step
-lasts until the slowest rank is done). Ideal pipelined step: `simulate()` on each stage's
-measured per-micro-batch costs; efficiency = ideal / measured. Models, batches and every
-collective's tensors live on the process's device (`DistInfo.device`); clocks are read after
-synchronising it.
+Every configuration is built first, then timed in interleaved rounds
+(`timing.interleaved_rounds`): each round times each configuration once, so drift on a
+shared machine hits all alike. Each round also measures every stage's per-micro-batch costs
+(a probe per m), from which `simulate()` gives that round's ideal step; ratios (vs single, vs
+the torch twin, ideal ÷ measured) are taken per round and summarised by `bench.figures`.
+Models, batches and every collective's tensors live on the process's device.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -25,24 +28,23 @@ from torch import nn
 
 from brigade import groups
 from brigade.bench.memory import stage_meter
-from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining
+from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, local_stages, unsupported
 from brigade.bench.place import ddp, place_model
 from brigade.bench.timing import (
     Workload,
     gathered_stage_costs,
-    measure,
+    interleaved_rounds,
     pipeline_step,
-    time_pipeline,
-    time_single,
     train_step,
 )
+from brigade.errors import BrigadeError
 from brigade.models import load_model
 from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import Pipeline
-from brigade.pipeline.plan import simulate
-from brigade.pipeline.schedule import build, names
+from brigade.pipeline.schedule import DEFAULT_VIRTUAL, SCHEDULES, names, stages_on
 
 TUTORIAL_SPLITS = [1, 3, 5, 8, 10, 12, 20, 40, 60]  # of a batch of 120
+SINGLE, MP, OURS, PEER, DDP = "single", "model parallel", "brigade", "torch.distributed.pipelining", "ddp"
 
 
 @dataclass
@@ -50,6 +52,21 @@ class BenchConfig(Workload):
     splits: list[int] = field(default_factory=list)  # split sizes; empty: the tutorial's, scaled
     schedules: list[str] = field(default_factory=names)
     balance: list[int] | None = None
+    rounds: int = 10  # interleaved rounds (`repeats` stays the tuner's per-configuration count)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration of the bench: a row of bench.json."""
+
+    name: str  # SINGLE, MP, OURS, PEER or DDP
+    schedule: str | None
+    virtual: int
+    microbatches: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}|{self.schedule}|V{self.virtual}|m{self.microbatches}"
 
 
 def scaled_splits(batch: int) -> list[int]:
@@ -65,108 +82,166 @@ def scaled_splits(batch: int) -> list[int]:
     return out
 
 
-def _row(name: str, schedule: str | None, m: int, batch: int, timing, **extra) -> dict:
-    return {"name": name, "schedule": schedule, "stages": extra.pop("stages", 2), "microbatches": m,
-            "split_size": math.ceil(batch / m), "mean_s": timing.mean_s, "std_s": timing.std_s,
-            "samples_s": timing.samples, **extra}
+def brigade_virtuals(schedule: str) -> tuple[int, ...]:
+    """The stages per rank (V) the bench runs brigade's `schedule` at: the registry's fixed V,
+    or for a schedule that takes any V (interleaved, looped-bfs) the default, 2 (torch's too)."""
+    sched = SCHEDULES[schedule]
+    return (sched.virtual or DEFAULT_VIRTUAL,)
 
 
-def _pipelined(cfg, spec, stages, x, y, rank, schedule, m, trace=False):
-    """Time brigade's pipeline; also its ideal (simulate), memory peak and one traced step.
+def cases(cfg: BenchConfig, ranks: int, n_blocks: int) -> tuple[list[Case], list[dict]]:
+    """Every configuration to time, and the ones skipped with why.
 
-    `stages` and the batch are on the process's device (x.device)."""
-    n, device = len(stages), x.device
-    fwd, bwd, wgt = gathered_stage_costs(stages, rank, x, y, spec.loss_fn, m, repeats=3)
-    ideal = simulate(build(schedule, n, m), fwd, bwd, weight=wgt).makespan
-    mine = stages[rank]
-    pipe = Pipeline(mine, schedule, m, spec.loss_fn, device=device)
-    timing = time_pipeline(pipe, mine, x, y, cfg)
-    meter = stage_meter(device, exclude=list(mine.parameters()))
+    Brigade rows are (schedule, V, m) over `cfg.schedules` × `brigade_virtuals` × the splits.
+    Torch rows are every installed torch schedule whose twin is selected, plus those without a
+    brigade twin yet (DualPipeV; interleaved, looped-bfs and zbv until brigade registers them).
+    """
+    ms = [math.ceil(cfg.batch_size / s) for s in cfg.splits or scaled_splits(cfg.batch_size)]
+    run, skipped = [Case(SINGLE, None, 1, 1), Case(MP, "gpipe", 1, 1)], []
+    for case in (Case(OURS, s, v, m) for s in cfg.schedules for v in brigade_virtuals(s) for m in ms):
+        if n_blocks < ranks * case.virtual:
+            skipped.append({**asdict(case), "reason": f"{cfg.model} has {n_blocks} blocks: "
+                            f"{ranks * case.virtual} stages need as many"})
+        else:
+            run.append(case)
+    for name, spec in TORCH_SCHEDULES.items():
+        twin = spec.twin or name
+        if twin in names() and twin not in cfg.schedules:
+            continue
+        for v in spec.virtual:
+            for m in ms:
+                reason = unsupported(name, ranks, v, m, cfg.batch_size)
+                if reason is None and n_blocks < ranks * v:
+                    reason = f"{cfg.model} has {n_blocks} blocks: {ranks * v} stages need as many"
+                case = Case(PEER, name, v, m)
+                if reason:
+                    skipped.append({**asdict(case), "reason": reason})
+                else:
+                    run.append(case)
+    return run + [Case(DDP, None, 1, 1)], skipped
+
+
+@dataclass
+class _Bench:
+    """What a worker builds its steps from."""
+
+    cfg: BenchConfig
+    spec: object
+    x: torch.Tensor
+    y: torch.Tensor
+    rank: int
+    ranks: int
+    stages: dict[int, list[nn.Module]]  # V -> the model cut into ranks × V stages (shared by rows)
+    pipes: dict[Case, tuple[Pipeline, nn.Module]] = field(default_factory=dict)  # brigade's rows
+
+
+def _agreed_balance(spec, x, n_stages: int, balance: list[int] | None) -> list[int]:
+    """Cut points where measured time balances (both systems run the same stages); rank 0's."""
+    mine = choose_balance(spec.blocks, n_stages, by="time", sample=x[: max(1, len(x) // 2)],
+                          balance=balance)
+    agreed = [mine]
+    dist.broadcast_object_list(agreed, src=0)
+    return agreed[0]
+
+
+def _ours(b: _Bench, case: Case):
+    held = stages_on(case.schedule, b.ranks, b.rank, case.virtual)
+    modules = {s: b.stages[case.virtual][s] for s in held}
+    pipe = Pipeline(modules, case.schedule, case.microbatches, b.spec.loss_fn, device=b.x.device,
+                    virtual=case.virtual)
+    mine = nn.ModuleList(modules[s] for s in held)  # what a step's gradients are zeroed on
+    b.pipes[case] = pipe, mine
+    return pipeline_step(pipe, mine, b.x, b.y)
+
+
+def _step(b: _Bench, case: Case):
+    """The callable every rank runs for one timed step of `case` (built now, timed later)."""
+    if case.name == SINGLE:
+        if b.rank != 0:
+            return lambda: None
+        return train_step(nn.Sequential(*copy.deepcopy(b.spec.blocks)), b.spec.loss_fn, b.x, b.y)
+    if case.name == DDP:
+        wrapped = ddp(nn.Sequential(*copy.deepcopy(b.spec.blocks)), b.x.device)
+        return train_step(wrapped, b.spec.loss_fn, b.x.chunk(b.ranks)[b.rank], b.y.chunk(b.ranks)[b.rank])
+    if case.name in (OURS, MP):
+        return _ours(b, case)
+    stages, placement = b.stages[case.virtual], TORCH_SCHEDULES[case.schedule].placement
+    mine = {s: stages[s] for s in local_stages(placement, b.rank, b.ranks, case.virtual)}
+    peer = TorchPipelining(mine, len(stages), case.schedule, case.microbatches, b.spec.loss_fn, b.x.device)
+    return pipeline_step(peer, peer.module, b.x, b.y)
+
+
+def _probe(b: _Bench, virtual: int, m: int, into: list):
+    """A round's measurement of every stage's (forward, backward, weight) costs at m micro-batches,
+    for the model cut into ranks × `virtual` stages (each rank measures V of them at once)."""
+    held = [s for s in range(b.ranks * virtual) if s % b.ranks == b.rank]
+
+    def probe() -> None:
+        into.append(gathered_stage_costs(b.stages[virtual], b.rank, b.x, b.y, b.spec.loss_fn, m,
+                                         repeats=1, held=held))
+    return probe
+
+
+def _steps(b: _Bench, todo: list[Case], skipped: list[dict]) -> dict:
+    """Every case's step, built on every rank in the same order; a case its library refuses
+    (the same on every rank: the rules are pure) goes to `skipped` with the library's words."""
+    steps = {}
+    for case in todo:
+        try:
+            steps[case.key] = _step(b, case)
+        except (BrigadeError, ValueError) as exc:
+            skipped.append({**asdict(case), "reason": str(exc).splitlines()[0]})
+    return steps
+
+
+def _memory(b: _Bench, case: Case) -> tuple[list[float], str]:
+    """Every stage's activation peak in one step of brigade's `case`, gathered; the meter's method."""
+    pipe, module = b.pipes[case]
+    meter = stage_meter(b.x.device, exclude=list(module.parameters()))
     with meter:
-        pipeline_step(pipe, mine, x, y)()
-    peaks = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(n)]
-    dist.all_gather(peaks, torch.tensor([float(meter.peak_bytes)], dtype=torch.float64, device=device))
-    traced = None
-    if trace:
-        dist.barrier()
-        pipe.step(x, y, trace=True)
-        mine.zero_grad(set_to_none=True)
-        t0 = torch.tensor([min(s for _, s, _ in pipe.last_result.trace)], dtype=torch.float64,
-                          device=device)
-        dist.all_reduce(t0, op=dist.ReduceOp.MIN)  # perf_counter is system-wide on Linux
-        events = [(str(a), s - t0.item(), e - t0.item()) for a, s, e in pipe.last_result.trace]
-        gathered: list = [None] * n
-        dist.all_gather_object(gathered, events)
-        traced = gathered
-    extra = {"ideal_s": ideal, "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_weight_s": wgt,
-             "peak_activation_bytes": [p.item() for p in peaks], "memory_method": meter.method}
-    return timing, extra, traced
+        pipeline_step(pipe, module, b.x, b.y)()
+    peaks = [torch.zeros(1, dtype=torch.float64, device=b.x.device) for _ in range(b.ranks)]
+    dist.all_gather(peaks, torch.tensor([float(meter.peak_bytes)], dtype=torch.float64, device=b.x.device))
+    return [p.item() for p in peaks], meter.method
 
 
-def _single(cfg, spec, x, y, rank):
-    """The whole model on rank 0's device, whole batch; its timing, known to every rank."""
-    single = time_single(spec.blocks, spec.loss_fn, x, y, cfg) if rank == 0 else None
+def _trace(b: _Bench, case: Case) -> dict:
+    """One traced step of brigade's `case`: every rank's (action, start, end) on one clock."""
+    (pipe, module), device = b.pipes[case], b.x.device
     dist.barrier()
-    timing = [single]
-    dist.broadcast_object_list(timing, src=0)
-    return timing[0]
-
-
-def _ddp(cfg, spec, x, y, rank, n):
-    """DDP over the n processes, each on its device with 1/n of the batch."""
-    wrapped = ddp(nn.Sequential(*copy.deepcopy(spec.blocks)), x.device)
-    xs, ys = x.chunk(n)[rank], y.chunk(n)[rank]
-    return measure(train_step(wrapped, spec.loss_fn, xs, ys), cfg.repeats, cfg.warmup, device=x.device,
-                   distributed=True)
+    pipe.step(b.x, b.y, trace=True)
+    module.zero_grad(set_to_none=True)
+    t0 = torch.tensor([min(s for _, s, _ in pipe.last_result.trace)], dtype=torch.float64, device=device)
+    dist.all_reduce(t0, op=dist.ReduceOp.MIN)  # perf_counter is system-wide on Linux
+    events = [(str(a), s - t0.item(), e - t0.item()) for a, s, e in pipe.last_result.trace]
+    gathered: list = [None] * b.ranks
+    dist.all_gather_object(gathered, events)
+    return {"schedule": case.schedule, "virtual": case.virtual, "microbatches": case.microbatches,
+            "events": gathered}
 
 
 def worker(cfg: BenchConfig) -> dict:
+    """Build every configuration, time them in interleaved rounds, then memory and one trace."""
     info = groups.init(cfg.backend, threads=1)
-    rank, n, device = info.rank, info.world_size, info.device
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
-    x, y = place_model(spec, cfg.batch_size, cfg.seed, device)
-    # Cut where measured time balances (both systems then run the same stages); rank 0 decides.
-    balance = choose_balance(spec.blocks, n, by="time", sample=x[: max(1, cfg.batch_size // 2)],
-                             balance=cfg.balance)
-    agreed = [balance]
-    dist.broadcast_object_list(agreed, src=0)
-    balance = agreed[0]
-    rows = [_row("single", None, 1, cfg.batch_size, _single(cfg, spec, x, y, rank), stages=1)]
-    timing, extra, _ = _pipelined(cfg, spec, split(copy.deepcopy(spec.blocks), balance), x, y, rank,
-                                  "gpipe", 1)
-    rows.append(_row("model parallel", "gpipe", 1, cfg.batch_size, timing, balance=balance, **extra))
-    best_trace, best_time = None, math.inf
-    for schedule in cfg.schedules:
-        for size in cfg.splits or scaled_splits(cfg.batch_size):
-            m = math.ceil(cfg.batch_size / size)
-            stages = split(copy.deepcopy(spec.blocks), balance)
-            timing, extra, traced = _pipelined(cfg, spec, stages, x, y, rank, schedule, m, trace=True)
-            rows.append(_row("brigade", schedule, m, cfg.batch_size, timing, balance=balance, **extra))
-            if timing.mean_s < best_time:
-                best_time = timing.mean_s
-                best_trace = {"schedule": schedule, "microbatches": m, "events": traced}
-            if schedule in TORCH_SCHEDULES and cfg.batch_size % m == 0:  # torch needs equal chunks
-                peer = TorchPipelining(stages[rank], rank, n, schedule, m, spec.loss_fn, info.device)
-                t = time_pipeline(peer, peer.module, x, y, cfg)
-                rows.append(_row("torch.distributed.pipelining", schedule, m, cfg.batch_size, t,
-                                 balance=balance, torch_pipelining=True, ideal_s=extra["ideal_s"]))
-    rows.append(_row("ddp", None, 1, cfg.batch_size, _ddp(cfg, spec, x, y, rank, n), stages=1))
+    x, y = place_model(spec, cfg.batch_size, cfg.seed, info.device)
+    todo, skipped = cases(cfg, info.world_size, len(spec.blocks))
+    virtuals = sorted({c.virtual for c in todo})
+    balances = {v: _agreed_balance(spec, x, info.world_size * v, cfg.balance if v == 1 else None)
+                for v in virtuals}
+    b = _Bench(cfg, spec, x, y, info.rank, info.world_size,
+               {v: split(copy.deepcopy(spec.blocks), balances[v]) for v in virtuals})
+    steps = _steps(b, todo, skipped)
+    todo = [c for c in todo if c.key in steps]
+    costs: dict[tuple[int, int], list] = {vm: [] for vm in sorted({(c.virtual, c.microbatches)
+                                                                   for c in todo if c.name != DDP})}
+    probes = {f"probe|V{v}|m{m}": _probe(b, v, m, into) for (v, m), into in costs.items()}
+    times = interleaved_rounds({**steps, **probes}, cfg.rounds, cfg.warmup, x.device, seed=cfg.seed)
+    ours = [c for c in b.pipes if c.name == OURS]
+    memory = {c.key: _memory(b, c) for c in ours}
+    trace = _trace(b, min(ours, key=lambda c: statistics.median(times[c.key])))  # same on every rank
     groups.destroy()
-    return {"rows": rows, "trace": best_trace, "balance": balance,
-            "memory_method": rows[1]["memory_method"]}
-
-
-def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:
-    """Add speedups, ideal speedups and efficiencies; mark the peers."""
-    single = raw["rows"][0]["mean_s"]
-    configs = []
-    for r in raw["rows"]:
-        row = {k: v for k, v in r.items() if k != "samples_s"}
-        row["torch_pipelining"] = bool(r.get("torch_pipelining"))
-        row["speedup_vs_single"] = single / r["mean_s"]
-        ideal = r.get("ideal_s")
-        row["ideal_speedup"] = single / ideal if ideal else (1.0 if r["name"] == "single" else None)
-        row["efficiency"] = ideal / r["mean_s"] if ideal else None
-        configs.append(row)
-    return {"config": asdict(cfg), "device": device, "balance": raw["balance"], "configs": configs,
-            "timeline": raw["trace"], "memory_method": raw["memory_method"]}
+    return {"cases": [asdict(c) for c in todo], "skipped": skipped, "ranks": info.world_size,
+            "times": {c.key: times[c.key] for c in todo}, "balances": balances, "memory": memory,
+            "costs": {m: got[-cfg.rounds:] for m, got in costs.items()},  # the warm-up probed too
+            "trace": trace}

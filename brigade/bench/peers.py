@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from brigade.pipeline.schedule import place
+
 
 @dataclass(frozen=True)
 class TorchSchedule:
@@ -63,16 +65,12 @@ def nearest_torch_schedule(schedule: str) -> str:
     return schedule if schedule in TORCH_SCHEDULES else "1f1b"
 
 
-def stage_rank(placement: str, stage: int, ranks: int) -> int:
-    """The rank that holds `stage` under `placement` ("loop" or "v") over `ranks` ranks."""
-    if placement == "v":
-        return stage if stage < ranks else 2 * ranks - 1 - stage
-    return stage % ranks
-
-
 def local_stages(placement: str, rank: int, ranks: int, virtual: int) -> list[int]:
-    """The global stage indices `rank` holds, in increasing order (torch's list order)."""
-    return [s for s in range(ranks * virtual) if stage_rank(placement, s, ranks) == rank]
+    """The global stage indices `rank` holds, in increasing order (torch's list order).
+
+    The placement itself has one owner, brigade's `schedule.place`: torch's is the same rule.
+    """
+    return [s for s, r in enumerate(place(placement, ranks, virtual)) if r == rank]
 
 
 def unsupported(schedule: str, ranks: int, virtual: int, n_microbatches: int, batch: int) -> str | None:

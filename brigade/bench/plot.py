@@ -15,9 +15,29 @@ def _plt():
     return plt
 
 
+def typical(row: dict) -> float:
+    """A row's step time: the median over rounds (files before the rounds: the mean)."""
+    return row.get("median_s", row["mean_s"])
+
+
+def spread(row: dict) -> tuple[float, float]:
+    """Error bar below and above `typical`: the median's CI (before the rounds: ± std)."""
+    if "median_ci" in row:
+        lo, hi = row["median_ci"]
+        return row["median_s"] - lo, hi - row["median_s"]
+    return row["std_s"], row["std_s"]
+
+
 def best(configs: list[dict], **match) -> dict | None:
+    """The fastest row (by `typical`) whose fields equal `match`."""
     rows = [c for c in configs if all(c.get(k) == v for k, v in match.items())]
-    return min(rows, key=lambda c: c["mean_s"]) if rows else None
+    return min(rows, key=typical) if rows else None
+
+
+def label(row: dict) -> str:
+    """``1f1b m=8``, ``interleaved V=2 m=8``: a row's schedule as the table and plots show it."""
+    v = f" V={row['virtual']}" if row.get("virtual", 1) > 1 else ""
+    return f"{row['schedule'] or ''}{v} m={row['microbatches']}"
 
 
 def headline(configs: list[dict]) -> list[tuple[str, dict]]:
@@ -33,11 +53,10 @@ def bar_chart(data: dict, path: Path) -> None:
     plt = _plt()
     picks = headline(data["configs"])
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    means = [r["mean_s"] for _, r in picks]
-    ax.bar(range(len(picks)), means, yerr=[r["std_s"] for _, r in picks], capsize=8, alpha=0.6,
-           ecolor="red", width=0.6)
-    labels = [f"{label}\n{r['schedule'] or ''} m={r['microbatches']}" if r["schedule"] else label
-              for label, r in picks]
+    means = [typical(r) for _, r in picks]
+    bars = list(zip(*(spread(r) for _, r in picks)))
+    ax.bar(range(len(picks)), means, yerr=bars, capsize=8, alpha=0.6, ecolor="red", width=0.6)
+    labels = [f"{what}\n{label(r)}" if r["schedule"] else what for what, r in picks]
     ax.set_xticks(range(len(picks)), labels, fontsize=8)
     ax.set_ylabel(f"{data['config']['model']} step time (s)")
     ax.yaxis.grid(True)
@@ -53,13 +72,14 @@ def split_curve(data: dict, path: Path) -> None:
     series = {}
     for c in data["configs"]:
         if c["name"] in ("brigade", "torch.distributed.pipelining"):
-            label = f"{'brigade' if c['name'] == 'brigade' else 'torch'} {c['schedule']}"
-            series.setdefault(label, []).append(c)
-    for label, rows in sorted(series.items()):
+            v = f" V={c['virtual']}" if c.get("virtual", 1) > 1 else ""
+            name = f"{'brigade' if c['name'] == 'brigade' else 'torch'} {c['schedule']}{v}"
+            series.setdefault(name, []).append(c)
+    for name, rows in sorted(series.items()):
         rows.sort(key=lambda c: c["split_size"])
-        ax.errorbar([c["split_size"] for c in rows], [c["mean_s"] for c in rows],
-                    yerr=[c["std_s"] for c in rows], marker="o", capsize=4,
-                    linestyle="--" if label.startswith("torch") else "-", label=label)
+        ax.errorbar([c["split_size"] for c in rows], [typical(c) for c in rows],
+                    yerr=list(zip(*(spread(c) for c in rows))), marker="o", capsize=4,
+                    linestyle="--" if name.startswith("torch") else "-", label=name)
     ax.set_xscale("log")
     ax.set_xlabel("pipeline split size (samples per micro-batch)")
     ax.set_ylabel("step time (s)")
@@ -103,7 +123,7 @@ def timeline(data: dict, path: Path, trace_path: Path) -> None:
     ax.legend(handles, ["forward", "backward (or its input half)", "backward (weight half)",
                         "send/recv", "idle"], fontsize=7, loc="upper center", ncol=5,
               bbox_to_anchor=(0.5, -0.35 if len(events) < 3 else -0.15))
-    ax.set_title(f"one measured step: {tl['schedule']}, m={tl['microbatches']}")
+    ax.set_title(f"one measured step: {label(tl)}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -135,16 +155,28 @@ def memory_chart(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _ratio(row: dict, key: str) -> str:
+    """``1.12`` for a ranked ratio, ``1.02?`` when its CI crosses 1 (the two cannot be ranked)."""
+    value = row.get(key)
+    if value is None:
+        return "-"
+    return f"{value:.2f}" + ("?" if row.get(f"{key}_ranked") is False else "")
+
+
 def table(data: dict) -> str:
-    head = f"{'configuration':<30}{'sched':>6}{'m':>4}{'split':>6}{'mean s':>9}{'± std':>8}" \
-           f"{'speedup':>9}{'ideal':>7}{'eff':>6}"
+    """The rows as text: median step, its CI, and ratios per round (``?``: CI crosses 1)."""
+    head = f"{'configuration':<30}{'schedule':>14}{'m':>4}{'median s':>10}{'95% CI':>17}" \
+           f"{'speedup':>9}{'ideal':>7}{'eff':>7}{'vs torch':>10}"
     lines = [head, "-" * len(head)]
     for c in data["configs"]:
-        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-        lines.append(f"{c['name'][:29]:<30}{c['schedule'] or '-':>6}{c['microbatches']:>4}"
-                     f"{c['split_size']:>6}{c['mean_s']:>9.4f}{c['std_s']:>8.4f}"
-                     f"{c['speedup_vs_single']:>9.2f}{fmt(c['ideal_speedup'], '.2f'):>7}"
-                     f"{fmt(c['efficiency'], '.2f'):>6}")
+        lo, hi = spread(c)
+        v = f" V{c['virtual']}" if c.get("virtual", 1) > 1 else ""
+        ideal = f"{c['ideal_speedup']:.2f}" if c.get("ideal_speedup") is not None else "-"
+        lines.append(f"{c['name'][:29]:<30}{(c['schedule'] or '-') + v:>14}{c['microbatches']:>4}"
+                     f"{typical(c):>10.4f}{f'{typical(c) - lo:.3f}–{typical(c) + hi:.3f}':>17}"
+                     f"{_ratio(c, 'speedup_vs_single'):>9}{ideal:>7}{_ratio(c, 'efficiency'):>7}"
+                     f"{_ratio(c, 'vs_torch'):>10}")
+    lines.append("? : the 95 % CI of that per-round ratio contains 1: the two sides cannot be ranked")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from brigade.bench.plot import headline
+from brigade.bench.plot import headline, typical
 
 
 @dataclass(frozen=True)
@@ -95,27 +95,38 @@ def _speed_figures(d: dict) -> dict[str, str]:
 
 
 def _name(row: dict) -> str:
-    return f"{row['schedule'].upper()}, m = {row['microbatches']}"
+    v = f", V = {row['virtual']}" if row.get("virtual", 1) > 1 else ""
+    return f"{row['schedule'].upper()}{v}, m = {row['microbatches']}"
+
+
+def _versus(d: dict, ours: dict, theirs: dict) -> str:
+    """brigade's best ÷ torch's best: per round with its CI (files before the rounds: of means)."""
+    if "best" not in d:
+        return f"×{theirs['mean_s'] / ours['mean_s']:.2f}"
+    b = d["best"]
+    lo, hi = b["vs_torch_ci"]
+    rank = "" if b["vs_torch_ranked"] else ", cannot rank"
+    return f"×{b['vs_torch']:.2f} (95 % CI {lo:.2f}–{hi:.2f}{rank})"
 
 
 @row("GPT 8×256, context 128, batch 32", "bench-gpt/bench.json", "`brigade bench --model gpt --quick`")
 def _bench_gpt(d: dict) -> str:
     p = dict(headline(d["configs"]))
     ours, theirs = p["brigade pipelined (best)"], p["torch pipelining (best)"]
-    one = p["Single device"]["mean_s"]
-    return (f"best brigade ({_name(ours)}) {ours['mean_s']:.3f} s: ×{theirs['mean_s'] / ours['mean_s']:.2f} "
-            f"torch's best ({_name(theirs)}, {theirs['mean_s']:.3f} s), ×{one / ours['mean_s']:.2f} one "
+    one = typical(p["Single device"])
+    return (f"best brigade ({_name(ours)}) {typical(ours):.3f} s: {_versus(d, ours, theirs)} "
+            f"torch's best ({_name(theirs)}, {typical(theirs):.3f} s), ×{one / typical(ours):.2f} one "
             f"device ({one:.3f} s); the bench took {d['wall_s']:.0f} s")
 
 
 @row("ResNet-50, 64 px, batch 32, the tutorial's split sizes scaled", "bench/bench.json", "`brigade bench`")
 def _bench_resnet(d: dict) -> str:
     p = dict(headline(d["configs"]))
-    one, mp = p["Single device"]["mean_s"], p["Model parallel"]["mean_s"]
+    one, mp = typical(p["Single device"]), typical(p["Model parallel"])
     ours, theirs = p["brigade pipelined (best)"], p["torch pipelining (best)"]
     return (f"single {one:.3f} s; model parallel {mp:.3f} s ({100 * (one / mp - 1):+.0f} %); best brigade "
-            f"({_name(ours)}) {ours['mean_s']:.3f} s; torch's best {theirs['mean_s']:.3f} s (brigade "
-            f"×{theirs['mean_s'] / ours['mean_s']:.2f}); DDP {p['DDP']['mean_s']:.3f} s; "
+            f"({_name(ours)}) {typical(ours):.3f} s; torch's best {typical(theirs):.3f} s (brigade "
+            f"{_versus(d, ours, theirs)}); DDP {typical(p['DDP']):.3f} s; "
             f"the bench took {d['wall_s']:.0f} s")
 
 

@@ -12,7 +12,8 @@ import torch
 
 from brigade import agent
 from brigade.bench import plot
-from brigade.bench.experiments import BenchConfig, summarise, worker
+from brigade.bench.experiments import BenchConfig, worker
+from brigade.bench.figures import summarise
 from brigade.errors import BrigadeError
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
@@ -36,15 +37,18 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         cfg.batch_size = args.batch_size or 32
     else:
         cfg.batch_size = args.batch_size or 32
-    cfg.repeats = args.repeats or (10 if gpu else 2 if args.quick else 5)
+    cfg.repeats = args.repeats or (10 if gpu else 2 if args.quick else 5)  # the tuner's
+    # bench: as many interleaved rounds with --quick (fewer configurations instead, below); 10
+    # gives a 95 % CI of the median from the 2nd to the 9th value.
+    cfg.rounds = args.repeats or 10
     cfg.warmup = 1
     if args.splits:
         try:
             cfg.splits = [int(s) for s in args.splits.split(",")]
         except ValueError:
             raise BrigadeError(f"--splits {args.splits!r}: expected sizes like 1,4,16") from None
-    elif args.quick:
-        cfg.splits = sorted({max(1, cfg.batch_size // k) for k in (2, 8)}, reverse=True)
+    elif args.quick:  # one split size, m = 8: where every torch schedule runs at p = 2
+        cfg.splits = [max(1, cfg.batch_size // 8)]
     cfg.schedules = [s.strip() for s in args.schedules.split(",")]
     for s in cfg.schedules:
         schedule.check(s, "--schedules")
@@ -65,7 +69,8 @@ def run_bench(args: argparse.Namespace) -> int:
     device = f"{torch.cuda.device_count()} GPUs" if torch.cuda.device_count() >= 2 else \
         "2 CPU processes × 1 thread"
     print(f"brigade bench: {cfg.model}, batch {cfg.batch_size}, split sizes "
-          f"{cfg.splits or 'the tutorial’s, scaled'}, {cfg.repeats} repeats, on {device}", flush=True)
+          f"{cfg.splits or 'the tutorial’s, scaled'}, {cfg.rounds} interleaved rounds, on {device}",
+          flush=True)
     start = time.perf_counter()
     raw = agent.launch(worker, LaunchSpec(2, port=args.port), cfg)[0]
     data = summarise(cfg, raw, device)
@@ -76,15 +81,26 @@ def run_bench(args: argparse.Namespace) -> int:
     tmp.replace(out / "bench.json")
     pngs = plot.write_all(data, out)
     print(plot.table(data))
-    picks = dict(plot.headline(data["configs"]))
-    ours, theirs = picks.get("brigade pipelined (best)"), picks.get("torch pipelining (best)")
-    if ours and theirs:
-        print(f"best brigade pipeline ({ours['schedule']}, m={ours['microbatches']}) is "
-              f"×{theirs['mean_s'] / ours['mean_s']:.2f} torch.distributed.pipelining's best "
-              f"({theirs['schedule']}, m={theirs['microbatches']})")
+    print(best_line(data["best"]))
+    if data["ci_coverage"] < data["confidence"]:
+        print(f"note: with {cfg.rounds} rounds the intervals cover {100 * data['ci_coverage']:.0f} %, "
+              f"not {100 * data['confidence']:.0f} %: give --repeats 6 or more to rank with confidence")
     print(f"wrote {out / 'bench.json'}, " + ", ".join(p.name for p in pngs)
           + f", timeline_trace.json in {data['wall_s']:.0f} s")
     return 0
+
+
+def best_line(best: dict | None) -> str:
+    """One line on brigade's best against torch's best, or why the bench cannot rank them."""
+    if best is None:
+        return "no brigade or no torch pipeline was timed: nothing to rank"
+    ours, theirs = (plot.label(best[k]) for k in ("brigade", "torch"))
+    lo, hi = best["vs_torch_ci"]
+    ratio = f"×{best['vs_torch']:.2f} (95 % CI {lo:.2f}–{hi:.2f}, per-round ratios)"
+    if not best["vs_torch_ranked"]:
+        return (f"cannot rank: best brigade ({ours}) vs torch.distributed.pipelining's best ({theirs}) "
+                f"is {ratio}: the spread is too large to tell which is faster")
+    return f"best brigade pipeline ({ours}) is {ratio} torch.distributed.pipelining's best ({theirs})"
 
 
 def run_tune(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ synchronisation (`now`), so a time covers the work, not its launch.
 from __future__ import annotations
 
 import copy
+import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +18,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from brigade.errors import RunError
 
 
 @dataclass
@@ -71,20 +75,105 @@ def measure(fn: Callable[[], object], repeats: int = 5, warmup: int = 2, group=N
         raise ValueError("measure(distributed=True) needs device=: the process's device (DistInfo.device)")
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(repeats):
-        if distributed:
-            dist.barrier(group=group)
-        start = now(device)
-        fn()
-        elapsed = now(device) - start
-        if distributed:
-            t = torch.tensor([elapsed], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            elapsed = t.item()
-        samples.append(elapsed)
+    samples = [_once(fn, device, distributed, group) for _ in range(repeats)]
     std = statistics.stdev(samples) if len(samples) > 1 else 0.0
     return Timing(statistics.fmean(samples), std, samples)
+
+
+def _once(fn: Callable[[], object], device: torch.device | None, distributed: bool, group) -> float:
+    """Seconds of one call of `fn`; `distributed`: started together, the slowest rank's time."""
+    if distributed:
+        dist.barrier(group=group)
+    start = now(device)
+    fn()
+    elapsed = now(device) - start
+    if distributed:
+        t = torch.tensor([elapsed], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        elapsed = t.item()
+    return elapsed
+
+
+def interleaved_rounds(steps: dict[str, Callable[[], object]], rounds: int, warmup: int,
+                       device: torch.device, seed: int = 0, group=None) -> dict[str, list[float]]:
+    """Time every step once per round, for `rounds` rounds, on every rank together.
+
+    Slow drift of a shared machine (another job starting, the clock throttling) then hits
+    every configuration alike instead of whichever happened to be timed during it; the order
+    within a round is shuffled with a seed per round, the same on every rank, so no step
+    always follows the same neighbour. A round's value of a step is the slowest rank's time.
+
+    Args:
+        steps: key -> a step every rank runs (a rank with nothing to do passes a no-op);
+            every rank must give the same keys in the same order.
+        warmup: untimed calls of every step, in turn, before the first round.
+
+    Returns:
+        key -> its `rounds` times in seconds, in round order (round k of every key is one round).
+
+    Raises:
+        RunError: the ranks built different lists of steps (their keys are printed).
+    """
+    keys = list(steps)
+    seen: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, keys, group=group)
+    if any(other != keys for other in seen):
+        raise RunError(f"bench ranks built different configurations: {seen}; expected one list on all")
+    for _ in range(warmup):
+        for key in keys:
+            steps[key]()
+    times: dict[str, list[float]] = {key: [] for key in keys}
+    for r in range(rounds):
+        order = keys[:]
+        random.Random(seed * 100_003 + r).shuffle(order)
+        for key in order:
+            times[key].append(_once(steps[key], device, True, group))
+    return times
+
+
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """The median of `values` and a distribution-free confidence interval for it.
+
+    Order-statistic (binomial) interval: sorted x(1) ≤ … ≤ x(n), the interval is
+    [x(k), x(n+1-k)] for the largest k with 2·P(Binomial(n, ½) < k) ≤ 1 − confidence; it
+    assumes only that the values are independent draws (one per round), not their shape.
+    Below 6 values no k reaches 95 %: the interval is then [min, max] (coverage 1 − 2^(1−n)).
+
+    Returns:
+        (median, low, high).
+
+    Raises:
+        ValueError: no values.
+    """
+    if not values:
+        raise ValueError("median_ci of no values: time at least one round")
+    xs, n = sorted(values), len(values)
+    k = _order(n, confidence)
+    return statistics.median(xs), xs[k - 1], xs[n - k]
+
+
+def _tail(n: int, j: int) -> float:
+    """P(Binomial(n, 1/2) <= j)."""
+    return sum(math.comb(n, i) for i in range(j + 1)) / 2**n
+
+
+def _order(n: int, confidence: float) -> int:
+    """The k of `median_ci`'s interval [x(k), x(n+1-k)]."""
+    k = 1
+    while k + 1 <= (n + 1) // 2 and 2 * _tail(n, k) <= 1 - confidence:
+        k += 1
+    return k
+
+
+def median_ci_coverage(n: int, confidence: float = 0.95) -> float:
+    """The coverage `median_ci` really has with n values: at least `confidence` from 6 values on."""
+    return 1 - 2 * _tail(n, _order(n, confidence) - 1)
+
+
+def ratio_ci(numerators: list[float], denominators: list[float],
+             confidence: float = 0.95) -> tuple[float, float, float]:
+    """`median_ci` of the per-round ratios numerator / denominator (the lists pair by round)."""
+    return median_ci([a / b for a, b in zip(numerators, denominators, strict=True)], confidence)
 
 
 def pipeline_step(pipe: Steps, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -151,26 +240,33 @@ def stage_costs(module: torch.nn.Module, x: torch.Tensor, loss_fn=None, target=N
 
 
 def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tensor, y: torch.Tensor,
-                         loss_fn, m: int, repeats: int = 10) -> tuple[list[float], list[float], list[float]]:
+                         loss_fn, m: int, repeats: int = 10,
+                         held: list[int] | None = None) -> tuple[list[float], list[float], list[float]]:
     """Every stage's (forward, backward, weight) seconds on the first of `m` micro-batches.
 
-    Each rank measures its own stage on the input that stage sees, at the same time as the
-    others (as in a real step, both cores busy); the results are gathered on every rank,
-    through tensors on `x`'s device (the process's: stages and batch live there).
+    Each rank measures its own stages on the input each sees, at the same time as the others
+    (as in a real step, every core busy); the results are gathered on every rank, through
+    tensors on `x`'s device (the process's: stages and batch live there).
+
+    Args:
+        held: the stages this rank measures (default: stage `rank`, one per rank); the ranks'
+            lists together must hold every stage once.
     """
     from brigade.pipeline import microbatch
 
-    inp = microbatch.split(x, m)[0]
-    with torch.no_grad():
-        for s in stages[:rank]:
-            inp = s(inp)
-    last = rank == len(stages) - 1
-    target = microbatch.split(y, m)[0] if last else None
-    costs = stage_costs(stages[rank], inp, loss_fn if last else None, target, first=rank == 0,
-                        repeats=repeats)
-    gathered = [torch.zeros(3, dtype=torch.float64, device=x.device) for _ in stages]
-    dist.all_gather(gathered, torch.tensor(costs, dtype=torch.float64, device=x.device))
-    fwd, bwd, wgt = ([g[k].item() for g in gathered] for k in range(3))
+    n = len(stages)
+    table = torch.zeros(n, 3, dtype=torch.float64, device=x.device)
+    for s in [rank] if held is None else held:
+        inp = microbatch.split(x, m)[0]
+        with torch.no_grad():
+            for before in stages[:s]:
+                inp = before(inp)
+        last = s == n - 1
+        target = microbatch.split(y, m)[0] if last else None
+        costs = stage_costs(stages[s], inp, loss_fn if last else None, target, first=s == 0, repeats=repeats)
+        table[s] = torch.tensor(costs, dtype=torch.float64, device=x.device)
+    dist.all_reduce(table)  # each stage measured by one rank: the sum is the gather
+    fwd, bwd, wgt = (table[:, k].tolist() for k in range(3))
     return fwd, bwd, wgt
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 from brigade import agent, groups
-from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, local_stages, stage_rank, unsupported
+from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, local_stages, unsupported
 
 BATCH, M = 8, 4
 
@@ -35,9 +35,7 @@ def test_the_table_holds_every_schedule_the_installed_torch_offers():
 
 
 def test_placements_loop_and_v():
-    assert [stage_rank("loop", s, 2) for s in range(4)] == [0, 1, 0, 1]
-    assert [stage_rank("v", s, 2) for s in range(4)] == [0, 1, 1, 0]
-    assert [stage_rank("v", s, 3) for s in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert [local_stages("v", r, 3, 2) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
     assert local_stages("v", 0, 2, 2) == [0, 3] and local_stages("loop", 1, 2, 2) == [1, 3]
     assert local_stages("loop", 1, 2, 1) == [1]
 

@@ -1,0 +1,123 @@
+"""bench.json's figures from the worker's per-round times: medians, per-round ratios, their CIs.
+
+Every comparison is a ratio taken within a round (both sides timed minutes, not hours, apart)
+and summarised by the median over rounds with an order-statistic confidence interval
+(`timing.median_ci`, 95 %). A comparison whose interval contains 1 cannot rank its two sides:
+its `*_ranked` field is False, and `brigade bench` says so instead of naming a winner.
+
+    round k:  single_k  ours_k  torch_k  ideal_k (simulate() on round k's stage costs)
+    speedup_vs_single = median_k(single_k / ours_k)     efficiency = median_k(ideal_k / ours_k)
+    vs_torch          = median_k(torch_k / ours_k)      (> 1: brigade faster)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict
+
+from brigade.bench.experiments import MP, OURS, PEER, SINGLE, BenchConfig, Case
+from brigade.bench.peers import TORCH_SCHEDULES
+from brigade.bench.timing import median_ci, median_ci_coverage, ratio_ci
+from brigade.pipeline.plan import simulate
+from brigade.pipeline.schedule import build, names
+
+CONFIDENCE = 0.95
+CI_METHOD = "order-statistic (binomial) CI of the median of per-round values, 95 %"
+
+
+def _ideal_rounds(schedule: str, ranks: int, virtual: int, m: int, costs: list) -> list[float]:
+    """Per round, the makespan simulate() gives brigade's `schedule` plan on that round's costs."""
+    plan = build(schedule, ranks, m, virtual)
+    return [simulate(plan, fwd, bwd, weight=wgt).makespan for fwd, bwd, wgt in costs]
+
+
+def _twin(case: Case) -> Case | None:
+    """The row `case` is compared with: brigade's row ↔ torch's, by the peers table."""
+    if case.name == OURS:
+        peer = [n for n, s in TORCH_SCHEDULES.items() if s.twin == case.schedule]
+        return Case(PEER, peer[0], case.virtual, case.microbatches) if peer else None
+    if case.name == PEER and TORCH_SCHEDULES[case.schedule].twin:
+        return Case(OURS, TORCH_SCHEDULES[case.schedule].twin, case.virtual, case.microbatches)
+    return None
+
+
+def _ci(triple: tuple[float, float, float], prefix: str) -> dict:
+    value, lo, hi = triple
+    return {prefix: value, f"{prefix}_ci": [lo, hi], f"{prefix}_ranked": not lo <= 1 <= hi}
+
+
+def _timing(times: list[float]) -> dict:
+    median, lo, hi = median_ci(times, CONFIDENCE)
+    return {"mean_s": statistics.fmean(times), "std_s": statistics.stdev(times) if len(times) > 1 else 0.0,
+            "median_s": median, "median_ci": [lo, hi], "rounds_s": times}
+
+
+def _ideal(case: Case, raw: dict) -> tuple[str | None, list[float] | None]:
+    """The brigade schedule whose plan is this row's ideal, and its per-round ideal seconds."""
+    schedule = case.schedule if case.name in (OURS, MP) else (_twin(case) or Case("", None, 0, 0)).schedule
+    costs = raw["costs"].get((case.virtual, case.microbatches))
+    if schedule not in names() or not costs:
+        return None, None  # a torch-only schedule (DualPipeV): brigade has no plan to simulate
+    return schedule, _ideal_rounds(schedule, raw["ranks"], case.virtual, case.microbatches, costs)
+
+
+def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
+    times, single = raw["times"][case.key], raw["times"][Case(SINGLE, None, 1, 1).key]
+    pipelined = case.name in (OURS, MP, PEER)
+    row = {**asdict(case), "stages": raw["ranks"] * case.virtual if pipelined else 1,
+           "split_size": math.ceil(cfg.batch_size / case.microbatches), **_timing(times),
+           "torch_pipelining": case.name == PEER, "rounds": len(times),
+           **_ci(ratio_ci(single, times, CONFIDENCE), "speedup_vs_single")}
+    if case.name == SINGLE:
+        row["speedup_vs_single_ranked"] = None  # itself, by definition 1
+    if pipelined:
+        row["balance"] = raw["balances"][case.virtual]
+    if case.name == PEER:
+        row["torch_class"] = TORCH_SCHEDULES[case.schedule].cls
+    _, ideal = _ideal(case, raw)
+    row["ideal_s"] = statistics.median(ideal) if ideal else None
+    row["ideal_speedup"] = ratio_ci(single, ideal)[0] if ideal else (1.0 if case.name == SINGLE else None)
+    row.update(_ci(ratio_ci(ideal, times, CONFIDENCE), "efficiency") if ideal else {"efficiency": None})
+    if ideal and case.name in (OURS, MP):
+        costs = raw["costs"][(case.virtual, case.microbatches)]
+        for k, what in enumerate(("forward", "backward", "weight")):
+            row[f"stage_{what}_s"] = [statistics.median(c[k][s] for c in costs) for s in range(row["stages"])]
+    if case.key in raw["memory"]:
+        row["peak_activation_bytes"], row["memory_method"] = raw["memory"][case.key]
+    twin = _twin(case)
+    if case.name == OURS and twin and twin.key in raw["times"]:
+        row["torch_twin"] = twin.schedule
+        row.update(_ci(ratio_ci(raw["times"][twin.key], times, CONFIDENCE), "vs_torch"))
+    return row
+
+
+def best_vs_best(rows: list[dict], times: dict[str, list[float]]) -> dict | None:
+    """brigade's fastest row against torch's fastest (by median), as a per-round ratio with its CI.
+
+    Returns:
+        {brigade, torch (each schedule, virtual, microbatches), vs_torch, vs_torch_ci,
+        vs_torch_ranked}, or None when either side has no row.
+    """
+    ours = [r for r in rows if r["name"] == OURS]
+    theirs = [r for r in rows if r["name"] == PEER]
+    if not ours or not theirs:
+        return None
+    a, b = (min(side, key=lambda r: r["median_s"]) for side in (ours, theirs))
+    key = lambda r: Case(r["name"], r["schedule"], r["virtual"], r["microbatches"]).key  # noqa: E731
+    pick = lambda r: {k: r[k] for k in ("schedule", "virtual", "microbatches", "median_s")}  # noqa: E731
+    return {"brigade": pick(a), "torch": {**pick(b), "torch_class": b["torch_class"]},
+            **_ci(ratio_ci(times[key(b)], times[key(a)], CONFIDENCE), "vs_torch")}
+
+
+def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:
+    """bench.json: one row per configuration (see the module doc), the best pair, the trace."""
+    rows = [_row(cfg, Case(**c), raw) for c in raw["cases"]]
+    methods = sorted({m for _, m in raw["memory"].values()})
+    return {"config": asdict(cfg), "device": device, "balance": raw["balances"][1],
+            "balances": {str(v): b for v, b in raw["balances"].items()}, "configs": rows,
+            "skipped": raw["skipped"], "best": best_vs_best(rows, raw["times"]),
+            "confidence": CONFIDENCE, "ci_method": CI_METHOD, "rounds": cfg.rounds,
+            "ci_coverage": median_ci_coverage(cfg.rounds, CONFIDENCE),
+            "timeline": raw["trace"], "memory_method": ", ".join(methods)}
+
