@@ -33,7 +33,10 @@ def _schedule_arg(p: argparse.ArgumentParser) -> None:
 def _add_schedule(sub) -> None:
     p = sub.add_parser("schedule", help="print a pipeline schedule's grid and bubble")
     _schedule_arg(p)
-    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--stages", type=int, default=4, help="pipeline depth in ranks (default: 4)")
+    p.add_argument("--virtual", type=int, default=0,
+                   help="stages per rank (interleaved, looped-bfs: any V; zbv: 2); "
+                        "default: the schedule's own")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_schedule)
@@ -41,20 +44,27 @@ def _add_schedule(sub) -> None:
 
 def cmd_schedule(args: argparse.Namespace) -> int:
     from brigade.pipeline.plan import render, simulate
-    from brigade.pipeline.schedule import build
+    from brigade.pipeline.schedule import SCHEDULES, build, check
 
-    plan = build(args.schedule, args.stages, args.microbatches)
+    sched = SCHEDULES[check(args.schedule)]
+    virtual = sched.resolve_virtual(args.virtual)
+    plan = build(args.schedule, args.stages, args.microbatches, virtual)
     sim = simulate(plan, 1.0, 1.0)
     if args.json:
         print(json.dumps({
             "schedule": args.schedule, "stages": args.stages, "microbatches": args.microbatches,
+            "virtual": virtual, "placement": sched.placement,
             "bubble_fraction": sim.bubble_fraction, "makespan": sim.makespan,
+            "peak_held": {str(s): n for s, n in sim.peak_held.items()},
             "plan": {str(r): [str(a) for a in acts] for r, acts in plan.items()},
         }))
     else:
-        print(f"{args.schedule}: {args.stages} stages, {args.microbatches} micro-batches "
-              "(unit forward and backward costs)")
+        per_rank = f", {virtual} stages per rank ({sched.placement})" if virtual > 1 else ""
+        print(f"{args.schedule}: {args.stages} ranks{per_rank}, {args.microbatches} micro-batches "
+              "(unit forward and backward costs per stage; a cell is STAGE OP MICRO-BATCH)")
         print(render(plan))
+        print("peak held per stage (micro-batches): "
+              + " ".join(f"{s}:{n}" for s, n in sim.peak_held.items()))
     return 0
 
 

@@ -27,6 +27,21 @@ def test_schedule_grid_and_json(cli):
     assert data["bubble_fraction"] == pytest.approx(3 / 11) and data["makespan"] == 22
 
 
+
+def test_schedule_virtual_stages_grid_and_json(cli):
+    out = cli("schedule", "--schedule", "interleaved", "--stages", "2", "--virtual", "2",
+              "--microbatches", "4")
+    assert out.returncode == 0, out.stderr
+    assert "2 stages per rank (loop)" in out.stdout
+    assert "rank 0 | 0F0 0F1 2F0 2F1 0F2 2B0" in out.stdout and "rank 1 | .   1F0 1F1 3F0" in out.stdout
+    assert "bubble 0.111  makespan 18" in out.stdout and "0:4 1:3 2:2 3:1" in out.stdout
+    data = json.loads(cli("schedule", "--schedule", "zbv", "--stages", "2", "--microbatches", "4",
+                          "--json").stdout)
+    assert data["virtual"] == 2 and data["placement"] == "v"
+    assert data["bubble_fraction"] == pytest.approx(1 / 17) and data["makespan"] == 17
+    assert data["peak_held"] == {"0": 4, "1": 3, "2": 2, "3": 1}
+    assert data["plan"]["1"][:2] == ["1F0", "2F0"]
+
 @pytest.mark.timeout(120)
 def test_check_gpt_two_processes_json():
     out = brigade("check", "--model", "gpt", "--stages", "2", "--schedule", "gpipe",
@@ -58,6 +73,11 @@ def test_check_local_runtime_user_factory(tmp_path):
     (["check", "--stages", "two"], "invalid int value: 'two'"),
     (["check", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["schedule", "--stages", "-1"], "stages=-1"),
+    (["schedule", "--schedule", "zbv", "--virtual", "3"],
+     "--virtual 3: schedule zbv runs exactly 2 stage(s) per rank"),
+    (["schedule", "--virtual", "2"], "--virtual 2: schedule 1f1b runs exactly 1 stage(s) per rank"),
+    (["schedule", "--schedule", "interleaved", "--virtual", "-1"], "--virtual -1: schedule interleaved"),
+    (["schedule", "--schedule", "zigzag"], "--schedule 'zigzag': unknown schedule"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cli, args, message):
     _assert_one_line(cli(*args), message)

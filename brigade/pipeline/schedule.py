@@ -313,3 +313,6 @@ def with_comms(plan: Plan) -> Plan:
 def compute_only(plan: Plan) -> Plan:
     """The plan without its sends and receives."""
     return {r: [a for a in acts if a.op in COMPUTE_OPS] for r, acts in plan.items()}
+
+
+from brigade.pipeline import virtual as _virtual  # noqa: E402,F401 -- registers interleaved, looped-bfs, zbv
