@@ -73,7 +73,8 @@ def backward_order(n_ranks: int, n_microbatches: int, n_virtual: int) -> list[St
 
 
 @register("interleaved", "Megatron's interleaved 1F1B, V stages per rank, bubble (p-1)/(V·m+p-1) "
-          "(memory: about p(1+(V-1)/V) micro-batches of a rank)", placement=LOOP, virtual=None)
+          "(memory: about p(1+1/V) micro-batches of a rank when p divides m, at most 2p-1)",
+          placement=LOOP, virtual=None)
 def interleaved(n_ranks: int, n_microbatches: int, n_virtual: int = 2) -> Plan:
     """Interleaved 1F1B (Narayanan et al. 2021): warm-up forwards, then one F one B, then drain.
 
@@ -81,6 +82,10 @@ def interleaved(n_ranks: int, n_microbatches: int, n_virtual: int = 2) -> Plan:
     V = 1, plain 1F1B): under unit costs its first backward is due just then. Works for any
     m ≥ 1; with m < p the one group is shorter than the pipeline and the forwards of a
     chunk wait for the previous chunk to come around.
+
+    Memory: rank r holds up to 2(p-1-r) + (V-1)·g + 1 stage activations (at most V·m). With
+    p dividing m, g = p as in Megatron-LM; otherwise g < 2p: the price of keeping the bubble
+    at (p-1)/(V·m+p-1) rather than giving a short last group a bubble of its own.
     """
     _check(n_ranks, n_microbatches, n_virtual)
     p, v = n_ranks, n_virtual

@@ -79,6 +79,19 @@ def test_interleaved_with_one_stage_per_rank_is_1f1b():
         assert interleaved(p, m, 1) == one_f_one_b(p, m)
 
 
+def test_interleaved_memory_is_warmup_plus_one():
+    """Rank r holds 2(p-1-r) + (V-1)·g + 1 stage activations at most (g = p when p divides m:
+    Megatron-LM's p(1+1/V) micro-batches of a rank on rank 0), never more than 2p-1 of a rank."""
+    for p, v, m in grid("interleaved"):
+        g = len(groups(p, m)[0])
+        peaks = rank_peak(interleaved(p, m, v))
+        for r, peak in peaks.items():
+            want = p - r if v == 1 else 2 * (p - 1 - r) + (v - 1) * g + 1
+            assert peak == min(want, v * m), (p, v, m, r)
+            assert peak <= v * (2 * p - 1)
+    assert rank_peak(interleaved(4, 8, 2))[0] == 11  # Megatron: 2(p-1) + (V-1)p + 1
+
+
 def test_groups_spread_the_remainder_and_stay_at_least_p():
     assert [list(g) for g in groups(4, 9)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
     assert [list(g) for g in groups(4, 3)] == [[0, 1, 2]]
