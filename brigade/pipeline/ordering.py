@@ -47,8 +47,11 @@ from brigade.pipeline.schedule import (
     SEND_B,
     SEND_F,
     Action,
+    B,
+    F,
     Plan,
     PlanError,
+    W,
     stage_ranks,
 )
 
@@ -132,44 +135,76 @@ def peer_of(a: Action) -> int:
     return a.stage + (1 if a.op in (SEND_F, RECV_B) else -1)
 
 
-def posting(actions: list[Action], policy: str) -> list[Issue]:
-    """The batches one rank issues for one step, in issue order.
+def posting(plan: Plan, rank: int, policy: str) -> list[Issue]:
+    """The batches `rank` issues for one step of `plan`, in issue order.
 
     Args:
-        actions: this rank's actions with comms inserted (`schedule.validate`).
-        policy: "grouped" (each run of adjacent comm actions is one batch, issued
-            once its sends' tensors exist: safe under NCCL) or "eager" (each
-            receive posted as soon as the previous one from the same neighbour
-            arrived: fastest on gloo, deadlocks under NCCL).
+        plan: every rank's actions with comms inserted (`plan.validate`): the grouped
+            policy orders messages by one clock over the whole plan.
+        rank: whose batches.
+        policy: "grouped" (every rank issues its operations in the order of one global
+            clock, at most one send per batch: safe under NCCL, see `_grouped`) or "eager"
+            (each receive posted as soon as the previous one on its link arrived:
+            fastest on gloo, deadlocks under NCCL).
 
     Returns:
-        Issues sorted by `after`; every comm action appears in exactly one.
+        Issues sorted by `after`; every comm action of `rank` appears in exactly one.
 
     Raises:
         PlanError: for an unknown policy.
     """
     if policy == GROUPED:
-        return _grouped(actions)
+        return _grouped(plan, rank)
     if policy == EAGER:
-        return _eager([a for a in actions if a.op in COMM_OPS])
+        return _eager([a for a in plan.get(rank, []) if a.op in COMM_OPS])
     raise PlanError(f"posting policy {policy!r}: expected one of {', '.join(POLICIES)}")
 
 
-def _grouped(actions: list[Action]) -> list[Issue]:
-    # A batch starts at each send and takes every receive up to the next send:
-    # receives need no tensor, and issuing them with the sends is what lets two
-    # neighbours that both send before they receive (1F1B, ZB) meet.
-    comms = [a for a in actions if a.op in COMM_OPS]
+def message_clock(plan: Plan) -> dict[tuple[int, str, int], float]:
+    """When each message is produced in one run of `plan` under unit costs (F 1, B 2):
+    (producing stage, "F" | "B", micro-batch) -> the end of the compute that makes it."""
+    from brigade.pipeline.plan import simulate  # plan imports nothing of this module
+
+    clock = {}
+    for tl in simulate(plan, 1.0, 2.0).timeline.values():
+        for a, _, end in tl:
+            if a.op != W:  # a weight pass sends nothing
+                clock[(a.stage, F if a.op == F else B, a.microbatch)] = end
+    return clock
+
+
+def _message(a: Action) -> tuple[int, str, int]:
+    """(producing stage, "F" | "B", micro-batch) of the message a comm action carries."""
+    producer = a.stage if a.op in (SEND_F, SEND_B) else peer_of(a)
+    return producer, F if a.op in (SEND_F, RECV_F) else B, a.microbatch
+
+
+def _grouped(plan: Plan, rank: int) -> list[Issue]:
+    # Every rank issues its operations in the order of one clock over all messages (when
+    # a run of the plan produces them; ties by producer). Then the earliest unfinished
+    # message always sits at the head of both its ranks' streams: its receive has nothing
+    # unfinished before it, and its send's compute needed only earlier messages. So no
+    # NCCL deadlock, for any schedule and placement. The clock follows each rank's own
+    # compute order, so a receive is never queued behind a send its consumer precedes.
+    # Batches: one send each (a send never waits for a later compute), with the receives
+    # around it in clock order whose consumers come after it.
+    clock = message_clock(plan)
+    comms = [a for a in plan.get(rank, []) if a.op in COMM_OPS]
+    index = {a: k for k, a in enumerate(comms)}
+    order = sorted(comms, key=lambda a: (clock[_message(a)], *_message(a)))
     issues: list[Issue] = []
     ops: list[Action] = []
     after = BEGIN
-    for k, a in enumerate(comms):
-        is_send = a.op in (SEND_F, SEND_B)
-        if is_send and ops:  # one send per batch: a send never waits for a later compute
-            issues.append(Issue(after, tuple(ops)))
-            ops = []
-        if is_send:
-            after = k
+    for a in order:
+        k = index[a]
+        if a.op in (SEND_F, SEND_B):
+            if ops and (any(b.op in (SEND_F, SEND_B) or index[b] <= k for b in ops)):
+                issues.append(Issue(after, tuple(ops)))
+                ops = []
+            after = max(after, k)
+        elif k <= after:
+            raise PlanError(f"{a} is needed before {comms[after]} but comes after it in the "
+                            "plan's clock: the plan is not a valid run (check it with validate)")
         ops.append(a)
     if ops:
         issues.append(Issue(after, tuple(ops)))
@@ -177,17 +212,22 @@ def _grouped(actions: list[Action]) -> list[Issue]:
 
 
 def _eager(comms: list[Action]) -> list[Issue]:
+    # Receives chain per link (this stage, peer stage): the first of each at the start, the
+    # next once the previous one on that link arrived.
+    def link(a: Action) -> tuple[int, int]:
+        return a.stage, peer_of(a)
+
     issues: list[Issue] = []
-    first: dict[int, Action] = {}
+    first: dict[tuple[int, int], Action] = {}
     for a in comms:
         if a.op in (RECV_F, RECV_B):
-            first.setdefault(peer_of(a), a)
+            first.setdefault(link(a), a)
     issues += [Issue(BEGIN, (a,)) for a in first.values()]
     for k, a in enumerate(comms):
         if a.op in (SEND_F, SEND_B):
             issues.append(Issue(k, (a,)))
             continue
-        nxt = next((b for b in comms[k + 1:] if b.op == a.op), None)
+        nxt = next((b for b in comms[k + 1:] if b.op == a.op and link(b) == link(a)), None)
         if nxt is not None:
             issues.append(Issue(k, (nxt,)))
     return issues
@@ -211,9 +251,9 @@ def issued(plan: Plan, policy: str, mode: str = PREDICTED) -> dict[int, list[tup
         raise PlanError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
     done = rounds(plan, policy) if mode == DISCOVERY else {}
     streams: dict[int, list[tuple[Op, ...]]] = {}
-    for r, acts in plan.items():
+    for r in plan:
         groups: list[tuple[Op, ...]] = []
-        for issue in posting(acts, policy):
+        for issue in posting(plan, r, policy):
             for ops in _cut(issue.ops, done) if mode == DISCOVERY else [issue.ops]:
                 if mode == DISCOVERY:
                     groups.append(tuple((a, HEADER) for a in ops))
@@ -238,7 +278,7 @@ def discovery_batches(plan: Plan, rank: int, policy: str = GROUPED) -> list[Issu
     round of the predicted run do not. Needs the whole plan: rounds depend on every rank.
     """
     done = rounds(plan, policy)
-    return [Issue(issue.after, ops) for issue in posting(plan[rank], policy) for ops in _cut(issue.ops, done)]
+    return [Issue(issue.after, ops) for issue in posting(plan, rank, policy) for ops in _cut(issue.ops, done)]
 
 
 def _cut(ops: tuple[Action, ...], done: dict[Action, int]) -> list[tuple[Action, ...]]:

@@ -1,4 +1,9 @@
-"""Point-to-point transport between processes (one stage per process), gloo or NCCL.
+"""Point-to-point transport between processes (one rank per process), gloo or NCCL.
+
+A rank may hold several stages; `peers[s]` is the global rank of stage s, and a message
+is matched by its link: on gloo each stage link and direction has its own tag (so two
+links between the same pair of ranks never take each other's messages); NCCL has no
+tags and pairs messages by order per pair of ranks, which `ordering.check` proves right.
 
 What is issued when is decided in `ordering`, which also proves it deadlock-free
 under NCCL's rules (`ordering.check`); `P2PTransport` only carries it out. The
@@ -86,14 +91,16 @@ class P2PTransport:
         self.policy = policy_for(dist.get_backend(group), policy or os.environ.get(POLICY_ENV))
         mode_for(None, None, shapes)  # validates `shapes`
         self.shapes = shapes
-        self.stage = peers.index(dist.get_rank())
+        self.rank = dist.get_rank(group) if group is not None else dist.get_rank()
+        self.first = peers[0] == dist.get_rank()  # holds stage 0: picks each step's mode
+        self.tags = dist.get_backend(group) != "nccl"
         self.plans = list(plans)
-        self._cuts: dict[int, list[Issue]] = {}  # plan index -> its discovery batches
+        self._cuts: dict[tuple[int, str], list[Issue]] = {}  # (plan index, mode) -> its batches
         self.mode = PREDICTED  # this step's mode (grouped policy)
         self._last_key = None  # first stage: previous step's (plan, input shapes)
         self._flag = torch.zeros(1, dtype=torch.int64, device=device)
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._known: dict[tuple[int, str, int], Shape] = {}  # (peer, F|B, mb) -> (dtype, shape)
+        self._known: dict[tuple[int, int, str, int], Shape] = {}  # (stage, peer, F|B, mb) -> shape
         self._headers: dict[Shape, torch.Tensor] = {}  # (dtype, shape) -> header on device
         self._staged: dict[Action, torch.Tensor] = {}  # send -> payload, until its batch is issued
         self._posted: dict[Action, tuple] = {}  # recv -> policy-specific receive state
@@ -110,52 +117,53 @@ class P2PTransport:
         self._comms = [a for a in actions if a.op in COMM_OPS]
         if self.policy == GROUPED:
             self.mode = self._agree_mode(actions, inputs)
-            batches = posting(actions, GROUPED) if self.mode == PREDICTED else self._discovery(actions)
-        else:
-            batches = posting(actions, self.policy)
         self._issues = {}
-        for issue in batches:
+        for issue in self._batches(actions):
             self._issues.setdefault(issue.after, []).append(issue.ops)
         self._next = 0
         self._issue_after(BEGIN)
 
     def _agree_mode(self, actions: list[Action], inputs: list[torch.Tensor] | None) -> str:
-        if len(self.peers) == 1:
+        if len(set(self.peers)) == 1:
             return PREDICTED  # nothing to send
-        if self.stage == 0:
+        if self.first:
             key = (tuple(actions), tuple((x.dtype, tuple(x.shape)) for x in inputs or ()))
             mode = mode_for(self._last_key, key, self.shapes)
             self._last_key = key
             self._flag.fill_(int(mode == PREDICTED))  # no host sync: a kernel on the device
         dist.broadcast(self._flag, self.peers[0], group=self.group)
-        if self.stage == 0:
+        if self.first:
             return mode
         return PREDICTED if self._flag.item() else DISCOVERY  # the step's one host sync
 
-    def _discovery(self, actions: list[Action]) -> list[Issue]:
-        for k, plan in enumerate(self.plans):
-            if plan.get(self.stage) == actions:
-                if k not in self._cuts:  # simulates the whole plan: once per plan
-                    self._cuts[k] = discovery_batches(plan, self.stage)
-                return self._cuts[k]
-        raise RunError(f"stage {self.stage}: discovering shapes needs the whole plan; pass it in "
-                       "P2PTransport(plans=...) (Pipeline does)")
+    def _batches(self, actions: list[Action]) -> list[Issue]:
+        """This step's batches (`ordering`); grouped ones need the whole plan, simulated once."""
+        if self.policy != GROUPED:
+            return posting({self.rank: actions}, self.rank, self.policy)
+        k = next((k for k, plan in enumerate(self.plans) if plan.get(self.rank) == actions), None)
+        if k is None:
+            raise RunError(f"rank {self.rank}: the grouped policy orders messages over the whole "
+                           "plan; pass it in P2PTransport(plans=...) (Pipeline does)")
+        if (k, self.mode) not in self._cuts:
+            plan = self.plans[k]
+            self._cuts[(k, self.mode)] = posting(plan, self.rank, GROUPED) if self.mode == PREDICTED \
+                else discovery_batches(plan, self.rank)
+        return self._cuts[(k, self.mode)]
 
-    def _expect(self, stage: int, sending: bool) -> Action:
+    def _expect(self, a: Action) -> Action:
         if self._next >= len(self._comms):
-            raise RunError(f"transport: unexpected message with stage {stage}: begin_step lists no more")
-        a = self._comms[self._next]
-        if peer_of(a) != stage or (a.op in (SEND_F, SEND_B)) != sending:
-            raise RunError(f"transport: {'send to' if sending else 'recv from'} stage {stage} "
-                           f"where the plan has {a}")
+            raise RunError(f"transport: unexpected {a}: begin_step lists no more messages")
+        if self._comms[self._next] != a:
+            raise RunError(f"transport: {a} where the plan has {self._comms[self._next]}")
         return a
 
-    def _key(self, a: Action) -> tuple[int, str, int]:
-        return peer_of(a), "F" if a.op in (SEND_F, RECV_F) else "B", a.microbatch
+    def _key(self, a: Action) -> tuple[int, int, str, int]:
+        return a.stage, peer_of(a), "F" if a.op in (SEND_F, RECV_F) else "B", a.microbatch
 
     def _op(self, a: Action, t: torch.Tensor) -> dist.P2POp:
         fn = dist.isend if a.op in (SEND_F, SEND_B) else dist.irecv
-        return dist.P2POp(fn, t, self.peers[peer_of(a)], self.group)
+        tag = min(a.stage, peer_of(a)) if self.tags else 0  # the link: its lower stage
+        return dist.P2POp(fn, t, self.peers[peer_of(a)], self.group, tag)
 
     def _start(self, ops: list[dist.P2POp]) -> list[dist.Work]:
         """Issue `ops` as one batch; one work per op (NCCL returns one for the whole group)."""
@@ -186,11 +194,11 @@ class P2PTransport:
             if a.op in (SEND_F, SEND_B):
                 t = self._staged.pop(a)
                 if (t.dtype, tuple(t.shape)) != predicted:
-                    raise RunError(f"stage {self.stage}: {a} is {t.dtype} {tuple(t.shape)} but was "
+                    raise RunError(f"rank {self.rank}: {a} is {t.dtype} {tuple(t.shape)} but was "
                                    f"{predicted} in the previous step with the same input shapes: "
                                    "shapes depend on values here; use shapes='dynamic'")
             elif predicted is None:
-                raise RunError(f"stage {self.stage}: no shape known for {a} in a predicted step")
+                raise RunError(f"rank {self.rank}: no shape known for {a} in a predicted step")
             else:
                 t = torch.empty(predicted[1], dtype=predicted[0], device=self.device)
             tensors.append(t)
@@ -256,16 +264,16 @@ class P2PTransport:
         self._start([self._op(a, payload)])[0].wait()
         return payload
 
-    def send(self, tensor: torch.Tensor, stage: int) -> None:
-        """Hand `tensor` to the neighbour running `stage` (asynchronous until flush())."""
-        a = self._expect(stage, sending=True)
+    def send(self, a: Action, tensor: torch.Tensor) -> None:
+        """Hand `tensor` to the rank running the stage `a` sends to (asynchronous until flush())."""
+        self._expect(a)
         self._staged[a] = tensor.detach().contiguous()
         self._issue_after(self._next)
         self._next += 1
 
-    def recv(self, stage: int) -> torch.Tensor:
-        """The next message from the neighbour running `stage`."""
-        a = self._expect(stage, sending=False)
+    def recv(self, a: Action) -> torch.Tensor:
+        """The tensor of receive `a`, from the rank running the stage it comes from."""
+        self._expect(a)
         if self.policy == GROUPED:
             work, payload = self._posted.pop(a)
             work.wait()

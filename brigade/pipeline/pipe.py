@@ -1,12 +1,13 @@
-"""User-facing pipelines: one stage per process, or all stages in one process.
+"""User-facing pipelines: one rank per process, or all ranks in one process.
 
-    Pipeline       one process per stage, under torchrun or brigade.launch; P2P transport.
-    LocalPipeline  the tutorial's "model parallel": stages on a list of devices in one
+    Pipeline       one process per rank, under torchrun or brigade.launch; P2P transport.
+    LocalPipeline  the tutorial's "model parallel": ranks on a list of devices in one
                    process, one worker thread per device, so stages overlap on CPU too.
 
-Both build the schedule's plan once, validate it, and hand each stage its own
-action list; `step(inputs, targets)` runs forward and backward of one batch and
-returns the mean loss, `forward(inputs)` runs inference.
+A rank holds `virtual` stages (1, or several for interleaved, looped-bfs and zbv; the
+schedule's placement says which). Both build the schedule's plan once, validate it, and
+hand each rank its own action list; `step(inputs, targets)` runs forward and backward of
+one batch and returns the mean loss, `forward(inputs)` runs inference.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from brigade.pipeline import microbatch
 from brigade.pipeline.p2p import P2PTransport
 from brigade.pipeline.plan import validate
 from brigade.pipeline.runtime import StageRunner, StepResult
-from brigade.pipeline.schedule import build, forward_only
+from brigade.pipeline.schedule import SCHEDULES, build, check, forward_only, place
 from brigade.pipeline.transport import LocalTransport, StageAborted
 
 
@@ -32,11 +33,24 @@ def check_autocast(dtype) -> None:
         raise BrigadeError(f"autocast {dtype!r}: expected None (fp32), torch.bfloat16 or torch.float16")
 
 
+def placement(schedule: str, n_ranks: int, virtual: int = 0) -> tuple[int, list[int]]:
+    """(V, stage → rank) for `schedule` over `n_ranks` ranks with `virtual` stages each (0: its own).
+
+    Raises:
+        PlanError: an unknown schedule, or a V it cannot run.
+    """
+    sched = SCHEDULES[check(schedule)]
+    v = sched.resolve_virtual(virtual)
+    return v, place(sched.placement, n_ranks, v)
+
+
 class Pipeline:
-    """This process's stage of a multi-process pipeline (stage = rank within `group`).
+    """This process's rank of a multi-process pipeline (rank within `group`).
 
     Args:
-        module: this stage's blocks, already on `device` (may be DDP-wrapped).
+        module: this rank's stage, already on `device` (may be DDP-wrapped); or, when the
+            rank holds several stages, {global stage index: module} for exactly those
+            (`schedule.stages_on` lists them).
         schedule: a name in schedule.SCHEDULES; n_microbatches: micro-batches per step. Under
             zb a DDP-wrapped module's gradients are reduced by the runner's
             `GradientReducer` (DDP's reducer does not see a split backward).
@@ -44,34 +58,48 @@ class Pipeline:
         group: the pipeline's process group (default: the whole world).
         autocast: None (fp32), torch.bfloat16, or torch.float16, which needs a loss scale
             (`step(loss_scale=...)`; the Trainer's `LossScaler` picks it). The loss is fp32.
+        virtual: stages per rank (0: the schedule's own: 1, or 2 for interleaved, looped-bfs, zbv).
 
     Raises:
-        BrigadeError: another autocast dtype.
+        BrigadeError: another autocast dtype, or modules for other stages than this rank's.
+        PlanError: a V the schedule cannot run.
     """
 
-    def __init__(self, module: nn.Module, schedule: str, n_microbatches: int, loss_fn,
-                 group=None, device: torch.device | str = "cpu", autocast: torch.dtype | None = None):
+    def __init__(self, module: nn.Module | dict[int, nn.Module], schedule: str, n_microbatches: int,
+                 loss_fn, group=None, device: torch.device | str = "cpu",
+                 autocast: torch.dtype | None = None, virtual: int = 0):
         check_autocast(autocast)
         self.group = group
         self.device = torch.device(device)
-        self.n_stages = dist.get_world_size(group)
-        self.stage = dist.get_rank(group)
+        n_ranks = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.virtual, ranks = placement(schedule, n_ranks, virtual)
+        self.n_stages = len(ranks)
+        self.stages = [s for s, r in enumerate(ranks) if r == self.rank]
+        modules = _modules_for(module, self.stages, self.rank, schedule, self.virtual)
         self.n_microbatches = n_microbatches
-        self.peers = [dist.get_global_rank(group, i) if group else i for i in range(self.n_stages)]
-        plans = validate(build(schedule, self.n_stages, n_microbatches)), \
-            validate(forward_only(self.n_stages, n_microbatches))
-        self.plan, self.inference_plan = (p[self.stage] for p in plans)
+        self.peers = [dist.get_global_rank(group, r) if group else r for r in ranks]
+        plans = validate(build(schedule, n_ranks, n_microbatches, self.virtual)), \
+            validate(forward_only(self.n_stages, n_microbatches, ranks))
+        self.plan, self.inference_plan = (p[self.rank] for p in plans)
         transport = P2PTransport(self.peers, self.device, group, plans=plans)
-        self.runner = StageRunner(module, self.stage, self.n_stages, transport, loss_fn, autocast)
+        self.runner = StageRunner(modules, self.n_stages, transport, loss_fn, autocast)
         self.last_result: StepResult | None = None
 
     @property
+    def stage(self) -> int:
+        """This rank's first stage (its only one when V = 1)."""
+        return self.stages[0]
+
+    @property
     def is_first(self) -> bool:
-        return self.stage == 0
+        """This rank holds stage 0 (it reads the inputs)."""
+        return 0 in self.stages
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.n_stages - 1
+        """This rank holds the last stage (it reads the targets and computes the loss)."""
+        return self.n_stages - 1 in self.stages
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
              trace: bool = False, loss_scale: float = 1.0, sync: bool = True) -> torch.Tensor:
@@ -106,54 +134,75 @@ class Pipeline:
     def _share_loss(self, result: StepResult, loss_scale: float) -> torch.Tensor:
         loss = result.loss / loss_scale if self.is_last else torch.zeros((), device=self.device)
         loss = loss.detach().float().reshape(())
-        if self.n_stages > 1:
+        if len(set(self.peers)) > 1:
             dist.broadcast(loss, self.peers[-1], group=self.group)
         return loss
 
 
+def _modules_for(module, stages: list[int], rank: int, schedule: str, virtual: int) -> dict[int, nn.Module]:
+    """{stage: module} for this rank's stages, from one module (one stage) or a dict."""
+    if isinstance(module, nn.Module) and len(stages) == 1:
+        return {stages[0]: module}
+    got = sorted(module) if isinstance(module, dict) else "one module"
+    if got != stages:
+        raise BrigadeError(f"rank {rank} holds stages {stages} under {schedule} with {virtual} per rank "
+                           f"but was given {got}: pass {{stage: module}} for exactly those stages")
+    return dict(module)
+
+
 class LocalPipeline:
-    """All stages in this process, stage i on devices[i], one worker thread per device.
+    """All stages in this process, one worker thread per device; the schedule's placement puts
+    stage s on devices[rank of s] (stage i on devices[i] when V = 1).
 
     Args:
-        stages: one module per stage (moved to its device here).
-        devices: one device per stage; "cpu" may repeat (each stage still gets a thread).
-        schedule, n_microbatches, loss_fn, autocast: as for `Pipeline`.
+        stages: one module per stage, len(devices) × V of them (moved to their devices here).
+        devices: one device per rank; "cpu" may repeat (each still gets a thread).
+        schedule, n_microbatches, loss_fn, autocast, virtual: as for `Pipeline`.
+        wrap: `wrap(stage, module)` may return a wrapper (DistributedDataParallel for dp × local).
+
+    Raises:
+        BrigadeError: a number of stages other than devices × V.
     """
 
     def __init__(self, stages: list[nn.Module], devices: list[torch.device | str], schedule: str,
                  n_microbatches: int, loss_fn, timeout_s: float = 300.0, wrap=None,
-                 autocast: torch.dtype | None = None):
+                 autocast: torch.dtype | None = None, virtual: int = 0):
         check_autocast(autocast)
-        if len(devices) != len(stages):
-            raise ValueError(f"{len(stages)} stages need {len(stages)} devices, got {len(devices)}")
+        self.virtual, ranks = placement(schedule, len(devices), virtual)
+        if len(ranks) != len(stages):
+            raise BrigadeError(f"{len(stages)} stages on {len(devices)} devices with {self.virtual} "
+                               f"stage(s) per device: need {len(ranks)} stages")
         self.devices = [torch.device(d) for d in devices]
-        self.stages = [s.to(d) for s, d in zip(stages, self.devices)]
+        self.stage_devices = [self.devices[r] for r in ranks]
+        self.stages = [s.to(d) for s, d in zip(stages, self.stage_devices)]
         self.n_stages = len(stages)
+        self.n_ranks = len(devices)
         self.n_microbatches = n_microbatches
-        self.transport = LocalTransport(self.devices, timeout_s)
-        self.plan = validate(build(schedule, self.n_stages, n_microbatches))
-        self.inference_plan = validate(forward_only(self.n_stages, n_microbatches))
-        # `wrap(i, module)` may return a wrapper, e.g. DistributedDataParallel for dp × local-pp.
+        self.transport = LocalTransport(self.stage_devices, timeout_s)
+        self.plan = validate(build(schedule, self.n_ranks, n_microbatches, self.virtual))
+        self.inference_plan = validate(forward_only(self.n_stages, n_microbatches, ranks))
         modules = [wrap(i, s) if wrap else s for i, s in enumerate(self.stages)]
         self.runners = [
-            StageRunner(s, i, self.n_stages, self.transport.endpoint(i), loss_fn, autocast)
-            for i, s in enumerate(modules)
+            StageRunner({s: modules[s] for s in range(self.n_stages) if ranks[s] == r}, self.n_stages,
+                        self.transport.endpoint(), loss_fn, autocast)
+            for r in range(self.n_ranks)
         ]
-        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"stage{i}") for i in range(self.n_stages)]
+        self.first, self.last = ranks[0], ranks[-1]  # the ranks reading inputs and targets
+        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"device{r}") for r in range(self.n_ranks)]
         self.last_results: list[StepResult] = []
 
     def _run_all(self, plan, xs, ys, ws, keep_outputs: bool, trace: bool,
                  sync: bool = True) -> list[StepResult]:
-        def job(i: int) -> StepResult:
-            if self.devices[i].type == "cuda":
-                torch.cuda.set_device(self.devices[i])
+        def job(r: int) -> StepResult:
+            if self.devices[r].type == "cuda":
+                torch.cuda.set_device(self.devices[r])
             try:
-                return self.runners[i].run(
-                    plan[i],
-                    xs if i == 0 else None,
-                    ys if i == self.n_stages - 1 else None,
+                return self.runners[r].run(
+                    plan[r],
+                    xs if r == self.first else None,
+                    ys if r == self.last else None,
                     ws,
-                    keep_outputs=keep_outputs and i == self.n_stages - 1,
+                    keep_outputs=keep_outputs and r == self.last,
                     trace=trace,
                     sync=sync,
                 )
@@ -174,28 +223,28 @@ class LocalPipeline:
              loss_scale: float = 1.0, sync: bool = True) -> torch.Tensor:
         """Forward and backward of one batch; returns the batch's mean loss (see Pipeline.step)."""
         m = self.n_microbatches
-        xs = microbatch.split(inputs.to(self.devices[0]), m)
-        ys = microbatch.split(targets.to(self.devices[-1]), m)
+        xs = microbatch.split(inputs.to(self.stage_devices[0]), m)
+        ys = microbatch.split(targets.to(self.stage_devices[-1]), m)
         ws = [w * loss_scale for w in microbatch.weights(targets.shape[0], m)]
         self.last_results = self._run_all(self.plan, xs, ys, ws, False, trace, sync)
-        return (self.last_results[-1].loss / loss_scale).detach().float().reshape(())
+        return (self.last_results[self.last].loss / loss_scale).detach().float().reshape(())
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only; the batch's mean loss."""
         m = self.n_microbatches
-        xs = microbatch.split(inputs.to(self.devices[0]), m)
-        ys = microbatch.split(targets.to(self.devices[-1]), m)
+        xs = microbatch.split(inputs.to(self.stage_devices[0]), m)
+        ys = microbatch.split(targets.to(self.stage_devices[-1]), m)
         results = self._run_all(self.inference_plan, xs, ys, microbatch.weights(targets.shape[0], m),
                                 False, False)
-        return results[-1].loss.detach().float().reshape(())
+        return results[self.last].loss.detach().float().reshape(())
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Inference: the merged outputs, on the last device."""
-        xs = microbatch.split(inputs.to(self.devices[0]), self.n_microbatches)
+        xs = microbatch.split(inputs.to(self.stage_devices[0]), self.n_microbatches)
         results = self._run_all(self.inference_plan, xs, None, None, True, False)
-        return microbatch.merge(results[-1].outputs)
+        return microbatch.merge(results[self.last].outputs)
 
     def parameters(self):
         for s in self.stages:

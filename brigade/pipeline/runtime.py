@@ -1,14 +1,26 @@
-"""The interpreter: runs one stage's list of actions for one step.
+"""The interpreter: runs one rank's list of actions for one step, over the stages it holds.
 
 `StageRunner.run` walks the actions in order and hands each to the handler of
 its kind (`_HANDLERS`, as torch's `_perform_action` does); it never decides the
-order itself, so every schedule runs through this one loop. It talks to
-neighbours only through a transport (`send`, `recv`, `flush`), so the same code
-serves processes and device threads.
+order itself, so every schedule runs through this one loop. A rank may hold
+several stages (interleaved, looped BFS, ZB-V); each action runs on its stage's
+module. It talks to other ranks only through a transport (`send`, `recv`,
+`flush`), so the same code serves processes and device threads; between two
+stages of the same rank (the turn of a V) the tensor is handed over by reference,
+detached so that each stage's backward stays its own action:
+
+    F on stage s ──► y ──┬─ stage s+1 on another rank: SEND_F (a message)
+                         └─ stage s+1 here: acts[(s+1, mb)] = y.detach()  (no copy)
 
 Loss convention: on the last stage each micro-batch's mean loss is multiplied
 by its share of the batch (`microbatch.weights`) before backward, so the
 gradients add up to those of the mean loss over the whole batch.
+
+Data parallel: a stage wrapped in DistributedDataParallel has its gradients averaged once
+per step. With one stage per rank and a plain backward, DDP's own reducer does it during
+the last backward. Otherwise (a split I/W backward, or several stages per rank) the stage's
+`GradientReducer` starts the all-reduce as soon as that stage's last backward or weight
+pass is done, so it overlaps the actions that remain, and waits at the end of the step.
 """
 
 from __future__ import annotations
@@ -24,17 +36,21 @@ from torch.nn.parallel import DistributedDataParallel
 
 from brigade import forensics
 from brigade.pipeline.backward import GradientReducer, backward_split
+from brigade.pipeline.ordering import peer_of
 from brigade.pipeline.schedule import COMM_OPS, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, PlanError, W
 from brigade.pipeline.transport import Transport
 
 
 @dataclass
 class StepResult:
-    """What one stage got out of one step."""
+    """What one rank got out of one step."""
 
-    loss: torch.Tensor | None = None  # last stage: weighted sum of micro-batch losses
+    loss: torch.Tensor | None = None  # rank of the last stage: weighted sum of micro-batch losses
     outputs: list[torch.Tensor] = field(default_factory=list)  # last stage, if asked
     trace: list[tuple[Action, float, float]] = field(default_factory=list)
+
+
+Key = tuple[int, int]  # (stage, micro-batch)
 
 
 @dataclass
@@ -48,24 +64,32 @@ class _Step:
     keep_outputs: bool
     sync: bool
     result: StepResult = field(default_factory=StepResult)
-    held: dict[int, tuple] = field(default_factory=dict)  # mb -> (stage input, output or loss)
-    inbox: dict[int, torch.Tensor] = field(default_factory=dict)  # received activations or gradients
-    weight_steps: dict[int, Callable] = field(default_factory=dict)  # mb -> its pending W
+    held: dict[Key, tuple] = field(default_factory=dict)  # (stage input, output or loss), until B/W
+    acts: dict[Key, torch.Tensor] = field(default_factory=dict)  # activations a forward will take
+    grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # gradients a backward will take
+    outgoing: dict[Key, torch.Tensor] = field(default_factory=dict)  # input gradients to send
+    weight_steps: dict[Key, Callable] = field(default_factory=dict)  # pending W of (stage, mb)
     total: torch.Tensor | None = None
-    reducer: GradientReducer | None = None
-    backward_done: int = 0
-    weight_done: int = 0
+    reducers: dict[int, GradientReducer] = field(default_factory=dict)  # stage -> its reducer
+    remaining: dict[int, int] = field(default_factory=dict)  # stage -> backward/weight passes left
 
     def __post_init__(self) -> None:
         self.training = any(a.op in (B, I) for a in self.actions)
-        self.n_backward = sum(a.op == B for a in self.actions)
-        self.n_weight = sum(a.op == W for a in self.actions)
+        for a in self.actions:
+            if a.op == B or a.op == W:
+                self.remaining[a.stage] = self.remaining.get(a.stage, 0) + 1
 
-    def take(self, store: dict, a: Action, what: str):
-        """Remove and return micro-batch `a.microbatch`'s entry, or name the action that lacks it."""
-        if a.microbatch not in store:
+    def take(self, store: dict, a: Action, what: str, stage: int | None = None):
+        """Remove and return (stage, micro-batch)'s entry, or name the action that lacks it."""
+        key = (a.stage if stage is None else stage, a.microbatch)
+        if key not in store:
             raise self.missing(a, what)
-        return store.pop(a.microbatch)
+        return store.pop(key)
+
+    def finished(self, stage: int) -> bool:
+        """Count one backward or weight pass of `stage`; True for its last of the step."""
+        self.remaining[stage] -= 1
+        return self.remaining[stage] == 0
 
     @staticmethod
     def missing(a: Action, what: str) -> PlanError:
@@ -73,35 +97,42 @@ class _Step:
                          "the action list is out of order (check it with brigade.pipeline.plan.validate)")
 
 
-_HANDLERS = {RECV_F: "_on_recv", RECV_B: "_on_recv", F: "_on_forward", SEND_F: "_on_send_forward",
-             B: "_on_backward", I: "_on_input_grad", W: "_on_weight_grad", SEND_B: "_on_send_backward"}
+_HANDLERS = {RECV_F: "_on_recv_forward", RECV_B: "_on_recv_backward", F: "_on_forward",
+             SEND_F: "_on_send_forward", B: "_on_backward", I: "_on_input_grad", W: "_on_weight_grad",
+             SEND_B: "_on_send_backward"}
 
 
 class StageRunner:
-    """Runs one stage's actions.
+    """Runs one rank's actions over the stages it holds.
 
     Args:
-        module: this stage's blocks (possibly wrapped in DistributedDataParallel).
-        stage: index of this stage; n_stages: pipeline depth.
+        modules: stage index -> that stage's blocks (possibly wrapped in DistributedDataParallel).
+        n_stages: stages in the whole pipeline (ranks × stages per rank).
         transport: a `Transport` (P2P between processes, or a local endpoint).
         loss_fn: (output, target) -> mean loss; used on the last stage only.
+        autocast: None (fp32), torch.bfloat16 or torch.float16 for the forwards.
     """
 
-    def __init__(self, module: nn.Module, stage: int, n_stages: int, transport: Transport, loss_fn=None,
+    def __init__(self, modules: dict[int, nn.Module], n_stages: int, transport: Transport, loss_fn=None,
                  autocast: torch.dtype | None = None):
-        self.module = module
-        self.stage = stage
+        self.modules = dict(sorted(modules.items()))
         self.n_stages = n_stages
         self.transport = transport
         self.loss_fn = loss_fn
-        self.is_first = stage == 0
-        self.is_last = stage == n_stages - 1
+        self.is_first = 0 in self.modules
+        self.is_last = n_stages - 1 in self.modules
         self.autocast = autocast  # e.g. torch.bfloat16 on GPUs
-        # Split backwards (I/W) bypass DDP's reducer; this reduces in its place, same group
-        # and bucket size, once per step after the weight passes.
-        self.split_reducer = GradientReducer(module.module.parameters(), module.process_group,
-                                             module.bucket_bytes_cap) \
-            if isinstance(module, DistributedDataParallel) else None
+        several = len(self.modules) > 1
+        # Under DDP: a reducer per stage for split backwards (DDP's reducer does not see them),
+        # and for every backward when this rank holds several stages (see the module docstring).
+        self.reducers = {s: GradientReducer(m.module.parameters(), m.process_group, m.bucket_bytes_cap)
+                         for s, m in self.modules.items() if isinstance(m, DistributedDataParallel)}
+        self.ddp_reduces = not several  # DDP's own reducer, on plain backwards
+
+    @property
+    def stage(self) -> int:
+        """This rank's first stage (the only one with one stage per rank)."""
+        return next(iter(self.modules))
 
     def run(
         self,
@@ -116,21 +147,23 @@ class StageRunner:
         """Execute `actions` (with comms inserted) for one step.
 
         Args:
-            inputs: the micro-batches (first stage only).
-            targets: the micro-batch targets (last stage only; omit for pure inference).
+            inputs: the micro-batches (rank of the first stage only).
+            targets: the micro-batch targets (rank of the last stage; omit for pure inference).
             weights: each micro-batch's share of the batch (last stage, with targets).
             keep_outputs: keep the last stage's outputs (inference).
             trace: record (action, start, end) in perf_counter seconds.
-            sync: under DistributedDataParallel, all-reduce gradients on this step's last
-                backward; False while accumulating gradients over several steps.
+            sync: under DistributedDataParallel, all-reduce gradients in this step; False
+                while accumulating gradients over several steps.
 
         Raises:
             PlanError: an action needs what no earlier action made (a B before its F, ...).
         """
         st = _Step(actions, inputs, targets, weights, keep_outputs, sync)
-        st.reducer = self.split_reducer if sync and st.n_weight else None
-        if st.reducer is not None:
-            st.reducer.reset()
+        split = any(a.op == W for a in actions)
+        if sync and (split or not self.ddp_reduces):
+            st.reducers = self.reducers
+        for reducer in st.reducers.values():
+            reducer.reset()
         self.transport.begin_step(actions, inputs if self.is_first else None)
         with contextlib.nullcontext() if st.training else torch.no_grad():
             for a in actions:
@@ -139,88 +172,111 @@ class StageRunner:
                 getattr(self, _HANDLERS[a.op])(a, st)
                 if trace:
                     st.result.trace.append((a, start, time.perf_counter()))
-            forensics.doing(f"flush sends (stage {self.stage})", waiting=True)
+            forensics.doing(f"flush sends (stages {list(self.modules)})", waiting=True)
             self.transport.flush()
-        if st.reducer is not None:
-            st.reducer.finish()  # before anyone reads .grad (norm, clipping, optimizer)
+        for reducer in st.reducers.values():
+            reducer.finish()  # before anyone reads .grad (norm, clipping, optimizer)
         st.result.loss = st.total
         return st.result
 
     # --- one handler per action kind (`_HANDLERS`); each reads and updates the step's state ---
 
-    def _on_recv(self, a: Action, st: _Step) -> None:
-        st.inbox[a.microbatch] = self.transport.recv(self.stage + (-1 if a.op == RECV_F else 1))
+    def _on_recv_forward(self, a: Action, st: _Step) -> None:
+        st.acts[(a.stage, a.microbatch)] = self.transport.recv(a)
+
+    def _on_recv_backward(self, a: Action, st: _Step) -> None:
+        st.grads[(a.stage, a.microbatch)] = self.transport.recv(a)
 
     def _on_forward(self, a: Action, st: _Step) -> None:
-        i = a.microbatch
-        x = st.inputs[i] if self.is_first else st.take(st.inbox, a, "received activation")
-        if st.training and not self.is_first and x.is_floating_point():
+        s, i = a.stage, a.microbatch
+        x = st.inputs[i] if s == 0 else st.take(st.acts, a, "received activation")
+        if st.training and s > 0 and x.is_floating_point():
             x.requires_grad_(True)
-        y = self._forward(x)
-        if self.is_last:
+        y = self._forward(s, x)
+        last = s == self.n_stages - 1
+        if last:
             if st.keep_outputs:
                 st.result.outputs.append(y.detach())
             if st.targets is not None:
                 y = self._loss(y, st.targets[i], st.weights[i] if st.weights else 1.0)
                 st.total = y.detach() if st.total is None else st.total + y.detach()
-        if st.training or not self.is_last:
-            st.held[i] = (x, y)
+        elif s + 1 in self.modules:
+            st.acts[(s + 1, i)] = y.detach()  # the next stage is here: a reference, no message
+        if st.training or (not last and s + 1 not in self.modules):
+            st.held[(s, i)] = (x, y)
 
     def _on_send_forward(self, a: Action, st: _Step) -> None:
-        held = st.held.get(a.microbatch) if st.training else st.held.pop(a.microbatch, None)
+        key = (a.stage, a.microbatch)
+        held = st.held.get(key) if st.training else st.held.pop(key, None)
         if held is None:
             raise st.missing(a, "forward output")
-        self.transport.send(held[1], self.stage + 1)
+        self.transport.send(a, held[1])
 
     def _on_backward(self, a: Action, st: _Step) -> None:
-        st.backward_done += 1
+        s = a.stage
         x, y = st.take(st.held, a, "forward output")
-        grad = None if self.is_last else st.take(st.inbox, a, "received gradient")
-        self._backward(y, grad, last=st.sync and st.backward_done == st.n_backward)
-        if not self.is_first:
-            st.inbox[a.microbatch] = x.grad
+        grad = None if s == self.n_stages - 1 else st.take(st.grads, a, "received gradient")
+        last = st.finished(s) and st.sync
+        self._backward(s, y, grad, ddp_last=last and s not in st.reducers)
+        if last and s in st.reducers:
+            st.reducers[s].ready(list(self._params(s)))  # starts now, overlaps what remains
+        if s > 0:
+            self._pass_back(a, x.grad, st)
 
     def _on_input_grad(self, a: Action, st: _Step) -> None:
-        if a.microbatch not in st.held:
+        s = a.stage
+        if (s, a.microbatch) not in st.held:
             raise st.missing(a, "forward output")
-        x, y = st.held[a.microbatch]  # kept until W
-        grad = None if self.is_last else st.take(st.inbox, a, "received gradient")
-        dx, st.weight_steps[a.microbatch] = backward_split(
-            y, grad, None if self.is_first else x, list(self.module.parameters()))
-        if not self.is_first:
-            st.inbox[a.microbatch] = dx
+        x, y = st.held[(s, a.microbatch)]  # kept until W
+        grad = None if s == self.n_stages - 1 else st.take(st.grads, a, "received gradient")
+        dx, st.weight_steps[(s, a.microbatch)] = backward_split(
+            y, grad, None if s == 0 else x, list(self._params(s)))
+        if s > 0:
+            self._pass_back(a, dx, st)
 
     def _on_weight_grad(self, a: Action, st: _Step) -> None:
-        st.weight_done += 1
-        # Gradients are complete only in the step's last weight pass.
-        last_w = st.reducer is not None and st.weight_done == st.n_weight
-        st.take(st.weight_steps, a, "input gradient (I)")(st.reducer.ready if last_w else None)
-        st.held.pop(a.microbatch)
+        s = a.stage
+        # Gradients are complete only in the stage's last weight pass of the step.
+        last = st.finished(s) and s in st.reducers
+        st.take(st.weight_steps, a, "input gradient (I)")(st.reducers[s].ready if last else None)
+        st.held.pop((s, a.microbatch))
 
     def _on_send_backward(self, a: Action, st: _Step) -> None:
-        self.transport.send(st.take(st.inbox, a, "input gradient"), self.stage - 1)
+        self.transport.send(a, st.take(st.outgoing, a, "input gradient"))
+
+    def _pass_back(self, a: Action, dx, st: _Step) -> None:
+        """Hand stage s's input gradient to stage s-1: by reference if it is here, else to send."""
+        if a.stage - 1 in self.modules:
+            st.grads[(a.stage - 1, a.microbatch)] = dx
+        else:
+            st.outgoing[(a.stage, a.microbatch)] = dx
+
+    def _params(self, s: int):
+        m = self.modules[s]
+        return (m.module if isinstance(m, DistributedDataParallel) else m).parameters()
 
     def _record(self, a: Action) -> None:
-        """Tell the hang watchdog what this stage does now, naming the peer a transfer waits on."""
+        """Tell the hang watchdog what this rank does now, naming the peer a transfer waits on."""
         if a.op not in COMM_OPS:
-            forensics.doing(f"{a.op} mb{a.microbatch} (stage {self.stage})")
+            forensics.doing(f"{a.op} mb{a.microbatch} (stage {a.stage})")
             return
-        peer = self.stage - 1 if a.op in (RECV_F, SEND_B) else self.stage + 1
+        peer = peer_of(a)
         ranks = self.transport.peers
         rank = ranks[peer] if ranks else None
         where = f"{'from' if a.op in (RECV_F, RECV_B) else 'to'} stage {peer}"
         forensics.doing(f"{a.op} mb{a.microbatch} {where}" + (f" (rank {rank})" if ranks else ""),
                         waiting=True, on=rank)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, s: int, x: torch.Tensor) -> torch.Tensor:
+        module = self.modules[s]
         amp = contextlib.nullcontext() if self.autocast is None else \
             torch.autocast(x.device.type, dtype=self.autocast)
         with amp:
-            if isinstance(self.module, DistributedDataParallel):
-                # Gradients are reduced once per step, on the last backward (see _backward).
-                with self.module.no_sync():
-                    return self.module(x)
-            return self.module(x)
+            if isinstance(module, DistributedDataParallel):
+                # Gradients are reduced once per step (see _backward and the reducers).
+                with module.no_sync():
+                    return module(x)
+            return module(x)
 
     def _loss(self, y, target: torch.Tensor, weight: float) -> torch.Tensor:
         """This micro-batch's weighted loss, in fp32 whatever the autocast dtype.
@@ -231,11 +287,12 @@ class StageRunner:
         with torch.autocast(target.device.type, enabled=False):
             return _fp32(self.loss_fn(_fp32(y), target)) * weight  # (a float64 loss stays float64)
 
-    def _backward(self, y: torch.Tensor, grad: torch.Tensor | None, last: bool) -> None:
-        ddp = self.module if isinstance(self.module, DistributedDataParallel) else None
+    def _backward(self, s: int, y: torch.Tensor, grad: torch.Tensor | None, ddp_last: bool) -> None:
+        module = self.modules[s]
+        ddp = module if isinstance(module, DistributedDataParallel) else None
         if ddp is None:
             torch.autograd.backward(y, grad)
-        elif last:
+        elif ddp_last:
             # DDP arms its reducer at forward time; forwards ran under no_sync, so arm it
             # here for the one backward that should all-reduce (torch's pipelining does the same).
             ddp.reducer.prepare_for_backward([y])

@@ -1,15 +1,17 @@
 """Moving activations and gradients between neighbouring stages.
 
-Two transports share one small interface (`send(tensor, stage)`,
-`recv(stage) -> tensor`, `flush()`), so the runtime does not know which it has:
+Two transports share one small interface (`Transport`: `send(action, tensor)`,
+`recv(action) -> tensor`, `flush()`), so the runtime does not know which it has. The
+action (`0SEND_F3`) names the stage it leaves and, by `ordering.peer_of`, the stage it
+goes to; the transport resolves stage → rank or device:
 
-- `p2p.P2PTransport`: one stage per process, torch.distributed point-to-point
+- `p2p.P2PTransport`: one rank per process, torch.distributed point-to-point
   (gloo on CPU, NCCL on GPU), issued as `ordering` decides and proves safe.
   Shapes may change between steps and micro-batches; headers (dtype, shape),
   encoded here, travel only when shapes must be discovered.
 - `LocalTransport`: several stages in one process, one thread per device; a
-  tensor is handed over through a queue, copied to the receiver's device (on
-  GPUs on a side stream per link, so the copy overlaps compute).
+  tensor is handed over through a queue per stage link, copied to the receiver's
+  device (on GPUs on a side stream per link, so the copy overlaps compute).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Protocol
 import torch
 
 from brigade.errors import RunError
+from brigade.pipeline.ordering import peer_of
 from brigade.pipeline.schedule import Action
 
 _DTYPES = [
@@ -50,15 +53,18 @@ class StageAborted(RunError):
 class Transport(Protocol):
     """What the runtime may call; `peers[s]` is the global rank of stage s (None in-process).
 
-    `begin_step` takes this rank's actions for the step and, on the first stage, its
-    micro-batches (a P2P transport decides from their shapes whether to discover shapes).
+    `begin_step` takes this rank's actions for the step and, on the rank of the first stage,
+    its micro-batches (a P2P transport decides from their shapes whether to discover shapes).
+    `send(a, t)` hands over the tensor of comm action `a` (a SEND_F or SEND_B, in plan order);
+    `recv(a)` returns the tensor of `a` (a RECV_F or RECV_B) once it arrived; `flush()` waits
+    until every send of the step has been handed over.
     """
 
     peers: list[int] | None
 
     def begin_step(self, actions: list[Action], inputs: list[torch.Tensor] | None = None) -> None: ...
-    def send(self, tensor: torch.Tensor, stage: int) -> None: ...
-    def recv(self, stage: int) -> torch.Tensor: ...
+    def send(self, a: Action, tensor: torch.Tensor) -> None: ...
+    def recv(self, a: Action) -> torch.Tensor: ...
     def flush(self) -> None: ...
 
 
@@ -82,7 +88,7 @@ class LocalTransport:
     """
 
     def __init__(self, devices: list[torch.device], timeout_s: float = 300.0):
-        self.devices = devices
+        self.devices = devices  # stage -> its device
         self.timeout_s = timeout_s
         self.abort = threading.Event()
         n = len(devices)
@@ -94,8 +100,9 @@ class LocalTransport:
         """The device whose stream copies from stage src to dst (None: CPU to CPU)."""
         return next((d for d in (self.devices[dst], self.devices[src]) if d.type == "cuda"), None)
 
-    def endpoint(self, stage: int) -> LocalEndpoint:
-        return LocalEndpoint(self, stage)
+    def endpoint(self) -> LocalEndpoint:
+        """A device thread's end: it sends and receives for whichever stages it runs."""
+        return LocalEndpoint(self)
 
     def put(self, src: int, dst: int, tensor: torch.Tensor) -> None:
         """Copy `tensor` towards stage dst (asynchronously on GPUs) and queue it."""
@@ -141,21 +148,21 @@ class LocalTransport:
 
 
 class LocalEndpoint:
-    """Stage `stage`'s view of a LocalTransport (implements `Transport`)."""
+    """One device thread's view of a LocalTransport (implements `Transport`), for its stages."""
 
     peers = None  # all stages are in this process
 
-    def __init__(self, hub: LocalTransport, stage: int):
-        self.hub, self.stage = hub, stage
+    def __init__(self, hub: LocalTransport):
+        self.hub = hub
 
     def begin_step(self, actions: list[Action], inputs: list[torch.Tensor] | None = None) -> None:
         """Nothing to post ahead: a queue hand-off needs no receive in advance."""
 
-    def send(self, tensor: torch.Tensor, stage: int) -> None:
-        self.hub.put(self.stage, stage, tensor)
+    def send(self, a: Action, tensor: torch.Tensor) -> None:
+        self.hub.put(a.stage, peer_of(a), tensor)
 
-    def recv(self, stage: int) -> torch.Tensor:
-        return self.hub.get(stage, self.stage)
+    def recv(self, a: Action) -> torch.Tensor:
+        return self.hub.get(peer_of(a), a.stage)
 
     def flush(self) -> None:
         pass

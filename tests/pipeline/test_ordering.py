@@ -2,27 +2,30 @@ import pytest
 
 from brigade.pipeline import ordering
 from brigade.pipeline.plan import validate
-from brigade.pipeline.schedule import SCHEDULES, Action, PlanError, build, forward_only
+from brigade.pipeline.schedule import SCHEDULES, Action, PlanError, build, forward_only, stage_ranks
 
 
 @pytest.mark.parametrize("mode", ordering.MODES)
 @pytest.mark.parametrize("name", [*SCHEDULES, "forward"])
 def test_grouped_policy_never_deadlocks_under_nccl(name, mode):
-    for p in range(1, 6):
-        for m in range(1, 10):
-            plan = validate(forward_only(p, m) if name == "forward" else build(name, p, m))
-            ordering.check(plan, ordering.GROUPED, mode)
+    fixed = SCHEDULES[name].virtual if name in SCHEDULES else 1
+    for v in (fixed,) if fixed else (1, 2, 3):
+        for p in range(1, 6):
+            for m in range(1, 10):
+                plan = validate(forward_only(p, m) if name == "forward" else build(name, p, m, v))
+                ordering.check(plan, ordering.GROUPED, mode)
 
 
 def test_discovery_sends_headers_then_payloads_round_by_round():
     streams = ordering.issued(validate(build("1f1b", 2, 2)), ordering.GROUPED, ordering.DISCOVERY)
     names = [" ".join(map(ordering._name, g)) for g in streams[0]]
-    assert names[:4] == ["0SEND_F0'", "0SEND_F0", "0SEND_F1' 0RECV_B0'", "0SEND_F1 0RECV_B0"]
+    assert names == ["0SEND_F0'", "0SEND_F0", "0SEND_F1'", "0SEND_F1", "0RECV_B0'", "0RECV_B0",
+                     "0RECV_B1'", "0RECV_B1"]
 
 
 def _headers_then_payloads_per_batch(plan):
     """The naive discovery layout: every header of a batch, then its payloads."""
-    return {r: [g for i in ordering.posting(acts, ordering.GROUPED)
+    return {r: [g for i in ordering.posting(plan, r, ordering.GROUPED)
                 for g in (tuple((a, ordering.HEADER) for a in i.ops),
                           tuple((a, ordering.PAYLOAD) for a in i.ops))]
             for r, acts in plan.items()}
@@ -37,7 +40,7 @@ def test_naive_discovery_deadlocks_where_a_receive_needs_the_batch_send():
 
 def test_discovery_batches_cut_by_round():
     plan = validate(build("gpipe", 2, 1))
-    assert [i.ops for i in ordering.posting(plan[0], ordering.GROUPED)] == [
+    assert [i.ops for i in ordering.posting(plan, 0, ordering.GROUPED)] == [
         (Action(0, "SEND_F", 0), Action(0, "RECV_B", 0))]
     assert [i.ops for i in ordering.discovery_batches(plan, 0)] == [
         (Action(0, "SEND_F", 0),), (Action(0, "RECV_B", 0),)]
@@ -100,30 +103,55 @@ def test_old_eager_policy_deadlocks_1f1b_on_two_stages():
         ordering.check(validate(build("1f1b", 2, 4)), ordering.EAGER)
 
 
-def test_grouped_batches_one_send_with_the_receives_that_follow():
+def test_grouped_issues_in_clock_order_one_send_per_batch():
+    """Receives are posted as early as the clock allows (1RECV_F1 at the start), each send in
+    a batch of its own with the receives that come after it in the clock."""
     plan = validate(build("1f1b", 2, 3))
-    issues = ordering.posting(plan[1], ordering.GROUPED)
-    assert [i.ops for i in issues][:2] == [
-        (Action(1, "RECV_F", 0),), (Action(1, "SEND_B", 0), Action(1, "RECV_F", 1))]
-    assert issues[0].after == ordering.BEGIN and issues[1].after == 1  # after 1SEND_B0 (comm #1)
+    issues = ordering.posting(plan, 1, ordering.GROUPED)
+    assert [(i.after, [str(a) for a in i.ops]) for i in issues] == [
+        (ordering.BEGIN, ["1RECV_F0", "1RECV_F1"]), (1, ["1SEND_B0", "1RECV_F2"]),  # after comm #1
+        (3, ["1SEND_B1"]), (5, ["1SEND_B2"])]
+
+
+def test_grouped_keeps_two_ranks_that_send_to_each_other_apart():
+    """Interleaved: ranks 0 and 1 both send on two links each way; the old policy (a send, then
+    the receives up to the next send) deadlocked here under NCCL. The clock order does not."""
+    plan = validate(build("interleaved", 2, 4, 2))
+    for mode in ordering.MODES:
+        ordering.check(plan, ordering.GROUPED, mode)
+    old = {r: [g for g in _old_grouped(plan[r])] for r in plan}
+    with pytest.raises(PlanError, match="NCCL deadlock"):
+        ordering.simulate_nccl(old, stage_ranks(plan))
+
+
+def _old_grouped(actions):
+    """The posting of the previous round: each send opens a batch that takes the receives after it."""
+    groups, ops = [], []
+    for a in (a for a in actions if "SEND" in a.op or "RECV" in a.op):
+        if "SEND" in a.op and ops:
+            groups.append(tuple((b, ordering.PAYLOAD) for b in ops))
+            ops = []
+        ops.append(a)
+    return groups + ([tuple((b, ordering.PAYLOAD) for b in ops)] if ops else [])
 
 
 def test_every_comm_action_is_issued_once():
     for policy in ordering.POLICIES:
-        acts = validate(build("zb", 3, 5))[1]
-        ops = [a for i in ordering.posting(acts, policy) for a in i.ops]
+        plan = validate(build("zb", 3, 5))
+        acts = plan[1]
+        ops = [a for i in ordering.posting(plan, 1, policy) for a in i.ops]
         assert sorted(ops) == sorted(a for a in acts if "SEND" in a.op or "RECV" in a.op)
 
 
 def test_eager_posts_first_receives_at_begin():
-    acts = validate(build("gpipe", 3, 2))[1]
-    first = [i.ops for i in ordering.posting(acts, ordering.EAGER) if i.after == ordering.BEGIN]
+    plan = validate(build("gpipe", 3, 2))
+    first = [i.ops for i in ordering.posting(plan, 1, ordering.EAGER) if i.after == ordering.BEGIN]
     assert first == [(Action(1, "RECV_F", 0),), (Action(1, "RECV_B", 0),)]
 
 
 def test_unknown_policy_is_refused():
     with pytest.raises(PlanError, match="posting policy 'fast'"):
-        ordering.posting([], "fast")
+        ordering.posting({0: []}, 0, "fast")
 
 
 def test_mispaired_streams_are_reported():

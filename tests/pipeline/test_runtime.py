@@ -1,9 +1,9 @@
-"""The stage runtime, directly: every stage of a pipeline in this process, no torch.distributed.
+"""The runtime, directly: every rank of a pipeline in this process, no torch.distributed.
 
-Each stage's `StageRunner` runs in its own thread over `QueueTransport`, a `Transport` written
-here: one FIFO queue per directed link, a receive that gives up after a few seconds (so a broken
-plan fails instead of hanging), and a log of every call so the test can check that the runtime
-issued exactly the plan's transfers, in order.
+Each rank's `StageRunner` (over the stages the plan places on it) runs in its own thread over
+`QueueTransport`, a `Transport` written here: one FIFO queue per directed stage link, a receive
+that gives up after a few seconds (so a broken plan fails instead of hanging), and a log of
+every call so the test can check that the runtime issued exactly the plan's transfers, in order.
 """
 
 from __future__ import annotations
@@ -18,18 +18,16 @@ from torch import nn
 
 from brigade.errors import BrigadeError, RunError
 from brigade.pipeline import microbatch
+from brigade.pipeline.ordering import peer_of
 from brigade.pipeline.plan import validate
 from brigade.pipeline.runtime import StageRunner, StepResult
 from brigade.pipeline.schedule import (
     COMM_OPS,
-    RECV_B,
-    RECV_F,
     SCHEDULES,
-    SEND_B,
-    SEND_F,
     Action,
     build,
     forward_only,
+    stage_ranks,
 )
 
 BATCH = 7  # with m = 3: micro-batches of 3, 2, 2 (an uneven split, so the weights matter)
@@ -43,34 +41,35 @@ class Aborted(Exception):
 
 
 class QueueTransport:
-    """Stage `stage`'s end of in-memory links (implements `brigade.pipeline.transport.Transport`)."""
+    """A rank's end of in-memory links (implements `brigade.pipeline.transport.Transport`)."""
 
     peers = None  # all stages live in this process
 
-    def __init__(self, hub: dict, stage: int, abort: threading.Event, timeout_s: float):
-        self.hub, self.stage, self.abort, self.timeout_s = hub, stage, abort, timeout_s
-        self.calls: list[tuple[str, int]] = []  # ("send" | "recv", peer stage)
+    def __init__(self, hub: dict, rank: int, abort: threading.Event, timeout_s: float):
+        self.hub, self.rank, self.abort, self.timeout_s = hub, rank, abort, timeout_s
+        self.calls: list[Action] = []  # every send and receive, in the order issued
         self.begun: list[Action] | None = None
         self.flushes = 0
 
     def begin_step(self, actions: list[Action], inputs: list[torch.Tensor] | None = None) -> None:
         self.begun = list(actions)  # a queue needs nothing posted ahead, whatever the inputs
 
-    def send(self, tensor: torch.Tensor, stage: int) -> None:
-        self.calls.append(("send", stage))
-        self.hub[(self.stage, stage)].put(tensor.detach().clone())  # no storage shared across stages
+    def send(self, a: Action, tensor: torch.Tensor) -> None:
+        self.calls.append(a)
+        self.hub[(a.stage, peer_of(a))].put(tensor.detach().clone())  # no storage shared across ranks
 
-    def recv(self, stage: int) -> torch.Tensor:
-        self.calls.append(("recv", stage))
+    def recv(self, a: Action) -> torch.Tensor:
+        self.calls.append(a)
+        src = peer_of(a)
         waited = 0.0
         while waited < self.timeout_s:
             if self.abort.is_set():
-                raise Aborted(f"stage {self.stage}: another stage failed")
+                raise Aborted(f"stage {a.stage}: another stage failed")
             try:
-                return self.hub[(stage, self.stage)].get(timeout=0.02)
+                return self.hub[(src, a.stage)].get(timeout=0.02)
             except queue.Empty:
                 waited += 0.02
-        raise RunError(f"stage {self.stage}: nothing from stage {stage} in {self.timeout_s:g}s")
+        raise RunError(f"stage {a.stage}: nothing from stage {src} in {self.timeout_s:g}s")
 
     def flush(self) -> None:
         self.flushes += 1
@@ -78,28 +77,32 @@ class QueueTransport:
 
 def run_stages(plan: dict[int, list[Action]], stages: list[nn.Module], xs, ys=None, ws=None,
                keep_outputs=False, trace=False, timeout_s: float = 3.0):
-    """Run every stage's actions, one thread per stage; returns (results, transports, hub).
+    """Run every rank's actions, one thread per rank; returns (results per rank, transports, hub).
 
-    Raises the first stage's own error (not the Aborted of the neighbours it left waiting).
+    Stage s runs on the rank the plan places it on. Raises the first rank's own error (not the
+    Aborted of the neighbours it left waiting).
     """
-    n = len(stages)
+    n, where = len(stages), stage_ranks(plan)
     hub = {(a, b): queue.Queue() for a in range(n) for b in range(n) if abs(a - b) == 1}
     abort = threading.Event()
-    transports = [QueueTransport(hub, s, abort, timeout_s) for s in range(n)]
-    runners = [StageRunner(m, s, n, transports[s], nn.functional.mse_loss) for s, m in enumerate(stages)]
-    results: list[StepResult | None] = [None] * n
-    errors: list[BaseException | None] = [None] * n
+    ranks = sorted(plan)
+    first, last = where[0], where[n - 1]
+    transports = [QueueTransport(hub, r, abort, timeout_s) for r in ranks]
+    runners = [StageRunner({s: m for s, m in enumerate(stages) if where[s] == r}, n, transports[r],
+                           nn.functional.mse_loss) for r in ranks]
+    results: list[StepResult | None] = [None] * len(ranks)
+    errors: list[BaseException | None] = [None] * len(ranks)
 
-    def job(s: int) -> None:
+    def job(r: int) -> None:
         try:
-            results[s] = runners[s].run(plan[s], xs if s == 0 else None, ys if s == n - 1 else None,
-                                        ws if s == n - 1 else None, keep_outputs=keep_outputs and s == n - 1,
+            results[r] = runners[r].run(plan[r], xs if r == first else None, ys if r == last else None,
+                                        ws if r == last else None, keep_outputs=keep_outputs and r == last,
                                         trace=trace)
         except BaseException as exc:  # noqa: BLE001 -- handed to the test thread below
-            errors[s] = exc
+            errors[r] = exc
             abort.set()
 
-    threads = [threading.Thread(target=job, args=(s,), daemon=True) for s in range(n)]
+    threads = [threading.Thread(target=job, args=(r,), daemon=True) for r in ranks]
     for t in threads:
         t.start()
     for t in threads:
@@ -129,16 +132,17 @@ def split_stages(blocks: list[nn.Module], n_stages: int) -> list[nn.Sequential]:
     return [nn.Sequential(*blocks[s * k:(s + 1) * k]) for s in range(n_stages)]
 
 
-def pipeline_step(schedule: str, n_stages: int, m: int, plan=None, ws=None):
+def pipeline_step(schedule: str, n_ranks: int, m: int, plan=None, ws=None, virtual: int = 1):
     """One training step through the runtime and the same step on one device.
 
-    Returns (results, transports, pipeline blocks, reference blocks, reference loss).
+    Returns (results per rank, transports, pipeline blocks, reference blocks, reference loss).
     """
+    n_stages = n_ranks * virtual
     blocks = make_blocks(2 * n_stages)
     reference = copy.deepcopy(blocks)
     x, y = data()
     ws = microbatch.weights(BATCH, m) if ws is None else ws
-    plan = validate(build(schedule, n_stages, m)) if plan is None else plan
+    plan = validate(build(schedule, n_ranks, m, virtual)) if plan is None else plan
     results, transports, _ = run_stages(plan, split_stages(blocks, n_stages), microbatch.split(x, m),
                                         microbatch.split(y, m), ws)
     out = nn.Sequential(*reference)(x)
@@ -157,26 +161,31 @@ def assert_same_grads(blocks: list[nn.Module], reference: list[nn.Module]) -> No
         torch.testing.assert_close(p.grad, want[name].grad, **TOL, msg=f"{name}")
 
 
-def comm_calls(actions: list[Action]) -> list[tuple[str, int]]:
+def comm_calls(actions: list[Action]) -> list[Action]:
     """The transport calls the plan's transfers imply, in order."""
-    peer = {SEND_F: 1, RECV_B: 1, RECV_F: -1, SEND_B: -1}
-    return [("send" if a.op in (SEND_F, SEND_B) else "recv", a.stage + peer[a.op])
-            for a in actions if a.op in COMM_OPS]
+    return [a for a in actions if a.op in COMM_OPS]
 
 
-GRID = [(s, m, p) for s in SCHEDULES for m in (1, 3) for p in (2, 3)]
+def _virtuals(schedule: str) -> tuple[int, ...]:
+    fixed = SCHEDULES[schedule].virtual
+    return (fixed,) if fixed else (1, 2)
 
 
-@pytest.mark.parametrize("schedule,m,n_stages", GRID)
-def test_training_step_matches_one_device(schedule, m, n_stages):
-    plan = validate(build(schedule, n_stages, m))
-    results, transports, blocks, reference, ref_loss = pipeline_step(schedule, n_stages, m, plan)
-    torch.testing.assert_close(results[-1].loss, ref_loss.detach(), **LOSS_TOL)
-    assert all(r.loss is None for r in results[:-1])  # the loss lives on the last stage only
+GRID = [(s, m, p, v) for s in SCHEDULES for m in (1, 3) for p in (2, 3) for v in _virtuals(s)]
+
+
+@pytest.mark.parametrize("schedule,m,n_ranks,virtual", GRID)
+def test_training_step_matches_one_device(schedule, m, n_ranks, virtual):
+    plan = validate(build(schedule, n_ranks, m, virtual))
+    results, transports, blocks, reference, ref_loss = pipeline_step(schedule, n_ranks, m, plan,
+                                                                     virtual=virtual)
+    last = stage_ranks(plan)[n_ranks * virtual - 1]
+    torch.testing.assert_close(results[last].loss, ref_loss.detach(), **LOSS_TOL)
+    assert all(r.loss is None for k, r in enumerate(results) if k != last)  # on the last stage's rank
     assert_same_grads(blocks, reference)
-    for s, t in enumerate(transports):
-        assert t.begun == plan[s]
-        assert t.calls == comm_calls(plan[s]), f"stage {s} did not issue its plan's transfers"
+    for r, t in enumerate(transports):
+        assert t.begun == plan[r]
+        assert t.calls == comm_calls(plan[r]), f"rank {r} did not issue its plan's transfers"
         assert t.flushes == 1
 
 
@@ -229,17 +238,17 @@ def test_forward_only_with_targets_gives_the_loss_without_gradients():
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_trace_has_one_entry_per_action(schedule):
-    blocks = make_blocks(4)
     x, y = data()
     plan = validate(build(schedule, 2, 3))
-    results, _, _ = run_stages(plan, split_stages(blocks, 2), microbatch.split(x, 3),
+    n = len(stage_ranks(plan))  # 2, or 4 with the schedule's own V of 2
+    results, _, _ = run_stages(plan, split_stages(make_blocks(n), n), microbatch.split(x, 3),
                                microbatch.split(y, 3), microbatch.weights(BATCH, 3), trace=True)
     for s, r in enumerate(results):
         assert [a for a, _, _ in r.trace] == plan[s]
         starts = [start for _, start, _ in r.trace]
         assert starts == sorted(starts)
         assert all(start <= end for _, start, end in r.trace)
-    untraced, _, _ = run_stages(plan, split_stages(make_blocks(4), 2), microbatch.split(x, 3),
+    untraced, _, _ = run_stages(plan, split_stages(make_blocks(n), n), microbatch.split(x, 3),
                                 microbatch.split(y, 3), microbatch.weights(BATCH, 3))
     assert all(r.trace == [] for r in untraced)
 
@@ -277,10 +286,10 @@ def test_a_runtime_that_skips_a_send_is_caught(monkeypatch):
     plan = validate(build("1f1b", 2, 1))
     sent = QueueTransport.send
 
-    def lossy(self, tensor, stage):
-        if self.stage == 1:  # the gradient never leaves stage 1
+    def lossy(self, a, tensor):
+        if a.stage == 1:  # the gradient never leaves stage 1
             return
-        sent(self, tensor, stage)
+        sent(self, a, tensor)
 
     monkeypatch.setattr(QueueTransport, "send", lossy)
     with pytest.raises(RunError, match="nothing from stage 1"):

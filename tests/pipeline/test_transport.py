@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from brigade.errors import RunError
+from brigade.pipeline.schedule import RECV_F, SEND_F, Action
 from brigade.pipeline.transport import LocalTransport, decode_header, encode_header
 
 
@@ -21,23 +22,23 @@ def test_header_rejects_too_many_dims():
 
 def test_local_hand_off_keeps_order_and_values():
     hub = LocalTransport([torch.device("cpu")] * 2)
-    a, b = hub.endpoint(0), hub.endpoint(1)
+    a, b = hub.endpoint(), hub.endpoint()
     for i in range(3):
-        a.send(torch.full((2,), float(i)), 1)
-    assert [b.recv(0)[0].item() for _ in range(3)] == [0.0, 1.0, 2.0]
+        a.send(Action(0, SEND_F, i), torch.full((2,), float(i)))
+    assert [b.recv(Action(1, RECV_F, i))[0].item() for i in range(3)] == [0.0, 1.0, 2.0]
 
 
 def test_local_recv_gives_up_when_another_stage_fails():
     hub = LocalTransport([torch.device("cpu")] * 2)
     threading.Timer(0.1, hub.abort.set).start()
     with pytest.raises(RunError, match="another stage failed"):
-        hub.endpoint(1).recv(0)
+        hub.endpoint().recv(Action(1, RECV_F, 0))
 
 
 def test_local_recv_times_out():
     hub = LocalTransport([torch.device("cpu")] * 2, timeout_s=0.2)
     with pytest.raises(RunError, match="nothing from stage 0"):
-        hub.endpoint(1).recv(0)
+        hub.endpoint().recv(Action(1, RECV_F, 0))
 
 
 SHAPES = [(4, 3), (4, 3), (5, 2), (5, 2)]  # per step: discover, predict, discover, predict
@@ -70,11 +71,11 @@ def _exchange(rank: int, world: int, port: int, policy: str, out) -> None:
             modes.append(t.mode)
             for a in plan[rank]:
                 if a.op.startswith("SEND"):
-                    t.send(_message(step, a, m), a.stage + (1 if a.op == "SEND_F" else -1))
+                    t.send(a, _message(step, a, m))
                 elif a.op.startswith("RECV"):
                     peer = a.stage + (-1 if a.op == RECV_F else 1)
                     want = _message(step, Action(peer, "SEND_" + a.op[-1], a.microbatch), m)
-                    got = t.recv(peer)
+                    got = t.recv(a)
                     if got.dtype != want.dtype or not torch.equal(got, want):
                         wrong.append(f"{name} step {step} {a}: {got.dtype} {list(got.shape)}")
             t.flush()
@@ -121,7 +122,7 @@ def _changes_shape_alone(rank: int, world: int, port: int, out) -> None:
 
     from brigade.pipeline.p2p import P2PTransport
     from brigade.pipeline.plan import validate
-    from brigade.pipeline.schedule import forward_only
+    from brigade.pipeline.schedule import Action, forward_only
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=10))
@@ -132,9 +133,9 @@ def _changes_shape_alone(rank: int, world: int, port: int, out) -> None:
         for rows in (2, 3):
             t.begin_step(plan[rank], [torch.zeros(2)] if rank == 0 else None)
             if rank == 0:
-                t.send(torch.zeros(rows), 1)
+                t.send(Action(0, "SEND_F", 0), torch.zeros(rows))
             else:
-                t.recv(0)
+                t.recv(Action(1, "RECV_F", 0))
             t.flush()
     except Exception as exc:  # rank 1 times out waiting; rank 0's message is the one checked
         error = str(exc)
