@@ -239,7 +239,8 @@ def worker(cfg: BenchConfig) -> dict:
     times = interleaved_rounds({**steps, **probes}, cfg.rounds, cfg.warmup, x.device, seed=cfg.seed)
     ours = [c for c in b.pipes if c.name == OURS]
     memory = {c.key: _memory(b, c) for c in ours}
-    trace = _trace(b, min(ours, key=lambda c: statistics.median(times[c.key])))  # same on every rank
+    fastest = min(ours, key=lambda c: statistics.median(times[c.key]), default=None)  # same on all ranks
+    trace = _trace(b, fastest) if fastest else None
     groups.destroy()
     return {"cases": [asdict(c) for c in todo], "skipped": skipped, "ranks": info.world_size,
             "times": {c.key: times[c.key] for c in todo}, "balances": balances, "memory": memory,

@@ -115,7 +115,7 @@ def timeline(data: dict, path: Path, trace_path: Path) -> None:
                            facecolors=_COLOURS.get(_kind(name), "#55a868"))
             if _kind(name) != "comm" and (e - s) > end / 40:
                 ax.text((s + e) / 2 * 1e3, rank, name, ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(len(events)), [f"stage {r}" for r in range(len(events))])
+    ax.set_yticks(range(len(events)), [f"rank {r}" for r in range(len(events))])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in

@@ -90,7 +90,9 @@ def _speed_1f1b(d: dict) -> str:
 def _speed_figures(d: dict) -> dict[str, str]:
     """The figures both speed rows print, rounded as the README has them."""
     c = d["cases"][0]
-    return {"ours": f"{c['brigade_mean_s'] * 1e3:.1f}", "theirs": f"{c['torch_pipelining_mean_s'] * 1e3:.1f}",
+    ours = c.get("brigade_median_s", c["brigade_mean_s"])  # files before the rounds: means
+    theirs = c.get("torch_pipelining_median_s", c["torch_pipelining_mean_s"])
+    return {"ours": f"{ours * 1e3:.1f}", "theirs": f"{theirs * 1e3:.1f}",
             "vs": f"{c['vs_torch_pipelining']:.2f}", "eff": f"{c['efficiency']:.2f}"}
 
 

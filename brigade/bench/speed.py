@@ -5,7 +5,9 @@
 Each process is one "device" with one thread (or its GPU, under NCCL: everything is placed
 on `DistInfo.device`). The ideal pipelined step is the makespan `simulate()` gives from each
 stage's measured per-micro-batch forward and backward costs; efficiency = ideal step time ÷
-measured step time.
+measured step time. Single, brigade and torch are timed in interleaved rounds (`--repeats`
+rounds, `timing.interleaved_rounds`), each round's stage costs measured in that round; every
+ratio is the median of per-round ratios, with its 95 % CI (`timing.ratio_ci`).
 """
 
 from __future__ import annotations
@@ -13,16 +15,25 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
 from brigade import agent, groups
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, nearest_torch_schedule
 from brigade.bench.place import place_model
-from brigade.bench.timing import Workload, gathered_stage_costs, time_pipeline, time_single
+from brigade.bench.timing import (
+    Workload,
+    gathered_stage_costs,
+    interleaved_rounds,
+    median_ci_coverage,
+    pipeline_step,
+    ratio_ci,
+    train_step,
+)
 from brigade.models import load_model
 from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import Pipeline
@@ -40,52 +51,71 @@ class SpeedConfig(Workload):
     cases: list[tuple[str, int]] = field(default_factory=lambda: [(DEFAULT, 2)])
 
 
+def _single_step(spec, x, y, rank: int):
+    """The whole model on rank 0 (whole batch); the other ranks wait in the round's reduce."""
+    if rank != 0:
+        return lambda: None
+    return train_step(nn.Sequential(*copy.deepcopy(spec.blocks)), spec.loss_fn, x, y)
+
+
 def worker(cfg: SpeedConfig) -> dict:
+    """Build single, brigade and torch per case, then time them in interleaved rounds."""
     info = groups.init(cfg.backend, threads=1)
     rank, device = info.rank, info.device
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, device)
     balance = choose_balance(spec.blocks, cfg.stages)
-    single = asdict(time_single(spec.blocks, spec.loss_fn, x, y, cfg)) if rank == 0 else {}
-    dist.barrier()
-    rows = []
+    steps, costs = {"single": _single_step(spec, x, y, rank)}, {}
     for schedule, m in cfg.cases:
         stages = split(copy.deepcopy(spec.blocks), balance)
-        fwd, bwd, wgt = gathered_stage_costs(stages, rank, x, y, spec.loss_fn, m)
-        ideal = simulate(build(schedule, cfg.stages, m), fwd, bwd, weight=wgt).makespan
         mine = stages[rank]
-        ours = time_pipeline(Pipeline(mine, schedule, m, spec.loss_fn, device=device), mine, x, y, cfg)
-        peer_schedule = nearest_torch_schedule(schedule)
-        peer = TorchPipelining({rank: copy.deepcopy(mine)}, cfg.stages, peer_schedule, m, spec.loss_fn,
-                               device)
-        theirs = time_pipeline(peer, peer.module, x, y, cfg)
-        rows.append({"schedule": schedule, "microbatches": m, "balance": balance,
-                     "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_weight_s": wgt,
-                     "ideal_s": ideal,
-                     "brigade": asdict(ours), "torch_pipelining": asdict(theirs),
-                     "torch_schedule": peer_schedule, "torch_class": TORCH_SCHEDULES[peer_schedule].cls})
+        steps[f"brigade|{schedule}|{m}"] = pipeline_step(
+            Pipeline(mine, schedule, m, spec.loss_fn, device=device), mine, x, y)
+        peer = TorchPipelining({rank: copy.deepcopy(mine)}, cfg.stages, nearest_torch_schedule(schedule), m,
+                               spec.loss_fn, device)
+        steps[f"torch|{schedule}|{m}"] = pipeline_step(peer, peer.module, x, y)
+        got = costs.setdefault(m, [])
+        steps[f"probe|{schedule}|{m}"] = lambda stages=stages, m=m, got=got: got.append(
+            gathered_stage_costs(stages, rank, x, y, spec.loss_fn, m, repeats=1))
+    times = interleaved_rounds(steps, cfg.repeats, cfg.warmup, device, seed=cfg.seed)
     groups.destroy()
-    return {"single": single, "rows": rows}
+    return {"times": times, "balance": balance,
+            "costs": {m: got[-cfg.repeats:] for m, got in costs.items()}}  # the warm-up probed too
+
+
+def _case(schedule: str, m: int, raw: dict) -> dict:
+    """One case's figures: medians over rounds and per-round ratios with their 95 % CIs."""
+    times, single = raw["times"], raw["times"]["single"]
+    ours, theirs = times[f"brigade|{schedule}|{m}"], times[f"torch|{schedule}|{m}"]
+    costs = raw["costs"][m][-len(ours):]
+    ideal = [simulate(build(schedule, len(raw["balance"]), m), f, b, weight=w).makespan for f, b, w in costs]
+    peer = nearest_torch_schedule(schedule)
+    vs, lo, hi = ratio_ci(theirs, ours)
+    n = len(raw["balance"])
+    medians = [[statistics.median(c[k][s] for c in costs) for s in range(n)] for k in range(3)]
+    return {"schedule": schedule, "microbatches": m, "balance": raw["balance"], "torch_schedule": peer,
+            "torch_class": TORCH_SCHEDULES[peer].cls, "stage_forward_s": medians[0],
+            "stage_backward_s": medians[1], "stage_weight_s": medians[2],
+            **_spread("brigade", ours), **_spread("torch_pipelining", theirs),
+            "ideal_s": statistics.median(ideal), "speedup_vs_single": ratio_ci(single, ours)[0],
+            "ideal_speedup": ratio_ci(single, ideal)[0], "efficiency": ratio_ci(ideal, ours)[0],
+            "vs_torch_pipelining": vs, "vs_torch_pipelining_ci": [lo, hi],
+            "vs_torch_pipelining_ranked": not lo <= 1 <= hi}
+
+
+def _spread(prefix: str, times: list[float]) -> dict:
+    """`prefix`_mean_s, _std_s, _median_s and _rounds_s of one configuration's per-round times."""
+    std = statistics.stdev(times) if len(times) > 1 else 0.0
+    return {f"{prefix}_mean_s": statistics.fmean(times), f"{prefix}_std_s": std,
+            f"{prefix}_median_s": statistics.median(times), f"{prefix}_rounds_s": times}
 
 
 def summarise(cfg: SpeedConfig, raw: dict) -> dict:
-    single = raw["single"]["mean_s"]
-    out = {"config": asdict(cfg), "single_mean_s": single, "single_std_s": raw["single"]["std_s"],
-           "cases": []}
-    for r in raw["rows"]:
-        ours, theirs = r["brigade"]["mean_s"], r["torch_pipelining"]["mean_s"]
-        out["cases"].append({
-            **{k: r[k] for k in ("schedule", "microbatches", "balance", "stage_forward_s",
-                                 "stage_backward_s", "stage_weight_s", "torch_schedule", "torch_class")},
-            "brigade_mean_s": ours, "brigade_std_s": r["brigade"]["std_s"],
-            "torch_pipelining_mean_s": theirs, "torch_pipelining_std_s": r["torch_pipelining"]["std_s"],
-            "ideal_s": r["ideal_s"],
-            "speedup_vs_single": single / ours,
-            "ideal_speedup": single / r["ideal_s"],
-            "efficiency": r["ideal_s"] / ours,
-            "vs_torch_pipelining": theirs / ours,
-        })
-    return out
+    """speed.json: the single device's times and each case's figures (see `_case`)."""
+    return {"config": asdict(cfg), **_spread("single", raw["times"]["single"]), "rounds": cfg.repeats,
+            "ci_coverage": median_ci_coverage(cfg.repeats),
+            "ci_method": "order-statistic CI of the median of per-round ratios, 95 %",
+            "cases": [_case(s, m, raw) for s, m in cfg.cases]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,13 +132,15 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "speed.json").write_text(json.dumps(result, indent=2))
-    print(f"single device: {result['single_mean_s'] * 1e3:.1f} ms")
+    print(f"single device: {result['single_median_s'] * 1e3:.1f} ms (median of {cfg.repeats} rounds)")
     for c in result["cases"]:
-        print(f"{c['schedule']} m={c['microbatches']}: brigade {c['brigade_mean_s'] * 1e3:.1f} ms "
+        lo, hi = c["vs_torch_pipelining_ci"]
+        rank = "" if c["vs_torch_pipelining_ranked"] else ": cannot rank, the CI holds 1"
+        print(f"{c['schedule']} m={c['microbatches']}: brigade {c['brigade_median_s'] * 1e3:.1f} ms "
               f"(×{c['speedup_vs_single']:.2f} vs single, efficiency {c['efficiency']:.2f}), "
               f"torch.distributed.pipelining ({c['torch_class']}) "
-              f"{c['torch_pipelining_mean_s'] * 1e3:.1f} ms "
-              f"→ brigade ×{c['vs_torch_pipelining']:.2f}")
+              f"{c['torch_pipelining_median_s'] * 1e3:.1f} ms "
+              f"→ brigade ×{c['vs_torch_pipelining']:.2f} (95 % CI {lo:.2f}–{hi:.2f}{rank})")
     print(f"wrote {out / 'speed.json'}")
 
 
