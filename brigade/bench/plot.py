@@ -143,9 +143,10 @@ def memory_chart(data: dict, path: Path) -> None:
     width = 0.8 / len(rows)
     for k, c in enumerate(rows):
         peaks = [b / 2**20 for b in c["peak_activation_bytes"]]
-        ax.bar([s + k * width for s in range(len(peaks))], peaks, width, label=c["schedule"])
+        v = f" V={c['virtual']}" if c.get("virtual", 1) > 1 else ""
+        ax.bar([s + k * width for s in range(len(peaks))], peaks, width, label=c["schedule"] + v)
     ax.set_xticks([s + width * (len(rows) - 1) / 2 for s in range(len(rows[0]["peak_activation_bytes"]))],
-                  [f"stage {s}" for s in range(len(rows[0]["peak_activation_bytes"]))])
+                  [f"rank {s}" for s in range(len(rows[0]["peak_activation_bytes"]))])
     ax.set_ylabel("peak activation memory (MiB)")
     ax.set_title(f"activations held for backward, m={m}")
     ax.legend()
