@@ -3,10 +3,10 @@
 A rank may hold several stages; `peers[s]` is the global rank of stage s, and a message
 is matched by its link: on gloo each stage link and direction has its own tag (so two
 links between the same pair of ranks never take each other's messages); NCCL has no
-tags and pairs messages by order per pair of ranks, which `ordering.check` proves right.
+tags and pairs messages by order per pair of ranks, which `nccl.check` proves right.
 
-What is issued when is decided in `ordering`, which also proves it deadlock-free
-under NCCL's rules (`ordering.check`); `P2PTransport` only carries it out. The
+What is issued when is decided in `ordering`, and `nccl` proves it deadlock-free
+under NCCL's rules (`nccl.check`); `P2PTransport` only carries it out. The
 policy comes from `ordering.policy_for` (one place): "grouped" under NCCL,
 "eager" on gloo, `BRIGADE_P2P_POLICY` forces one (e.g. grouped on gloo in tests).
 
@@ -18,7 +18,7 @@ each rank reads it: one host synchronisation per step):
                the same (link, direction, micro-batch) in the previous step. No
                header, no host synchronisation per message.
     discovery  first step, or the first stage's input dtypes/shapes (or plan)
-               changed, or shapes="dynamic": `ordering.discovery_batches`, each as
+               changed, or shapes="dynamic": `nccl.discovery_batches`, each as
                [headers] ─host reads received headers─► [payloads]. The shapes seen
                become the next step's predictions.
 
@@ -36,7 +36,7 @@ of the predicted size, then the payload in a batch of its own:
     receiver [header (predicted)]  read header ─► wrong? [recv payload]
 
 Gloo buffers a send whose receive is not posted yet, so this never deadlocks
-there; under NCCL it would (`ordering.check(plan, "eager")`), so it is refused.
+there; under NCCL it would (`nccl.check(plan, "eager")`), so it is refused.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from brigade.errors import RunError
+from brigade.pipeline.nccl import discovery_batches
 from brigade.pipeline.ordering import (
     BEGIN,
     DISCOVERY,
@@ -56,7 +57,6 @@ from brigade.pipeline.ordering import (
     PREDICTED,
     STATIC,
     Issue,
-    discovery_batches,
     mode_for,
     peer_of,
     policy_for,
@@ -76,7 +76,7 @@ class P2PTransport:
         group: the pipeline's process group (default: the world).
         policy: "grouped" or "eager"; None: `BRIGADE_P2P_POLICY`, else the backend's default.
         plans: every plan (all ranks, with comms) this transport will run: discovery
-            mode cuts batches by the rounds of the whole plan (`ordering.discovery_batches`).
+            mode cuts batches by the rounds of the whole plan (`nccl.discovery_batches`).
         shapes: "static" (shapes follow input shapes) or "dynamic" (discover every step).
 
     Raises:

@@ -6,7 +6,7 @@ action (`0SEND_F3`) names the stage it leaves and, by `ordering.peer_of`, the st
 goes to; the transport resolves stage → rank or device:
 
 - `p2p.P2PTransport`: one rank per process, torch.distributed point-to-point
-  (gloo on CPU, NCCL on GPU), issued as `ordering` decides and proves safe.
+  (gloo on CPU, NCCL on GPU), issued as `ordering` decides and `nccl` proves safe.
   Shapes may change between steps and micro-batches; headers (dtype, shape),
   encoded here, travel only when shapes must be discovered.
 - `LocalTransport`: several stages in one process, one thread per device; a

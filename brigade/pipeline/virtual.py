@@ -13,7 +13,7 @@
 
 Every rank walks its stages in one order shared by all ranks (`forward_order`), so the two
 ends of every link agree on the order of what crosses it (`plan.validate`), and each plan
-runs under NCCL's posting (`ordering.check`). No torch import.
+runs under NCCL's posting (`nccl.check`). No torch import.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from brigade.pipeline import ordering
+from brigade.pipeline import nccl, ordering
 from brigade.pipeline.plan import render, simulate, validate
 from brigade.pipeline.schedule import (
     SCHEDULES,
@@ -111,7 +111,7 @@ def test_plans_are_valid_and_placed(name, p, v, m):
 @pytest.mark.parametrize("mode", ordering.MODES)
 @pytest.mark.parametrize("name,p,v,m", ALL)
 def test_plans_run_under_nccl_grouped_posting(name, p, v, m, mode):
-    ordering.check(validate(build(name, p, m, v)), "grouped", mode)
+    nccl.check(validate(build(name, p, m, v)), "grouped", mode)
 
 
 @pytest.mark.parametrize("name", LOOPED)
