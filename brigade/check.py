@@ -4,16 +4,26 @@ Every rank builds the same model from the same seed, keeps a deep copy as the
 single-device reference, and runs one batch both ways. It compares the loss,
 every parameter's gradient, and every parameter and buffer after one SGD step.
 
-BatchNorm: with m > 1 micro-batches each micro-batch is normalised with its own
-statistics (as in gradient accumulation), so for models with BatchNorm the
-reference runs the same micro-batches one after another on one device. With
-m = 1 the reference is the plain full batch for every model.
+A case is (schedule, m, V): the model is cut into stages × V pieces, V per rank as the
+schedule places them. With dp replicas each runs its slice of the batch and every stage
+module is DDP-wrapped over its replicas; the reference is still one device on the whole
+batch (the replicas' mean loss and averaged gradients must equal it).
+
+    process runtime   dp × stages processes over a DeviceMesh (dp, pp)
+    local runtime     one process (dp = 1) or dp processes, each a LocalPipeline whose
+                      device i DDPs with device i of the other processes
+
+BatchNorm: with m > 1 each micro-batch is normalised with its own statistics (as in
+gradient accumulation), so the reference runs the same micro-batches one after another;
+with m = 1 it is the plain full batch. BatchNorm under dp is refused: DDP broadcasts
+replica 0's running statistics, which no single device computes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -21,29 +31,35 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade import agent, groups
+from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
 from brigade.pipeline import microbatch
 from brigade.pipeline.partition import check_chain, choose_balance, split
-from brigade.pipeline.pipe import LocalPipeline, Pipeline
-from brigade.pipeline.schedule import build
+from brigade.pipeline.pipe import LocalPipeline, Pipeline, placement
+from brigade.pipeline.schedule import build, stages_on
 from brigade.rendezvous import LaunchSpec
+from brigade.train.layout import _stage_group, data_parallel, make_layout
+
+Case = tuple  # (schedule, m) or (schedule, m, virtual); virtual 0: the schedule's own V
 
 
 @dataclass
 class CheckConfig:
     model: str = "gpt"
-    stages: int = 2
+    stages: int = 2  # pipeline ranks (pp); the model is cut into stages × V pieces
     schedule: str = "1f1b"
     microbatches: int = 4
     runtime: str = "process"  # process | local
     batch_size: int = 8
-    balance: list[int] | None = None
+    balance: list[int] | None = None  # blocks per piece: stages × V entries
     seed: int = 0
     atol: float = 1e-5
     model_options: dict = field(default_factory=dict)
     balance_by: str = "params"  # params | time, when balance is None
     devices: list[str] | None = None  # local runtime: one per stage; default one GPU each, else CPU
+    virtual: int = 0  # stages per rank; 0: the schedule's own
+    dp: int = 1  # data-parallel replicas
 
 
 @dataclass
@@ -59,14 +75,40 @@ class CheckResult:
     max_abs_param_diff: float
     reference: str
     ok: bool
+    virtual: int = 1
+    dp: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+@dataclass
+class Where:
+    """This process's place: its pipeline rank (None: the local runtime drives every rank)."""
+
+    pp_rank: int | None = None
+    dp: int = 1
+    dp_rank: int = 0
+    pp_group: object = None
+    dp_group: object = None  # None: the whole world (local runtime)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    devices: list | None = None  # local runtime: one per rank
+    stage_groups: list | None = None  # local runtime under dp: one group per device
+
+
 def local_devices(n: int) -> list[str]:
     """One GPU per stage when there are enough, else every stage on the CPU."""
     return [f"cuda:{i}" for i in range(n)] if torch.cuda.device_count() >= n else ["cpu"] * n
+
+
+def max_workers(runtime: str = "process") -> int:
+    """How many stage workers (processes or device threads) this machine should run at once.
+
+    A process per GPU; on CPU two per core (at least 4), so 2 stages × 2 replicas fit anywhere.
+    """
+    if runtime == "process" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(4, 2 * (os.cpu_count() or 1))
 
 
 def _check_devices(devices: list[str], stages: int) -> None:
@@ -108,7 +150,7 @@ def _reference(spec: ModelSpec, x, y, m: int, lr: float):
     return float(loss.detach()), grads, state, ("micro-batched (BatchNorm)" if per_mb else "full batch")
 
 
-def _block_slices(balance: list[int], stage_modules: list[nn.Module]):
+def _block_slices(stage_modules: list[nn.Module]):
     """Index ranges of each stage's parameters and state entries in the full model's order."""
     p0 = s0 = 0
     out = []
@@ -124,30 +166,59 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(diffs, default=0.0)
 
 
-def run_case(cfg: CheckConfig, schedule: str, m: int, rank: int | None, lr: float = 0.1) -> CheckResult:
-    """One (schedule, m) comparison. `rank` is this process's stage, or None for the local runtime."""
+def _replica(t: torch.Tensor, where: Where) -> torch.Tensor:
+    n = t.shape[0] // where.dp
+    return t[where.dp_rank * n:(where.dp_rank + 1) * n]
+
+
+def _step(cfg: CheckConfig, spec: ModelSpec, stages: list[nn.Module], schedule: str, m: int, v: int,
+          x, y, where: Where) -> tuple[float, list[int]]:
+    """This replica's pipeline step on its slice: (replica loss, the stages held here)."""
+    x, y = _replica(x, where), _replica(y, where)
+    if where.pp_rank is None:
+        devices = where.devices or cfg.devices or local_devices(cfg.stages)
+        ranks = placement(schedule, cfg.stages, v)[1]
+
+        def wrap(s: int, module: nn.Module) -> nn.Module:
+            if where.stage_groups is None:
+                return module
+            device = torch.device(devices[ranks[s]])
+            return data_parallel(module, where.stage_groups[ranks[s]],
+                                 [device] if device.type == "cuda" else None)
+
+        with LocalPipeline(stages, devices, schedule, m, spec.loss_fn, wrap=wrap, virtual=v) as pipe:
+            return float(pipe.step(x, y)), list(range(len(stages)))
+    mine = stages_on(schedule, cfg.stages, where.pp_rank, v)
+    ids = [where.device] if where.device.type == "cuda" else None
+    modules = {s: stages[s].to(where.device) for s in mine}
+    if where.dp > 1:
+        modules = {s: data_parallel(mod, where.dp_group, ids) for s, mod in modules.items()}
+    pipe = Pipeline(modules, schedule, m, spec.loss_fn, group=where.pp_group, device=where.device,
+                    virtual=v)
+    return float(pipe.step(x, y)), mine
+
+
+def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float = 0.1) -> CheckResult:
+    """One (schedule, m, V) comparison from this process's place (default: local, dp = 1)."""
+    where = where or Where()
+    schedule, m, virtual = _case(cfg, case)
+    v = placement(schedule, cfg.stages, virtual)[0]
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
-    microbatch.check(cfg.batch_size, m)
-    build(schedule, cfg.stages, m)
     ref_loss, ref_grads, ref_state, ref_kind = _reference(spec, x, y, m, lr)
-    balance = choose_balance(spec.blocks, cfg.stages, by=cfg.balance_by, sample=x[:2],
+    balance = choose_balance(spec.blocks, cfg.stages * v, by=cfg.balance_by, sample=x[:2],
                              balance=cfg.balance)
-    device = groups.init().device if rank is not None else torch.device("cpu")
-    if rank is not None and dist.is_initialized():  # measured balances may differ between ranks
-        agreed = torch.tensor(balance, device=device)  # NCCL takes only tensors on the group's GPU
+    if dist.is_initialized():  # measured balances may differ between processes
+        agreed = torch.tensor(balance, device=where.device)  # NCCL takes only tensors on its GPU
         dist.broadcast(agreed, 0)
         balance = agreed.tolist()
     stages = split(spec.blocks, balance)
-    slices = _block_slices(balance, stages)
-    mine = range(cfg.stages) if rank is None else [rank]
-    if rank is None:
-        devices = cfg.devices or local_devices(cfg.stages)
-        with LocalPipeline(stages, devices, schedule, m, spec.loss_fn) as pipe:
-            loss = float(pipe.step(x, y))
-    else:
-        stages[rank].to(device)
-        loss = float(Pipeline(stages[rank], schedule, m, spec.loss_fn, device=device).step(x, y))
+    slices = _block_slices(stages)
+    loss, mine = _step(cfg, spec, stages, schedule, m, v, x, y, where)
+    if where.dp > 1:  # the replicas' mean loss is the whole batch's
+        total = torch.tensor(loss, dtype=torch.float64, device=where.device)
+        dist.all_reduce(total, group=where.dp_group)
+        loss = float(total) / where.dp
     grads, state, ref_g, ref_s = [], [], [], []
     for s in mine:
         grads += [p.grad for p in stages[s].parameters()]
@@ -158,12 +229,12 @@ def run_case(cfg: CheckConfig, schedule: str, m: int, rank: int | None, lr: floa
         state += [t.detach() for t in stages[s].state_dict().values()]
         ref_s += ref_state[slices[s][1]]
     diffs = torch.tensor([abs(loss - ref_loss), grad_diff, _max_diff(state, ref_s)], dtype=torch.float64,
-                         device=device)
-    if rank is not None and dist.get_world_size() > 1:
+                         device=where.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     d = diffs.tolist()
     return CheckResult(schedule, m, cfg.stages, cfg.runtime, balance, loss, d[0], d[1], d[2], ref_kind,
-                       ok=max(d) <= cfg.atol)
+                       ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp)
 
 
 @contextlib.contextmanager
@@ -181,21 +252,69 @@ def exact_matmuls():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def worker(cfg: CheckConfig, cases: list[tuple[str, int]]) -> list[dict]:
+def _where(cfg: CheckConfig, info: groups.DistInfo) -> Where:
+    """This worker's place: a DeviceMesh (dp, pp) cell, or one replica of a local pipeline."""
+    if cfg.runtime == "process":
+        lay = make_layout(ParallelConfig(dp=cfg.dp, pp=cfg.stages), info.device)
+        return Where(lay.pp_rank, lay.dp, lay.dp_rank, lay.pp_group, lay.dp_group, lay.device)
+    devices = groups.local_devices(info.device.type, info.local_rank, cfg.stages)
+    # One group per device: each device's thread issues its own all-reduces.
+    return Where(None, cfg.dp, info.rank, None, None, devices[0], devices,
+                 [_stage_group(d) for d in devices])
+
+
+def worker(cfg: CheckConfig, cases: list[Case]) -> list[dict]:
     """Process entry point: run every case in one process group (one start for many cases)."""
-    info = groups.init(threads=1)
+    info = groups.init(threads=1, local_stages=cfg.stages if cfg.runtime == "local" else 1)
     try:
+        where = _where(cfg, info)
         with exact_matmuls():
-            return [run_case(cfg, s, m, info.rank).to_dict() for s, m in cases]
+            return [run_case(cfg, c, where).to_dict() for c in cases]
     finally:
         groups.destroy()
 
 
-def preflight(cfg: CheckConfig, cases: list[tuple[str, int]]) -> None:
+def _case(cfg: CheckConfig, case: Case) -> tuple[str, int, int]:
+    """(schedule, m, virtual): a case without V takes the config's."""
+    return (case[0], case[1], case[2]) if len(case) > 2 else (case[0], case[1], cfg.virtual)
+
+
+def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
+    """dp and the number of workers it starts."""
+    if cfg.dp < 1:
+        raise BrigadeError(f"--dp {cfg.dp}: need at least 1 replica")
+    workers, cap = cfg.dp * cfg.stages, max_workers(cfg.runtime)
+    if workers > cap and (cfg.runtime == "process" or cfg.dp > 1):
+        raise BrigadeError(f"--dp {cfg.dp} × --stages {cfg.stages} = {workers} workers but this machine "
+                           f"should run at most {cap} (one per GPU, or two per CPU core): use fewer "
+                           "replicas or stages")
+    if cfg.dp == 1:
+        return
+    if cfg.batch_size % cfg.dp:
+        raise BrigadeError(f"--batch-size {cfg.batch_size} does not split into --dp {cfg.dp} equal "
+                           f"replica batches: use a multiple of {cfg.dp}")
+    if cfg.devices is not None:
+        raise BrigadeError(f"--devices with --dp {cfg.dp}: each replica takes its own devices; "
+                           "drop --devices")
+    if _has_batchnorm(spec.blocks):
+        raise BrigadeError(f"{cfg.model} has BatchNorm, whose running statistics DDP takes from replica 0 "
+                           "(no single device computes them): check it with --dp 1")
+
+
+def _check_microbatches(cfg: CheckConfig, m: int) -> None:
+    replica = cfg.batch_size // cfg.dp
+    if cfg.dp > 1 and m > replica:
+        raise BrigadeError(f"microbatches={m} is more than a replica's batch ({replica} = --batch-size "
+                           f"{cfg.batch_size} / --dp {cfg.dp}): use at most {replica} or a larger batch")
+    microbatch.check(cfg.batch_size, m)
+
+
+def preflight(cfg: CheckConfig, cases: list[Case]) -> None:
     """Catch bad input in this process, before any worker starts.
 
     Raises:
-        BrigadeError: unknown runtime/model/schedule, bad sizes or balance, blocks that do not chain.
+        BrigadeError: unknown runtime/model/schedule, a V the schedule cannot run, bad sizes,
+            dp or balance, more workers than the machine should run, blocks that do not chain.
     """
     if cfg.runtime not in ("process", "local"):
         raise BrigadeError(f"unknown runtime {cfg.runtime!r}: expected process or local")
@@ -208,21 +327,31 @@ def preflight(cfg: CheckConfig, cases: list[tuple[str, int]]) -> None:
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     if cfg.balance_by not in ("params", "time"):
         raise BrigadeError(f"unknown balance method {cfg.balance_by!r}: expected params or time")
-    choose_balance(spec.blocks, cfg.stages, balance=cfg.balance)
-    for schedule, m in cases:
-        build(schedule, cfg.stages, m)
-        microbatch.check(cfg.batch_size, m)
+    _check_layout(cfg, spec)
+    for case in cases:
+        schedule, m, virtual = _case(cfg, case)
+        build(schedule, cfg.stages, m, virtual)
+        _check_microbatches(cfg, m)
+        choose_balance(spec.blocks, cfg.stages * placement(schedule, cfg.stages, virtual)[0],
+                       balance=cfg.balance)
     x, _ = spec.make_batch(min(cfg.batch_size, 2), torch.Generator().manual_seed(0))
     check_chain(spec.blocks, x)
 
 
-def run_check(cfg: CheckConfig, cases: list[tuple[str, int]] | None = None,
-              port: int | None = None) -> list[dict]:
-    """Run the comparison for each (schedule, m) in `cases` (default: the config's own)."""
-    cases = cases or [(cfg.schedule, cfg.microbatches)]
+def run_check(cfg: CheckConfig, cases: list[Case] | None = None, port: int | None = None) -> list[dict]:
+    """Run the comparison for each (schedule, m[, virtual]) in `cases` (default: the config's own).
+
+    Returns:
+        One result dict per case, in order (rank 0's; diffs are the maximum over all processes).
+
+    Raises:
+        BrigadeError: as `preflight`, before any process starts.
+    """
+    cases = cases or [(cfg.schedule, cfg.microbatches, cfg.virtual)]
     preflight(cfg, cases)
-    if cfg.runtime == "local":
+    if cfg.runtime == "local" and cfg.dp == 1:
         with exact_matmuls():
-            return [run_case(cfg, s, m, None).to_dict() for s, m in cases]
-    results = agent.launch(worker, LaunchSpec(cfg.stages, port=port), cfg, cases)
+            return [run_case(cfg, c).to_dict() for c in cases]
+    nproc = cfg.dp * (cfg.stages if cfg.runtime == "process" else 1)
+    results = agent.launch(worker, LaunchSpec(nproc, port=port), cfg, cases)
     return results[0]

@@ -74,6 +74,10 @@ def _add_check(sub) -> None:
     p.add_argument("--stages", type=int, default=2)
     _schedule_arg(p)
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--virtual", type=int, default=0,
+                   help="stages per rank (0: the schedule's own; 2 for interleaved, looped-bfs, zbv)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas, each on its slice of the batch (dp × stages processes)")
     p.add_argument("--runtime", default="process", choices=["process", "local"],
                    help="one process per stage, or one thread per device in this process")
     p.add_argument("--devices", default=None,
@@ -104,6 +108,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         balance=parse_balance(args.balance) if args.balance else None, seed=args.seed,
         atol=args.atol, model_options=options, balance_by=args.balance_by,
         devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
+        virtual=args.virtual, dp=args.dp,
     )
     result = run_check(cfg, port=args.port)[0]
     if args.json:
@@ -111,7 +116,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         verdict = "OK" if result["ok"] else "MISMATCH"
         print(f"{verdict}: {args.model} on {cfg.stages} stages ({cfg.runtime}), {cfg.schedule}, "
-              f"m={cfg.microbatches}, balance {result['balance']}, reference: {result['reference']}")
+              f"V={result['virtual']}, dp={cfg.dp}, m={cfg.microbatches}, balance {result['balance']}, "
+              f"reference: {result['reference']}")
         print(f"  max |Δloss| {result['max_abs_loss_diff']:.3g}   max |Δgrad| "
               f"{result['max_abs_grad_diff']:.3g}   max |Δparam| after one SGD step "
               f"{result['max_abs_param_diff']:.3g}   (tolerance {cfg.atol:g})")
