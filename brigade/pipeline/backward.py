@@ -24,6 +24,7 @@ step's last weight pass has finished, and it all-reduces them in buckets.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,9 @@ from brigade import forensics
 Ready = Callable[[list[torch.Tensor]], None]  # told which parameters' gradients are complete
 
 
-def _walk(root) -> list:
-    """Nodes reachable from `root`, children before parents (post-order)."""
-    order, seen, stack = [], set(), [(root, False)]
+def _walk(roots: list) -> list:
+    """Nodes reachable from `roots`, children before parents (post-order)."""
+    order, seen, stack = [], set(), [(root, False) for root in reversed(roots)]
     while stack:
         node, expanded = stack.pop()
         if node is None:
@@ -52,13 +53,13 @@ def _walk(root) -> list:
     return order
 
 
-def _frontier(root, x_node, param_nodes: dict) -> tuple[dict, bool]:
-    """{frontier node: indices of the params below its param-only children}, and whether
-    `root` reaches x at all. Empty dict with True means: no clean split (shared weights)."""
+def _frontier(roots: list, x_nodes: set, param_nodes: dict) -> tuple[dict, set]:
+    """{frontier node: indices of the params below its param-only children}, and the roots
+    that reach an x. An empty dict with roots means: no clean split (shared weights)."""
     reach_x, below = {}, {}
-    for node in _walk(root):
+    for node in _walk(roots):
         kids = [c for c, _ in node.next_functions if c is not None]
-        reach_x[node] = node is x_node or any(reach_x[c] for c in kids)
+        reach_x[node] = node in x_nodes or any(reach_x[c] for c in kids)
         own = {param_nodes[node]} if node in param_nodes else set()
         below[node] = own.union(*(below[c] for c in kids))
     frontier, claimed = {}, set()
@@ -68,10 +69,11 @@ def _frontier(root, x_node, param_nodes: dict) -> tuple[dict, bool]:
         mine = set().union(*(below[c] for c, _ in node.next_functions if c is not None and not reach_x[c]))
         if mine:
             if mine & claimed:
-                return {}, True  # a parameter under two frontier nodes: do not split
+                return {}, {r for r in roots if reach_x.get(r, False)}  # shared weights: no split
             claimed |= mine
             frontier[node] = sorted(mine)
-    return frontier, reach_x.get(root, False)
+    hits = {r for r in roots if reach_x.get(r, False)}
+    return (frontier if frontier or not hits else {}), hits
 
 
 def _accumulate(params: list[torch.Tensor], grads) -> None:
@@ -80,10 +82,11 @@ def _accumulate(params: list[torch.Tensor], grads) -> None:
             p.grad = g if p.grad is None else p.grad + g
 
 
-def _whole(y, grad, params) -> Callable[[Ready | None], None]:
+def _whole(ys, grads, params) -> Callable[[Ready | None], None]:
     """A weight step with no frontier: every weight gradient in one call."""
     def step(ready: Ready | None = None) -> None:
-        _accumulate(params, torch.autograd.grad(y, params, grad, allow_unused=True))
+        if params and ys:
+            _accumulate(params, torch.autograd.grad(ys, params, grads, allow_unused=True))
         if ready:
             ready(params)
     return step
@@ -97,33 +100,53 @@ def _done(params) -> Callable[[Ready | None], None]:
     return step
 
 
-def backward_split(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
-                   params: list[torch.Tensor]
-                   ) -> tuple[torch.Tensor | None, Callable[[Ready | None], None]]:
+def backward_split(y, grad, x, params: list[torch.Tensor]) -> tuple[Any, Callable[[Ready | None], None]]:
     """Input gradient now; a function that adds the weight gradients to `.grad` later.
 
     The weight step takes an optional `ready(params)`, called as each group of parameters
-    has its gradient added, so a reduction can start before the whole pass is done.
+    has its gradient added, so a reduction can start before the whole pass is done. A stage
+    with several outputs and inputs passes lists (`structure.backward_pairs` makes ys, grads).
 
     Args:
-        y: this stage's output (or the scaled loss on the last stage); grad: dL/dy (None for a loss).
-        x: this stage's input leaf, or None / not requiring grad on the first stage.
+        y: this stage's output (or the scaled loss on the last stage), or a list of outputs.
+        grad: dL/dy (None for a loss), or a list with one per output.
+        x: this stage's input leaf, or None / not requiring grad on the first stage; or a list
+            of input leaves.
         params: the stage's parameters.
 
     Returns:
-        (dL/dx or None, weight_step).
+        (dL/dx, weight_step): dL/dx a tensor (zeros when y does not depend on x) or None
+        for one x; for a list, one gradient or None (x unused or not requiring grad) each.
     """
+    many = isinstance(x, (list, tuple))
+    ys, grads = (list(y), list(grad)) if isinstance(y, (list, tuple)) else ([y], [grad])
+    xs = [t for t in (x if many else [x]) if t is not None and t.requires_grad]
     params = [p for p in params if p.requires_grad]
-    if x is None or not x.requires_grad:
-        return None, _whole(y, grad, params)
-    x_node = get_gradient_edge(x).node
+    if not xs or not ys:
+        return ([None] * len(x) if many else None), _whole(ys, grads, params)
+    dxs, step = _split(ys, grads, xs, params)
+    if not many:
+        return (torch.zeros_like(x) if dxs[0] is None else dxs[0]), step
+    got = dict(zip(map(id, xs), dxs))
+    return [got.get(id(t)) for t in x], step
+
+
+def _split(ys: list, grads: list, xs: list, params: list) -> tuple[list, Callable[[Ready | None], None]]:
+    """`backward_split` over lists: xs all require grad; dL/dx is None for an x no y reaches."""
+    x_nodes = {get_gradient_edge(t).node for t in xs}
     param_nodes = {get_gradient_edge(p).node: i for i, p in enumerate(params)}
-    frontier, reaches_x = _frontier(y.grad_fn, x_node, param_nodes)
-    if reaches_x and not frontier:
-        torch.autograd.backward(y, grad, inputs=[x, *params])
-        return x.grad, _done(params)
-    if not reaches_x:
-        return torch.zeros_like(x), _whole(y, grad, params)
+    roots = list(dict.fromkeys(get_gradient_edge(t).node for t in ys))
+    frontier, hits = _frontier(roots, x_nodes, param_nodes)
+    if hits and not frontier:
+        torch.autograd.backward(ys, grads, inputs=[*xs, *params])
+        return [t.grad for t in xs], _done(params)
+    # Outputs that do not depend on any input: their weight gradients in one call of their own.
+    reach = [get_gradient_edge(t).node in hits for t in ys]
+    rest = _whole([t for t, r in zip(ys, reach) if not r], [g for g, r in zip(grads, reach) if not r], params)
+    if not hits:
+        return [None] * len(xs), rest
+    ys, grads = [t for t, r in zip(ys, reach) if r], [g for g, r in zip(grads, reach) if r]
+    retain = not all(reach)  # the rest's graph may share nodes with the frontier's
     kept: dict = {}
 
     def keep(node):
@@ -133,7 +156,7 @@ def backward_split(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor |
 
     handles = [n.register_prehook(keep(n)) for n in frontier]
     try:
-        (dx,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+        dxs = list(torch.autograd.grad(ys, xs, grads, retain_graph=True, allow_unused=True))
     finally:
         for h in handles:
             h.remove()
@@ -146,11 +169,14 @@ def backward_split(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor |
             mine = [params[i] for i in frontier[node]]
             if edges:
                 grads = [g for g in outs if g is not None]
-                _accumulate(mine, torch.autograd.grad(edges, mine, grads, allow_unused=True))
-            if ready:
+                _accumulate(mine, torch.autograd.grad(edges, mine, grads, allow_unused=True,
+                                                      retain_graph=retain))
+            if ready and not retain:
                 ready(mine)
+        if retain:
+            rest(ready)
 
-    return dx, weight_step
+    return dxs, weight_step
 
 
 class GradientReducer:

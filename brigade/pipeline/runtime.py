@@ -35,9 +35,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from brigade import forensics
+from brigade.pipeline import structure
 from brigade.pipeline.backward import GradientReducer, backward_split
 from brigade.pipeline.ordering import peer_of
 from brigade.pipeline.schedule import COMM_OPS, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, PlanError, W
+from brigade.pipeline.side import StageModule
 from brigade.pipeline.transport import Transport
 
 
@@ -46,7 +48,7 @@ class StepResult:
     """What one rank got out of one step."""
 
     loss: torch.Tensor | None = None  # rank of the last stage: weighted sum of micro-batch losses
-    outputs: list[torch.Tensor] = field(default_factory=list)  # last stage, if asked
+    outputs: list = field(default_factory=list)  # last stage, if asked (tensors or structures)
     trace: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
@@ -58,11 +60,12 @@ class _Step:
     """One step's state, shared by the action handlers of `StageRunner`."""
 
     actions: list[Action]
-    inputs: list[torch.Tensor] | None
-    targets: list[torch.Tensor] | None
+    inputs: list | None
+    targets: list | None
     weights: list[float] | None
     keep_outputs: bool
     sync: bool
+    side: list[dict] | None = None  # per micro-batch: {side input name: value} for this rank's stages
     result: StepResult = field(default_factory=StepResult)
     held: dict[Key, tuple] = field(default_factory=dict)  # (stage input, output or loss), until B/W
     acts: dict[Key, torch.Tensor] = field(default_factory=dict)  # activations a forward will take
@@ -137,34 +140,38 @@ class StageRunner:
     def run(
         self,
         actions: list[Action],
-        inputs: list[torch.Tensor] | None = None,
-        targets: list[torch.Tensor] | None = None,
+        inputs: list | None = None,
+        targets: list | None = None,
         weights: list[float] | None = None,
         keep_outputs: bool = False,
         trace: bool = False,
         sync: bool = True,
+        side: list[dict] | None = None,
     ) -> StepResult:
         """Execute `actions` (with comms inserted) for one step.
 
         Args:
-            inputs: the micro-batches (rank of the first stage only).
+            inputs: the micro-batches, tensors or structures (rank of the first stage only).
             targets: the micro-batch targets (rank of the last stage; omit for pure inference).
             weights: each micro-batch's share of the batch (last stage, with targets).
             keep_outputs: keep the last stage's outputs (inference).
             trace: record (action, start, end) in perf_counter seconds.
             sync: under DistributedDataParallel, all-reduce gradients in this step; False
                 while accumulating gradients over several steps.
+            side: per micro-batch, the side inputs of the `StageModule`s this rank holds
+                ({name: value}); a StageModule is called as module(x, side[mb]).
 
         Raises:
             PlanError: an action needs what no earlier action made (a B before its F, ...).
         """
-        st = _Step(actions, inputs, targets, weights, keep_outputs, sync)
+        st = _Step(actions, inputs, targets, weights, keep_outputs, sync, side)
         split = any(a.op == W for a in actions)
         if sync and (split or not self.ddp_reduces):
             st.reducers = self.reducers
         for reducer in st.reducers.values():
             reducer.reset()
-        self.transport.begin_step(actions, inputs if self.is_first else None)
+        self.transport.begin_step(actions, (inputs, side) if self.is_first and side else
+                                  inputs if self.is_first else None)
         with contextlib.nullcontext() if st.training else torch.no_grad():
             for a in actions:
                 self._record(a)
@@ -190,18 +197,18 @@ class StageRunner:
     def _on_forward(self, a: Action, st: _Step) -> None:
         s, i = a.stage, a.microbatch
         x = st.inputs[i] if s == 0 else st.take(st.acts, a, "received activation")
-        if st.training and s > 0 and x.is_floating_point():
-            x.requires_grad_(True)
-        y = self._forward(s, x)
+        if st.training and s > 0:
+            x = structure.as_inputs(x)  # floating leaves require a gradient, integer ones pass
+        y = self._forward(s, x, st.side[i] if st.side else None)
         last = s == self.n_stages - 1
         if last:
             if st.keep_outputs:
-                st.result.outputs.append(y.detach())
+                st.result.outputs.append(_detach(y))
             if st.targets is not None:
                 y = self._loss(y, st.targets[i], st.weights[i] if st.weights else 1.0)
                 st.total = y.detach() if st.total is None else st.total + y.detach()
         elif s + 1 in self.modules:
-            st.acts[(s + 1, i)] = y.detach()  # the next stage is here: a reference, no message
+            st.acts[(s + 1, i)] = _detach(y)  # the next stage is here: a reference, no message
         if st.training or (not last and s + 1 not in self.modules):
             st.held[(s, i)] = (x, y)
 
@@ -221,7 +228,7 @@ class StageRunner:
         if last and s in st.reducers:
             st.reducers[s].ready(list(self._params(s)))  # starts now, overlaps what remains
         if s > 0:
-            self._pass_back(a, x.grad, st)
+            self._pass_back(a, structure.input_grads(x), st)
 
     def _on_input_grad(self, a: Action, st: _Step) -> None:
         s = a.stage
@@ -229,10 +236,11 @@ class StageRunner:
             raise st.missing(a, "forward output")
         x, y = st.held[(s, a.microbatch)]  # kept until W
         grad = None if s == self.n_stages - 1 else st.take(st.grads, a, "received gradient")
-        dx, st.weight_steps[(s, a.microbatch)] = backward_split(
-            y, grad, None if s == 0 else x, list(self._params(s)))
-        if s > 0:
-            self._pass_back(a, dx, st)
+        ys, grads = _pairs(y, grad, s == self.n_stages - 1)
+        leaves, spec = structure.flatten(x, root="input") if s > 0 else ([], None)
+        dxs, st.weight_steps[(s, a.microbatch)] = backward_split(ys, grads, leaves, list(self._params(s)))
+        if s > 0:  # integer leaves (and floating ones nothing depends on) get None
+            self._pass_back(a, structure.unflatten(dxs, spec), st)
 
     def _on_weight_grad(self, a: Action, st: _Step) -> None:
         s = a.stage
@@ -267,16 +275,18 @@ class StageRunner:
         forensics.doing(f"{a.op} mb{a.microbatch} {where}" + (f" (rank {rank})" if ranks else ""),
                         waiting=True, on=rank)
 
-    def _forward(self, s: int, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, s: int, x, side: dict | None):
         module = self.modules[s]
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        args = (x, side) if isinstance(inner, StageModule) else (x,)
         amp = contextlib.nullcontext() if self.autocast is None else \
-            torch.autocast(x.device.type, dtype=self.autocast)
+            torch.autocast(_device_type(x), dtype=self.autocast)
         with amp:
             if isinstance(module, DistributedDataParallel):
                 # Gradients are reduced once per step (see _backward and the reducers).
                 with module.no_sync():
-                    return module(x)
-            return module(x)
+                    return module(*args)
+            return module(*args)
 
     def _loss(self, y, target: torch.Tensor, weight: float) -> torch.Tensor:
         """This micro-batch's weighted loss, in fp32 whatever the autocast dtype.
@@ -287,19 +297,44 @@ class StageRunner:
         with torch.autocast(target.device.type, enabled=False):
             return _fp32(self.loss_fn(_fp32(y), target)) * weight  # (a float64 loss stays float64)
 
-    def _backward(self, s: int, y: torch.Tensor, grad: torch.Tensor | None, ddp_last: bool) -> None:
+    def _backward(self, s: int, y, grad, ddp_last: bool) -> None:
+        """Backward of stage s from its output structure `y` (or loss) and the gradient received."""
         module = self.modules[s]
         ddp = module if isinstance(module, DistributedDataParallel) else None
-        if ddp is None:
-            torch.autograd.backward(y, grad)
-        elif ddp_last:
+        ys, grads = _pairs(y, grad, s == self.n_stages - 1)
+        if ddp is not None and ddp_last:
             # DDP arms its reducer at forward time; forwards ran under no_sync, so arm it
             # here for the one backward that should all-reduce (torch's pipelining does the same).
-            ddp.reducer.prepare_for_backward([y])
-            torch.autograd.backward(y, grad)
-        else:
+            ddp.reducer.prepare_for_backward(ys)
+        elif ddp is not None:
             with ddp.no_sync():
-                torch.autograd.backward(y, grad)
+                if ys:
+                    torch.autograd.backward(ys, grads)
+            return
+        if ys:  # empty: nothing this stage sent needs a gradient
+            torch.autograd.backward(ys, grads)
+
+
+def _pairs(y, grad, last: bool) -> tuple[list, list]:
+    """(outputs, gradients) for autograd: the loss alone on the last stage, else the output
+    structure's floating tensors that require a gradient and received one."""
+    if last:
+        return [y], [None]
+    return structure.backward_pairs(y, grad)
+
+
+def _detach(y):
+    """`y` with its tensors detached (a structure keeps its shape)."""
+    if isinstance(y, torch.Tensor):
+        return y.detach()
+    tensors, spec = structure.flatten(y)
+    return structure.unflatten([t.detach() for t in tensors], spec)
+
+
+def _device_type(x) -> str:
+    """The device type of a structure's first tensor (cpu without one), for autocast."""
+    tensors, _ = structure.flatten(x, root="input")
+    return tensors[0].device.type if tensors else "cpu"
 
 
 def _fp32(y):

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from brigade.errors import RunError
+from brigade.pipeline import structure
 from brigade.pipeline.ordering import peer_of
 from brigade.pipeline.schedule import Action
 
@@ -55,16 +56,17 @@ class Transport(Protocol):
 
     `begin_step` takes this rank's actions for the step and, on the rank of the first stage,
     its micro-batches (a P2P transport decides from their shapes whether to discover shapes).
-    `send(a, t)` hands over the tensor of comm action `a` (a SEND_F or SEND_B, in plan order);
-    `recv(a)` returns the tensor of `a` (a RECV_F or RECV_B) once it arrived; `flush()` waits
+    `send(a, obj)` hands over the tensor or structure (`structure.flatten`) of comm action `a`
+    (a SEND_F or SEND_B, in plan order); `recv(a)` returns what `a` (a RECV_F or RECV_B) carries
+    once it arrived, the same structure with its tensors on this end's device; `flush()` waits
     until every send of the step has been handed over.
     """
 
     peers: list[int] | None
 
-    def begin_step(self, actions: list[Action], inputs: list[torch.Tensor] | None = None) -> None: ...
-    def send(self, a: Action, tensor: torch.Tensor) -> None: ...
-    def recv(self, a: Action) -> torch.Tensor: ...
+    def begin_step(self, actions: list[Action], inputs: object = None) -> None: ...
+    def send(self, a: Action, obj: object) -> None: ...
+    def recv(self, a: Action) -> object: ...
     def flush(self) -> None: ...
 
 
@@ -104,25 +106,32 @@ class LocalTransport:
         """A device thread's end: it sends and receives for whichever stages it runs."""
         return LocalEndpoint(self)
 
-    def put(self, src: int, dst: int, tensor: torch.Tensor) -> None:
-        """Copy `tensor` towards stage dst (asynchronously on GPUs) and queue it."""
-        tensor = tensor.detach()
+    def put(self, src: int, dst: int, obj) -> None:
+        """Copy a tensor or structure's tensors towards stage dst (asynchronously on GPUs), queue it.
+
+        Raises:
+            StructureError: `obj` holds something that cannot be sent.
+        """
+        tensors, spec = structure.flatten(obj)
+        tensors = [t.detach() for t in tensors]
         stream = self._links.get((src, dst))
         if stream is None:
-            self._queues[(src, dst)].put((tensor.to(self.devices[dst]), None))
+            moved = [t.to(self.devices[dst]) for t in tensors]
+            self._queues[(src, dst)].put((structure.unflatten(moved, spec), None))
             return
-        if tensor.is_cuda:  # the copy must see everything the producer queued
-            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        for dev in {t.device for t in tensors if t.is_cuda}:  # the copy sees what the producer queued
+            stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-            moved = tensor.to(self.devices[dst], non_blocking=True)
+            moved = [t.to(self.devices[dst], non_blocking=True) for t in tensors]
             event = torch.cuda.Event()
             event.record(stream)
-        if tensor.is_cuda:
-            tensor.record_stream(stream)  # the producer may free it before the copy ran
-        self._queues[(src, dst)].put((moved, event))
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(stream)  # the producer may free it before the copy ran
+        self._queues[(src, dst)].put((structure.unflatten(moved, spec), event))
 
-    def get(self, src: int, dst: int) -> torch.Tensor:
-        """The next tensor from stage src, ready for stage dst's current stream."""
+    def get(self, src: int, dst: int):
+        """The next tensor or structure from stage src, ready for stage dst's current stream."""
         q = self._queues[(src, dst)]
         waited = 0.0
         while True:
@@ -138,12 +147,13 @@ class LocalTransport:
                     raise RunError(msg) from None
         if event is None:
             return tensor
-        if not tensor.is_cuda:
+        if self.devices[dst].type != "cuda":
             event.synchronize()  # pinned host memory written by a GPU copy
             return tensor
-        consumer = torch.cuda.current_stream(tensor.device)
+        consumer = torch.cuda.current_stream(self.devices[dst])
         consumer.wait_event(event)
-        tensor.record_stream(consumer)  # allocated on the link's stream, used on the consumer's
+        for t in structure.flatten(tensor)[0]:
+            t.record_stream(consumer)  # allocated on the link's stream, used on the consumer's
         return tensor
 
 
@@ -155,13 +165,13 @@ class LocalEndpoint:
     def __init__(self, hub: LocalTransport):
         self.hub = hub
 
-    def begin_step(self, actions: list[Action], inputs: list[torch.Tensor] | None = None) -> None:
+    def begin_step(self, actions: list[Action], inputs: object = None) -> None:
         """Nothing to post ahead: a queue hand-off needs no receive in advance."""
 
-    def send(self, a: Action, tensor: torch.Tensor) -> None:
-        self.hub.put(a.stage, peer_of(a), tensor)
+    def send(self, a: Action, obj) -> None:
+        self.hub.put(a.stage, peer_of(a), obj)
 
-    def recv(self, a: Action) -> torch.Tensor:
+    def recv(self, a: Action):
         return self.hub.get(peer_of(a), a.stage)
 
     def flush(self) -> None:
