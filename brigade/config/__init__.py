@@ -7,7 +7,7 @@
 """
 
 from brigade.config.checks import validate
-from brigade.config.resolve import World, resolve_layout
+from brigade.config.resolve import World, pipeline_shape, resolve_layout
 from brigade.config.sections import (
     SECTIONS,
     DataConfig,
@@ -26,4 +26,5 @@ from brigade.net import parse_endpoint
 
 __all__ = ["SECTIONS", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",
            "TrainConfig", "World", "add_flags", "build", "config_hash", "config_subset", "field_types",
-           "load_toml", "parse_endpoint", "resolve_layout", "section_classes", "to_toml", "validate"]
+           "load_toml", "parse_endpoint", "pipeline_shape", "resolve_layout", "section_classes", "to_toml",
+           "validate"]

@@ -26,7 +26,7 @@ def validate(cfg: RunConfig) -> None:
     for name in ("max_steps", "batch_size", "eval_every", "eval_batches", "keep"):
         _positive(name, getattr(t, name))
     _positive("block_size", d.block_size)
-    for name, value in (("dp", p.dp), ("max_restarts", p.max_restarts), ("lr", o.lr),
+    for name, value in (("dp", p.dp), ("virtual", p.virtual), ("max_restarts", p.max_restarts), ("lr", o.lr),
                         ("warmup_steps", o.warmup_steps), ("grad_clip", o.grad_clip),
                         ("snapshot_every", t.snapshot_every), ("sample_tokens", t.sample_tokens)):
         _positive(name, value, zero_ok=True)
@@ -41,8 +41,8 @@ def validate(cfg: RunConfig) -> None:
         )
     if m.n_embd % m.n_head:
         raise BrigadeError(f"--n-embd {m.n_embd} is not a multiple of --n-head {m.n_head}")
-    from brigade.pipeline import schedule  # the registry owns the names
-    schedule.check(p.schedule)
+    from brigade.pipeline import schedule  # the registry owns the names and each one's V
+    schedule.SCHEDULES[schedule.check(p.schedule)].resolve_virtual(p.virtual)
     from brigade.train.precision import autocast_dtype  # owns the names; raises on an unknown one
     autocast_dtype(t.precision, t.bf16, "cpu")
     _positive("nnodes", p.nnodes)

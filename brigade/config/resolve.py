@@ -24,6 +24,21 @@ class World:
     launcher: str = "the launcher"
 
 
+def pipeline_shape(p: ParallelConfig) -> tuple[int, int]:
+    """(pipeline ranks, stages per rank) of a layout: the one place that says how many pieces the
+    model is cut into (their product). Ranks are --pp processes, or --local-stages devices in one
+    process; stages per rank come from --virtual and the schedule. (1, 1) without a pipeline.
+
+    Raises:
+        PlanError: an unknown schedule, or a --virtual it cannot run.
+    """
+    from brigade.pipeline import schedule  # the registry owns each schedule's V
+
+    ranks = p.pp * p.local_stages
+    virtual = schedule.SCHEDULES[schedule.check(p.schedule)].resolve_virtual(p.virtual)
+    return (ranks, virtual) if ranks > 1 else (1, 1)
+
+
 def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection[str] = ()) -> RunConfig:
     """The one place the layout is derived: dp = world ÷ pp when --dp is 0. Pure.
 

@@ -38,7 +38,8 @@ class ParallelConfig:
     dp: int = 0  # data-parallel replicas; 0: whatever nproc / pp leaves
     pp: int = 1  # pipeline stages, one process each
     local_stages: int = 1  # pipeline stages inside each process, one thread per device
-    schedule: str = "1f1b"  # gpipe, 1f1b, zb
+    schedule: str = "1f1b"  # a name in pipeline.schedule's registry (brigade schedule --help)
+    virtual: int = 0  # stages per pipeline rank; 0: the schedule's own (1, or 2 for multi-stage ones)
     microbatches: int = 4
     balance: str = ""  # blocks per stage like "3,3"; empty: balance parameters
     backend: str = "auto"  # auto, gloo, nccl

@@ -1,14 +1,16 @@
 """Where each block runs, and how a batch becomes a loss and gradients in every layout.
 
     dp only       every process holds all blocks (a one-stage pipeline), DDP across processes
-    pp only       one stage per process (Pipeline over point-to-point)
+    pp only       one pipeline rank per process (Pipeline over point-to-point), holding one
+                  stage, or --virtual V of them (interleaved, looped-bfs, zbv)
     dp × pp       a DeviceMesh (dp, pp): a pipeline per dp row, each stage DDP'd down its column
     dp × local-pp each process drives a LocalPipeline over `local_stages` devices; stage i of
                   every process forms its own DDP group (the tutorial's DDP with model parallel)
 
 Gradients are averaged over replicas once per step: by DDP's reducer on the last backward,
-or, under zb (split I/W backward, which DDP cannot see), by the stage runner's
-`GradientReducer` on DDP's group, bucketed, started during the step's last weight pass.
+or, under zb/zbv (split I/W backward, which DDP cannot see) and whenever a rank holds several
+stages, by the stage runner's `GradientReducer` on DDP's group, bucketed, started as soon as
+that stage's last backward or weight pass is done.
 
 Parameters keep layout-independent names (`blocks.3.attn.qkv.weight`): `owned` is a
 module holding only this process's blocks under their global index.
@@ -26,10 +28,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from brigade import forensics, groups
-from brigade.config import ParallelConfig
+from brigade.config import ParallelConfig, pipeline_shape
 from brigade.errors import BrigadeError
 from brigade.pipeline.partition import choose_balance, parse_balance, split
-from brigade.pipeline.pipe import LocalPipeline, Pipeline
+from brigade.pipeline.pipe import LocalPipeline, Pipeline, placement
 
 
 def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -122,32 +124,34 @@ class ProcessModel:
     def __init__(self, blocks: list[nn.Module], loss_fn, cfg: ParallelConfig, layout: Layout,
                  sample: torch.Tensor | None = None, autocast: torch.dtype | None = None):
         self.layout = layout
-        n_stages = layout.pp * cfg.local_stages
-        balance = choose_balance(blocks, n_stages, balance=parse_balance(cfg.balance) if cfg.balance
+        n_ranks, virtual = pipeline_shape(cfg)
+        schedule = cfg.schedule if n_ranks > 1 else "gpipe"
+        _, ranks = placement(schedule, n_ranks, virtual)
+        balance = choose_balance(blocks, len(ranks), balance=parse_balance(cfg.balance) if cfg.balance
                                  else None)
         self.balance = balance
         stages = split(blocks, balance)
-        starts = [sum(balance[:i]) for i in range(n_stages)]
-        if cfg.local_stages > 1:
-            mine = list(range(n_stages))
-        else:
-            mine = [layout.pp_rank]
+        starts = [sum(balance[:i]) for i in range(len(ranks))]
+        self.local = cfg.local_stages > 1
+        mine = [s for s, r in enumerate(ranks) if self.local or r == layout.pp_rank]
         indices = [starts[s] + k for s in mine for k in range(balance[s])]
         self.owned = OwnedBlocks(blocks, indices).to(layout.device)
-        self.is_output_rank = layout.pp_rank == layout.pp - 1
-        self.local = cfg.local_stages > 1
-        m = cfg.microbatches if n_stages > 1 else 1
+        m = cfg.microbatches if n_ranks > 1 else 1
         if self.local:
-            self.pipe = self._local_pipeline(stages, cfg, loss_fn, m, autocast)
+            self.pipe = self._local_pipeline(stages, ranks, cfg, loss_fn, m, autocast)
         else:
-            module = stages[layout.pp_rank]
-            if layout.dp > 1:
-                module = data_parallel(module, layout.dp_group,
-                                       [layout.device] if layout.device.type == "cuda" else None)
-            self.pipe = Pipeline(module, cfg.schedule if n_stages > 1 else "gpipe", m, loss_fn,
-                                 group=layout.pp_group, device=layout.device, autocast=autocast)
+            modules = {s: self._replicated(stages[s]) for s in mine}
+            self.pipe = Pipeline(modules, schedule, m, loss_fn, group=layout.pp_group, device=layout.device,
+                                 autocast=autocast, virtual=virtual)
 
-    def _local_pipeline(self, stages, cfg: ParallelConfig, loss_fn, m: int, autocast):
+    def _replicated(self, module: nn.Module) -> nn.Module:
+        """`module` under DDP over this stage's data-parallel group, when there are replicas."""
+        if self.layout.dp == 1:
+            return module
+        device = self.layout.device
+        return data_parallel(module, self.layout.dp_group, [device] if device.type == "cuda" else None)
+
+    def _local_pipeline(self, stages, ranks: list[int], cfg: ParallelConfig, loss_fn, m: int, autocast):
         layout = self.layout
         n = cfg.local_stages
         devices = groups.local_devices(layout.device.type, int(os.environ.get("LOCAL_RANK", 0)), n)
@@ -155,18 +159,20 @@ class ProcessModel:
             raise BrigadeError(f"the process group is bound to {layout.device} but stage 0 of "
                                f"--local-stages {n} runs on {devices[0]}: pass local_stages={n} to "
                                "brigade.groups.init and brigade.groups.info")
-        stage_groups = [_stage_group(d) for d in devices] if layout.dp > 1 else None
+        # One process group per stage: each device's thread issues its own stages' all-reduces.
+        stage_groups = [_stage_group(devices[r]) for r in ranks] if layout.dp > 1 else None
 
-        def wrap(i: int, module: nn.Module) -> nn.Module:
+        def wrap(s: int, module: nn.Module) -> nn.Module:
             if stage_groups is None:
                 return module
-            # One process group per stage: each stage's thread issues its own all-reduces.
-            if devices[i].type != "cuda":
-                return data_parallel(module, stage_groups[i], None)
-            with torch.cuda.device(devices[i]):  # DDP's first broadcast, on stage i's GPU
-                return data_parallel(module, stage_groups[i], [devices[i]])
+            device = devices[ranks[s]]
+            if device.type != "cuda":
+                return data_parallel(module, stage_groups[s], None)
+            with torch.cuda.device(device):  # DDP's first broadcast, on stage s's GPU
+                return data_parallel(module, stage_groups[s], [device])
 
-        return LocalPipeline(stages, devices, cfg.schedule, m, loss_fn, wrap=wrap, autocast=autocast)
+        return LocalPipeline(stages, devices, cfg.schedule, m, loss_fn, wrap=wrap, autocast=autocast,
+                             virtual=len(ranks) // n)
 
     def forward_backward(self, x, y, loss_scale: float, sync: bool) -> torch.Tensor:
         """This batch's mean loss, averaged over data-parallel replicas, on every process."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from brigade import agent, forensics, groups
-from brigade.config import RunConfig, resolve_layout, to_toml
+from brigade.config import RunConfig, pipeline_shape, resolve_layout, to_toml
 from brigade.errors import BrigadeError, RunError
 from brigade.fsutil import write_atomic
 from brigade.launchenv import launcher_world, under_launcher
@@ -64,7 +64,8 @@ def preflight(cfg: RunConfig) -> None:
     blocks, _, train, _, _ = build(cfg)  # the model the workers build: data read, vocabulary real
     if cfg.model.model != "gpt":  # a user's blocks may not fit each other: say so before any launch
         check_chain(blocks, train.batch(torch.arange(2))[0])
-    choose_balance(blocks, p.pp * p.local_stages, balance=parse_balance(p.balance) if p.balance else None)
+    ranks, virtual = pipeline_shape(p)
+    choose_balance(blocks, ranks * virtual, balance=parse_balance(p.balance) if p.balance else None)
     if p.nnodes > 1:
         from brigade.net import node_address, parse_endpoint
 

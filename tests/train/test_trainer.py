@@ -48,7 +48,11 @@ def reference():
     dict(nproc=4, pp=2),                # dp = 2 × pp = 2
     dict(nproc=4, pp=2, schedule="zb"),  # dp = 2 × pp = 2, zero-bubble
     dict(nproc=2, local_stages=2, schedule="zb"),  # dp = 2 × local-pp = 2, zero-bubble
-], ids=["dp2", "pp2", "dp2xlocal2", "pp2-zb", "dp2xpp2", "dp2xpp2-zb", "dp2xlocal2-zb"])
+    dict(nproc=2, pp=2, schedule="zbv"),  # pp = 2, two stages per rank in a V
+    dict(nproc=4, pp=2, schedule="interleaved"),  # dp = 2 × pp = 2, two stages per rank
+    dict(nproc=2, local_stages=2, schedule="looped-bfs"),  # dp = 2 × local-pp = 2, two per device
+], ids=["dp2", "pp2", "dp2xlocal2", "pp2-zb", "dp2xpp2", "dp2xpp2-zb", "dp2xlocal2-zb", "pp2-zbv",
+        "dp2xpp2-interleaved", "dp2xlocal2-looped-bfs"])
 def test_layouts_match_a_single_device(reference, layout):
     nproc = layout.pop("nproc")
     results = agent.launch(losses, nproc, layout.get("pp", 1), layout.get("local_stages", 1), 1,
