@@ -1,13 +1,14 @@
 """Whether a snapshot can resume a run: the configuration facts a manifest records, and the check.
 
 A snapshot resumes a run whose model, data, optimizer, batch size and seed are the ones it was
-trained with (`config.config_subset`, hashed by `config.config_hash`); the layout and the run's
-length may change.
+trained with (`config.config_subset`, hashed by `config.config_hash`); the layout (dp, pp, local
+stages, schedule and stages per rank) and the run's length may change: parameters are named by
+their block's index in the whole model, whichever rank held it.
 """
 
 from __future__ import annotations
 
-from brigade.config import RunConfig, config_hash, config_subset
+from brigade.config import RunConfig, config_hash, config_subset, pipeline_shape
 from brigade.snapshot.format import Manifest, SnapshotError
 
 
@@ -20,7 +21,8 @@ def run_facts(cfg: RunConfig, cursor: int, epoch: int, vocab: str | None) -> dic
     """
     p = cfg.parallel
     return {"cursor": cursor, "epoch": epoch,
-            "layout": {"dp": p.dp, "pp": p.pp, "local_stages": p.local_stages},
+            "layout": {"dp": p.dp, "pp": p.pp, "local_stages": p.local_stages,
+                       "virtual": pipeline_shape(p)[1]},
             "config_hash": config_hash(cfg), "config": config_subset(cfg),
             "model": cfg.model.model, "vocab": vocab}
 

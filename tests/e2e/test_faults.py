@@ -84,19 +84,22 @@ def test_kill_during_a_snapshot_write(reference, tmp_path):
 
 
 def test_corrupt_newest_snapshot_falls_back(reference, tmp_path):
+    """The finished reference run with its newest snapshot damaged (a run that died with no
+    restarts left is test_resume_under_another_layout's): resumed, it falls back to the older one
+    and trains to the same parameters."""
     out = tmp_path / "corrupt"
-    dead = train(out, *RUN, "--inject-fault", "kill:rank=0:step=11")  # no restarts: it fails
-    assert dead.returncode == 1 and "died (SIGKILL)" in dead.stderr + dead.stdout
-    newest = out / "snapshots" / "step_00000010"
+    shutil.copytree(reference, out)
+    newest = out / "snapshots" / "step_00000012"
     data = next(newest.glob("*.distcp"))
     blob = bytearray(data.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     data.write_bytes(bytes(blob))
     result = train(out, *RUN)
     assert result.returncode == 0, result.stderr
-    assert "skipping snapshot step_00000010" in result.stdout and "does not match its checksum" in \
+    assert "skipping snapshot step_00000012" in result.stdout and "does not match its checksum" in \
         result.stdout
-    assert "resuming from snapshot step 5" in result.stdout
+    assert "resuming from snapshot step 10" in result.stdout
+    assert max(losses(out)) == 12
     assert final_hash(out) == final_hash(reference)
 
 
@@ -133,19 +136,6 @@ def _start(out, *extra):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_sigkill_from_outside(long_reference, tmp_path):
-    out = tmp_path / "outside"
-    proc = _start(out, "--max-restarts", "1")
-    _wait_for_step(out, 45, proc)
-    workers = [p for p in _children(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-    assert len(workers) == 2
-    os.kill(workers[-1], signal.SIGKILL)
-    stdout, stderr = proc.communicate(timeout=240)
-    assert proc.returncode == 0, stderr
-    assert "died (SIGKILL)" in stdout and "restarting 1/1 from snapshot step 40" in stdout
-    assert final_hash(out) == final_hash(long_reference)
-
-
 def _sigterm(out: Path, proc, step: int) -> tuple[str, int]:
     """SIGTERM once the run reaches `step`: exit 0 well within a scheduler's grace, the step in
     flight finished and kept in a complete snapshot. Returns stdout and the snapshot's step."""
@@ -165,11 +155,19 @@ def _sigterm(out: Path, proc, step: int) -> tuple[str, int]:
     return stdout, kept
 
 
-# The dp2 case of the grace test below: then resumed to the end, bit for bit.
-def test_sigterm_snapshots_and_exits_0_then_resumes(long_reference, tmp_path):
-    out = tmp_path / "preempted"
-    _, step = _sigterm(out, _start(out), 30)
-    assert 30 <= step < 150  # the step in flight finished and was kept
+# One run takes two faults from outside, then is resumed to the end, bit for bit: a worker
+# SIGKILLed by someone else (the agent restarts the group from the snapshot at step 40), then the
+# whole run SIGTERMed (the dp2 case of the grace test below).
+def test_sigkill_from_outside_then_sigterm_then_resume(long_reference, tmp_path):
+    out = tmp_path / "outside"
+    proc = _start(out, "--max-restarts", "1")
+    _wait_for_step(out, 45, proc)
+    workers = [p for p in _children(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)
+    stdout, step = _sigterm(out, proc, 60)  # past step 45: only the restarted group gets there
+    assert "died (SIGKILL)" in stdout and "restarting 1/1 from snapshot step 40" in stdout
+    assert 60 <= step < 150  # the step in flight finished and was kept
     resumed = train(out, *LONG)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from snapshot step {step}" in resumed.stdout
@@ -178,7 +176,7 @@ def test_sigterm_snapshots_and_exits_0_then_resumes(long_reference, tmp_path):
 
 
 # A scheduler sends SIGTERM and kills 30 s later (Slurm's KillWait, Kubernetes' grace period).
-# dp2 is test_sigterm_snapshots_and_exits_0_then_resumes, which resumes to the end.
+# dp2 is test_sigkill_from_outside_then_sigterm_then_resume, which resumes to the end.
 @pytest.mark.parametrize("layout", [["--pp", "2"], ["--nproc", "4", "--pp", "2"], ["--local-stages", "2"]],
                          ids=["pp2", "dp2xpp2", "dp2xlocal2"])
 def test_sigterm_exits_well_within_a_schedulers_grace(tmp_path, layout):
@@ -251,7 +249,8 @@ def test_resume_under_another_layout(tmp_path):
     whole = tmp_path / "whole"
     assert train(whole, *base, "--pp", "2").returncode == 0
     out = tmp_path / "moved"
-    assert train(out, *base, "--pp", "2", "--inject-fault", "kill:rank=1:step=8").returncode == 1
+    dead = train(out, *base, "--pp", "2", "--inject-fault", "kill:rank=1:step=8")  # no restarts: it fails
+    assert dead.returncode == 1 and "died (SIGKILL)" in dead.stderr + dead.stdout
     assert inspect(out)["layout"]["pp"] == 2
     result = train(out, *base, "--pp", "1")  # now dp = 2
     assert result.returncode == 0, result.stderr
@@ -260,7 +259,7 @@ def test_resume_under_another_layout(tmp_path):
     assert sorted(got) == list(range(1, 13))
     for step in range(7, 13):
         assert got[step] == pytest.approx(want[step], abs=1e-5)
-    assert inspect(out)["layout"] == {"dp": 2, "pp": 1, "local_stages": 1}
+    assert inspect(out)["layout"] == {"dp": 2, "pp": 1, "local_stages": 1, "virtual": 1}
 
 
 class _Evil:

@@ -62,7 +62,7 @@ def test_generate_plot_inspect(run_dir, cli):
     plot = cli("plot", out)
     assert plot.returncode == 0 and (out / "loss.png").is_file()
     info = inspect(out)
-    assert info["step"] == 20 and info["layout"] == {"dp": 2, "pp": 1, "local_stages": 1}
+    assert info["step"] == 20 and info["layout"] == {"dp": 2, "pp": 1, "local_stages": 1, "virtual": 1}
     assert len(info["params_sha256"]) == 64 and info["checksums"] == "ok"
 
 
@@ -87,11 +87,12 @@ def test_runs_under_torchrun(tmp_path):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert max(losses(out).values()) > 0 and len(losses(out)) == 3
-    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1}
+    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 1}
 
 
 def test_runs_under_slurm_variables(tmp_path):
-    """Four tasks as `srun -n 4 python -m brigade train --pp 2` starts them: SLURM_* only."""
+    """Four tasks as `srun -n 4 python -m brigade train --pp 2` starts them: SLURM_* only; with
+    the interleaved schedule, two stages per pipeline rank (V = 2, its own)."""
     from brigade.net import free_port
 
     port = str(free_port())
@@ -105,13 +106,13 @@ def test_runs_under_slurm_variables(tmp_path):
                    OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "brigade", "train", "--out", str(out), *TINY, "--max-steps", "3",
-             "--pp", "2", "--sample-tokens", "0"],
+             "--pp", "2", "--schedule", "interleaved", "--sample-tokens", "0"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-2000:]
     assert len(losses(out)) == 3
-    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1}
+    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 2}
 
 
 def _wait_until_listening(port: int, seconds: float = 60) -> None:
@@ -143,7 +144,7 @@ def test_two_torchrun_agents_on_loopback(tmp_path):
         _, err = agent.communicate(timeout=240)
         assert agent.returncode == 0, err[-2000:]
     assert len(losses(out)) == 3
-    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1}
+    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 1}
 
 
 def test_python_api_example_from_readme(tmp_path):
