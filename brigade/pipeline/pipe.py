@@ -7,11 +7,15 @@
 A rank holds `virtual` stages (1, or several for interleaved, looped-bfs and zbv; the
 schedule's placement says which). Both build the schedule's plan once, validate it, and
 hand each rank its own action list; `step(inputs, targets)` runs forward and backward of
-one batch and returns the mean loss, `forward(inputs)` runs inference.
+one batch and returns the mean loss, `forward(inputs)` runs inference. Inputs and targets
+may be structures (tuples, dicts...); stages that are `side.StageModule`s get the side
+inputs they declare from the batch (`feed`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -19,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade.errors import BrigadeError
-from brigade.pipeline import microbatch
+from brigade.pipeline import feed, microbatch
 from brigade.pipeline.p2p import P2PTransport
 from brigade.pipeline.plan import validate
 from brigade.pipeline.runtime import StageRunner, StepResult
@@ -59,6 +63,8 @@ class Pipeline:
         autocast: None (fp32), torch.bfloat16, or torch.float16, which needs a loss scale
             (`step(loss_scale=...)`; the Trainer's `LossScaler` picks it). The loss is fp32.
         virtual: stages per rank (0: the schedule's own: 1, or 2 for interleaved, looped-bfs, zbv).
+        side_inputs: every side input the model's blocks declare → the block, as messages name it
+            (`feed.declarations` over all stages); None: gathered from the ranks here, once.
 
     Raises:
         BrigadeError: another autocast dtype, or modules for other stages than this rank's.
@@ -67,7 +73,8 @@ class Pipeline:
 
     def __init__(self, module: nn.Module | dict[int, nn.Module], schedule: str, n_microbatches: int,
                  loss_fn, group=None, device: torch.device | str = "cpu",
-                 autocast: torch.dtype | None = None, virtual: int = 0):
+                 autocast: torch.dtype | None = None, virtual: int = 0,
+                 side_inputs: Mapping[str, str] | None = None):
         check_autocast(autocast)
         self.group = group
         self.device = torch.device(device)
@@ -84,7 +91,20 @@ class Pipeline:
         self.plan, self.inference_plan = (p[self.rank] for p in plans)
         transport = P2PTransport(self.peers, self.device, group, plans=plans)
         self.runner = StageRunner(modules, self.n_stages, transport, loss_fn, autocast)
+        declared = dict(side_inputs) if side_inputs is not None else self._gather(modules, n_ranks)
+        self.feed = feed.Feed(modules, declared, feed.first_label(modules.get(0)))
         self.last_result: StepResult | None = None
+
+    def _gather(self, modules: dict[int, nn.Module], n_ranks: int) -> dict[str, str]:
+        """Every rank's side-input declarations: the first stage must know them all to find
+        the main input among the batch's inputs."""
+        own = feed.declarations(modules)
+        if n_ranks == 1:
+            return own
+        parts: list = [None] * n_ranks
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            dist.all_gather_object(parts, own, group=self.group)
+        return feed.merge(parts)
 
     @property
     def stage(self) -> int:
@@ -101,11 +121,13 @@ class Pipeline:
         """This rank holds the last stage (it reads the targets and computes the loss)."""
         return self.n_stages - 1 in self.stages
 
-    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
-             trace: bool = False, loss_scale: float = 1.0, sync: bool = True) -> torch.Tensor:
+    def step(self, inputs, targets, trace: bool = False, loss_scale: float = 1.0,
+             sync: bool = True) -> torch.Tensor:
         """Forward and backward of one batch. Returns the batch's mean loss on every rank.
 
-        Only the first stage reads `inputs` and only the last reads `targets`; others may pass None.
+        `inputs` and `targets` are tensors or structures. Only the first stage reads `inputs`
+        (and ranks whose stages take side inputs), only the last reads `targets`; others may
+        pass None.
         `loss_scale` multiplies the loss before backward (1/k when accumulating k batches);
         `sync=False` skips the data-parallel gradient all-reduce (accumulation).
         """
@@ -113,23 +135,25 @@ class Pipeline:
         return self._share_loss(self.last_result, loss_scale)
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+    def evaluate(self, inputs, targets) -> torch.Tensor:
         """Forward only; the batch's mean loss on every rank."""
         return self._share_loss(self._run(self.inference_plan, inputs, targets, False, 1.0, True), 1.0)
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
+    def forward(self, inputs):
         """Inference: returns the merged outputs on the last stage, None elsewhere."""
-        xs = microbatch.split(inputs.to(self.device), self.n_microbatches) if self.is_first else None
-        result = self.runner.run(self.inference_plan, xs, keep_outputs=self.is_last)
-        return microbatch.merge(result.outputs) if self.is_last else None
+        m = self.n_microbatches
+        xs = self.feed.inputs(inputs, m, self.device) if self.is_first else None
+        side = self.feed.side(inputs, m, self.stages, self.device)
+        result = self.runner.run(self.inference_plan, xs, keep_outputs=self.is_last, side=side)
+        return microbatch.merge_structure(result.outputs) if self.is_last else None
 
     def _run(self, plan, inputs, targets, trace, loss_scale, sync) -> StepResult:
         m = self.n_microbatches
-        xs = microbatch.split(inputs.to(self.device), m) if self.is_first else None
-        ys = microbatch.split(targets.to(self.device), m) if self.is_last else None
-        ws = [w * loss_scale for w in microbatch.weights(targets.shape[0], m)] if self.is_last else None
-        return self.runner.run(plan, xs, ys, ws, trace=trace, sync=sync)
+        xs = self.feed.inputs(inputs, m, self.device) if self.is_first else None
+        side = self.feed.side(inputs, m, self.stages, self.device)
+        ys, ws = self.feed.targets(targets, m, self.device, loss_scale) if self.is_last else (None, None)
+        return self.runner.run(plan, xs, ys, ws, trace=trace, sync=sync, side=side)
 
     def _share_loss(self, result: StepResult, loss_scale: float) -> torch.Tensor:
         loss = result.loss / loss_scale if self.is_last else torch.zeros((), device=self.device)
@@ -188,11 +212,23 @@ class LocalPipeline:
             for r in range(self.n_ranks)
         ]
         self.first, self.last = ranks[0], ranks[-1]  # the ranks reading inputs and targets
+        self.rank_stages = [[s for s in range(self.n_stages) if ranks[s] == r] for r in range(self.n_ranks)]
+        stage_map = dict(enumerate(self.stages))
+        self.feed = feed.Feed(stage_map, feed.declarations(stage_map), feed.first_label(self.stages[0]))
         self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"device{r}") for r in range(self.n_ranks)]
         self.last_results: list[StepResult] = []
 
+    def _feed(self, inputs, targets, loss_scale: float = 1.0):
+        """(inputs, per-rank side inputs, targets, weights) of a batch, micro-batched and placed."""
+        m, f = self.n_microbatches, self.feed
+        xs = f.inputs(inputs, m, self.stage_devices[0])
+        sides = [f.side(inputs, m, stages, self.devices[r]) for r, stages in enumerate(self.rank_stages)]
+        ys, ws = f.targets(targets, m, self.stage_devices[-1], loss_scale) if targets is not None \
+            else (None, None)
+        return xs, sides, ys, ws
+
     def _run_all(self, plan, xs, ys, ws, keep_outputs: bool, trace: bool,
-                 sync: bool = True) -> list[StepResult]:
+                 sync: bool = True, sides: list | None = None) -> list[StepResult]:
         def job(r: int) -> StepResult:
             if self.devices[r].type == "cuda":
                 torch.cuda.set_device(self.devices[r])
@@ -205,6 +241,7 @@ class LocalPipeline:
                     keep_outputs=keep_outputs and r == self.last,
                     trace=trace,
                     sync=sync,
+                    side=sides[r] if sides else None,
                 )
             except BaseException:
                 self.transport.abort.set()  # unblock the other stages
@@ -219,32 +256,31 @@ class LocalPipeline:
             raise (root or [e for e in errors if e])[0]
         return [f.result() for f in futures]
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, trace: bool = False,
-             loss_scale: float = 1.0, sync: bool = True) -> torch.Tensor:
-        """Forward and backward of one batch; returns the batch's mean loss (see Pipeline.step)."""
-        m = self.n_microbatches
-        xs = microbatch.split(inputs.to(self.stage_devices[0]), m)
-        ys = microbatch.split(targets.to(self.stage_devices[-1]), m)
-        ws = [w * loss_scale for w in microbatch.weights(targets.shape[0], m)]
-        self.last_results = self._run_all(self.plan, xs, ys, ws, False, trace, sync)
+    def step(self, inputs, targets, trace: bool = False, loss_scale: float = 1.0,
+             sync: bool = True) -> torch.Tensor:
+        """Forward and backward of one batch; returns the batch's mean loss (see Pipeline.step).
+
+        Raises:
+            BrigadeError: targets=None, or inputs that do not fit the stages (`feed`)."""
+        if targets is None:
+            raise BrigadeError("LocalPipeline.step(inputs, None): pass the batch's targets")
+        xs, sides, ys, ws = self._feed(inputs, targets, loss_scale)
+        self.last_results = self._run_all(self.plan, xs, ys, ws, False, trace, sync, sides)
         return (self.last_results[self.last].loss / loss_scale).detach().float().reshape(())
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs, targets) -> torch.Tensor:
         """Forward only; the batch's mean loss."""
-        m = self.n_microbatches
-        xs = microbatch.split(inputs.to(self.stage_devices[0]), m)
-        ys = microbatch.split(targets.to(self.stage_devices[-1]), m)
-        results = self._run_all(self.inference_plan, xs, ys, microbatch.weights(targets.shape[0], m),
-                                False, False)
+        xs, sides, ys, ws = self._feed(inputs, targets)
+        results = self._run_all(self.inference_plan, xs, ys, ws, False, False, sides=sides)
         return results[self.last].loss.detach().float().reshape(())
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs):
         """Inference: the merged outputs, on the last device."""
-        xs = microbatch.split(inputs.to(self.stage_devices[0]), self.n_microbatches)
-        results = self._run_all(self.inference_plan, xs, None, None, True, False)
-        return microbatch.merge(results[self.last].outputs)
+        xs, sides, _, _ = self._feed(inputs, None)
+        results = self._run_all(self.inference_plan, xs, None, None, True, False, sides=sides)
+        return microbatch.merge_structure(results[self.last].outputs)
 
     def parameters(self):
         for s in self.stages:

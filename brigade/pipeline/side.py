@@ -79,17 +79,26 @@ def split_inputs(inputs: Any, blocks: Sequence[nn.Module]) -> tuple[Any, dict[st
             while blocks declare side inputs, no main input left, or several undeclared keys
             beside declared ones (which of them is the main input is ambiguous).
     """
-    wanted = needed(blocks)
+    return split_named(inputs, {name: _name(blocks[i], i) for name, i in needed(blocks).items()})
+
+
+def split_named(inputs: Any, wanted: Mapping[str, str]) -> tuple[Any, dict[str, Any]]:
+    """`split_inputs` from the declarations alone: {side input name: the block that takes it,
+    as messages name it}, for a rank that does not hold every block.
+
+    Raises:
+        BrigadeError: as `split_inputs`.
+    """
     if not wanted:
         return inputs, {}
-    first, index = next(iter(wanted.items()))
+    first, label = next(iter(wanted.items()))
     if not isinstance(inputs, Mapping):
         raise BrigadeError(
-            f"{_name(blocks[index], index)} declares side input {first!r} but batch() returned "
+            f"{label} declares side input {first!r} but batch() returned "
             f"{structure.describe(inputs)} as inputs: return ({{'input': ..., {first!r}: ...}}, targets)")
-    for name, i in wanted.items():
+    for name, label in wanted.items():
         if name not in inputs:
-            raise BrigadeError(f"{_name(blocks[i], i)} declares side input {name!r} but the batch has only "
+            raise BrigadeError(f"{label} declares side input {name!r} but the batch has only "
                                f"{sorted(inputs)}: add {name!r} to the inputs batch() returns")
     rest = [k for k in inputs if k not in wanted]
     if not rest:
