@@ -1,13 +1,11 @@
 """`brigade check`: prove a pipeline computes what a single device computes.
 
-Every rank builds the same model from the same seed, keeps a deep copy as the
-single-device reference, and runs one batch both ways. It compares the loss,
-every parameter's gradient, and every parameter and buffer after one SGD step.
+Every rank builds the same model from the same seed, keeps a deep copy as the single-device
+reference, and compares the loss, every gradient, every parameter and buffer after one SGD step.
 
-A case is (schedule, m, V): the model is cut into stages × V pieces, V per rank as the
-schedule places them. With dp replicas each runs its slice of the batch and every stage
-module is DDP-wrapped over its replicas; the reference is still one device on the whole
-batch (the replicas' mean loss and averaged gradients must equal it).
+A case is (schedule, m, V): stages × V pieces, V per rank as the schedule places them. With
+dp replicas each runs its slice of the batch, every stage DDP-wrapped over its replicas; the
+reference is one device on the whole batch (= the replicas' mean loss and averaged gradients).
 
     process runtime   dp × stages processes over a DeviceMesh (dp, pp)
     local runtime     one process (dp = 1) or dp processes, each a LocalPipeline whose
@@ -38,6 +36,7 @@ from brigade.pipeline import microbatch
 from brigade.pipeline.partition import check_chain, choose_balance, split
 from brigade.pipeline.pipe import LocalPipeline, Pipeline, placement
 from brigade.pipeline.schedule import build, stages_on
+from brigade.pipeline.shared import TieGroups, find_shared, sum_tied_grads, untie
 from brigade.rendezvous import LaunchSpec
 from brigade.train.layout import _stage_group, data_parallel, make_layout
 
@@ -102,10 +101,7 @@ def local_devices(n: int) -> list[str]:
 
 
 def max_workers(runtime: str = "process") -> int:
-    """How many stage workers (processes or device threads) this machine should run at once.
-
-    A process per GPU; on CPU two per core (at least 4), so 2 stages × 2 replicas fit anywhere.
-    """
+    """Stage workers (processes, device threads) to run at once: one per GPU, two per CPU core (≥ 4)."""
     if runtime == "process" and torch.cuda.is_available():
         return torch.cuda.device_count()
     return max(4, 2 * (os.cpu_count() or 1))
@@ -130,8 +126,10 @@ def _has_batchnorm(blocks: list[nn.Module]) -> bool:
 
 
 def _reference(spec: ModelSpec, x, y, m: int, lr: float):
-    """Single device: loss, gradients and post-SGD state of a deep copy."""
-    model = nn.Sequential(*copy.deepcopy(spec.blocks))
+    """Single device: loss, and per block its gradients and post-SGD state, of a deep copy that
+    keeps ties (one device sums their uses: the gradient every stage's copy must hold)."""
+    blocks = copy.deepcopy(spec.blocks)  # one deepcopy of the list keeps ties between blocks
+    model = nn.Sequential(*blocks)
     per_mb = m > 1 and _has_batchnorm(spec.blocks)
     if per_mb:
         total = 0.0
@@ -144,21 +142,23 @@ def _reference(spec: ModelSpec, x, y, m: int, lr: float):
     else:
         loss = spec.loss_fn(model(x), y)
         loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    grads = [[p.grad.clone() for p in b.parameters()] for b in blocks]
     torch.optim.SGD(model.parameters(), lr=lr).step()
-    state = [t.detach().clone() for t in model.state_dict().values()]
+    state = [[t.detach().clone() for t in b.state_dict().values()] for b in blocks]
     return float(loss.detach()), grads, state, ("micro-batched (BatchNorm)" if per_mb else "full batch")
 
 
-def _block_slices(stage_modules: list[nn.Module]):
-    """Index ranges of each stage's parameters and state entries in the full model's order."""
-    p0 = s0 = 0
-    out = []
-    for mod in stage_modules:
-        np_, ns = len(list(mod.parameters())), len(mod.state_dict())
-        out.append((slice(p0, p0 + np_), slice(s0, s0 + ns)))
-        p0, s0 = p0 + np_, s0 + ns
-    return out
+def _untie(blocks: list[nn.Module], balance: list[int], ranks: list[int], where: Where):
+    """Give each stage its own copy of a parameter shared across stages (a tied embedding and
+    head); returns (ties, their process groups or None) for `shared.sum_tied_grads`."""
+    stage = [s for s, n in enumerate(balance) for _ in range(n)]
+    ties = [t for t in find_shared(blocks) if len({stage[b] for b in t.blocks}) > 1]
+    untie(blocks, ties)
+    if not ties or where.pp_rank is None:
+        return ties, None  # local runtime: every copy is in this process
+    pp = len(set(ranks))  # global rank = dp row · pp + pp rank (make_layout)
+    return ties, TieGroups(ties, [{b: row * pp + ranks[stage[b]] for b in range(len(blocks))}
+                                  for row in range(where.dp)])
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -212,23 +212,22 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
         agreed = torch.tensor(balance, device=where.device)  # NCCL takes only tensors on its GPU
         dist.broadcast(agreed, 0)
         balance = agreed.tolist()
+    ties, tie_groups = _untie(spec.blocks, balance, placement(schedule, cfg.stages, v)[1], where)
     stages = split(spec.blocks, balance)
-    slices = _block_slices(stages)
     loss, mine = _step(cfg, spec, stages, schedule, m, v, x, y, where)
+    held = {b: spec.blocks[b] for s in mine for b in range(sum(balance[:s]), sum(balance[:s + 1]))}
+    sum_tied_grads(ties, held, tie_groups)
     if where.dp > 1:  # the replicas' mean loss is the whole batch's
         total = torch.tensor(loss, dtype=torch.float64, device=where.device)
         dist.all_reduce(total, group=where.dp_group)
         loss = float(total) / where.dp
-    grads, state, ref_g, ref_s = [], [], [], []
-    for s in mine:
-        grads += [p.grad for p in stages[s].parameters()]
-        ref_g += ref_grads[slices[s][0]]
-    grad_diff = _max_diff(grads, ref_g)
+    grad_diff = _max_diff([p.grad for b in held.values() for p in b.parameters()],
+                          [g for b in held for g in ref_grads[b]])
     for s in mine:
         torch.optim.SGD(stages[s].parameters(), lr=lr).step()
-        state += [t.detach() for t in stages[s].state_dict().values()]
-        ref_s += ref_state[slices[s][1]]
-    diffs = torch.tensor([abs(loss - ref_loss), grad_diff, _max_diff(state, ref_s)], dtype=torch.float64,
+    param_diff = _max_diff([t.detach() for b in held.values() for t in b.state_dict().values()],
+                           [t for b in held for t in ref_state[b]])
+    diffs = torch.tensor([abs(loss - ref_loss), grad_diff, param_diff], dtype=torch.float64,
                          device=where.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
@@ -239,11 +238,8 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
 
 @contextlib.contextmanager
 def exact_matmuls():
-    """fp32 matmuls and convolutions in full precision while comparing.
-
-    cuBLAS and cuDNN may use TF32 for fp32 work (10-bit mantissas); against the fp32
-    reference that is a mismatch of about 1e-3, not a pipeline bug.
-    """
+    """fp32 matmuls and convolutions in full precision while comparing: cuBLAS and cuDNN may use
+    TF32 (10-bit mantissas), about 1e-3 off the fp32 reference, which is no pipeline bug."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -276,27 +272,24 @@ def worker(cfg: CheckConfig, cases: list[Case]) -> list[dict]:
 
 def _case(cfg: CheckConfig, case: Case) -> tuple[str, int, int]:
     """(schedule, m, virtual): a case without V takes the config's."""
-    return (case[0], case[1], case[2]) if len(case) > 2 else (case[0], case[1], cfg.virtual)
+    return (*case, cfg.virtual)[:3]
 
 
 def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
-    """dp and the number of workers it starts."""
+    """dp, the workers it starts, and what dp cannot check."""
     if cfg.dp < 1:
         raise BrigadeError(f"--dp {cfg.dp}: need at least 1 replica")
     workers, cap = cfg.dp * cfg.stages, max_workers(cfg.runtime)
     if workers > cap and (cfg.runtime == "process" or cfg.dp > 1):
         raise BrigadeError(f"--dp {cfg.dp} × --stages {cfg.stages} = {workers} workers but this machine "
-                           f"should run at most {cap} (one per GPU, or two per CPU core): use fewer "
-                           "replicas or stages")
-    if cfg.dp == 1:
-        return
+                           f"should run at most {cap} (one per GPU, two per CPU core): use fewer of either")
     if cfg.batch_size % cfg.dp:
         raise BrigadeError(f"--batch-size {cfg.batch_size} does not split into --dp {cfg.dp} equal "
                            f"replica batches: use a multiple of {cfg.dp}")
-    if cfg.devices is not None:
+    if cfg.dp > 1 and cfg.devices is not None:
         raise BrigadeError(f"--devices with --dp {cfg.dp}: each replica takes its own devices; "
                            "drop --devices")
-    if _has_batchnorm(spec.blocks):
+    if cfg.dp > 1 and _has_batchnorm(spec.blocks):
         raise BrigadeError(f"{cfg.model} has BatchNorm, whose running statistics DDP takes from replica 0 "
                            "(no single device computes them): check it with --dp 1")
 
