@@ -23,6 +23,11 @@ pytestmark = pytest.mark.timeout(300)
 RUN = ["--max-steps", "12", "--snapshot-every", "5", "--dropout", "0.1", "--sample-tokens", "0"]
 
 
+# A module fixture is made once per pytest-xdist worker: the tests that compare with `reference`
+# run on one worker (one group), so it is trained once, not once on each worker.
+WITH_REFERENCE = pytest.mark.xdist_group("faults-reference")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
@@ -31,6 +36,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@WITH_REFERENCE
 def test_kill_at_a_step(reference, tmp_path):
     out = tmp_path / "killed"
     result = train(out, *RUN, "--inject-fault", "kill:rank=1:step=7", "--max-restarts", "1")
@@ -45,6 +51,7 @@ def test_kill_at_a_step(reference, tmp_path):
     assert losses(out) == losses(reference)
 
 
+@WITH_REFERENCE
 def test_stall_is_caught_by_the_hang_timeout_and_restarted(reference, tmp_path):
     out = tmp_path / "stalled"
     start = time.time()
@@ -74,6 +81,7 @@ def test_hang_report_names_the_stalled_rank(tmp_path):
     assert "=== rank 0" in report and "=== rank 1" in report
 
 
+@WITH_REFERENCE
 def test_kill_during_a_snapshot_write(reference, tmp_path):
     out = tmp_path / "mid-snapshot"
     result = train(out, *RUN, "--inject-fault", "kill-during-snapshot:rank=0:step=10",
@@ -83,6 +91,7 @@ def test_kill_during_a_snapshot_write(reference, tmp_path):
     assert final_hash(out) == final_hash(reference)
 
 
+@WITH_REFERENCE
 def test_corrupt_newest_snapshot_falls_back(reference, tmp_path):
     """The finished reference run with its newest snapshot damaged (a run that died with no
     restarts left is test_resume_under_another_layout's): resumed, it falls back to the older one
@@ -267,6 +276,7 @@ class _Evil:
         return (os.system, ("touch PWNED",))
 
 
+@WITH_REFERENCE
 def test_a_pickle_with_code_is_never_executed(reference, cli, tmp_path, monkeypatch):
     out = tmp_path / "evil"
     shutil.copytree(reference, out)
@@ -286,6 +296,7 @@ def test_a_pickle_with_code_is_never_executed(reference, cli, tmp_path, monkeypa
     assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
 
 
+@WITH_REFERENCE
 def test_refuses_a_snapshot_of_another_model(reference, cli, tmp_path):
     out = tmp_path / "other"
     shutil.copytree(reference, out)
