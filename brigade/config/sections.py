@@ -18,6 +18,7 @@ class ModelConfig:
     n_embd: int = 128
     context: int = 128  # the model's longest sequence (positions it knows)
     dropout: float = 0.0
+    tie_embeddings: bool = True  # gpt: the head reuses the token embedding's weight (--no-tie-embeddings)
 
 
 @dataclass

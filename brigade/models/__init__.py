@@ -116,7 +116,8 @@ def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None) ->
         return load_model(m.model, seed=seed)
     if vocab_size is None:
         raise ValueError("a GPT needs the vocabulary size of its text")
-    gpt_cfg = GPTConfig(vocab_size, m.context, m.n_layer, m.n_head, m.n_embd, m.dropout)
+    gpt_cfg = GPTConfig(vocab_size, m.context, m.n_layer, m.n_head, m.n_embd, m.dropout,
+                        tie_embeddings=m.tie_embeddings)
     return load_model("gpt", seed=seed, gpt_cfg=gpt_cfg)
 
 

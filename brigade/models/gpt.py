@@ -1,9 +1,9 @@
 """A minGPT-style decoder as an ordered list of blocks: embedding, transformer blocks, head.
 
 Shapes: B batch, T time (≤ block_size), C n_embd, V vocab_size.
-With `tie_embeddings` the head's output weight is the token embedding's (one parameter on the
-first and last block: brigade.pipeline.shared keeps the copies equal across stages). Off by
-default until the pipeline engine carries ties.
+With `tie_embeddings` (the default) the head's output weight is the token embedding's: one
+parameter on the first and last block, which brigade keeps as one copy per stage with summed
+gradients (brigade.pipeline.shared, brigade.train.ties).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
-    tie_embeddings: bool = False  # the head reuses the token embedding's weight (V, C)
+    tie_embeddings: bool = True  # the head reuses the token embedding's weight (V, C)
 
 
 class Embedding(nn.Module):

@@ -4,7 +4,8 @@ What a snapshot holds: model and optimizer state (DCP, layout-free names), the
 step and the data cursor (from which the epoch follows), the LR schedule (a
 pure function of the step), each rank's RNG states, fp16's loss scale, a hash of the
 configuration, and the run's extra metadata (e.g. the vocabulary). The folders and
-the manifest are `format.py`'s.
+the manifest are `format.py`'s. A shared parameter is stored once, under its canonical
+name, with its optimizer state (`ties.py`).
 
 No pickle from disk is trusted: DCP's metadata goes through an unpickler that only
 admits DCP's own metadata classes, and tensors load with `weights_only=True`.
@@ -46,6 +47,7 @@ from brigade.snapshot.format import (
     write_pointer,
 )
 from brigade.snapshot.rng import rng_state, set_rng_state
+from brigade.snapshot.ties import aliases_of, filled, stored, to_load
 
 # Optimizer state keyed per parameter name ("state.blocks.3.w.exp_avg", "param_groups.blocks.3.w.lr"),
 # not by group index: stages hold different groups, and keys must not collide across ranks.
@@ -102,7 +104,9 @@ class SafeReader(dcp.FileSystemReader):
 
 
 def _param_hashes(model: nn.Module) -> dict[str, str]:
-    mine = {name: tensor_sha256(p) for name, p in model.named_parameters()}
+    """Every parameter's hash over all ranks, a shared one once (its canonical name)."""
+    tied = aliases_of(model)
+    mine = {name: tensor_sha256(p) for name, p in model.named_parameters() if name not in tied}
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
@@ -171,7 +175,9 @@ def _write_data(tmp: Path, rank: int, model: nn.Module, optimizer) -> str:
     """This rank's DCP shards and RNG states into `tmp`; "" or the error's one line."""
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
+        tied = aliases_of(model)
+        dcp.save({"model": stored(model_sd, tied), "optim": stored(optim_sd, tied)},
+                 storage_writer=dcp.FileSystemWriter(tmp))
         write_atomic(tmp / f"rng_{rank}.json", json.dumps(rng_state(_devices(model))))
     except (OSError, CheckpointException) as exc:
         return _first_line(exc)
@@ -260,7 +266,9 @@ def load(snapshot: Snapshot, model: nn.Module, optimizer,
         SnapshotError: DCP cannot load it into this model (one line).
     """
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    state = {"model": model_sd, "optim": optim_sd}
+    tied = aliases_of(model)
+    (model_read, model_fill), (optim_read, optim_fill) = to_load(model_sd, tied), to_load(optim_sd, tied)
+    state = {"model": model_read, "optim": optim_read}
     try:
         with _quiet_dcp():
             dcp.load(state, storage_reader=SafeReader(snapshot.path))
@@ -268,8 +276,8 @@ def load(snapshot: Snapshot, model: nn.Module, optimizer,
         raise
     except (Exception, CheckpointException) as exc:  # DCP's own error is a BaseException
         raise SnapshotError(f"{snapshot.path}: {_first_line(exc)}") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_OPTIONS)
+    set_state_dict(model, optimizer, model_state_dict=filled(state["model"], model_fill),
+                   optim_state_dict=filled(state["optim"], optim_fill), options=_OPTIONS)
     rng_file = snapshot.path / f"rng_{dist.get_rank() if dist.is_initialized() else 0}.json"
     if rng_file.is_file():
         set_rng_state(json.loads(rng_file.read_text()), _devices(model))
@@ -280,7 +288,8 @@ def load(snapshot: Snapshot, model: nn.Module, optimizer,
 
 def load_model_only(path: Path, model: nn.Module) -> None:
     """Single process, no optimizer: for `generate` and `inspect`."""
-    state = {"model": model.state_dict()}
+    read, fill = to_load(model.state_dict(), aliases_of(model))
+    state = {"model": read}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -290,5 +299,5 @@ def load_model_only(path: Path, model: nn.Module) -> None:
             raise
         except (Exception, CheckpointException) as exc:
             raise SnapshotError(f"{path}: {_first_line(exc)}") from None
-    model.load_state_dict(state["model"])
+    model.load_state_dict(filled(state["model"], fill))
 

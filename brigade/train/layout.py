@@ -13,7 +13,9 @@ stages, by the stage runner's `GradientReducer` on DDP's group, bucketed, starte
 that stage's last backward or weight pass is done.
 
 Parameters keep layout-independent names (`blocks.3.attn.qkv.weight`): `owned` is a
-module holding only this process's blocks under their global index.
+module holding only this process's blocks under their global index. A parameter shared by
+blocks on different stages (a tied embedding and head) is one copy per stage, kept equal by
+summing their gradients after backward (ties.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from brigade.config import ParallelConfig, pipeline_shape
 from brigade.errors import BrigadeError
 from brigade.pipeline.partition import choose_balance, parse_balance, split
 from brigade.pipeline.pipe import LocalPipeline, Pipeline, placement
+from brigade.pipeline.shared import aliases, find_shared
+from brigade.train.ties import StageTies
 
 
 def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -42,11 +46,19 @@ def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 class OwnedBlocks(nn.Module):
-    """The blocks this process holds, named by their index in the whole model."""
+    """The blocks this process holds, named by their index in the whole model.
 
-    def __init__(self, blocks: list[nn.Module], indices: list[int]):
+    Args:
+        blocks: the whole model's blocks; indices: those held here.
+        tied: every use of a shared parameter but its first → the first's name, as
+            `shared.aliases` gives them (default: found in `blocks`, which must still be tied).
+            A snapshot stores each shared parameter once, under its first name.
+    """
+
+    def __init__(self, blocks: list[nn.Module], indices: list[int], tied: dict[str, str] | None = None):
         super().__init__()
         self.blocks = nn.ModuleDict({str(i): blocks[i] for i in indices})
+        self.aliases: dict[str, str] = aliases(find_shared(blocks)) if tied is None else dict(tied)
 
 
 @dataclass
@@ -130,12 +142,14 @@ class ProcessModel:
         balance = choose_balance(blocks, len(ranks), balance=parse_balance(cfg.balance) if cfg.balance
                                  else None)
         self.balance = balance
+        self.local = cfg.local_stages > 1
+        self.ties = StageTies(blocks, balance, ranks, layout.dp, layout.pp, self.local)
         stages = split(blocks, balance)
         starts = [sum(balance[:i]) for i in range(len(ranks))]
-        self.local = cfg.local_stages > 1
         mine = [s for s, r in enumerate(ranks) if self.local or r == layout.pp_rank]
         indices = [starts[s] + k for s in mine for k in range(balance[s])]
-        self.owned = OwnedBlocks(blocks, indices).to(layout.device)
+        self.owned = OwnedBlocks(blocks, indices, self.ties.aliases).to(layout.device)
+        self.held = {i: blocks[i] for i in indices}
         m = cfg.microbatches if n_ranks > 1 else 1
         if self.local:
             self.pipe = self._local_pipeline(stages, ranks, cfg, loss_fn, m, autocast)
@@ -175,8 +189,14 @@ class ProcessModel:
                              virtual=len(ranks) // n)
 
     def forward_backward(self, x, y, loss_scale: float, sync: bool) -> torch.Tensor:
-        """This batch's mean loss, averaged over data-parallel replicas, on every process."""
+        """This batch's mean loss, averaged over data-parallel replicas, on every process.
+
+        With `sync` (the step's last chunk) the copies of a shared parameter then hold the sum
+        of their gradients.
+        """
         loss = self.pipe.step(x, y, loss_scale=loss_scale, sync=sync)
+        if sync:
+            self.ties.sum_grads(self.held)
         return self._dp_mean(loss)
 
     @torch.no_grad()
@@ -192,12 +212,15 @@ class ProcessModel:
         return loss
 
     def grads(self) -> list[torch.Tensor]:
+        """Every gradient held here, each copy of a shared parameter included (to scale them alike)."""
         return [p.grad for p in self.owned.parameters() if p.grad is not None]
 
     def grad_norm(self) -> torch.Tensor:
-        """The whole model's gradient norm (all stages), on every process."""
+        """The whole model's gradient norm (all stages, a shared parameter once), on every process."""
         sq = torch.zeros((), device=self.layout.device)
-        for group in by_device(self.grads()):  # local-pp stages may sit on several GPUs
+        once = [p.grad for name, p in self.owned.named_parameters()
+                if p.grad is not None and name not in self.owned.aliases]
+        for group in by_device(once):  # local-pp stages may sit on several GPUs
             norms = torch._foreach_norm(group)  # one fused pass, as clip_grad_norm_ does
             sq = sq + torch.stack(norms).float().pow(2).sum().to(sq.device)
         if self.layout.pp > 1:
