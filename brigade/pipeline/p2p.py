@@ -19,21 +19,29 @@ each rank reads it: one host synchronisation per step):
                header, no host synchronisation per message.
     discovery  first step, or the first stage's input dtypes/shapes (or plan)
                changed, or shapes="dynamic": `nccl.discovery_batches`, each as
-               [headers] ─host reads received headers─► [payloads]. The shapes seen
-               become the next step's predictions.
+               [headers] ─host reads received headers─► [payloads]. The layouts
+               seen become the next step's predictions.
 
-Assumption: every message's dtype and shape are a function of the plan and of
-the micro-batches' input dtypes and shapes. A model whose shapes depend on
-values must pass shapes="dynamic" (discovery every step); a send whose shape
-differs from its prediction in predicted mode is refused with that advice.
+A message is a tensor or a structure (`structure.flatten`): its tensors travel in one
+batch, in flatten order, as that comm action's message, so NCCL pairs them as it pairs a
+single tensor. What describes it (`message`: structure, dtypes, shapes) travels only when
+the receiver cannot know it: in discovery, a fixed-size meta header, then for a structure
+its description (one more header exchange, issued once the meta headers are read, exactly
+like the payloads), then the payloads; in predicted mode never (the previous step's).
+
+Assumption: every message's structure, dtypes and shapes are a function of the plan and
+of the micro-batches' input structures, dtypes and shapes (side inputs included). A
+model whose shapes depend on values must pass shapes="dynamic" (discovery every step);
+a send that differs from its prediction in predicted mode is refused with that advice.
 
 eager (gloo): each receive is posted as soon as the previous one from that
-neighbour arrived, as a header and a payload of the predicted size; when the
-prediction is missing or wrong the sender follows the header with a placeholder
-of the predicted size, then the payload in a batch of its own:
+neighbour arrived, as a meta header and tensors of the predicted layout; when the
+prediction is missing or wrong the sender follows the meta header with placeholders
+of the predicted layout, then (a structure's description and) the payload in a
+batch of its own:
 
-    sender   [header (placeholder)] [payload]
-    receiver [header (predicted)]  read header ─► wrong? [recv payload]
+    sender   [meta (placeholders)] [description, payload]
+    receiver [meta (predicted)]  read meta ─► as predicted? done : [recv description] [payload]
 
 Gloo buffers a send whose receive is not posted yet, so this never deadlocks
 there; under NCCL it would (`nccl.check(plan, "eager")`), so it is refused.
@@ -48,6 +56,8 @@ import torch
 import torch.distributed as dist
 
 from brigade.errors import RunError
+from brigade.pipeline import message
+from brigade.pipeline.message import META_LEN, Layout
 from brigade.pipeline.nccl import discovery_batches
 from brigade.pipeline.ordering import (
     BEGIN,
@@ -63,9 +73,6 @@ from brigade.pipeline.ordering import (
     posting,
 )
 from brigade.pipeline.schedule import COMM_OPS, RECV_F, SEND_B, SEND_F, Action, Plan
-from brigade.pipeline.transport import HEADER_LEN, decode_header, encode_header
-
-Shape = tuple[torch.dtype, tuple[int, ...]]
 
 
 class P2PTransport:
@@ -100,19 +107,20 @@ class P2PTransport:
         self._last_key = None  # first stage: previous step's (plan, input shapes)
         self._flag = torch.zeros(1, dtype=torch.int64, device=device)
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._known: dict[tuple[int, int, str, int], Shape] = {}  # (stage, peer, F|B, mb) -> shape
-        self._headers: dict[Shape, torch.Tensor] = {}  # (dtype, shape) -> header on device
-        self._staged: dict[Action, torch.Tensor] = {}  # send -> payload, until its batch is issued
+        self._known: dict[tuple[int, int, str, int], Layout] = {}  # (stage, peer, F|B, mb) -> layout
+        self._headers: dict[tuple, torch.Tensor] = {}  # meta header or description, on device
+        self._staged: dict[Action, tuple] = {}  # send -> (tensors, layout) until its batch is issued
         self._posted: dict[Action, tuple] = {}  # recv -> policy-specific receive state
         self._comms: list[Action] = []
         self._issues: dict[int, list[tuple[Action, ...]]] = {}
         self._next = 0
 
-    def begin_step(self, actions: list[Action], inputs: list[torch.Tensor] | None = None) -> None:
+    def begin_step(self, actions: list[Action], inputs: object = None) -> None:
         """Take this rank's actions (with comms) for the step; issue what comes first.
 
         Args:
-            actions: this rank's actions. inputs: the micro-batches (first stage only).
+            actions: this rank's actions. inputs: the micro-batches, tensors or structures
+                (first stage only), and its side inputs if any.
         """
         self._comms = [a for a in actions if a.op in COMM_OPS]
         if self.policy == GROUPED:
@@ -123,11 +131,11 @@ class P2PTransport:
         self._next = 0
         self._issue_after(BEGIN)
 
-    def _agree_mode(self, actions: list[Action], inputs: list[torch.Tensor] | None) -> str:
+    def _agree_mode(self, actions: list[Action], inputs: object) -> str:
         if len(set(self.peers)) == 1:
             return PREDICTED  # nothing to send
         if self.first:
-            key = (tuple(actions), tuple((x.dtype, tuple(x.shape)) for x in inputs or ()))
+            key = (tuple(actions), message.key_of(inputs))  # structure, dtypes and shapes
             mode = mode_for(self._last_key, key, self.shapes)
             self._last_key = key
             self._flag.fill_(int(mode == PREDICTED))  # no host sync: a kernel on the device
@@ -172,11 +180,13 @@ class P2PTransport:
         self._sends += [(w, op.tensor) for op, w in zip(ops, works) if op.op is dist.isend]
         return works  # sends are kept alive until flush()
 
-    def _header(self, shape: Shape) -> torch.Tensor:
-        if shape not in self._headers:  # one host-to-device copy per distinct shape
-            code = encode_header(torch.empty(shape[1], dtype=shape[0], device="meta"))
-            self._headers[shape] = torch.tensor(code, dtype=torch.int64, device=self.device)
-        return self._headers[shape]
+    def _header(self, layout: Layout, part: str = "meta", same: bool = False) -> torch.Tensor:
+        """The meta header or description of `layout`, on the device (copied once per layout)."""
+        key = (layout, part, same)
+        if key not in self._headers:
+            code = message.meta(layout, same) if part == "meta" else message.describe(layout)
+            self._headers[key] = torch.tensor(code, dtype=torch.int64, device=self.device)
+        return self._headers[key]
 
     def _issue_after(self, k: int) -> None:
         for batch in self._issues.pop(k, []):
@@ -188,95 +198,118 @@ class P2PTransport:
                 self._issue_discovery(batch)
 
     def _issue_predicted(self, batch: tuple[Action, ...]) -> None:
-        tensors = []
+        ops, recvs = [], []
         for a in batch:
             predicted = self._known.get(self._key(a))
             if a.op in (SEND_F, SEND_B):
-                t = self._staged.pop(a)
-                if (t.dtype, tuple(t.shape)) != predicted:
-                    raise RunError(f"rank {self.rank}: {a} is {t.dtype} {tuple(t.shape)} but was "
-                                   f"{predicted} in the previous step with the same input shapes: "
-                                   "shapes depend on values here; use shapes='dynamic'")
+                tensors, layout = self._staged.pop(a)
+                if layout != predicted:
+                    raise RunError(f"rank {self.rank}: {a} is {message.show(layout)} but was "
+                                   f"{message.show(predicted)} in the previous step with the same input "
+                                   "shapes: shapes depend on values here; use shapes='dynamic'")
             elif predicted is None:
                 raise RunError(f"rank {self.rank}: no shape known for {a} in a predicted step")
             else:
-                t = torch.empty(predicted[1], dtype=predicted[0], device=self.device)
-            tensors.append(t)
-        works = self._start([self._op(a, t) for a, t in zip(batch, tensors)])
-        for a, t, work in zip(batch, tensors, works):
-            if a.op not in (SEND_F, SEND_B):
-                self._posted[a] = (work, t)
+                tensors = message.buffers(predicted, self.device)
+                recvs.append((a, len(ops), tensors, predicted))
+            ops += [self._op(a, t) for t in tensors]  # one message: its tensors in one batch
+        works = self._start(ops)
+        for a, k, tensors, layout in recvs:
+            self._posted[a] = (works[k:k + len(tensors)], tensors, layout)
 
     def _issue_discovery(self, batch: tuple[Action, ...]) -> None:
-        sends = [(a, self._staged.pop(a)) for a in batch if a.op in (SEND_F, SEND_B)]
+        """[meta headers] ─read─► [descriptions of structures] ─read─► [payloads]."""
+        sends = [(a, *self._staged.pop(a)) for a in batch if a.op in (SEND_F, SEND_B)]
         recvs = [a for a in batch if a.op not in (SEND_F, SEND_B)]
-        heads = [torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device) for _ in recvs]
-        ops = [self._op(a, self._header((t.dtype, tuple(t.shape)))) for a, t in sends]
-        works = self._start(ops + [self._op(a, h) for a, h in zip(recvs, heads)])
+        metas = [torch.empty(META_LEN, dtype=torch.int64, device=self.device) for _ in recvs]
+        read = self._exchange([(a, self._header(lay)) for a, _, lay in sends], list(zip(recvs, metas)))
+        read = [message.read_meta(m) for m in read]
+        # Structures only: their descriptions, sized by the meta headers just read.
+        descs = [None if isinstance(r, tuple) else torch.empty(r, dtype=torch.int64, device=self.device)
+                 for r in read]
+        out = [(a, self._header(lay, "desc")) for a, _, lay in sends if not message.plain(lay)]
+        got = self._exchange(out, [(a, d) for a, d in zip(recvs, descs) if d is not None])
+        got.reverse()
+        layouts = [r if d is None else message.read_description(got.pop()) for r, d in zip(read, descs)]
+        bufs = [message.buffers(lay, self.device) for lay in layouts]
+        ops = [self._op(a, t) for a, tensors, _ in sends for t in tensors]
+        k = len(ops)
+        ops += [self._op(a, t) for a, tensors in zip(recvs, bufs) for t in tensors]
+        works = self._start(ops)
+        for a, _, lay in sends:
+            self._known[self._key(a)] = lay
+        for a, tensors, lay in zip(recvs, bufs, layouts):
+            self._known[self._key(a)] = lay
+            self._posted[a] = (works[k:k + len(tensors)], tensors, lay)
+            k += len(tensors)
+
+    def _exchange(self, sends: list, recvs: list) -> list[list[int]]:
+        """Issue int64 headers as one batch, wait for the received ones and read them on the
+        host at once (the one host synchronisation of this exchange)."""
+        if not sends and not recvs:
+            return []
+        works = self._start([self._op(a, t) for a, t in [*sends, *recvs]])
         for w in works[len(sends):]:
             w.wait()
-        # Read every received header at once: the one host synchronisation of this batch.
-        shapes = [decode_header(h) for h in torch.stack(heads).tolist()] if heads else []
-        bufs = [torch.empty(s, dtype=d, device=self.device) for d, s in shapes]
-        works = self._start([self._op(a, t) for a, t in [*sends, *zip(recvs, bufs)]])
-        for a, t in sends:
-            self._known[self._key(a)] = (t.dtype, tuple(t.shape))
-        for a, buf, work, (d, s) in zip(recvs, bufs, works[len(sends):], shapes):
-            self._known[self._key(a)] = (d, tuple(s))
-            self._posted[a] = (work, buf)
+        return [t.tolist() for t in (torch.cat([t for _, t in recvs]).cpu().split(
+            [t.numel() for _, t in recvs]) if recvs else [])]
 
     def _issue_eager(self, batch: tuple[Action, ...]) -> None:
         for a in batch:
             if a.op not in (SEND_F, SEND_B):
                 self._post_eager(a)
                 continue
-            payload = self._staged.pop(a)
-            key = (payload.dtype, tuple(payload.shape))
+            tensors, layout = self._staged.pop(a)
             predicted = self._known.get(self._key(a))
-            self._known[self._key(a)] = key
-            if predicted == key:
-                self._start([self._op(a, self._header(key)), self._op(a, payload)])
+            self._known[self._key(a)] = layout
+            if predicted == layout:
+                self._start([self._op(a, t) for t in (self._header(layout, same=True), *tensors)])
                 continue
-            placeholder = [torch.zeros(predicted[1], dtype=predicted[0], device=self.device)] \
-                if predicted else []
-            self._start([self._op(a, t) for t in (self._header(key), *placeholder)])
-            self._start([self._op(a, payload)])  # late: sized by the header just sent
+            placeholders = message.buffers(predicted, self.device, zeros=True) if predicted else []
+            self._start([self._op(a, t) for t in (self._header(layout), *placeholders)])
+            desc = [] if message.plain(layout) else [self._header(layout, "desc")]
+            self._start([self._op(a, t) for t in (*desc, *tensors)])  # late: the receiver reads the meta
 
     def _post_eager(self, a: Action) -> None:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         predicted = self._known.get(self._key(a))
-        tensors = [header]
-        if predicted is not None:
-            tensors.append(torch.empty(predicted[1], dtype=predicted[0], device=self.device))
+        tensors = [torch.empty(META_LEN, dtype=torch.int64, device=self.device)]
+        tensors += message.buffers(predicted, self.device) if predicted else []
         works = self._start([self._op(a, t) for t in tensors])
         self._posted[a] = (works, tensors, predicted)
 
-    def _finish_eager(self, a: Action) -> torch.Tensor:
+    def _finish_eager(self, a: Action) -> object:
         works, tensors, predicted = self._posted.pop(a)
-        works[0].wait()
-        dtype, shape = decode_header(tensors[0].tolist())
-        for w in works[1:]:
-            w.wait()  # the payload, or a placeholder when the prediction was wrong
-        self._known[self._key(a)] = (dtype, tuple(shape))
-        if predicted == (dtype, tuple(shape)):
-            return tensors[1]
-        payload = torch.empty(shape, dtype=dtype, device=self.device)
-        self._start([self._op(a, payload)])[0].wait()
-        return payload
+        for w in works:
+            w.wait()  # the meta header, then the payload or placeholders of the wrong size
+        layout = message.read_meta(tensors[0].tolist())
+        if layout is None:
+            return message.build(tensors[1:], predicted)
+        if isinstance(layout, int):
+            desc = torch.empty(layout, dtype=torch.int64, device=self.device)
+            self._start([self._op(a, desc)])[0].wait()
+            layout = message.read_description(desc.tolist())
+        self._known[self._key(a)] = layout
+        payload = message.buffers(layout, self.device)
+        for w in self._start([self._op(a, t) for t in payload]):
+            w.wait()
+        return message.build(payload, layout)
 
-    def send(self, a: Action, tensor: torch.Tensor) -> None:
-        """Hand `tensor` to the rank running the stage `a` sends to (asynchronous until flush())."""
+    def send(self, a: Action, obj: object) -> None:
+        """Hand a tensor or structure to the rank running the stage `a` sends to (asynchronous
+        until flush()). Raises StructureError for something that cannot be sent."""
         self._expect(a)
-        self._staged[a] = tensor.detach().contiguous()
+        self._staged[a] = message.layout_of(obj)
         self._issue_after(self._next)
         self._next += 1
 
-    def recv(self, a: Action) -> torch.Tensor:
-        """The tensor of receive `a`, from the rank running the stage it comes from."""
+    def recv(self, a: Action) -> object:
+        """The tensor or structure of receive `a`, from the rank running the stage it comes from."""
         self._expect(a)
         if self.policy == GROUPED:
-            work, payload = self._posted.pop(a)
-            work.wait()
+            works, tensors, layout = self._posted.pop(a)
+            for w in works:
+                w.wait()
+            payload = message.build(tensors, layout)
         else:
             payload = self._finish_eager(a)
         self._issue_after(self._next)

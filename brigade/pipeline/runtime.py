@@ -6,11 +6,13 @@ order itself, so every schedule runs through this one loop. A rank may hold
 several stages (interleaved, looped BFS, ZB-V); each action runs on its stage's
 module. It talks to other ranks only through a transport (`send`, `recv`,
 `flush`), so the same code serves processes and device threads; between two
-stages of the same rank (the turn of a V) the tensor is handed over by reference,
-detached so that each stage's backward stays its own action:
+stages of the same rank (the turn of a V) the output is handed over by reference,
+detached so that each stage's backward stays its own action. An output may be a
+structure (`structure.flatten`): the next stage takes it `as_inputs`, and sends
+back `input_grads` (None for integer tensors); `backward_pairs` feeds autograd.
 
     F on stage s ──► y ──┬─ stage s+1 on another rank: SEND_F (a message)
-                         └─ stage s+1 here: acts[(s+1, mb)] = y.detach()  (no copy)
+                         └─ stage s+1 here: acts[(s+1, mb)] = detached y  (no copy)
 
 Loss convention: on the last stage each micro-batch's mean loss is multiplied
 by its share of the batch (`microbatch.weights`) before backward, so the
@@ -325,16 +327,13 @@ def _pairs(y, grad, last: bool) -> tuple[list, list]:
 
 def _detach(y):
     """`y` with its tensors detached (a structure keeps its shape)."""
-    if isinstance(y, torch.Tensor):
-        return y.detach()
     tensors, spec = structure.flatten(y)
     return structure.unflatten([t.detach() for t in tensors], spec)
 
 
 def _device_type(x) -> str:
     """The device type of a structure's first tensor (cpu without one), for autocast."""
-    tensors, _ = structure.flatten(x, root="input")
-    return tensors[0].device.type if tensors else "cpu"
+    return next((t.device.type for t in structure.flatten(x, root="input")[0]), "cpu")
 
 
 def _fp32(y):

@@ -45,11 +45,28 @@ SHAPES = [(4, 3), (4, 3), (5, 2), (5, 2)]  # per step: discover, predict, discov
 
 
 def _message(step: int, a, m: int):
-    """What `a` (a send) carries in `step`: uneven last micro-batch, F fp32, B fp64."""
+    """What `a` (a send) carries in `step`: uneven last micro-batch, F fp32, B fp64; micro-batch 0
+    a plain tensor, the others structures (int64 ids, values, None) that grow in steps 2 and 3."""
     rows, cols = SHAPES[step]
     shape = (rows - (a.microbatch == m - 1), cols)
     value = 100 * step + 10 * a.stage + a.microbatch
-    return torch.full(shape, float(value), dtype=torch.float32 if a.op == "SEND_F" else torch.float64)
+    t = torch.full(shape, float(value), dtype=torch.float32 if a.op == "SEND_F" else torch.float64)
+    if a.microbatch == 0:
+        return t
+    if a.op == "SEND_B":
+        return (t, None)
+    msg = {"h": t, "ids": torch.arange(shape[0]) + value, "rows": rows}
+    if step >= 2:
+        msg["extra"] = [t * 2, True]
+    return msg
+
+
+def _same(got, want) -> bool:
+    from brigade.pipeline.structure import flatten
+
+    (gt, gs), (wt, ws) = flatten(got), flatten(want)
+    return gs == ws and len(gt) == len(wt) and all(
+        g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(gt, wt))
 
 
 def _exchange(rank: int, world: int, port: int, policy: str, out) -> None:
@@ -76,8 +93,8 @@ def _exchange(rank: int, world: int, port: int, policy: str, out) -> None:
                     peer = a.stage + (-1 if a.op == RECV_F else 1)
                     want = _message(step, Action(peer, "SEND_" + a.op[-1], a.microbatch), m)
                     got = t.recv(a)
-                    if got.dtype != want.dtype or not torch.equal(got, want):
-                        wrong.append(f"{name} step {step} {a}: {got.dtype} {list(got.shape)}")
+                    if not _same(got, want):
+                        wrong.append(f"{name} step {step} {a}: {got}")
             t.flush()
     out.put((rank, wrong, modes))
     dist.destroy_process_group()
