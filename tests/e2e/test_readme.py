@@ -75,10 +75,12 @@ def readme_commands() -> list[str]:
         cmd = re.sub(r"--node-rank \d+", "--node-rank K", cmd)  # node 0 and node 1: one case
         seen.setdefault(cmd, None)
     commands = [c for c in seen if not c.startswith("python -m pytest")]  # the suite runs those
-    # Once each: `brigade doctor [--nnodes 2 … HOST:PORT …]` runs here as plain `brigade doctor`.
+    # Once each: `brigade doctor [--nnodes 2 … HOST:PORT …]` runs here as plain `brigade doctor`,
+    # and a command that differs from an earlier one only in its --out folder (the default folder
+    # is every other command's) runs as that one.
     once: dict[str, str] = {}
     for c in commands:
-        once.setdefault(" ".join(localise(c, Path("OUT"), 1).split()), c)
+        once.setdefault(" ".join(re.sub(r" --out \S+", "", localise(c, Path("OUT"), 1)).split()), c)
     return list(once.values())
 
 
