@@ -29,11 +29,12 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade import agent, groups
+from brigade.check_inputs import chain, pieces, sample, stages_of, whole
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
 from brigade.pipeline import microbatch
-from brigade.pipeline.partition import check_chain, choose_balance, split
+from brigade.pipeline.partition import choose_balance
 from brigade.pipeline.pipe import LocalPipeline, Pipeline, placement
 from brigade.pipeline.schedule import build, stages_on
 from brigade.pipeline.shared import TieGroups, find_shared, sum_tied_grads, untie
@@ -129,11 +130,11 @@ def _reference(spec: ModelSpec, x, y, m: int, lr: float):
     """Single device: loss, and per block its gradients and post-SGD state, of a deep copy that
     keeps ties (one device sums their uses: the gradient every stage's copy must hold)."""
     blocks = copy.deepcopy(spec.blocks)  # one deepcopy of the list keeps ties between blocks
-    model = nn.Sequential(*blocks)
+    model = whole(blocks)  # side inputs, where blocks declare them, taken out of the batch
     per_mb = m > 1 and _has_batchnorm(spec.blocks)
     if per_mb:
         total = 0.0
-        for xs, ys, w in zip(microbatch.split(x, m), microbatch.split(y, m),
+        for xs, ys, w in zip(pieces(x, m), pieces(y, m),
                              microbatch.weights(x.shape[0], m)):
             loss = spec.loss_fn(model(xs), ys) * w
             loss.backward()
@@ -166,9 +167,8 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(diffs, default=0.0)
 
 
-def _replica(t: torch.Tensor, where: Where) -> torch.Tensor:
-    n = t.shape[0] // where.dp
-    return t[where.dp_rank * n:(where.dp_rank + 1) * n]
+def _replica(t, where: Where):
+    return pieces(t, where.dp)[where.dp_rank]
 
 
 def _step(cfg: CheckConfig, spec: ModelSpec, stages: list[nn.Module], schedule: str, m: int, v: int,
@@ -206,14 +206,14 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
     ref_loss, ref_grads, ref_state, ref_kind = _reference(spec, x, y, m, lr)
-    balance = choose_balance(spec.blocks, cfg.stages * v, by=cfg.balance_by, sample=x[:2],
+    balance = choose_balance(spec.blocks, cfg.stages * v, by=cfg.balance_by, sample=sample(x),
                              balance=cfg.balance)
     if dist.is_initialized():  # measured balances may differ between processes
         agreed = torch.tensor(balance, device=where.device)  # NCCL takes only tensors on its GPU
         dist.broadcast(agreed, 0)
         balance = agreed.tolist()
     ties, tie_groups = _untie(spec.blocks, balance, placement(schedule, cfg.stages, v)[1], where)
-    stages = split(spec.blocks, balance)
+    stages = stages_of(spec.blocks, balance)
     loss, mine = _step(cfg, spec, stages, schedule, m, v, x, y, where)
     held = {b: spec.blocks[b] for s in mine for b in range(sum(balance[:s]), sum(balance[:s + 1]))}
     sum_tied_grads(ties, held, tie_groups)
@@ -328,7 +328,7 @@ def preflight(cfg: CheckConfig, cases: list[Case]) -> None:
         choose_balance(spec.blocks, cfg.stages * placement(schedule, cfg.stages, virtual)[0],
                        balance=cfg.balance)
     x, _ = spec.make_batch(min(cfg.batch_size, 2), torch.Generator().manual_seed(0))
-    check_chain(spec.blocks, x)
+    chain(spec.blocks, x)
 
 
 def run_check(cfg: CheckConfig, cases: list[Case] | None = None, port: int | None = None) -> list[dict]:

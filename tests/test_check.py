@@ -8,6 +8,7 @@ its cases.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,6 +109,22 @@ def test_check_fails_when_tied_copies_are_not_summed(monkeypatch):
     monkeypatch.setattr(check, "sum_tied_grads", lambda ties, held, groups: None)
     (result,) = run_check(grid_config("gpt", 1, runtime="local"), [("1f1b", 1, 1)])
     assert not result["ok"] and result["max_abs_grad_diff"] > 1e-4
+
+
+LLAMA = str(Path(__file__).parents[1] / "examples" / "llama.py") + ":model"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("runtime", ["local", "process"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_llama_side_inputs_and_tied_head(stages, runtime):
+    """examples/llama.py (padding-mask side input, head tied to the embedding) on every schedule;
+    on 4 stages only V = 1 fits its 6 blocks. One process start per (stages, runtime)."""
+    cases = [(name, 4, v) for name, s in SCHEDULES.items() for v in ([s.virtual] if s.virtual else [1, 2])
+             if stages * v <= 6]
+    results = run_check(CheckConfig(model=LLAMA, stages=stages, runtime=runtime, batch_size=8), cases)
+    assert _failures(results, cases) == []
+    assert len(results) == (8 if stages == 2 else 5)
 
 
 @pytest.mark.parametrize("flags, message", [
