@@ -250,7 +250,7 @@ def grouped_policy_worker():
 
 @pytest.mark.timeout(240)
 def test_grouped_policy_on_gloo_matches_single_device(monkeypatch):
-    monkeypatch.setenv("BRIGADE_P2P_POLICY", "grouped")
+    monkeypatch.delenv("BRIGADE_P2P_POLICY", raising=False)  # grouped: the default, gloo too
     results = agent.launch(grouped_policy_worker, 2)
     modes = ["discovery", "predicted"] * 2 + ["discovery"]  # inference: a new plan
     for rank, cases in results.items():
@@ -262,8 +262,9 @@ def test_grouped_policy_on_gloo_matches_single_device(monkeypatch):
 
 
 @pytest.mark.timeout(240)
-def test_grouped_policy_on_gloo_gradients_match_on_four_stages(monkeypatch):
-    """Loss, every gradient and the optimizer step, through the middle stages (a discovery step)."""
-    monkeypatch.setenv("BRIGADE_P2P_POLICY", "grouped")
+def test_eager_policy_on_gloo_gradients_match_on_four_stages(monkeypatch):
+    """The eager policy, on request: loss, every gradient and the optimizer step, through the
+    middle stages."""
+    monkeypatch.setenv("BRIGADE_P2P_POLICY", "eager")
     for result in run_check(config("gpt-4", "process"), [("gpipe", 3), ("1f1b", 8), ("zb", 3)]):
         assert_transparent(result)
