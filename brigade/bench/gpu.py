@@ -18,6 +18,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from brigade.errors import BrigadeError
 
@@ -56,7 +57,7 @@ def measure(steps: int) -> dict:
     times = [r["step_time_s"] for r in records if "step_time_s" in r][3:]  # past warm-up
     step = statistics.median(times)
     m = cfg.model
-    n_params = sum(p.numel() for b in blocks for p in b.parameters())
+    n_params = sum(p.numel() for p in nn.ModuleList(blocks).parameters())  # a tied weight once
     tokens = cfg.train.batch_size * cfg.data.block_size
     achieved = flops_per_token(n_params, m.n_layer, cfg.data.block_size, m.n_embd) * tokens / step
     name = torch.cuda.get_device_name(0)

@@ -15,7 +15,7 @@ def test_gpt_blocks_and_shapes():
     assert [type(b).__name__ for b in blocks] == ["Embedding", "Block", "Block", "Head"]
     x = torch.randint(50, (3, 16))
     assert nn.Sequential(*blocks)(x).shape == (3, 16, 50)
-    assert blocks[0].tok.weight is not blocks[-1].out.weight  # no tying across stages
+    assert blocks[0].tok.weight is blocks[-1].out.weight  # tied: brigade keeps a copy per stage
 
 
 def test_gpt_rejects_too_long_sequences():
@@ -101,3 +101,22 @@ def test_as_blocks_accepts_lists_and_sequentials():
     assert len(as_blocks(nn.Sequential(nn.ReLU(), nn.ReLU()))) == 2
     with pytest.raises(BrigadeError):
         as_blocks([nn.ReLU(), "relu"])
+
+
+def test_gpt_ties_its_head_unless_no_tie_embeddings():
+    """The default GPT shares one (V, C) parameter between embedding and head; the flag unties it."""
+    import argparse
+
+    from brigade import config
+    from brigade.models import from_config
+
+    parser = argparse.ArgumentParser()
+    config.add_flags(parser)
+    counts = {}
+    for flags, tied in (([], True), (["--no-tie-embeddings"], False), (["--tie-embeddings"], True)):
+        cfg = config.build(parser.parse_args(["--n-layer", "1", "--n-embd", "16", "--n-head", "2", *flags]))
+        assert cfg.model.tie_embeddings is tied
+        blocks = from_config(cfg.model, vocab_size=11).blocks
+        assert (blocks[-1].out.weight is blocks[0].tok.weight) is tied
+        counts[tied] = sum(p.numel() for p in nn.ModuleList(blocks).parameters())
+    assert counts[False] - counts[True] == 11 * 16  # the tied weight counts once

@@ -198,10 +198,10 @@ def tiny_gpt(tie=True):
     return gpt(GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_embeddings=tie))
 
 
-def test_the_tied_gpt_shares_one_parameter_and_is_off_by_default():
+def test_the_tied_gpt_shares_one_parameter_and_is_the_default():
     from brigade.models.gpt import GPTConfig
 
-    assert GPTConfig().tie_embeddings is False  # until the engine carries ties
+    assert GPTConfig().tie_embeddings is True
     tied, untied = tiny_gpt(), tiny_gpt(tie=False)
     (tie,) = shared.find_shared(tied)
     assert tie.uses == ((0, "tok.weight"), (3, "out.weight")) and shared.find_shared(untied) == []
