@@ -69,13 +69,19 @@ class Nodes:
         self.flags = ["train", "--out", str(out), *TINY, *RUN, "--nnodes", "1:2", "--nproc", "1",
                       "--max-restarts", "2", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
                       "--rdzv-last-call", "3", "--rdzv-timeout", "60"]
+        self.logs = out.parent
         self.procs: dict[int, subprocess.Popen] = {}
 
     def start(self, k: int) -> subprocess.Popen:
+        """Node k's agent; its output goes to files, as a pipe nobody reads while the test waits
+        for the other node could fill and block this node in a write."""
         cmd = [sys.executable, "-m", "brigade", *self.flags, "--node-rank", str(k)]
-        self.procs[k] = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
-                                         start_new_session=True, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE)
+        n = len(list(self.logs.glob(f"node{k}-*.out")))  # a node started again keeps its first logs
+        logs = [self.logs / f"node{k}-{n}.{x}" for x in ("out", "err")]
+        with open(logs[0], "w") as out, open(logs[1], "w") as err:
+            self.procs[k] = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                                             start_new_session=True, stdout=out, stderr=err)
+        self.procs[k].logs = logs  # type: ignore[attr-defined]
         if k == 0:
             _wait_until_listening(self.port)  # node 0 hosts the rendezvous store
         return self.procs[k]
@@ -83,11 +89,16 @@ class Nodes:
     def kill(self, k: int) -> float:
         """Node k goes down for good: SIGKILL to its agent and workers. Returns the time."""
         os.killpg(self.procs[k].pid, signal.SIGKILL)
-        self.procs[k].communicate(timeout=60)
+        self.procs[k].wait(timeout=60)
         return time.time()
 
+    def wait(self, k: int, timeout: float = 400) -> tuple[str, str]:
+        """Node k's exit: its stdout and stderr."""
+        self.procs[k].wait(timeout=timeout)
+        return tuple(path.read_text() for path in self.procs[k].logs)
+
     def finish(self, k: int) -> str:
-        out, err = self.procs[k].communicate(timeout=400)
+        out, err = self.wait(k)
         assert self.procs[k].returncode == 0, out[-2000:] + err[-3000:]
         return out
 
@@ -95,7 +106,12 @@ class Nodes:
         for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate(timeout=60)
+                proc.wait(timeout=60)
+
+
+# A module fixture is made once per pytest-xdist worker: both tests that compare with `reference`
+# run on one worker (one group), so the uninterrupted run is trained once.
+WITH_REFERENCE = pytest.mark.xdist_group("elastic-reference")
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +144,7 @@ def _lose_node_1(nodes: Nodes, out: Path) -> tuple[list[dict], float]:
     return rows, first["time"] - killed
 
 
+@WITH_REFERENCE
 def test_a_node_lost_for_good(tmp_path, reference):
     out = tmp_path / "elastic"
     nodes = Nodes(out)
@@ -144,6 +161,7 @@ def test_a_node_lost_for_good(tmp_path, reference):
     _same_losses(out, reference)
 
 
+@WITH_REFERENCE
 def test_a_node_that_returns_is_grown_back_to(tmp_path, reference):
     out = tmp_path / "elastic"
     nodes = Nodes(out)
@@ -178,7 +196,7 @@ def test_fewer_processes_than_stages_waits_then_stops(tmp_path):
         nodes.start(1)
         _wait_for(out, lambda rows: len([r for r in rows if "loss" in r]) >= 12)
         killed = nodes.kill(1)
-        said, err = nodes.procs[0].communicate(timeout=300)
+        said, err = nodes.wait(0, timeout=300)
         waited = time.time() - killed
     finally:
         nodes.close()
