@@ -1,22 +1,26 @@
-"""`brigade tune`: choose the split size (micro-batch count), schedule and cut points.
+"""`brigade tune`: choose the layout, schedule, stages per rank, split size and cut points.
 
     1. measure each block's forward, backward and weight-gradient time at a few
-       micro-batch sizes (the two processes measure different sizes at once),
-       and the time to send one activation across the cut;
-    2. for every (schedule, m) of the sweep: interpolate block costs at that
-       micro-batch size, cut where the stage maxima are smallest (the solver),
-       predict the step with simulate();
-    3. time only the best few predictions (at most a third of the sweep) and keep the fastest.
+       micro-batch sizes (the two processes measure different sizes at once), the time
+       to send one activation across a cut, and the time to all-reduce the model's gradients;
+    2. the space: every schedule × its stages per rank V (its fixed V, or 1 and 2 where it
+       takes any, 2 only with ≥ 2·p blocks) × m of the sweep, each cut by the solver into
+       p·V stages and predicted with simulate() on interpolated block costs; plus data
+       parallel (dp = p: one device's step on 1/p of the batch, plus the all-reduce);
+    3. time only the best predictions (at most a third of the space) in interleaved rounds
+       and keep the fastest median.
 
-`--verify` also times the whole sweep, the chosen configuration again among the others,
-to show how close the choice is. Blocks, batches and transfers live on the process's device;
-every time is read after synchronising it.
+`--verify` also times the whole space in interleaved rounds, the chosen configuration among
+the others, to show how close the choice is. Blocks, batches and transfers live on the
+process's device; every time is read after synchronising it.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import statistics
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,13 +28,22 @@ from torch import nn
 
 from brigade import groups
 from brigade.bench.experiments import BenchConfig, scaled_splits
-from brigade.bench.place import place_model
-from brigade.bench.timing import measure, ping_pong, stage_costs, time_pipeline
+from brigade.bench.place import ddp, place_model
+from brigade.bench.timing import (
+    interleaved_rounds,
+    measure,
+    ping_pong,
+    pipeline_step,
+    stage_costs,
+    train_step,
+)
 from brigade.models import load_model
 from brigade.pipeline.partition import solve, split
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plan import simulate
-from brigade.pipeline.schedule import build
+from brigade.pipeline.schedule import SCHEDULES, build, stages_on
+
+ANY_VIRTUAL = (1, 2)  # V tried for a schedule that takes any: more would need ≥ 3·p blocks
 
 
 def block_costs(blocks: list[nn.Module], x: torch.Tensor, loss_fn, y) -> list[tuple[float, float, float]]:
@@ -57,48 +70,128 @@ def _interpolate(samples: dict[int, list], size: int) -> list[tuple[float, float
     return [tuple(a + t * (b - a) for a, b in zip(ca, cb)) for ca, cb in zip(samples[lo], samples[hi])]
 
 
-def predict(samples: dict[int, list], batch: int, m: int, schedule: str, n_stages: int,
-            comm_per_sample: float) -> tuple[float, list[int]]:
-    """Predicted step seconds and the balance that minimises the slowest stage."""
+def search_space(schedules: list[str], ms: list[int], ranks: int,
+                 n_blocks: int) -> tuple[list[dict], list[dict]]:
+    """The pipelined configurations to predict, and the (schedule, V) left out with why.
+
+    Args:
+        schedules: registry names. ms: micro-batch counts. ranks: pipeline ranks (p).
+        n_blocks: the model's blocks; p·V stages need as many.
+
+    Returns:
+        (rows with schedule, virtual, microbatches, dp = 1, pp = ranks; left_out rows with a reason).
+    """
+    rows, left_out = [], []
+    for name in schedules:
+        fixed = SCHEDULES[name].virtual
+        for v in (fixed,) if fixed else ANY_VIRTUAL:
+            if n_blocks < ranks * v:
+                left_out.append({"schedule": name, "virtual": v, "reason":
+                                 f"the model has {n_blocks} blocks: {ranks * v} stages (p={ranks} × V={v}) "
+                                 f"need as many"})
+                continue
+            rows += [{"schedule": name, "virtual": v, "microbatches": m, "dp": 1, "pp": ranks} for m in ms]
+    return rows, left_out
+
+
+def predict(samples: dict[int, list], batch: int, m: int, schedule: str, ranks: int,
+            comm_per_sample: float, virtual: int = 1) -> tuple[float, list[int]]:
+    """Predicted step seconds and the balance of p·V stages that minimises the slowest one.
+
+    Args:
+        samples: micro-batch size -> per-block (forward, backward, weight) seconds.
+        ranks: pipeline ranks p; virtual: stages per rank V (the plan has p·V stages).
+        comm_per_sample: seconds to move one sample's activation between ranks.
+
+    Returns:
+        (simulated makespan, blocks per stage: p·V entries).
+    """
     size = math.ceil(batch / m)
     costs = _interpolate(samples, size)
+    n_stages = ranks * virtual
     balance = solve([f + b for f, b, _ in costs], n_stages)
     bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
     per = [[sum(c[j] for c in costs[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(3)]
-    sim = simulate(build(schedule, n_stages, m), per[0], per[1], comm=comm_per_sample * size,
+    sim = simulate(build(schedule, ranks, m, virtual), per[0], per[1], comm=comm_per_sample * size,
                    weight=per[2])
     return sim.makespan, balance
 
 
-def _time_config(spec, x, y, rank, n, schedule, m, balance, cfg) -> float:
-    stages = split(copy.deepcopy(spec.blocks), balance)  # copies stay on the blocks' device, x's
-    pipe = Pipeline(stages[rank], schedule, m, spec.loss_fn, device=x.device)
-    return time_pipeline(pipe, stages[rank], x, y, cfg).mean_s
+def predict_ddp(samples: dict[int, list], batch: int, dp: int, allreduce_s: float) -> float:
+    """Data parallel's predicted step: one device's forward and backward on 1/dp of the batch,
+    then the gradients' all-reduce (not overlapped with the backward: an upper bound)."""
+    costs = _interpolate(samples, math.ceil(batch / dp))
+    return sum(f + b for f, b, _ in costs) + allreduce_s
 
 
-def _comm_per_sample(spec, x, rank) -> float:
-    """Seconds to move one sample's activation across a middle cut (one way, from a round trip)."""
-    mid = len(spec.blocks) // 2
-    with torch.no_grad():
-        h = nn.Sequential(*spec.blocks[:mid])(x[:4])
-    t = torch.zeros_like(h)  # on the blocks' device, as the pipeline's activations are
-    peer = 1 - rank
-
-    return measure(lambda: ping_pong(t, peer, rank == 0), 5, 2, device=x.device,
-                   distributed=True).mean_s / 2 / 4
+def ddp_row(samples: dict[int, list], batch: int, dp: int, allreduce_s: float) -> dict:
+    """The data-parallel candidate: the whole model on every one of `dp` processes."""
+    return {"schedule": None, "virtual": 1, "microbatches": 1, "balance": None, "dp": dp, "pp": 1,
+            "predicted_s": predict_ddp(samples, batch, dp, allreduce_s)}
 
 
-def verify_sweep(predictions: list[dict], chosen: dict, time_config) -> dict:
-    """Time every configuration of the sweep afresh, the chosen one among them.
+def row_key(row: dict) -> str:
+    """A configuration's name, the same on every rank (the interleaved rounds' key)."""
+    if row["dp"] > 1:
+        return f"ddp|dp{row['dp']}"
+    return f"{row['schedule']}|V{row['virtual']}|m{row['microbatches']}"
+
+
+def label(row: dict) -> str:
+    """A configuration for people: "ddp, dp=2" or "interleaved, V=2, m=8"."""
+    if row["dp"] > 1:
+        return f"ddp, dp={row['dp']}"
+    return f"{row['schedule']}, V={row['virtual']}, m={row['microbatches']}"
+
+
+@dataclass
+class _Tuner:
+    """What a worker builds its steps from; stages cut once per balance and shared by rows."""
+
+    cfg: BenchConfig
+    spec: object
+    x: torch.Tensor
+    y: torch.Tensor
+    rank: int
+    ranks: int
+    stages: dict[tuple[int, ...], list[nn.Module]] = field(default_factory=dict)
+
+
+def _step(t: _Tuner, row: dict):
+    """The callable every rank runs for one timed step of `row` (built now, timed later)."""
+    if row["dp"] > 1:
+        model = ddp(nn.Sequential(*copy.deepcopy(t.spec.blocks)), t.x.device)
+        return train_step(model, t.spec.loss_fn, t.x.chunk(t.ranks)[t.rank], t.y.chunk(t.ranks)[t.rank])
+    cut = tuple(row["balance"])
+    if cut not in t.stages:  # copies stay on the blocks' device, x's
+        t.stages[cut] = split(copy.deepcopy(t.spec.blocks), list(cut))
+    held = stages_on(row["schedule"], t.ranks, t.rank, row["virtual"])
+    modules = {s: t.stages[cut][s] for s in held}
+    pipe = Pipeline(modules, row["schedule"], row["microbatches"], t.spec.loss_fn, device=t.x.device,
+                    virtual=row["virtual"])
+    return pipeline_step(pipe, nn.ModuleList(modules[s] for s in held), t.x, t.y)
+
+
+def _timer(t: _Tuner, rounds: int):
+    """rows -> each row's median seconds per step, the rows timed together in interleaved rounds."""
+    def time_all(rows: list[dict]) -> list[float]:
+        steps = {row_key(r): _step(t, r) for r in rows}
+        times = interleaved_rounds(steps, rounds, t.cfg.warmup, t.x.device, seed=t.cfg.seed)
+        return [statistics.median(times[row_key(r)]) for r in rows]
+    return time_all
+
+
+def verify_sweep(predictions: list[dict], chosen: dict, time_all) -> dict:
+    """Time every configuration of the sweep afresh, in interleaved rounds, the chosen one among them.
 
     The search's own timing of the chosen configuration is kept apart (`search_mean_s`):
     reusing it would compare one measurement taken earlier, under other conditions,
     with the sweep's, and could make the choice look better than it is.
 
     Args:
-        predictions: the sweep's configurations (schedule, microbatches, balance, ...).
+        predictions: the sweep's configurations (schedule, virtual, microbatches, dp, balance, ...).
         chosen: the configuration the search kept; one of `predictions`.
-        time_config: configuration -> measured seconds per step.
+        time_all: configurations -> their measured seconds per step, in order (timed together).
 
     Returns:
         sweep (every configuration with its new `mean_s`), sweep_best, sweep_best_mean_s,
@@ -110,44 +203,77 @@ def verify_sweep(predictions: list[dict], chosen: dict, time_config) -> dict:
         row = {k: v for k, v in c.items() if k != "mean_s"}
         if "mean_s" in c:
             row["search_mean_s"] = c["mean_s"]
-        row["mean_s"] = time_config(row)
         sweep.append(row)
+    for row, seconds in zip(sweep, time_all(sweep), strict=True):
+        row["mean_s"] = seconds
     best = min(sweep, key=lambda r: r["mean_s"])
-    mine = next(r for r in sweep if (r["schedule"], r["microbatches"]) ==
-                (chosen["schedule"], chosen["microbatches"]))
+    mine = next(r for r in sweep if row_key(r) == row_key(chosen))
     return {"sweep": sweep, "sweep_best": best, "sweep_best_mean_s": best["mean_s"],
             "chosen_sweep_mean_s": mine["mean_s"], "within": mine["mean_s"] / best["mean_s"] - 1}
 
 
+def _comm_per_sample(spec, x, rank) -> float:
+    """Seconds to move one sample's activation across a middle cut (one way, from a round trip)."""
+    mid = max(1, len(spec.blocks) // 2)
+    with torch.no_grad():
+        h = nn.Sequential(*spec.blocks[:mid])(x[:4])
+    t = torch.zeros_like(h)  # on the blocks' device, as the pipeline's activations are
+    peer = 1 - rank
+    return measure(lambda: ping_pong(t, peer, rank == 0), 5, 2, device=x.device,
+                   distributed=True).mean_s / 2 / len(t)
+
+
+def _allreduce_s(blocks: list[nn.Module], device: torch.device) -> float:
+    """Median seconds to all-reduce as many bytes as the model's gradients (a shared weight once),
+    in one flat tensor of each dtype on the process's device."""
+    numel: dict[torch.dtype, int] = {}
+    for p in {id(p): p for b in blocks for p in b.parameters()}.values():
+        numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
+    flats = [torch.zeros(n, dtype=dtype, device=device) for dtype, n in numel.items()]
+    timing = measure(lambda: [dist.all_reduce(f) for f in flats], 3, 1, device=device, distributed=True)
+    return statistics.median(timing.samples)
+
+
+def _samples(t: _Tuner, sizes: list[int]) -> dict[int, list]:
+    """Block costs at every size in `sizes`, the sizes shared out between the ranks, gathered."""
+    mine = {s: block_costs(copy.deepcopy(t.spec.blocks), t.x[:s], t.spec.loss_fn, t.y[:s])
+            for k, s in enumerate(sizes) if k % t.ranks == t.rank}
+    parts: list = [None] * t.ranks
+    dist.all_gather_object(parts, mine)
+    return {s: c for part in parts for s, c in part.items()}
+
+
 def worker(cfg: BenchConfig, verify: bool) -> dict:
+    """Predict the space, time the best third in interleaved rounds, keep the fastest; `verify`:
+    time the whole space too. Returns the JSON of `brigade tune` (rank 0's is kept)."""
     info = groups.init(cfg.backend, threads=1)
-    rank, n = info.rank, info.world_size
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, info.device)
-    splits = cfg.splits or scaled_splits(cfg.batch_size)
-    ms = sorted({math.ceil(cfg.batch_size / s) for s in splits})
-    space = [(s, m) for s in cfg.schedules for m in ms]
-    sizes = sorted({math.ceil(cfg.batch_size / m) for m in (ms[0], ms[len(ms) // 2], ms[-1])})
-    mine = {s: block_costs(copy.deepcopy(spec.blocks), x[:s], spec.loss_fn, y[:s])
-            for k, s in enumerate(sizes) if k % n == rank}
-    parts: list = [None] * n
-    dist.all_gather_object(parts, mine)
-    samples = {s: c for part in parts for s, c in part.items()}
-    comm = _comm_per_sample(spec, x, rank)
-    predictions = sorted(
-        ({"schedule": s, "microbatches": m, "predicted_s": p, "balance": bal}
-         for (s, m) in space for p, bal in [predict(samples, cfg.batch_size, m, s, n, comm)]),
-        key=lambda r: r["predicted_s"])
-    budget = max(1, min(3, len(space) // 3))
-    for cand in predictions[:budget]:
-        cand["mean_s"] = _time_config(spec, x, y, rank, n, cand["schedule"], cand["microbatches"],
-                                      cand["balance"], cfg)
-    chosen = min(predictions[:budget], key=lambda r: r["mean_s"])
-    result = {"trials": budget, "sweep_trials": len(space), "chosen": chosen,
-              "chosen_mean_s": chosen["mean_s"], "predictions": predictions,
-              "measured_sizes": sizes, "comm_s_per_sample": comm}
+    t = _Tuner(cfg, spec, x, y, info.rank, info.world_size)
+    ms = sorted({math.ceil(cfg.batch_size / s) for s in cfg.splits or scaled_splits(cfg.batch_size)})
+    rows, left_out = search_space(cfg.schedules, ms, t.ranks, len(spec.blocks))
+    dp_size = math.ceil(cfg.batch_size / t.ranks)  # what one data-parallel process steps on
+    sizes = sorted({dp_size, *(math.ceil(cfg.batch_size / m) for m in (ms[0], ms[len(ms) // 2], ms[-1]))})
+    samples = _samples(t, sizes)
+    comm = _comm_per_sample(spec, x, t.rank)
+    allreduce = _allreduce_s(spec.blocks, x.device)
+    for r in rows:
+        r["predicted_s"], r["balance"] = predict(samples, cfg.batch_size, r["microbatches"], r["schedule"],
+                                                 t.ranks, comm, r["virtual"])
+    predictions = sorted([*rows, ddp_row(samples, cfg.batch_size, t.ranks, allreduce)],
+                         key=lambda r: r["predicted_s"])
+    budget = max(1, min(3, len(predictions) // 3))
+    trials = predictions[:budget]
+    for r, seconds in zip(trials, _timer(t, cfg.repeats)(trials)):
+        r["mean_s"] = seconds
+    chosen = min(trials, key=lambda r: r["mean_s"])
+    result = {"trials": budget, "sweep_trials": len(predictions), "chosen": chosen,
+              "chosen_label": label(chosen), "chosen_mean_s": chosen["mean_s"], "predictions": predictions,
+              "left_out": left_out, "measured_sizes": sizes, "comm_s_per_sample": comm,
+              "allreduce_s": allreduce, "trial_rounds": cfg.repeats}
     if verify:
-        result.update(verify_sweep(predictions, chosen, lambda c: _time_config(
-            spec, x, y, rank, n, c["schedule"], c["microbatches"], c["balance"], cfg)))
+        result.update(verify_sweep(predictions, chosen, _timer(t, cfg.rounds)))
+        result["sweep_rounds"] = cfg.rounds
+        result["sweep_best_label"] = label(result["sweep_best"])
     groups.destroy()
     return result

@@ -41,10 +41,44 @@ def test_activation_meter_sees_gpipe_hold_more_than_one_microbatch():
 def test_prediction_balances_and_interpolates():
     samples = {2: [(1.0, 2.0, 1.0)] * 4, 8: [(4.0, 8.0, 4.0)] * 4}
     assert _interpolate(samples, 5) == [(2.5, 5.0, 2.5)] * 4
-    seconds, balance = predict(samples, batch=16, m=2, schedule="1f1b", n_stages=2, comm_per_sample=0.0)
+    seconds, balance = predict(samples, batch=16, m=2, schedule="1f1b", ranks=2, comm_per_sample=0.0)
     assert balance == [2, 2]
     # size 8: each stage F = 8, B = 16; 1F1B over 2 stages and 2 micro-batches ends at 72
     assert seconds == pytest.approx(72.0)
+
+
+def test_prediction_with_two_stages_per_rank_cuts_and_costs_p_times_v_stages():
+    samples = {1: [(1.0, 2.0, 1.0)] * 4}
+    # one micro-batch runs every stage in turn: 4 F of 1 and 4 B of 2 = 12, plus a hop of 10
+    # per cut between ranks: 1 each way on 2 stages, 3 each way on 4 stages (ranks 0,1,0,1)
+    one = predict(samples, batch=1, m=1, schedule="looped-bfs", ranks=2, comm_per_sample=10.0)
+    two = predict(samples, batch=1, m=1, schedule="looped-bfs", ranks=2, comm_per_sample=10.0, virtual=2)
+    assert one == (pytest.approx(32.0), [2, 2])
+    assert two == (pytest.approx(72.0), [1, 1, 1, 1])
+
+
+def test_the_space_leaves_out_two_stages_per_rank_without_enough_blocks_and_says_why():
+    from brigade.bench.tune import search_space
+
+    rows, left_out = search_space(["1f1b", "interleaved", "zbv"], [2, 4], ranks=2, n_blocks=3)
+    assert {(r["schedule"], r["virtual"], r["microbatches"]) for r in rows} == {
+        (s, 1, m) for s in ("1f1b", "interleaved") for m in (2, 4)}
+    assert [(r["schedule"], r["virtual"]) for r in left_out] == [("interleaved", 2), ("zbv", 2)]
+    assert all("3 blocks: 4 stages" in r["reason"] for r in left_out)
+    rows, left_out = search_space(["1f1b", "interleaved", "zbv"], [2], ranks=2, n_blocks=4)
+    assert [(r["schedule"], r["virtual"]) for r in rows] == [("1f1b", 1), ("interleaved", 1),
+                                                             ("interleaved", 2), ("zbv", 2)]
+    assert left_out == [] and all(r["dp"] == 1 and r["pp"] == 2 for r in rows)
+
+
+def test_data_parallel_is_predicted_as_one_device_on_half_the_batch_plus_the_all_reduce():
+    from brigade.bench.tune import ddp_row
+
+    samples = {2: [(1.0, 2.0, 1.0)] * 4, 8: [(4.0, 8.0, 4.0)] * 4}
+    row = ddp_row(samples, batch=8, dp=2, allreduce_s=0.5)
+    # size 4 interpolates to F = 2, B = 4 per block: 4 blocks cost 24, then the all-reduce
+    assert row["predicted_s"] == pytest.approx(24.5)
+    assert (row["dp"], row["pp"], row["schedule"], row["balance"]) == (2, 1, None, None)
 
 
 @pytest.mark.timeout(300)
@@ -79,22 +113,33 @@ def test_bench_writes_json_plots_and_a_table(tmp_path):
     assert "speedup" in result.stdout and "torch.distributed.pipelining" in result.stdout
 
 
+ROW = {"schedule", "virtual", "microbatches", "balance", "dp", "pp", "predicted_s"}
+
+
 @pytest.mark.timeout(300)
-def test_tune_chooses_within_a_third_of_the_sweep_and_writes_a_train_config(tmp_path):
+def test_tune_searches_schedule_v_m_and_data_parallel_within_a_third_and_writes_a_train_config(tmp_path):
     out = tmp_path / "tune"
-    result = brigade("tune", "--model", "toy", "--batch-size", "8", "--splits", "8,4,2,1",
-                     "--repeats", "2", "--verify", "--json", "--out", out, timeout=280)
+    result = brigade("tune", "--model", "mlp", "--batch-size", "8", "--splits", "4,2",
+                     "--schedules", "1f1b,interleaved,zbv", "--repeats", "2", "--verify", "--json",
+                     "--out", out, timeout=280)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["trials"] <= data["sweep_trials"] / 3 and data["sweep_trials"] == 12
-    assert {"schedule", "microbatches", "balance"} <= set(data["chosen"])
+    rows = json.loads((out / "tune.json").read_text())["predictions"]
+    # 1f1b (V 1), interleaved (V 1 and 2), zbv (V 2), each at m = 2 and 4; and DDP
+    assert {(r["schedule"], r["virtual"], r["microbatches"], r["dp"], r["pp"]) for r in rows} == {
+        *((s, v, m, 1, 2) for s, v in (("1f1b", 1), ("interleaved", 1), ("interleaved", 2), ("zbv", 2))
+          for m in (2, 4)), (None, 1, 1, 2, 1)}
+    assert all(ROW <= set(r) and r["predicted_s"] > 0 for r in rows)
+    assert all(len(r["balance"]) == 2 * r["virtual"] and sum(r["balance"]) == 8 for r in rows if r["pp"] == 2)
+    assert data["left_out"] == [] and data["sweep_trials"] == 9 and data["trials"] <= 9 / 3
+    assert sum("mean_s" in r for r in rows) == data["trials"]  # only the trials were timed
     assert data["chosen_mean_s"] > 0 and data["sweep_best_mean_s"] > 0
     assert data["within"] == pytest.approx(data["chosen_sweep_mean_s"] / data["sweep_best_mean_s"] - 1)
     assert data["chosen_sweep_mean_s"] != data["chosen_mean_s"]  # timed again, not copied
-    toml = out / "tune.toml"
-    text = toml.read_text()
-    assert f"microbatches = {data['chosen']['microbatches']}" in text and "pp = 2" in text
-    run = brigade("train", "--config", toml, "--max-steps", "2", "--out", tmp_path / "run",
+    text = (out / "tune.toml").read_text()
+    assert f"microbatches = {data['chosen']['microbatches']}" in text
+    assert f"pp = {data['chosen']['pp']}" in text and f"dp = {data['chosen']['dp']}" in text
+    run = brigade("train", "--config", out / "tune.toml", "--max-steps", "2", "--out", tmp_path / "run",
                   "--sample-tokens", "0")
     assert run.returncode == 0, run.stderr
 
@@ -102,25 +147,28 @@ def test_tune_chooses_within_a_third_of_the_sweep_and_writes_a_train_config(tmp_
 def test_verify_times_the_chosen_configuration_again_with_the_sweep():
     from brigade.bench.tune import verify_sweep
 
-    predictions = [{"schedule": "zb", "microbatches": 8, "balance": [2, 2], "mean_s": 1.0},
-                   {"schedule": "1f1b", "microbatches": 4, "balance": [2, 2]},
-                   {"schedule": "gpipe", "microbatches": 2, "balance": [1, 3]}]
-    chosen = predictions[0]
-    # the search's 1.0 s was a lucky draw: timed again, the chosen one is not the best
-    again = {"zb": 1.3, "1f1b": 1.2, "gpipe": 2.0}
+    predictions = [{"schedule": "zbv", "virtual": 2, "microbatches": 8, "dp": 1, "balance": [1, 1, 1, 1],
+                    "mean_s": 1.0},
+                   {"schedule": "interleaved", "virtual": 2, "microbatches": 4, "dp": 1,
+                    "balance": [1, 1, 1, 1]},
+                   {"schedule": "interleaved", "virtual": 1, "microbatches": 4, "dp": 1, "balance": [2, 2]},
+                   {"schedule": None, "virtual": 1, "microbatches": 1, "dp": 2, "balance": None}]
+    chosen = predictions[1]
+    # the search's 1.0 s for zbv was a lucky draw: timed again, it is not the best
+    again = {("zbv", 2): 1.3, ("interleaved", 2): 1.25, ("interleaved", 1): 1.2, (None, 1): 2.0}
     timed = []
 
-    def time_config(c):
-        timed.append((c["schedule"], c["microbatches"]))
-        return again[c["schedule"]]
+    def time_all(rows):
+        timed.append([(r["schedule"], r["virtual"]) for r in rows])
+        return [again[r["schedule"], r["virtual"]] for r in rows]
 
-    result = verify_sweep(predictions, chosen, time_config)
-    assert timed == [("zb", 8), ("1f1b", 4), ("gpipe", 2)]  # the chosen one too, once
-    assert result["chosen_sweep_mean_s"] == 1.3
-    assert result["sweep_best"]["schedule"] == "1f1b" and result["sweep_best_mean_s"] == 1.2
-    assert result["within"] == pytest.approx(1.3 / 1.2 - 1)
-    zb = next(r for r in result["sweep"] if r["schedule"] == "zb")
-    assert zb["mean_s"] == 1.3 and zb["search_mean_s"] == 1.0
+    result = verify_sweep(predictions, chosen, time_all)
+    assert timed == [[("zbv", 2), ("interleaved", 2), ("interleaved", 1), (None, 1)]]  # together, once
+    assert result["chosen_sweep_mean_s"] == 1.25  # the chosen V = 2 row, not its V = 1 twin
+    assert result["sweep_best"]["virtual"] == 1 and result["sweep_best_mean_s"] == 1.2
+    assert result["within"] == pytest.approx(1.25 / 1.2 - 1)
+    zbv = next(r for r in result["sweep"] if r["schedule"] == "zbv")
+    assert zbv["mean_s"] == 1.3 and zbv["search_mean_s"] == 1.0
 
 
 def test_median_ci_is_the_order_statistic_interval():
