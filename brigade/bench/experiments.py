@@ -18,6 +18,7 @@ Models, batches and every collective's tensors live on the process's device.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -223,6 +224,16 @@ def _trace(b: _Bench, case: Case) -> dict:
 def worker(cfg: BenchConfig) -> dict:
     """Build every configuration, time them in interleaved rounds, then memory and one trace."""
     info = groups.init(cfg.backend, threads=1)
+    result = _measure(cfg, info)
+    # Every step (DDP's reducer, the pipelines) is gone before the group: a gloo group freed
+    # last by a DDP reducer joins its worker thread holding the GIL, which that thread needs.
+    gc.collect()
+    groups.destroy()
+    return result
+
+
+def _measure(cfg: BenchConfig, info) -> dict:
+    """The worker's body: everything it builds is freed when this returns."""
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, info.device)
     todo, skipped = cases(cfg, info.world_size, len(spec.blocks))
@@ -241,7 +252,7 @@ def worker(cfg: BenchConfig) -> dict:
     memory = {c.key: _memory(b, c) for c in ours}
     fastest = min(ours, key=lambda c: statistics.median(times[c.key]), default=None)  # same on all ranks
     trace = _trace(b, fastest) if fastest else None
-    groups.destroy()
+    dist.barrier()
     return {"cases": [asdict(c) for c in todo], "skipped": skipped, "ranks": info.world_size,
             "times": {c.key: times[c.key] for c in todo}, "balances": balances, "memory": memory,
             "costs": {m: got[-cfg.rounds:] for m, got in costs.items()},  # the warm-up probed too

@@ -2,8 +2,9 @@
 
 Every comparison is a ratio taken within a round (both sides timed minutes, not hours, apart)
 and summarised by the median over rounds with an order-statistic confidence interval
-(`timing.median_ci`, 95 %). A comparison whose interval contains 1 cannot rank its two sides:
-its `*_ranked` field is False, and `brigade bench` says so instead of naming a winner.
+(`timing.median_ci`, 95 %). A comparison whose interval contains 1, or taken over fewer than 6
+rounds (too few for a 95 % interval), cannot rank its two sides: its `*_ranked` field is
+False, and `brigade bench` says so instead of naming a winner.
 
     round k:  single_k  ours_k  torch_k  ideal_k (simulate() on round k's stage costs)
     speedup_vs_single = median_k(single_k / ours_k)     efficiency = median_k(ideal_k / ours_k)
@@ -42,9 +43,12 @@ def _twin(case: Case) -> Case | None:
     return None
 
 
-def _ci(triple: tuple[float, float, float], prefix: str) -> dict:
-    value, lo, hi = triple
-    return {prefix: value, f"{prefix}_ci": [lo, hi], f"{prefix}_ranked": not lo <= 1 <= hi}
+def _ci(numerators: list[float], denominators: list[float], prefix: str) -> dict:
+    """`prefix` = the median per-round ratio, its CI, and whether it ranks the two sides: only when
+    the CI excludes 1 and there are rounds enough for the CI to hold its confidence (6 or more)."""
+    value, lo, hi = ratio_ci(numerators, denominators, CONFIDENCE)
+    sure = median_ci_coverage(len(denominators), CONFIDENCE) >= CONFIDENCE
+    return {prefix: value, f"{prefix}_ci": [lo, hi], f"{prefix}_ranked": sure and not lo <= 1 <= hi}
 
 
 def _timing(times: list[float]) -> dict:
@@ -68,7 +72,7 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
     row = {**asdict(case), "stages": raw["ranks"] * case.virtual if pipelined else 1,
            "split_size": math.ceil(cfg.batch_size / case.microbatches), **_timing(times),
            "torch_pipelining": case.name == PEER, "rounds": len(times),
-           **_ci(ratio_ci(single, times, CONFIDENCE), "speedup_vs_single")}
+           **_ci(single, times, "speedup_vs_single")}
     if case.name == SINGLE:
         row["speedup_vs_single_ranked"] = None  # itself, by definition 1
     if pipelined:
@@ -78,7 +82,7 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
     _, ideal = _ideal(case, raw)
     row["ideal_s"] = statistics.median(ideal) if ideal else None
     row["ideal_speedup"] = ratio_ci(single, ideal)[0] if ideal else (1.0 if case.name == SINGLE else None)
-    row.update(_ci(ratio_ci(ideal, times, CONFIDENCE), "efficiency") if ideal else {"efficiency": None})
+    row.update(_ci(ideal, times, "efficiency") if ideal else {"efficiency": None})
     if ideal and case.name in (OURS, MP):
         costs = raw["costs"][(case.virtual, case.microbatches)]
         for k, what in enumerate(("forward", "backward", "weight")):
@@ -88,7 +92,7 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
     twin = _twin(case)
     if case.name == OURS and twin and twin.key in raw["times"]:
         row["torch_twin"] = twin.schedule
-        row.update(_ci(ratio_ci(raw["times"][twin.key], times, CONFIDENCE), "vs_torch"))
+        row.update(_ci(raw["times"][twin.key], times, "vs_torch"))
     return row
 
 
@@ -107,7 +111,7 @@ def best_vs_best(rows: list[dict], times: dict[str, list[float]]) -> dict | None
     key = lambda r: Case(r["name"], r["schedule"], r["virtual"], r["microbatches"]).key  # noqa: E731
     pick = lambda r: {k: r[k] for k in ("schedule", "virtual", "microbatches", "median_s")}  # noqa: E731
     return {"brigade": pick(a), "torch": {**pick(b), "torch_class": b["torch_class"]},
-            **_ci(ratio_ci(times[key(b)], times[key(a)], CONFIDENCE), "vs_torch")}
+            **_ci(times[key(b)], times[key(a)], "vs_torch")}
 
 
 def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:

@@ -99,7 +99,7 @@ def best_line(best: dict | None) -> str:
     ratio = f"×{best['vs_torch']:.2f} (95 % CI {lo:.2f}–{hi:.2f}, per-round ratios)"
     if not best["vs_torch_ranked"]:
         return (f"cannot rank: best brigade ({ours}) vs torch.distributed.pipelining's best ({theirs}) "
-                f"is {ratio}: the spread is too large to tell which is faster")
+                f"is {ratio}: the spread is too large, or the rounds too few, to tell which is faster")
     return f"best brigade pipeline ({ours}) is {ratio} torch.distributed.pipelining's best ({theirs})"
 
 

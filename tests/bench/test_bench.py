@@ -223,6 +223,16 @@ def test_a_spread_too_large_to_rank_is_said():
     assert "1.00?" in table(data)  # the row's vs-torch figure is marked: cannot rank
 
 
+def test_fewer_than_six_rounds_never_rank_even_when_every_round_agrees():
+    from brigade.bench.experiments import BenchConfig
+    from brigade.bench.figures import summarise
+
+    data = summarise(BenchConfig(batch_size=8, rounds=5), _raw([1.0] * 5, [1.5] * 5, [2.0] * 5), "cpu")
+    row = next(c for c in data["configs"] if c["name"] == "brigade")
+    assert row["vs_torch"] == pytest.approx(1.5) and row["vs_torch_ranked"] is False
+    assert data["ci_coverage"] == pytest.approx(0.9375)
+
+
 def test_configurations_are_schedule_virtual_m_with_reasons_for_the_skipped():
     from brigade.bench.experiments import BenchConfig, cases
     from brigade.bench.peers import TORCH_SCHEDULES
