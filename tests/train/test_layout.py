@@ -130,6 +130,40 @@ def test_engine_grad_norm_is_clip_grad_norms(engine_and_reference):
     torch.testing.assert_close(engine.grad_norm(), want)
 
 
+def test_a_weight_tied_across_local_stages_has_a_copy_per_stage(world1):
+    """Block 3 reuses block 0's weight; two local stages: one copy each, both holding the
+    one-device gradient, counted once in the norm, stored under one name."""
+    blocks = make_blocks()
+    blocks[3][0].weight = blocks[0][0].weight
+    reference = nn.Sequential(*copy.deepcopy(blocks))  # one deepcopy keeps the tie
+    cfg = ParallelConfig(dp=1, pp=1, local_stages=2, microbatches=2, balance="2,2")
+    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, make_layout(cfg, CPU))
+    try:
+        assert blocks[3][0].weight is not blocks[0][0].weight  # untied: each stage its own
+        assert engine.owned.aliases == {"blocks.3.0.weight": "blocks.0.0.weight"}
+        loss = engine.forward_backward(*batch(), loss_scale=1.0, sync=True)
+        torch.testing.assert_close(loss, reference_step(reference))
+        ref = dict(reference.named_parameters(remove_duplicate=False))
+        for name, p in engine.owned.named_parameters():
+            torch.testing.assert_close(p.grad, ref[name.removeprefix("blocks.")].grad, msg=name)
+        want = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+        torch.testing.assert_close(engine.grad_norm(), want)
+    finally:
+        engine.close()
+
+
+def test_a_weight_tied_within_one_stage_stays_one_parameter(world1):
+    blocks = make_blocks()
+    blocks[1][0].weight = blocks[0][0].weight
+    cfg = ParallelConfig(dp=1, pp=1, local_stages=2, microbatches=2, balance="2,2")
+    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, make_layout(cfg, CPU))
+    try:
+        assert blocks[1][0].weight is blocks[0][0].weight and engine.ties.ties == []
+        assert engine.owned.aliases == {"blocks.1.0.weight": "blocks.0.0.weight"}
+    finally:
+        engine.close()
+
+
 def test_engine_evaluate_runs_without_gradients(engine_and_reference):
     engine, reference = engine_and_reference
     grad_mode = []
