@@ -225,10 +225,13 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
     """What `bench` and `tune` both sweep over."""
     from brigade.pipeline import schedule
 
-    p.add_argument("--quick", action="store_true", help="fewer split sizes and repeats (≤ 2 min on 2 cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="one split size (fewer configurations), the same number of timed rounds")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None, help="resnet50 only")
-    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="bench: timed rounds, each timing every configuration once (default 10); "
+                        "tune: repeats per trial")
     p.add_argument("--splits", default=None, help="split sizes, like 1,4,16 (default: tutorial's, scaled)")
     p.add_argument("--schedules", default=",".join(schedule.names()),
                    help=f"comma-separated, from {schedule.expected()} (default: %(default)s)")
