@@ -106,6 +106,7 @@ class P2PTransport:
         self.mode = PREDICTED  # this step's mode (grouped policy)
         self._last_key = None  # first stage: previous step's (plan, input shapes)
         self._flag = torch.zeros(1, dtype=torch.int64, device=device)
+        self._flag_work: dist.Work | None = None  # the first stage's broadcast of this step's mode
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._known: dict[tuple[int, int, str, int], Layout] = {}  # (stage, peer, F|B, mb) -> layout
         self._headers: dict[tuple, torch.Tensor] = {}  # meta header or description, on device
@@ -138,11 +139,19 @@ class P2PTransport:
             key = (tuple(actions), message.key_of(inputs))  # structure, dtypes and shapes
             mode = mode_for(self._last_key, key, self.shapes)
             self._last_key = key
+            self._wait_flag()  # the previous step's broadcast may still read the flag
             self._flag.fill_(int(mode == PREDICTED))  # no host sync: a kernel on the device
-        dist.broadcast(self._flag, self.peers[0], group=self.group)
-        if self.first:
+            # The root needs nothing back: on gloo a blocking broadcast would hold it until every
+            # rank has joined (measured: its first action 8-25 ms late); flush() waits instead.
+            self._flag_work = dist.broadcast(self._flag, self.peers[0], group=self.group, async_op=True)
             return mode
+        dist.broadcast(self._flag, self.peers[0], group=self.group)
         return PREDICTED if self._flag.item() else DISCOVERY  # the step's one host sync
+
+    def _wait_flag(self) -> None:
+        if self._flag_work is not None:
+            self._flag_work.wait()
+            self._flag_work = None
 
     def _batches(self, actions: list[Action]) -> list[Issue]:
         """This step's batches (`ordering`); grouped ones need the whole plan, simulated once."""
@@ -317,8 +326,9 @@ class P2PTransport:
         return payload
 
     def flush(self) -> None:
-        """Wait until every send of this step has been handed over."""
+        """Wait until every send of this step (and the mode's broadcast) has been handed over."""
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+        self._wait_flag()
 
