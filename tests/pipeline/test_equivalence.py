@@ -19,6 +19,9 @@ from brigade.pipeline.pipe import LocalPipeline, Pipeline
 
 CASES = list(itertools.product(["gpipe", "1f1b"], [1, 3, 8]))
 TINY_GPT = {"gpt_cfg": GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)}
+# For pipelines driven by hand (no ProcessModel, no check): the tied head would be one Parameter
+# on two stages, which only ProcessModel and check untie and sum (tests/train, tests/test_check.py).
+UNTIED_GPT = {"gpt_cfg": GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, tie_embeddings=False)}
 MODELS = {  # id -> (model, stages, options)
     "gpt-2": ("gpt", 2, TINY_GPT),
     "gpt-4": ("gpt", 4, TINY_GPT),
@@ -177,12 +180,12 @@ def zb_data_parallel_worker(bucket_caps: list[float | None]) -> list[dict[str, f
 
     GradientReducer.finish = recording_finish
     info = groups.init(threads=1)
-    batches = [load_model("gpt", seed=0, **TINY_GPT).make_batch(8, torch.Generator().manual_seed(s))
+    batches = [load_model("gpt", seed=0, **UNTIED_GPT).make_batch(8, torch.Generator().manual_seed(s))
                for s in (1, 2)]
     mine = [(x.chunk(2)[info.rank], y.chunk(2)[info.rank]) for x, y in batches]
     out = []
     for cap in bucket_caps:
-        spec = load_model("gpt", seed=0, **TINY_GPT)
+        spec = load_model("gpt", seed=0, **UNTIED_GPT)
         ref, half = (nn.Sequential(*copy.deepcopy(spec.blocks)) for _ in range(2))
         stage_groups = [dist.new_group([0, 1]) for _ in range(2)]  # one per stage thread
 

@@ -87,7 +87,10 @@ def fp16_run(pp: int = 1, scale: float = 2.0 ** 19) -> dict:
     whether the parameters stayed as they were after the first (skipped) step."""
     vocab, train, _ = load_text_data("", 32, 0.1)
     torch.manual_seed(0)
-    blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+    # Untied: the scales that overflow were found for this model; whether 2**18 overflows is a
+    # matter of the last bits, and a tied head moves them (the tie's own tests are in tests/train).
+    blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0,
+                           tie_embeddings=False))
     info = groups.init(threads=1)
     par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // pp, microbatches=2)
     trainer = Trainer(blocks, gpt_loss, train, None, parallel=par, optim=OptimConfig(warmup_steps=2),

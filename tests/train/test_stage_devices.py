@@ -19,7 +19,7 @@ def test_local_stages_refuse_a_group_bound_to_another_gpu(monkeypatch):
     engine = SimpleNamespace(layout=SimpleNamespace(device=torch.device("cuda", 1), dp=2))
     with pytest.raises(BrigadeError, match=r"^the process group is bound to cuda:1 but stage 0 of "
                                            r"--local-stages 2 runs on cuda:2: pass local_stages=2"):
-        layout.ProcessModel._local_pipeline(engine, [], ParallelConfig(local_stages=2), None, 2, None)
+        layout.ProcessModel._local_pipeline(engine, [], [0, 1], ParallelConfig(local_stages=2), None, 2, None)
 
 
 def test_a_stage_group_is_not_created_on_a_bound_default_group(monkeypatch):
