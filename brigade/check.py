@@ -29,15 +29,16 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade import agent, groups
-from brigade.check_inputs import chain, pieces, sample, stages_of, whole
+from brigade.check_inputs import chain, pieces, sample
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
 from brigade.pipeline import microbatch
-from brigade.pipeline.partition import choose_balance
+from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import LocalPipeline, Pipeline, placement
 from brigade.pipeline.schedule import build, stages_on
 from brigade.pipeline.shared import TieGroups, find_shared, sum_tied_grads, untie
+from brigade.pipeline.side import whole
 from brigade.rendezvous import LaunchSpec
 from brigade.train.layout import _stage_group, data_parallel, make_layout
 
@@ -213,7 +214,7 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
         dist.broadcast(agreed, 0)
         balance = agreed.tolist()
     ties, tie_groups = _untie(spec.blocks, balance, placement(schedule, cfg.stages, v)[1], where)
-    stages = stages_of(spec.blocks, balance)
+    stages = split(spec.blocks, balance)
     loss, mine = _step(cfg, spec, stages, schedule, m, v, x, y, where)
     held = {b: spec.blocks[b] for s in mine for b in range(sum(balance[:s]), sum(balance[:s + 1]))}
     sum_tied_grads(ties, held, tie_groups)

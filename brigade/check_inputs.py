@@ -15,44 +15,13 @@ import torch
 from torch import nn
 
 from brigade.pipeline import microbatch
-from brigade.pipeline.partition import check_chain, split
-from brigade.pipeline.side import StageModule, needed, split_inputs
+from brigade.pipeline.partition import check_chain
+from brigade.pipeline.side import needed
 
 
 def takes_side_inputs(blocks: list[nn.Module]) -> bool:
     """Whether any block declares a side input."""
     return bool(needed(blocks))
-
-
-def whole(blocks: list[nn.Module]) -> nn.Module:
-    """The blocks as one module that takes a whole batch's inputs (the reference's model)."""
-    if not takes_side_inputs(blocks):
-        return nn.Sequential(*blocks)
-    return _WithSide(blocks)
-
-
-class _WithSide(nn.Module):
-    """All blocks as one StageModule, the batch's side inputs taken out of its inputs."""
-
-    def __init__(self, blocks: list[nn.Module]):
-        super().__init__()
-        self.stage = StageModule(blocks, check=False)
-
-    def forward(self, inputs: Any) -> Any:
-        main, side = split_inputs(inputs, self.stage.blocks())
-        return self.stage(main, side)
-
-
-def stages_of(blocks: list[nn.Module], balance: list[int]) -> list[nn.Module]:
-    """One module per stage: StageModules (blocks under their model-wide indices) when a block
-    declares side inputs, else `partition.split`'s nn.Sequentials. Blocks are shared, not copied."""
-    if not takes_side_inputs(blocks):
-        return split(blocks, balance)
-    out, start = [], 0
-    for s, n in enumerate(balance):
-        out.append(StageModule(blocks[start:start + n], range(start, start + n), stage=s))
-        start += n
-    return out
 
 
 def pieces(x: Any, n: int) -> list[Any]:
@@ -66,14 +35,5 @@ def sample(x: Any) -> torch.Tensor | None:
 
 
 def chain(blocks: list[nn.Module], x: Any) -> None:
-    """Run `x` through the blocks once: a block that cannot take the previous one's output is
-    named (with its stage, for side-input models) in one line.
-
-    Raises:
-        BrigadeError: as `partition.check_chain` or `side.StageModule`.
-    """
-    if not takes_side_inputs(blocks) and torch.is_tensor(x):
-        check_chain(blocks, x)
-        return
-    with torch.no_grad():
-        _WithSide(blocks)(x) if takes_side_inputs(blocks) else nn.Sequential(*blocks)(x)
+    """Run `x` through the blocks once (`partition.check_chain`, which takes structures too)."""
+    check_chain(blocks, x)

@@ -109,6 +109,11 @@ def batch(n: int, generator: torch.Generator, vocab_size: int = 96, block_size: 
     return {"tokens": seq[:, :-1], "padding_mask": real[:, :-1]}, targets
 
 
+def text_inputs(tokens):  # (B, T) int64 -> the inputs model() takes; used with --data FILE
+    """A text's ids as inputs: every position is real (brigade cuts text into full blocks)."""
+    return {"tokens": tokens, "padding_mask": torch.ones_like(tokens, dtype=torch.bool)}
+
+
 def loss(logits, targets):  # (B, T, V), (B, T) -> scalar
     """Mean over sequences of each sequence's mean over its real tokens.
 

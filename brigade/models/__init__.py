@@ -13,6 +13,7 @@ and uses mean-squared error against random targets (as the tutorial does).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ class ModelSpec:
     blocks: list[nn.Module]
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     make_batch: Callable[[int, torch.Generator], Batch]
+    # Trained on a text (--data): a batch of token ids (B, T) → the model's inputs (a model
+    # file's `text_inputs`, e.g. adding a padding mask); None: the ids are the inputs.
+    text_inputs: Callable[[torch.Tensor], object] | None = None
 
 
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -97,23 +101,27 @@ def load_model(name: str, seed: int = 0, **options) -> ModelSpec:
         raise BrigadeError(
             f"unknown model {name!r}: expected one of {', '.join(BUILTIN)} or path/to/file.py:factory"
         )
-    return _from_file(name)
+    return _from_file(name, **options)
 
 
-def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None) -> ModelSpec:
+def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None,
+                block_size: int | None = None) -> ModelSpec:
     """The model a run's configuration names: the one builder for training and its checks.
 
     Args:
         m: the run's model section.
         seed: draws the initial weights.
-        vocab_size: a GPT's vocabulary (the text's characters); required for "gpt", unused otherwise.
+        vocab_size: the text's characters: required for "gpt"; a model file trained on text
+            (`--data`) gets it as its factory's `vocab_size` argument, if it takes one.
+        block_size: the training sequence length, likewise for a model file's `block_size`.
 
     Raises:
         BrigadeError: as `load_model`.
         ValueError: a GPT without `vocab_size`.
     """
     if m.model != "gpt":
-        return load_model(m.model, seed=seed)
+        text = {"vocab_size": vocab_size, "block_size": block_size} if ":" in m.model else {}
+        return load_model(m.model, seed=seed, **{k: v for k, v in text.items() if v is not None})
     if vocab_size is None:
         raise ValueError("a GPT needs the vocabulary size of its text")
     gpt_cfg = GPTConfig(vocab_size, m.context, m.n_layer, m.n_head, m.n_embd, m.dropout,
@@ -132,7 +140,9 @@ def _import_file(path: Path):
     return module
 
 
-def _from_file(spec_text: str) -> ModelSpec:
+def _from_file(spec_text: str, **text) -> ModelSpec:
+    """A user's `FILE:FACTORY`; `text` (vocab_size, when training on a text) goes to the factory
+    where its signature names it."""
     file_part, _, factory_name = spec_text.rpartition(":")
     path = Path(file_part)
     if not path.is_file():
@@ -145,14 +155,15 @@ def _from_file(spec_text: str) -> ModelSpec:
             f"{path} has no factory {factory_name!r}: define it, or pick one of "
             f"{', '.join(names) or '(none)'}"
         )
+    takes = inspect.signature(factory).parameters
     try:
-        made = factory()
+        made = factory(**{k: v for k, v in text.items() if k in takes})
     except Exception as exc:
         raise BrigadeError(f"factory {spec_text} raised {type(exc).__name__}: {exc}") from None
     blocks = as_blocks(made, spec_text)
     loss_fn = getattr(module, "loss", _mse)
     make_batch = getattr(module, "batch", None) or _infer_batch(blocks)
-    return ModelSpec(spec_text, blocks, loss_fn, make_batch)
+    return ModelSpec(spec_text, blocks, loss_fn, make_batch, getattr(module, "text_inputs", None))
 
 
 def as_blocks(made: object, where: str = "model") -> list[nn.Module]:

@@ -158,12 +158,21 @@ def choose_balance(
     raise BrigadeError(f"unknown balance method {by!r}: expected params or time")
 
 
-def split(blocks: Sequence[nn.Module], balance: Sequence[int]) -> list[nn.Sequential]:
-    """Group blocks into one `nn.Sequential` per stage (modules are shared, not copied)."""
+def split(blocks: Sequence[nn.Module], balance: Sequence[int]) -> list[nn.Module]:
+    """Group blocks into one module per stage (modules are shared, not copied).
+
+    A stage is an `nn.Sequential` of its blocks; when a block of the model declares side
+    inputs (`side.needed`) every stage is a `side.StageModule` instead, which hands each block
+    its side inputs and names the block and stage when one cannot take the previous output.
+    """
+    from brigade.pipeline.side import StageModule, needed  # side imports nothing of this module
+
     check_balance(balance, len(blocks))
+    side = bool(needed(list(blocks)))
     stages, start = [], 0
-    for n in balance:
-        stages.append(nn.Sequential(*blocks[start : start + n]))
+    for s, n in enumerate(balance):
+        part = blocks[start : start + n]
+        stages.append(StageModule(part, range(start, start + n), stage=s) if side else nn.Sequential(*part))
         start += n
     return stages
 
@@ -171,9 +180,18 @@ def split(blocks: Sequence[nn.Module], balance: Sequence[int]) -> list[nn.Sequen
 def check_chain(blocks: Sequence[nn.Module], sample: torch.Tensor) -> None:
     """Run `sample` through the blocks once; name both blocks if one's output does not fit the next.
 
+    A structured sample, or blocks that take side inputs, run through `side.whole`: its
+    StageModule names the block (and stage) that cannot take what comes before it.
+
     Raises:
         BrigadeError: naming block i, block i+1 and the shape that did not fit.
     """
+    from brigade.pipeline.side import needed, whole
+
+    if needed(list(blocks)) or not torch.is_tensor(sample):
+        with torch.no_grad():
+            whole(list(blocks))(sample)
+        return
     x = sample
     with torch.no_grad():
         for i, block in enumerate(blocks):

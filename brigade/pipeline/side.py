@@ -186,3 +186,22 @@ class StageModule(nn.Module):
                 f"stage {self.stage}: {_name(block, i)} failed on {source}, "
                 f"{structure.describe(x)}: {type(exc).__name__}: {first_line} — make the blocks "
                 "agree on what passes between them") from exc
+
+
+def whole(blocks: list[nn.Module]) -> nn.Module:
+    """The blocks as one module that takes a whole batch's inputs (the reference's model)."""
+    if not needed(blocks):
+        return nn.Sequential(*blocks)
+    return _WithSide(blocks)
+
+
+class _WithSide(nn.Module):
+    """All blocks as one StageModule, the batch's side inputs taken out of its inputs."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.stage = StageModule(blocks, check=False)
+
+    def forward(self, inputs: Any) -> Any:
+        main, side = split_inputs(inputs, self.stage.blocks())
+        return self.stage(main, side)

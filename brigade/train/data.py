@@ -173,14 +173,32 @@ def build(cfg: RunConfig) -> tuple[list, object, object, object, Vocab | None]:
     """Blocks, loss, train and validation data, and vocabulary (GPT; else None) for a run.
 
     The model comes from the registry (`models.from_config`), a GPT sized to the text's real
-    vocabulary; models without a dataset train on `SyntheticData`.
+    vocabulary. A model file trains on `--data`'s characters when given one (its factory gets
+    `vocab_size` and `block_size`, its `text_inputs` makes its inputs from the ids), else on `SyntheticData`.
 
     Raises:
         BrigadeError: unreadable data, or a model the registry cannot build.
     """
-    if cfg.model.model == "gpt":
+    if cfg.model.model == "gpt" or cfg.data.data:
         vocab, train, val = load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
-        spec = from_config(cfg.model, cfg.train.seed, vocab_size=len(vocab))
+        spec = from_config(cfg.model, cfg.train.seed, vocab_size=len(vocab), block_size=cfg.data.block_size)
+        if spec.text_inputs is not None:
+            train, val = TextInputs(train, spec.text_inputs), TextInputs(val, spec.text_inputs)
         return spec.blocks, spec.loss_fn, train, val, vocab
     spec = from_config(cfg.model, cfg.train.seed)
     return spec.blocks, spec.loss_fn, SyntheticData(spec), SyntheticData(spec, 4096), None
+
+
+class TextInputs:
+    """A text dataset whose token ids become a model's inputs by the model file's `text_inputs`
+    (e.g. the ids and a padding mask for a model that takes one as a side input)."""
+
+    def __init__(self, data: CharDataset, text_inputs):
+        self.data, self.text_inputs = data, text_inputs
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def batch(self, indices: torch.Tensor):
+        x, y = self.data.batch(indices)
+        return self.text_inputs(x), y

@@ -28,6 +28,7 @@ from torch import nn
 from brigade import elastic, forensics, groups
 from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, World, resolve_layout
 from brigade.errors import RunError
+from brigade.pipeline import structure
 from brigade.train.data import Sampler
 from brigade.train.layout import ProcessModel, by_device, make_layout
 from brigade.train.metrics import Metrics
@@ -172,7 +173,8 @@ class Trainer:
         self.state.step += 1
         self.state.cursor = self.sampler.cursor
         elapsed = time.perf_counter() - start
-        tokens = self.cfg.batch_size * (x.shape[1] if x.dim() > 1 else 1)
+        first = x if torch.is_tensor(x) else structure.flatten(x, root="batch")[0][0]  # the ids
+        tokens = self.cfg.batch_size * (first.shape[1] if first.dim() > 1 else 1)
         record = {"step": self.state.step, "loss": loss_v, "lr": lr, "grad_norm": norm_v,
                   "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
         if self.scaler is not None:
