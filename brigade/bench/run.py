@@ -19,6 +19,7 @@ from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
 from brigade.pipeline import schedule
 from brigade.pipeline.partition import check_chain
+from brigade.pipeline.side import needed
 from brigade.rendezvous import LaunchSpec
 
 
@@ -57,10 +58,24 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     return cfg
 
 
+def check_timeable(spec, command: str) -> None:
+    """bench and tune time models of plain tensors: refuse a structured batch or side inputs.
+
+    Raises:
+        BrigadeError: naming the model and what to use instead.
+    """
+    x = spec.make_batch(2, torch.Generator().manual_seed(0))[0]
+    if not torch.is_tensor(x) or needed(spec.blocks):
+        what = "takes side inputs" if needed(spec.blocks) else f"takes a {type(x).__name__} batch"
+        raise BrigadeError(f"{spec.name} {what}: brigade {command} times models whose batch is one "
+                           "tensor; check it with brigade check and train it with brigade train")
+    check_chain(spec.blocks, x)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     cfg = bench_config(args)
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
-    check_chain(spec.blocks, spec.make_batch(2, torch.Generator().manual_seed(0))[0])
+    check_timeable(spec, "bench")
     if len(spec.blocks) < 2:
         raise BrigadeError(f"{cfg.model} has {len(spec.blocks)} block: bench needs at least 2 to split")
     out = Path(args.out)
