@@ -20,16 +20,33 @@ then its payloads:
                  rank 1 [1RECV_F0'] [1RECV_F0] [1SEND_B0'] ...      0SEND_F0: deadlock
 
 so `discovery_batches` cuts each batch by the round its ops complete in the
-predicted run (ops of one round never wait for one another) and each part goes
-[headers] ─host reads them─► [payloads]. `issued(plan, policy, mode)` lays out
-both modes and `simulate_nccl` runs them, issuing a receive's payload only once
-its header arrived. A real rank issues a group later than modelled only while
-all its earlier groups are done, so the modelled run stays possible.
+predicted run (ops of one round never wait for one another). Each part is up to
+three exchanges, as `P2PTransport._issue_discovery` issues them (sends, then
+receives, in each group):
+
+    GPipe, 3 stages, rank 1, a part of round 2
+    [meta headers  1SEND_F0' 1RECV_F2'] ─host reads─►
+    [descriptions  1SEND_F0" 1RECV_F2"] ─host reads─►   structures only (`message`)
+    [payloads      1SEND_F0  1RECV_F2 ]
+
+A structure's description is sent by its sender, which knows its layout, and
+received by its receiver once the meta header said a description follows: so
+both ends of a message agree, message by message, and a part whose messages are
+all plain tensors has no description group. `issued(plan, policy, mode,
+structures)` lays out both modes (`structures`: every message a structure, none,
+or the sends whose messages are) and `simulate_nccl` runs them, issuing a
+receive's description only once its header arrived and its payload only once its
+description (or, plain, its header) arrived. A real rank issues a group later than
+modelled only while all its earlier groups are done, so the modelled run stays
+possible. (A structure without tensors sends no payload: a matched pair fewer,
+which can only remove waits.)
 
 No torch import: this module is pure, like `schedule` and `ordering`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from brigade.pipeline.ordering import (
     DISCOVERY,
@@ -51,17 +68,28 @@ from brigade.pipeline.schedule import (
     stage_ranks,
 )
 
-PAYLOAD, HEADER = 0, 1  # the part of a message an `Op` carries
-Op = tuple[Action, int]  # (comm action, PAYLOAD or HEADER)
+PAYLOAD, HEADER, DESCRIPTION = 0, 1, 2  # the part of a message an `Op` carries
+Op = tuple[Action, int]  # (comm action, PAYLOAD, HEADER or DESCRIPTION)
+READ_ORDER = (HEADER, DESCRIPTION, PAYLOAD)  # a receive's parts, each issued once the earlier arrived
+Structures = bool | Collection[Action]  # every message a structure, none, or these sends' messages
 
 
-def issued(plan: Plan, policy: str, mode: str = PREDICTED) -> dict[int, list[tuple[Op, ...]]]:
+def issued(plan: Plan, policy: str, mode: str = PREDICTED,
+           structures: Structures = False) -> dict[int, list[tuple[Op, ...]]]:
     """Each rank's issued groups in stream order, for a plan with comms.
 
     In "predicted" mode each batch of `posting` is one group of payloads. In
     "discovery" mode each batch is cut into `rounds` (see `discovery_batches`) and
-    each part is two groups: its headers, then its payloads (`simulate_nccl` issues
-    a receive's payload only once its header completed: the host reads it first).
+    each part is its meta headers, then the descriptions of its structures (no group
+    when it has none), then its payloads, each group sends first as P2P issues them
+    (`simulate_nccl` issues a receive's next part only once the earlier ones completed:
+    the host reads them first).
+
+    Args:
+        plan: every rank's actions with comms. policy: "grouped" or "eager".
+        mode: "predicted" or "discovery".
+        structures: which messages are structures (discovery sends their descriptions):
+            True (all), False (none) or the send actions whose messages are.
 
     Raises:
         PlanError: an unknown policy or mode.
@@ -73,12 +101,35 @@ def issued(plan: Plan, policy: str, mode: str = PREDICTED) -> dict[int, list[tup
     for r in plan:
         groups: list[tuple[Op, ...]] = []
         for issue in posting(plan, r, policy):
-            for ops in _cut(issue.ops, done) if mode == DISCOVERY else [issue.ops]:
-                if mode == DISCOVERY:
-                    groups.append(tuple((a, HEADER) for a in ops))
-                groups.append(tuple((a, PAYLOAD) for a in ops))
+            if mode == PREDICTED:
+                groups.append(tuple((a, PAYLOAD) for a in issue.ops))
+                continue
+            for ops in _cut(issue.ops, done):
+                groups += _discovery_part(ops, structures)
         streams[r] = groups
     return streams
+
+
+def _discovery_part(ops: tuple[Action, ...], structures: Structures) -> list[tuple[Op, ...]]:
+    """[headers] [descriptions of structures] [payloads], sends first (`_issue_discovery`)."""
+    ops = tuple(a for a in ops if a.op in (SEND_F, SEND_B)) + tuple(
+        a for a in ops if a.op not in (SEND_F, SEND_B))
+    described = tuple((a, DESCRIPTION) for a in ops if _is_structure(a, structures))
+    return [g for g in (tuple((a, HEADER) for a in ops), described,
+                        tuple((a, PAYLOAD) for a in ops)) if g]
+
+
+def _is_structure(a: Action, structures: Structures) -> bool:
+    if isinstance(structures, bool):
+        return structures
+    return _send_of(a) in structures
+
+
+def _send_of(a: Action) -> Action:
+    """The send of the message that comm action `a` sends or receives."""
+    if a.op in (SEND_F, SEND_B):
+        return a
+    return Action(peer_of(a), SEND_F if a.op == RECV_F else SEND_B, a.microbatch)
 
 
 def rounds(plan: Plan, policy: str) -> dict[Action, int]:
@@ -108,7 +159,8 @@ def _cut(ops: tuple[Action, ...], done: dict[Action, int]) -> list[tuple[Action,
 
 
 def _name(op: Op) -> str:
-    return f"{op[0]}" + ("'" if op[1] == HEADER else "")  # 0SEND_F1' is 0SEND_F1's header
+    """0SEND_F1' is 0SEND_F1's meta header, 0SEND_F1" its description, 0SEND_F1 its payload."""
+    return f"{op[0]}" + {HEADER: "'", DESCRIPTION: '"'}.get(op[1], "")
 
 
 def _pair(streams: dict[int, list[tuple[Op, ...]]], ranks: dict[int, int]) -> dict[Op, Op]:
@@ -145,9 +197,10 @@ def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]],
                   ranks: dict[int, int] | None = None) -> dict[Op, int]:
     """Run issued groups as NCCL does; return the round in which each op completed.
 
-    Each rank's host issues its groups in order; a group holding the payload of a
-    receive whose header this rank also receives is issued only once that header
-    completed (the host reads it to size the payload).
+    Each rank's host issues its groups in order; a group holding the description or
+    payload of a receive is issued only once that receive's earlier parts (`READ_ORDER`)
+    in the streams completed (the host reads the header to size the description, and
+    the header or description to size the payload).
     Each rank executes its issued groups in order; an op completes with its partner
     when both sit in the groups at the head of their ranks' streams; a group leaves
     the head once all its ops completed. (Issuing a group later than this, after
@@ -192,9 +245,9 @@ def _identity(streams) -> dict[int, int]:
 
 
 def _unread(group, where, done) -> list[Op]:
-    """The headers, not yet arrived, of receives whose payloads are in `group`."""
-    return [(a, HEADER) for a, part in group if part == PAYLOAD and a.op in (RECV_F, RECV_B)
-            and (a, HEADER) in where and (a, HEADER) not in done]
+    """The earlier parts (header, description), not yet arrived, of the receives in `group`."""
+    return [(a, q) for a, part in group if a.op in (RECV_F, RECV_B)
+            for q in READ_ORDER[:READ_ORDER.index(part)] if (a, q) in where and (a, q) not in done]
 
 
 def _stuck(streams, head, done, partner, where) -> list[str]:
@@ -215,10 +268,13 @@ def _stuck(streams, head, done, partner, where) -> list[str]:
     return lines
 
 
-def check(plan: Plan, policy: str, mode: str = PREDICTED) -> None:
+def check(plan: Plan, policy: str, mode: str = PREDICTED, structures: Structures = False) -> None:
     """Prove that `plan` (with comms) runs without deadlock under NCCL with `policy` in `mode`.
+
+    Args:
+        structures: which messages are structures (`issued`): discovery sends their descriptions.
 
     Raises:
         PlanError: on a deadlock or on sends and receives that do not pair up.
     """
-    simulate_nccl(issued(plan, policy, mode), stage_ranks(plan))
+    simulate_nccl(issued(plan, policy, mode, structures), stage_ranks(plan))

@@ -102,3 +102,82 @@ def test_mispaired_streams_are_reported():
     streams = {0: [((Action(0, "SEND_F", 0), 0),)], 1: [((Action(1, "RECV_F", 1), 0),)]}
     with pytest.raises(PlanError, match="0SEND_F0 should meet 1RECV_F0"):
         nccl.simulate_nccl(streams)
+
+
+def _grid():
+    """Every schedule with V = 1 and 2 where it allows them, p in 1..4, m in 1..6."""
+    for name, sched in SCHEDULES.items():
+        for v in (sched.virtual,) if sched.virtual else (1, 2):
+            for p in range(1, 5):
+                for m in range(1, 7):
+                    yield f"{name} V={v} p={p} m={m}", validate(build(name, p, m, v))
+
+
+def test_discovery_with_structures_never_deadlocks_under_nccl():
+    for label, plan in _grid():
+        try:
+            nccl.check(plan, ordering.GROUPED, ordering.DISCOVERY, structures=True)
+        except PlanError as exc:
+            raise AssertionError(f"{label}: {exc}") from exc
+
+
+def _sends(plan, keep):
+    return {a for acts in plan.values() for a in acts if a.op in ("SEND_F", "SEND_B") and keep(a)}
+
+
+@pytest.mark.parametrize("keep", [lambda a: a.op == "SEND_F", lambda a: a.microbatch % 2,
+                                  lambda a: (a.stage + a.microbatch) % 3 == 0])
+def test_discovery_with_some_structures_never_deadlocks_under_nccl(keep):
+    """Only some messages are structures: parts with none of them have no description group."""
+    for label, plan in _grid():
+        try:
+            nccl.check(plan, ordering.GROUPED, ordering.DISCOVERY, structures=_sends(plan, keep))
+        except PlanError as exc:
+            raise AssertionError(f"{label}: {exc}") from exc
+
+
+def test_discovery_sends_headers_descriptions_then_payloads():
+    plan = validate(build("gpipe", 3, 4))
+    streams = nccl.issued(plan, ordering.GROUPED, ordering.DISCOVERY, structures=True)
+    names = [" ".join(map(nccl._name, g)) for g in streams[1]]
+    assert names[6:9] == ["1SEND_F0' 1RECV_F2'", '1SEND_F0" 1RECV_F2"', "1SEND_F0 1RECV_F2"]
+    # Only the forward messages are structures: the backward parts have no description group.
+    some = nccl.issued(plan, ordering.GROUPED, ordering.DISCOVERY, _sends(plan, lambda a: a.op == "SEND_F"))
+    names = [" ".join(map(nccl._name, g)) for g in some[1]]
+    assert names[-4:] == ["1SEND_B2' 1RECV_B3'", "1SEND_B2 1RECV_B3", "1SEND_B3'", "1SEND_B3"]
+    assert names[6:9] == ["1SEND_F0' 1RECV_F2'", '1SEND_F0" 1RECV_F2"', "1SEND_F0 1RECV_F2"]
+    assert nccl.issued(plan, ordering.GROUPED, ordering.DISCOVERY) == \
+        nccl.issued(plan, ordering.GROUPED, ordering.DISCOVERY, structures=set())
+
+
+def _merged(streams, into):
+    """A mutant: each description group merged into its part's header (-1) or payload (+1) group."""
+    out = {}
+    for r, groups in streams.items():
+        groups, kept = list(groups), []
+        for k, g in enumerate(groups):
+            if g[0][1] == nccl.DESCRIPTION:
+                groups[k + into] = groups[k + into] + g if into > 0 else groups[k + into]
+                if into < 0:
+                    kept[-1] = kept[-1] + g
+            else:
+                kept.append(groups[k])
+        out[r] = kept
+    return out
+
+
+@pytest.mark.parametrize("into, stuck", [(-1, "before (.*)' completes"), (1, 'before (.*)" completes')])
+def test_a_description_shares_no_group_with_its_header_or_payload(into, stuck):
+    """Mutants: a receive's description issued with its header (the host cannot know its
+    length yet), or its payload with its description (nor its size): caught as deadlocks."""
+    caught = 0
+    for label, plan in _grid():
+        streams = nccl.issued(plan, ordering.GROUPED, ordering.DISCOVERY, structures=True)
+        mutant = _merged(streams, into)
+        if len(plan) == 1:
+            assert mutant == streams == {0: []}, label  # one stage: nothing to send
+            continue
+        with pytest.raises(PlanError, match=f"NCCL deadlock: .*cannot issue .*{stuck}"):
+            nccl.simulate_nccl(mutant, stage_ranks(plan))
+        caught += 1
+    assert caught == sum(len(p) > 1 for _, p in _grid())
