@@ -19,15 +19,19 @@ each rank reads it: one host synchronisation per step):
                header, no host synchronisation per message.
     discovery  first step, or the first stage's input dtypes/shapes (or plan)
                changed, or shapes="dynamic": `nccl.discovery_batches`, each as
-               [headers] ─host reads received headers─► [payloads]. The layouts
-               seen become the next step's predictions.
+               [meta headers] ─host reads─► [descriptions, structures only]
+               ─host reads─► [payloads]. The layouts seen become the next
+               step's predictions.
 
 A message is a tensor or a structure (`structure.flatten`): its tensors travel in one
 batch, in flatten order, as that comm action's message, so NCCL pairs them as it pairs a
 single tensor. What describes it (`message`: structure, dtypes, shapes) travels only when
 the receiver cannot know it: in discovery, a fixed-size meta header, then for a structure
-its description (one more header exchange, issued once the meta headers are read, exactly
-like the payloads), then the payloads; in predicted mode never (the previous step's).
+its description (one more exchange, issued once the meta headers are read, as the payloads
+are once the descriptions are), then the payloads; in predicted mode never (the previous
+step's). `nccl.check(plan, "grouped", "discovery", structures=...)` proves these three
+exchanges deadlock-free, and tests/pipeline/test_nccl.py records the batches P2P issues and
+compares them with the proof's groups.
 
 Assumption: every message's structure, dtypes and shapes are a function of the plan and
 of the micro-batches' input structures, dtypes and shapes (side inputs included). A

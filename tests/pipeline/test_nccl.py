@@ -1,6 +1,7 @@
 """The NCCL proof: issued groups run as NCCL runs them, deadlocks and mispairings named."""
 
 import pytest
+import torch
 
 from brigade.pipeline import nccl, ordering
 from brigade.pipeline.plan import validate
@@ -181,3 +182,102 @@ def test_a_description_shares_no_group_with_its_header_or_payload(into, stuck):
             nccl.simulate_nccl(mutant, stage_ranks(plan))
         caught += 1
     assert caught == sum(len(p) > 1 for _, p in _grid())
+
+
+COMBOS = [(name, v) for name, s in SCHEDULES.items() for v in ((s.virtual,) if s.virtual else (1, 2))]
+WORLD, M = 3, 3
+
+
+def _structured(a) -> bool:
+    """Step 2's messages: forward ones structures from micro-batch 1 on, the rest plain."""
+    return a.op == "SEND_F" and a.microbatch > 0
+
+
+def _payload(step: int, a):
+    """What send `a` carries: steps 0 and 1 structures (two tensors and an int), step 2 mixed."""
+    t = torch.full((2 + step // 2, 3), float(10 * a.stage + a.microbatch))
+    if step < 2 or _structured(a):
+        return {"h": t, "ids": torch.arange(2 + step // 2), "mb": a.microbatch}
+    return t
+
+
+def _record_issues(rank: int, world: int, port: int, out) -> None:
+    """Run each schedule's comms for 3 steps (discovery, predicted, discovery) through
+    P2PTransport on gloo under the grouped policy, logging every batch it issues as
+    (comm action, part) per message: a part is the number of `_exchange` calls so far in
+    `_issue_discovery` (meta headers, then descriptions), payload outside them."""
+    import itertools
+
+    import torch.distributed as dist
+
+    from brigade.pipeline.p2p import P2PTransport
+
+    class Recording(P2PTransport):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.log, self.pending, self.part, self.exchanges = [], [], nccl.PAYLOAD, 0
+
+        def _issue_discovery(self, batch):
+            self.exchanges = 0
+            super()._issue_discovery(batch)
+
+        def _exchange(self, sends, recvs):
+            self.part, self.exchanges = (nccl.HEADER, nccl.DESCRIPTION)[self.exchanges], self.exchanges + 1
+            try:
+                return super()._exchange(sends, recvs)
+            finally:
+                self.part = nccl.PAYLOAD
+
+        def _op(self, a, t):
+            self.pending.append((a, self.part))
+            return super()._op(a, t)
+
+        def _start(self, ops):
+            if ops:  # one op per tensor: a message's tensors, consecutive, log as one
+                self.log.append(tuple(k for k, _ in itertools.groupby(self.pending)))
+            self.pending.clear()
+            return super()._start(ops)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    logs, wrong = {}, []
+    for name, v in COMBOS:
+        plan = validate(build(name, world, M, v))
+        ranks = stage_ranks(plan)
+        t = Recording([ranks[s] for s in range(len(ranks))], torch.device("cpu"), policy="grouped",
+                      plans=[plan])
+        for step in range(3):
+            t.log.clear()
+            t.begin_step(plan[rank], [torch.zeros(2 + step // 2, 3)] * M if ranks[0] == rank else None)
+            for a in plan[rank]:
+                if a.op.startswith("SEND"):
+                    t.send(a, _payload(step, a))
+                elif a.op.startswith("RECV"):
+                    got = t.recv(a)
+                    sent = nccl._send_of(a)
+                    if type(got) is not type(_payload(step, sent)):
+                        wrong.append(f"{name} V={v} step {step} {a}: {type(got).__name__}")
+            t.flush()
+            logs[(name, v, step)] = (t.mode, list(t.log))
+    out.put((rank, logs, wrong))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_p2p_issues_exactly_the_groups_the_proof_runs():
+    """P2P's batches, recorded on 3 gloo processes under the grouped policy, are the groups
+    `nccl.issued` lays out (same groups, same order): every schedule, discovery with
+    structures, predicted, discovery with some structures and some plain tensors."""
+    from tests.pipeline.test_transport import _spawn
+
+    results = _spawn(_record_issues, WORLD)
+    for name, v in COMBOS:
+        plan = validate(build(name, WORLD, M, v))
+        some = {a for acts in plan.values() for a in acts if a.op == "SEND_F" and _structured(a)}
+        model = [nccl.issued(plan, ordering.GROUPED, ordering.DISCOVERY, True),
+                 nccl.issued(plan, ordering.GROUPED, ordering.PREDICTED),
+                 nccl.issued(plan, ordering.GROUPED, ordering.DISCOVERY, some)]
+        for rank, (logs, wrong) in results.items():
+            assert wrong == [], f"rank {rank}: {wrong}"
+            for step, mode in enumerate(["discovery", "predicted", "discovery"]):
+                where = f"{name} V={v} step {step} rank {rank}"
+                assert logs[(name, v, step)] == (mode, model[step][rank]), where
