@@ -211,13 +211,20 @@ def _logs_specs(log_dir: str | None):
 
 
 def _first_failure(exc) -> str:
-    """One line from a ChildFailedError: which rank, and its exception message."""
-    rank, failure = min(exc.failures.items(), key=lambda kv: kv[1].timestamp or 0)
+    """One line from a ChildFailedError: which rank, and its exception message.
+
+    A worker killed by a signal comes first: its peers then fail on the broken connection, often
+    within the same second (timestamps are whole seconds), and are not the cause.
+    """
+    def killed(failure) -> bool:
+        return failure.signal_name() not in ("<N/A>", "", None)
+
+    rank, failure = min(exc.failures.items(), key=lambda kv: (not killed(kv[1]), kv[1].timestamp or 0))
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
     text = str(message).strip()
     last = text.splitlines()[-1] if text else ""
     errors = "BrigadeError|SnapshotError|RunError|PlanError|StageAborted|HangError"
     last = re.sub(rf"^[\w.]*({errors}): ", "", last)
-    if failure.signal_name() != "<N/A>" and failure.signal_name():
+    if killed(failure):
         return f"worker rank {rank} died ({failure.signal_name()})"
     return f"worker rank {rank} failed: {last or 'exit code ' + str(failure.exitcode)}"
