@@ -133,7 +133,7 @@ JOBS: dict[str, Job] = {
                       "speed-1f1b/speed.json",
                       "python -m brigade.bench.speed --schedule 1f1b --microbatches 2 --repeats 1"),
     "bench-gpt": Job("brigade bench --model gpt --quick", "bench-gpt/bench.json", f"brigade bench {TOY}"),
-    "bench": Job("brigade bench", "bench/bench.json", f"brigade bench {TOY}"),
+    "bench": Job("brigade bench --splits 4,2", "bench/bench.json", f"brigade bench {TOY}"),
     "snapshot": Job("brigade train --max-steps 300", "train/snapshot.json",
                     f"brigade train {_T} --max-steps 8 --snapshot-every 2", _snapshot),
     "restart": Job("brigade train --max-steps 300 --inject-fault kill:rank=1:step=150 --max-restarts 1",

@@ -45,8 +45,9 @@ def _main(d: dict) -> str:
             f"steps; the command took {minutes} min {seconds:02d} s")
 
 
-@row("transparency, all layouts (dp2, pp2, dp2×local2, pp2-zb, dp2×pp2, dp2×pp2-zb, dp2×local2-zb, "
-     "grad-accum, zb grad-accum under dp), 20 steps",
+@row("transparency, tied GPT, all layouts (dp2, pp2, dp2×local2, pp2-zb, dp2×pp2, dp2×pp2-zb, "
+     "dp2×local2-zb, pp2-zbv, dp2×pp2-interleaved, dp2×local2-looped-bfs, pp2-interleaved, grad-accum, "
+     "zb grad-accum under dp), 20 steps",
      "check/transparency.json", "`python -m pytest tests/train/test_trainer.py`")
 def _transparency(d: dict) -> str:
     if d["passed"] is None:  # transcribed: the tolerance the tests assert, without a run of them
@@ -121,7 +122,8 @@ def _bench_gpt(d: dict) -> str:
             f"device ({one:.3f} s); the bench took {d['wall_s']:.0f} s")
 
 
-@row("ResNet-50, 64 px, batch 32, the tutorial's split sizes scaled", "bench/bench.json", "`brigade bench`")
+@row("ResNet-50, 64 px, batch 32, split sizes 4 and 2 (m = 8, 16)", "bench/bench.json",
+     "`brigade bench --splits 4,2`")
 def _bench_resnet(d: dict) -> str:
     p = dict(headline(d["configs"]))
     one, mp = typical(p["Single device"]), typical(p["Model parallel"])
@@ -130,6 +132,31 @@ def _bench_resnet(d: dict) -> str:
             f"({_name(ours)}) {typical(ours):.3f} s; torch's best {typical(theirs):.3f} s (brigade "
             f"{_versus(d, ours, theirs)}); DDP {typical(p['DDP']):.3f} s; "
             f"the bench took {d['wall_s']:.0f} s")
+
+
+def _per_schedule(d: dict) -> str:
+    """brigade ÷ torch at each (schedule, V, m) both ran (× > 1: brigade faster; ? where the
+    per-round CI holds 1), and brigade's efficiency range."""
+    rows = [r for r in d["configs"] if r.get("name") == "brigade" and r.get("vs_torch") is not None]
+    if not rows:
+        return "no (schedule, m) that both ran"
+    parts = [f"{_name(r)} ×{r['vs_torch']:.2f}{'' if r.get('vs_torch_ranked', True) else '?'}" for r in rows]
+    effs = [r["efficiency"] for r in d["configs"] if r.get("name") == "brigade" and r.get("efficiency")]
+    slower = sum(r["vs_torch"] < 1 and r.get("vs_torch_ranked", True) for r in rows)
+    return (f"{'; '.join(parts)} — slower than torch at {slower} of {len(rows)}; brigade's efficiency "
+            f"{min(effs):.2f}–{max(effs):.2f}")
+
+
+@row("GPT, schedule for schedule: brigade ÷ torch (per-round median)", "bench-gpt/bench.json",
+     "`brigade bench --model gpt --quick`")
+def _gpt_per_schedule(d: dict) -> str:
+    return _per_schedule(d)
+
+
+@row("ResNet-50, schedule for schedule: brigade ÷ torch (per-round median)", "bench/bench.json",
+     "`brigade bench --splits 4,2`")
+def _resnet_per_schedule(d: dict) -> str:
+    return _per_schedule(d)
 
 
 @row("snapshot at the default interval (every 100 steps), main job", "train/snapshot.json",
