@@ -1,14 +1,16 @@
 """`brigade tune`: choose the layout, schedule, stages per rank, split size and cut points.
 
     1. measure each block's forward, backward and weight-gradient time at a few
-       micro-batch sizes (the two processes measure different sizes at once), the time
-       to send one activation across a cut, and the time to all-reduce the model's gradients;
+       micro-batch sizes (both processes measure every size at once, as both compute in a
+       step, and their times are averaged), the time to send one activation across a cut,
+       and the time to all-reduce the model's gradients;
     2. the space: every schedule × its stages per rank V (its fixed V, or 1 and 2 where it
        takes any, 2 only with ≥ 2·p blocks) × m of the sweep, each cut by the solver into
        p·V stages and predicted with simulate() on interpolated block costs; plus data
        parallel (dp = p: one device's step on 1/p of the batch, plus the all-reduce);
     3. time only the best predictions (at most a third of the space) in interleaved rounds
-       and keep the fastest median.
+       (as many as --verify's: with fewer, noise on a shared machine picks) and keep the
+       fastest median.
 
 `--verify` also times the whole space in interleaved rounds, the chosen configuration among
 the others, to show how close the choice is. Blocks, batches and transfers live on the
@@ -18,6 +20,7 @@ process's device; every time is read after synchronising it.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -32,8 +35,10 @@ from brigade.bench.place import ddp, place_model
 from brigade.bench.timing import (
     interleaved_rounds,
     measure,
+    median_ci_coverage,
     ping_pong,
     pipeline_step,
+    ratio_ci,
     stage_costs,
     train_step,
 )
@@ -173,12 +178,19 @@ def _step(t: _Tuner, row: dict):
 
 
 def _timer(t: _Tuner, rounds: int):
-    """rows -> each row's median seconds per step, the rows timed together in interleaved rounds."""
-    def time_all(rows: list[dict]) -> list[float]:
+    """rows -> each row's seconds per step in every round, the rows timed together in interleaved
+    rounds (round k of every row is one round)."""
+    def time_all(rows: list[dict]) -> list[list[float]]:
         steps = {row_key(r): _step(t, r) for r in rows}
         times = interleaved_rounds(steps, rounds, t.cfg.warmup, t.x.device, seed=t.cfg.seed)
-        return [statistics.median(times[row_key(r)]) for r in rows]
+        return [times[row_key(r)] for r in rows]
     return time_all
+
+
+def timed(rows: list[dict], time_all) -> None:
+    """Time `rows` together with `time_all`; each gets `rounds_s` and `mean_s`, their median."""
+    for row, rounds in zip(rows, time_all(rows), strict=True):
+        row["rounds_s"], row["mean_s"] = rounds, statistics.median(rounds)
 
 
 def verify_sweep(predictions: list[dict], chosen: dict, time_all) -> dict:
@@ -191,25 +203,29 @@ def verify_sweep(predictions: list[dict], chosen: dict, time_all) -> dict:
     Args:
         predictions: the sweep's configurations (schedule, virtual, microbatches, dp, balance, ...).
         chosen: the configuration the search kept; one of `predictions`.
-        time_all: configurations -> their measured seconds per step, in order (timed together).
+        time_all: configurations -> their seconds per step in every round, in order (timed
+            together in interleaved rounds).
 
     Returns:
-        sweep (every configuration with its new `mean_s`), sweep_best, sweep_best_mean_s,
-        chosen_sweep_mean_s (the chosen configuration's time in this sweep) and within
-        (chosen_sweep_mean_s / sweep_best_mean_s - 1).
+        sweep (every configuration with its new `mean_s`, the median of its `rounds_s`),
+        sweep_best, sweep_best_mean_s, chosen_sweep_mean_s (the chosen configuration's time in
+        this sweep), within (chosen_sweep_mean_s / sweep_best_mean_s - 1) and within_ci (95 %
+        interval of the per-round ratios chosen / best, minus 1: whether the gap is noise) with
+        within_ci_coverage (below 6 rounds the interval is their range, and covers less).
     """
     sweep = []
     for c in predictions:
-        row = {k: v for k, v in c.items() if k != "mean_s"}
+        row = {k: v for k, v in c.items() if k not in ("mean_s", "rounds_s")}
         if "mean_s" in c:
             row["search_mean_s"] = c["mean_s"]
         sweep.append(row)
-    for row, seconds in zip(sweep, time_all(sweep), strict=True):
-        row["mean_s"] = seconds
+    timed(sweep, time_all)
     best = min(sweep, key=lambda r: r["mean_s"])
     mine = next(r for r in sweep if row_key(r) == row_key(chosen))
+    _, lo, hi = ratio_ci(mine["rounds_s"], best["rounds_s"])
     return {"sweep": sweep, "sweep_best": best, "sweep_best_mean_s": best["mean_s"],
-            "chosen_sweep_mean_s": mine["mean_s"], "within": mine["mean_s"] / best["mean_s"] - 1}
+            "chosen_sweep_mean_s": mine["mean_s"], "within": mine["mean_s"] / best["mean_s"] - 1,
+            "within_ci": [lo - 1, hi - 1], "within_ci_coverage": median_ci_coverage(len(mine["rounds_s"]))}
 
 
 def _comm_per_sample(spec, x, rank) -> float:
@@ -235,18 +251,34 @@ def _allreduce_s(blocks: list[nn.Module], device: torch.device) -> float:
 
 
 def _samples(t: _Tuner, sizes: list[int]) -> dict[int, list]:
-    """Block costs at every size in `sizes`, the sizes shared out between the ranks, gathered."""
-    mine = {s: block_costs(copy.deepcopy(t.spec.blocks), t.x[:s], t.spec.loss_fn, t.y[:s])
-            for k, s in enumerate(sizes) if k % t.ranks == t.rank}
+    """Block costs at every size in `sizes`, measured by every rank at once, averaged over ranks.
+
+    Both ranks busy is how a step runs: a rank measuring alone while the other waits (one size
+    each) saw a freer machine for the larger size and under-predicted data parallel by a third.
+    """
+    mine = {s: block_costs(copy.deepcopy(t.spec.blocks), t.x[:s], t.spec.loss_fn, t.y[:s]) for s in sizes}
     parts: list = [None] * t.ranks
     dist.all_gather_object(parts, mine)
-    return {s: c for part in parts for s, c in part.items()}
+
+    def mean(size: int, block: int) -> tuple[float, ...]:  # (forward, backward, weight) over ranks
+        return tuple(statistics.fmean(c) for c in zip(*(part[size][block] for part in parts)))
+    return {s: [mean(s, i) for i in range(len(t.spec.blocks))] for s in sizes}
 
 
 def worker(cfg: BenchConfig, verify: bool) -> dict:
     """Predict the space, time the best third in interleaved rounds, keep the fastest; `verify`:
     time the whole space too. Returns the JSON of `brigade tune` (rank 0's is kept)."""
     info = groups.init(cfg.backend, threads=1)
+    result = _tune(cfg, info, verify)
+    # Every step (DDP's reducer, the pipelines) is gone before the group: a gloo group freed
+    # last by a DDP reducer joins its worker thread holding the GIL, which that thread needs.
+    gc.collect()
+    groups.destroy()
+    return result
+
+
+def _tune(cfg: BenchConfig, info, verify: bool) -> dict:
+    """The worker's body: everything it builds is freed when this returns."""
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, info.device)
     t = _Tuner(cfg, spec, x, y, info.rank, info.world_size)
@@ -264,16 +296,14 @@ def worker(cfg: BenchConfig, verify: bool) -> dict:
                          key=lambda r: r["predicted_s"])
     budget = max(1, min(3, len(predictions) // 3))
     trials = predictions[:budget]
-    for r, seconds in zip(trials, _timer(t, cfg.repeats)(trials)):
-        r["mean_s"] = seconds
+    timed(trials, _timer(t, cfg.rounds))
     chosen = min(trials, key=lambda r: r["mean_s"])
     result = {"trials": budget, "sweep_trials": len(predictions), "chosen": chosen,
               "chosen_label": label(chosen), "chosen_mean_s": chosen["mean_s"], "predictions": predictions,
               "left_out": left_out, "measured_sizes": sizes, "comm_s_per_sample": comm,
-              "allreduce_s": allreduce, "trial_rounds": cfg.repeats}
+              "allreduce_s": allreduce, "rounds": cfg.rounds}
     if verify:
         result.update(verify_sweep(predictions, chosen, _timer(t, cfg.rounds)))
-        result["sweep_rounds"] = cfg.rounds
         result["sweep_best_label"] = label(result["sweep_best"])
-    groups.destroy()
+    dist.barrier()
     return result

@@ -156,17 +156,20 @@ def test_verify_times_the_chosen_configuration_again_with_the_sweep():
     chosen = predictions[1]
     # the search's 1.0 s for zbv was a lucky draw: timed again, it is not the best
     again = {("zbv", 2): 1.3, ("interleaved", 2): 1.25, ("interleaved", 1): 1.2, (None, 1): 2.0}
+    drift = [1.0, 2.0, 1.0, 1.5, 1.0, 1.0]  # per round, hitting every configuration alike
     timed = []
 
     def time_all(rows):
         timed.append([(r["schedule"], r["virtual"]) for r in rows])
-        return [again[r["schedule"], r["virtual"]] for r in rows]
+        return [[again[r["schedule"], r["virtual"]] * d for d in drift] for r in rows]
 
     result = verify_sweep(predictions, chosen, time_all)
     assert timed == [[("zbv", 2), ("interleaved", 2), ("interleaved", 1), (None, 1)]]  # together, once
     assert result["chosen_sweep_mean_s"] == 1.25  # the chosen V = 2 row, not its V = 1 twin
     assert result["sweep_best"]["virtual"] == 1 and result["sweep_best_mean_s"] == 1.2
     assert result["within"] == pytest.approx(1.25 / 1.2 - 1)
+    assert result["within_ci"] == pytest.approx([1.25 / 1.2 - 1] * 2)  # per-round ratios: drift cancels
+    assert result["within_ci_coverage"] == pytest.approx(0.96875)  # 6 rounds: the 95 % interval
     zbv = next(r for r in result["sweep"] if r["schedule"] == "zbv")
     assert zbv["mean_s"] == 1.3 and zbv["search_mean_s"] == 1.0
 
