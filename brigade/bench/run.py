@@ -119,6 +119,7 @@ def best_line(best: dict | None) -> str:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    from brigade.bench.tune import label
     from brigade.bench.tune import worker as tune_worker
     from brigade.config import to_toml
     from brigade.fsutil import write_atomic
@@ -140,20 +141,27 @@ def run_tune(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in result.items() if k not in ("predictions", "sweep")}))
         return 0
     print(f"brigade tune: {cfg.model}, batch {cfg.batch_size}: {result['trials']} trials "
-          f"(the full sweep has {result['sweep_trials']})")
-    print(f"chosen: {chosen['schedule']}, m={chosen['microbatches']} (split size "
-          f"{math.ceil(cfg.batch_size / chosen['microbatches'])}), balance {chosen['balance']}: "
-          f"{chosen['mean_s'] * 1e3:.1f} ms/step (predicted {chosen['predicted_s'] * 1e3:.1f})")
+          f"(the full sweep has {result['sweep_trials']}: schedule × V × m, and data parallel)")
+    for gone in result["left_out"]:
+        print(f"left out: {gone['schedule']}, V={gone['virtual']}: {gone['reason']}")
+    cut = "" if chosen["balance"] is None else \
+        f" (split size {math.ceil(cfg.batch_size / chosen['microbatches'])}), balance {chosen['balance']}"
+    print(f"chosen: {label(chosen)}{cut}: {chosen['mean_s'] * 1e3:.1f} ms/step "
+          f"(predicted {chosen['predicted_s'] * 1e3:.1f})")
     if args.verify:
-        b = result["sweep_best"]
-        print(f"full sweep best: {b['schedule']}, m={b['microbatches']}: "
-              f"{b['mean_s'] * 1e3:.1f} ms/step; the choice, timed again in the sweep, "
-              f"{result['chosen_sweep_mean_s'] * 1e3:.1f} ms/step: {100 * result['within']:+.1f} % from it")
+        lo, hi = (100 * w for w in result["within_ci"])
+        best, cover = result["sweep_best"], 100 * result["within_ci_coverage"]
+        print(f"full sweep best: {label(best)}: {best['mean_s'] * 1e3:.1f} ms/step; the choice, timed "
+              f"again in the sweep, {result['chosen_sweep_mean_s'] * 1e3:.1f} ms/step: within "
+              f"{100 * result['within']:+.1f} % of it ({cover:.0f} % CI of the per-round ratio: "
+              f"{lo:+.1f} to {hi:+.1f} %)")
     print(f"wrote {toml} (brigade train --config {toml}) and {out / 'tune.json'}")
     return 0
 
 
 def _train_config(cfg: BenchConfig, chosen: dict):
+    """The train config of the configuration `tune` chose: a pipeline (schedule, V, m, balance)
+    over pp processes, or data parallel (pp = 1) over dp."""
     from brigade.config import RunConfig
 
     run = RunConfig()
@@ -161,10 +169,15 @@ def _train_config(cfg: BenchConfig, chosen: dict):
     if cfg.model == "gpt":
         g = cfg.model_options["gpt_cfg"]
         run.model.n_layer, run.model.n_head, run.model.n_embd = g.n_layer, g.n_head, g.n_embd
+        run.model.tie_embeddings = g.tie_embeddings
         run.model.context = run.data.block_size = g.block_size
-    run.parallel.nproc, run.parallel.pp, run.parallel.dp = 2, 2, 1
-    run.parallel.schedule = chosen["schedule"]
-    run.parallel.microbatches = chosen["microbatches"]
-    run.parallel.balance = ",".join(map(str, chosen["balance"]))
+    p = run.parallel
+    p.nproc, p.pp, p.dp = chosen["dp"] * chosen["pp"], chosen["pp"], chosen["dp"]
+    if chosen["pp"] > 1:
+        p.schedule, p.virtual = chosen["schedule"], chosen["virtual"]
+        p.microbatches = chosen["microbatches"]
+        p.balance = ",".join(map(str, chosen["balance"]))
+    else:
+        p.microbatches = 1  # no pipeline: each replica steps on its whole share of the batch
     run.train.batch_size = cfg.batch_size
     return run

@@ -144,6 +144,27 @@ def test_tune_searches_schedule_v_m_and_data_parallel_within_a_third_and_writes_
     assert run.returncode == 0, run.stderr
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("chosen", [
+    {"schedule": "interleaved", "virtual": 2, "microbatches": 2, "balance": [1, 3, 2, 2], "dp": 1, "pp": 2},
+    {"schedule": None, "virtual": 1, "microbatches": 1, "balance": None, "dp": 2, "pp": 1},
+], ids=["interleaved-V2", "ddp"])
+def test_a_chosen_pipeline_with_two_stages_per_rank_or_data_parallel_trains_from_tune_toml(tmp_path, chosen):
+    from brigade.bench.experiments import BenchConfig
+    from brigade.bench.run import _train_config
+    from brigade.config import to_toml
+
+    toml = tmp_path / "tune.toml"
+    toml.write_text(to_toml(_train_config(BenchConfig(model="mlp", batch_size=8), chosen)))
+    run = brigade("train", "--config", toml, "--max-steps", "1", "--out", tmp_path / "run",
+                  "--sample-tokens", "0", "--snapshot-every", "0")
+    assert run.returncode == 0, run.stderr
+    used = (tmp_path / "run" / "config.toml").read_text()  # what the run resolved and trained with
+    assert f"dp = {chosen['dp']}\npp = {chosen['pp']}" in used
+    if chosen["pp"] > 1:
+        assert 'schedule = "interleaved"' in used and "virtual = 2" in used and 'balance = "1,3,2,2"' in used
+
+
 def test_verify_times_the_chosen_configuration_again_with_the_sweep():
     from brigade.bench.tune import verify_sweep
 
