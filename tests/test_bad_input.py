@@ -99,6 +99,8 @@ CASES = [
     ("bench unknown schedule", ["bench", "--model", "toy", "--schedules", "fast"], "unknown schedule", 2),
     ("bench a model with side inputs", ["bench", "--model", "examples/llama.py:model"],
      "examples/llama.py:model takes side inputs: brigade bench times models whose batch is one tensor", 2),
+    ("tune a model with side inputs", ["tune", "--model", "examples/llama.py:model"],
+     "examples/llama.py:model takes side inputs: brigade tune times models whose batch is one tensor", 2),
     # environment
     ("rendezvous endpoint malformed", ["train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
                                        "nohost"], "expected HOST:PORT", 2),

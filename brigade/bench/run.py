@@ -126,7 +126,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
     cfg = bench_config(args)
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
-    check_chain(spec.blocks, spec.make_batch(2, torch.Generator().manual_seed(0))[0])
+    check_timeable(spec, "tune")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise BrigadeError(f"--out {args.out!r} is a file: give a folder")

@@ -87,7 +87,7 @@ def readme_commands() -> list[str]:
 def _optional_groups(cmd: str) -> str:
     """`[--json]` is part of the command; a group naming placeholders is left out."""
     def keep(m: re.Match) -> str:
-        return "" if re.search(r"\b(K|HOST|PORT|DIR)\b", m[1]) else m[1]
+        return "" if re.search(r"\b(K|HOST|PORT|DIR|V|D)\b", m[1]) else m[1]
     return re.sub(r"\[([^\]]*)\]", keep, cmd)
 
 
@@ -196,6 +196,8 @@ def trained(tmp_path_factory, tiny_run) -> Path:
 def test_readme_command_runs(cmd, tmp_path, trained):
     reads_run = re.search(r"(runs/latest|\bOUT\b|--from)", cmd) and " train" not in cmd
     out = trained if reads_run else tmp_path / "out"
+    for name in ("examples", "README.md"):  # the README's commands run from the checkout
+        (tmp_path / name).symlink_to(README.parent / name)
     results = run_all(processes(cmd, out), tmp_path, 360)
     expected = next((code for pattern, code in EXPECTED_EXIT if pattern in cmd), 0)
     for r in results:
