@@ -98,6 +98,8 @@ def _speed_figures(d: dict) -> dict[str, str]:
 
 
 def _name(row: dict) -> str:
+    if row.get("schedule") is None:  # the tuner's data-parallel candidate
+        return f"DDP, dp = {row.get('dp', 2)}"
     v = f", V = {row['virtual']}" if row.get("virtual", 1) > 1 else ""
     return f"{row['schedule'].upper()}{v}, m = {row['microbatches']}"
 
@@ -202,7 +204,8 @@ def _hang(d: dict) -> str:
             "after it started")
 
 
-@row("tuner: split size, schedule and cut points for the GPT 8×256", "tune-gpt/tune.json",
+@row("tuner: layout, schedule, stages per rank, split size and cut points for the GPT 8×256",
+     "tune-gpt/tune.json",
      "`brigade tune --model gpt --quick --verify`")
 def _tune(d: dict) -> str:
     c, b = d["chosen"], d["sweep_best"]
@@ -210,8 +213,9 @@ def _tune(d: dict) -> str:
         timed = f"{d['chosen_sweep_mean_s']:.3f} s timed again in the sweep"
     else:  # written before --verify timed the choice again
         timed = f"{d['chosen_mean_s']:.3f} s as timed by the search (not again in the sweep)"
-    return (f"{d['trials']} trials of the sweep's {d['sweep_trials']}; chose {_name(c)}, balance "
-            f"{c['balance']}: {timed}, {100 * d['within']:+.1f} % from the sweep's best ({_name(b)})")
+    balance = f", balance {c['balance']}" if c.get("balance") else ""
+    return (f"{d['trials']} trials of the sweep's {d['sweep_trials']} (schedule × V × m, and DDP); chose "
+            f"{_name(c)}{balance}: {timed}, {100 * d['within']:+.1f} % from the sweep's best ({_name(b)})")
 
 
 
