@@ -11,10 +11,9 @@ reference is one device on the whole batch (= the replicas' mean loss and averag
     local runtime     one process (dp = 1) or dp processes, each a LocalPipeline whose
                       device i DDPs with device i of the other processes
 
-BatchNorm: with m > 1 each micro-batch is normalised with its own statistics (as in
-gradient accumulation), so the reference runs the same micro-batches one after another;
-with m = 1 it is the plain full batch. BatchNorm under dp is refused: DDP broadcasts
-replica 0's running statistics, which no single device computes.
+BatchNorm: with m > 1 each micro-batch is normalised with its own statistics (as in gradient
+accumulation), so the reference runs the same micro-batches one after another; with m = 1 it is
+the full batch. Under dp it is refused: DDP broadcasts replica 0's running statistics.
 """
 
 from __future__ import annotations
