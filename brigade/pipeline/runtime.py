@@ -133,6 +133,8 @@ class StageRunner:
         self.reducers = {s: GradientReducer(m.module.parameters(), m.process_group, m.bucket_bytes_cap)
                          for s, m in self.modules.items() if isinstance(m, DistributedDataParallel)}
         self.ddp_reduces = not several  # DDP's own reducer, on plain backwards
+        self._param_lists = {s: list((m.module if isinstance(m, DistributedDataParallel) else m).parameters())
+                             for s, m in self.modules.items()}  # listed once, asked for every backward
 
     @property
     def stage(self) -> int:
@@ -228,7 +230,7 @@ class StageRunner:
         last = st.finished(s) and st.sync
         self._backward(s, y, grad, ddp_last=last and s not in st.reducers)
         if last and s in st.reducers:
-            st.reducers[s].ready(list(self._params(s)))  # starts now, overlaps what remains
+            st.reducers[s].ready(self._params(s))  # starts now, overlaps what remains
         if s > 0:
             self._pass_back(a, structure.input_grads(x), st)
 
@@ -240,7 +242,7 @@ class StageRunner:
         grad = None if s == self.n_stages - 1 else st.take(st.grads, a, "received gradient")
         ys, grads = _pairs(y, grad, s == self.n_stages - 1)
         leaves, spec = structure.flatten(x, root="input") if s > 0 else ([], None)
-        dxs, st.weight_steps[(s, a.microbatch)] = backward_split(ys, grads, leaves, list(self._params(s)))
+        dxs, st.weight_steps[(s, a.microbatch)] = backward_split(ys, grads, leaves, self._params(s))
         if s > 0:  # integer leaves (and floating ones nothing depends on) get None
             self._pass_back(a, structure.unflatten(dxs, spec), st)
 
@@ -261,9 +263,8 @@ class StageRunner:
         else:
             st.outgoing[(a.stage, a.microbatch)] = dx
 
-    def _params(self, s: int):
-        m = self.modules[s]
-        return (m.module if isinstance(m, DistributedDataParallel) else m).parameters()
+    def _params(self, s: int) -> list[torch.Tensor]:
+        return self._param_lists[s]
 
     def _record(self, a: Action) -> None:
         """Tell the hang watchdog what this rank does now, naming the peer a transfer waits on."""
