@@ -35,7 +35,7 @@ def _add_schedule(sub) -> None:
     _schedule_arg(p)
     p.add_argument("--stages", type=int, default=4, help="pipeline depth in ranks (default: 4)")
     p.add_argument("--virtual", type=int, default=0,
-                   help="stages per rank (interleaved, looped-bfs: any V; zbv: 2); "
+                   help="stages per rank (interleaved, looped-bfs: any V; zbv, dualpipev: 2); "
                         "default: the schedule's own")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -75,7 +75,8 @@ def _add_check(sub) -> None:
     _schedule_arg(p)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--virtual", type=int, default=0,
-                   help="stages per rank (0: the schedule's own; 2 for interleaved, looped-bfs, zbv)")
+                   help="stages per rank (0: the schedule's own; 2 for interleaved, looped-bfs, zbv, "
+                        "dualpipev)")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas, each on its slice of the batch (dp × stages processes)")
     p.add_argument("--runtime", default="process", choices=["process", "local"],

@@ -94,8 +94,8 @@ def cases(cfg: BenchConfig, ranks: int, n_blocks: int) -> tuple[list[Case], list
     """Every configuration to time, and the ones skipped with why.
 
     Brigade rows are (schedule, V, m) over `cfg.schedules` × `brigade_virtuals` × the splits.
-    Torch rows are every installed torch schedule whose twin is selected, plus those without a
-    brigade twin yet (DualPipeV; interleaved, looped-bfs and zbv until brigade registers them).
+    Torch rows are every installed torch schedule whose twin is selected, plus any without a
+    brigade twin (none with torch 2.13: each of its seven has one).
     """
     ms = [math.ceil(cfg.batch_size / s) for s in cfg.splits or scaled_splits(cfg.batch_size)]
     run, skipped = [Case(SINGLE, None, 1, 1), Case(MP, "gpipe", 1, 1)], []

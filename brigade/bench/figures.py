@@ -62,7 +62,7 @@ def _ideal(case: Case, raw: dict) -> tuple[str | None, list[float] | None]:
     schedule = case.schedule if case.name in (OURS, MP) else (_twin(case) or Case("", None, 0, 0)).schedule
     costs = raw["costs"].get((case.virtual, case.microbatches))
     if schedule not in names() or not costs:
-        return None, None  # a torch-only schedule (DualPipeV): brigade has no plan to simulate
+        return None, None  # a torch-only schedule: brigade has no plan to simulate
     return schedule, _ideal_rounds(schedule, raw["ranks"], case.virtual, case.microbatches, costs)
 
 

@@ -24,8 +24,8 @@ from brigade.pipeline.schedule import place
 class TorchSchedule:
     """A torch schedule class, the placement it expects, and the V values the bench runs it at.
 
-    `twin` is the brigade schedule compared with it (None: a torch-only row); `note` says why
-    when the pairing is only the nearest one.
+    `twin` is the brigade schedule compared with it (None: a torch-only row, none today: brigade
+    has all seven); `note` says why when the pairing is only the nearest one.
     """
 
     cls: str
@@ -45,7 +45,7 @@ _TABLE = {
     "zb": TorchSchedule("ScheduleInterleavedZeroBubble", "loop", (1,), "zb",
                         "nearest: torch's InterleavedZeroBubble at V = 1"),
     "zbv": TorchSchedule("ScheduleZBVZeroBubble", "v", (2,), "zbv"),
-    "dualpipev": TorchSchedule("ScheduleDualPipeV", "v", (2,), None, "torch only"),
+    "dualpipev": TorchSchedule("ScheduleDualPipeV", "v", (2,), "dualpipev"),
 }
 
 

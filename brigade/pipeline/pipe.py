@@ -4,7 +4,7 @@
     LocalPipeline  the tutorial's "model parallel": ranks on a list of devices in one
                    process, one worker thread per device, so stages overlap on CPU too.
 
-A rank holds `virtual` stages (1, or several for interleaved, looped-bfs and zbv; the
+A rank holds `virtual` stages (1, or several for interleaved, looped-bfs, zbv, dualpipev; the
 schedule's placement says which). Both build the schedule's plan once, validate it, and
 hand each rank its own action list; `step(inputs, targets)` runs forward and backward of
 one batch and returns the mean loss, `forward(inputs)` runs inference. Inputs and targets
@@ -62,7 +62,8 @@ class Pipeline:
         group: the pipeline's process group (default: the whole world).
         autocast: None (fp32), torch.bfloat16, or torch.float16, which needs a loss scale
             (`step(loss_scale=...)`; the Trainer's `LossScaler` picks it). The loss is fp32.
-        virtual: stages per rank (0: the schedule's own: 1, or 2 for interleaved, looped-bfs, zbv).
+        virtual: stages per rank (0: the schedule's own: 1, or 2 for interleaved, looped-bfs,
+            zbv, dualpipev).
         side_inputs: every side input the model's blocks declare → the block, as messages name it
             (`feed.declarations` over all stages); None: gathered from the ranks here, once.
 

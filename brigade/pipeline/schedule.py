@@ -103,7 +103,7 @@ class Schedule:
             return self.virtual or DEFAULT_VIRTUAL
         if virtual < 0 or (self.virtual is not None and virtual != self.virtual):
             can = f"exactly {self.virtual}" if self.virtual else "any V of 1 or more"
-            hint = "; interleaved, looped-bfs and zbv hold several" if self.virtual == 1 else ""
+            hint = "; interleaved, looped-bfs, zbv and dualpipev hold several" if self.virtual == 1 else ""
             raise PlanError(f"{flag} {virtual}: schedule {self.name} runs {can} stage(s) per rank"
                             f"{hint}")
         return virtual
@@ -315,4 +315,4 @@ def compute_only(plan: Plan) -> Plan:
     return {r: [a for a in acts if a.op in COMPUTE_OPS] for r, acts in plan.items()}
 
 
-from brigade.pipeline import virtual as _virtual  # noqa: E402,F401 -- registers interleaved, looped-bfs, zbv
+from brigade.pipeline import virtual as _virtual  # noqa: E402,F401 -- registers interleaved, looped-bfs, zbv, dualpipev

@@ -1,4 +1,5 @@
-"""Schedules with several stages per rank: interleaved 1F1B, looped BFS and ZB-V, as pure plans.
+"""Schedules with several stages per rank: interleaved 1F1B, looped BFS, ZB-V and DualPipeV,
+as pure plans.
 
 `--stages P` ranks each hold V stages, so the model is cut into P·V pieces; the placement
 (`schedule.place`) says which rank runs which stage. Every builder here is registered in
@@ -13,7 +14,8 @@
 
 Every rank walks its stages in one order shared by all ranks (`forward_order`), so the two
 ends of every link agree on the order of what crosses it (`plan.validate`), and each plan
-runs under NCCL's posting (`nccl.check`). No torch import.
+runs under NCCL's posting (`nccl.check`). The V schedules (zbv, dualpipev) are written per
+rank instead, as phases over a count of each stage's forwards and backwards. No torch import.
 """
 
 from __future__ import annotations
@@ -168,4 +170,69 @@ def _zbv_rank(p: int, m: int, r: int) -> list[Action]:
     run(*[(a, I), (a, W)] * (p - r))
     run(*[(b, W)] * (done(b, I) - done(b, W)))
     run(*[(a, W)] * (done(a, I) - done(a, W)))
+    return acts
+
+
+@register("dualpipev", "DualPipe folded into a V: 2 stages per rank, full backwards in the steady "
+          "state, split I/W only in the ramps (memory: 2p+1 stage activations, zbv's 2p + 1)",
+          placement=V_SHAPE, virtual=2)
+def dualpipev(n_ranks: int, n_microbatches: int, n_virtual: int = 2) -> Plan:
+    """DualPipeV (DeepSeek-V3 report, 2024; torch's ScheduleDualPipeV): ZB-V's placement, but a
+    backward is split into I and W only where a W can fill a wait (the warm-up and the drain);
+    the steady state pairs a forward of one stage with a full backward (B) of the other, so
+    the split's overhead is paid on about 2p micro-batches per rank rather than all of them.
+
+    Rank r's list, with a = stage r, b = stage 2p-1-r, n micro-batches:
+
+        warm-up   2(p-1-r) × aF,  r+1 × (aF bF),  p-1-r × (bI bW bF)
+        steady    n-2p+r+1 × (aF bB bF aB)          (torch overlaps each F with the next B)
+        drain     p-1-r × (bB bF aB),  then r+1 × (bB aB) with the last r+1 of these backwards
+                  split (I now, W later),  p-1-r × (W aI),  r+1 × W   (W: oldest pending first)
+
+    Built for max(m, 2p) micro-batches (torch's minimum: one per stage) and cut back to m:
+    actions of micro-batches ≥ m are dropped, the order of the rest is kept. With m ≥ 2p and
+    F = I = W = 1, B = 2 the bubble is ZB-V's, (p-1)/(6m+p-1); a rank holds at most 2p+1
+    stage activations (ZB-V: 2p): a steady step runs its forward before the backward it overlaps.
+
+    Raises:
+        PlanError: sizes below 1, or a V other than 2.
+    """
+    _check(n_ranks, n_microbatches, n_virtual)
+    if n_virtual != 2:
+        raise PlanError(f"virtual={n_virtual}: dualpipev holds exactly 2 stages per rank")
+    return {r: [x for x in _dualpipev_rank(n_ranks, n_microbatches, r) if x.microbatch < n_microbatches]
+            for r in range(n_ranks)}
+
+
+_OLDEST_W = (-1, W)  # a step meaning "the oldest W still pending on this rank, any stage"
+
+
+def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
+    n = max(2 * p, m)
+    a, b = r, 2 * p - 1 - r
+    count: dict[tuple[int, str], int] = {}  # B and I share a counter: one backward per (stage, mb)
+    pending: list[Action] = []
+    acts: list[Action] = []
+
+    def run(*steps: tuple[int, str]) -> None:
+        for stage, op in steps:
+            if (stage, op) == _OLDEST_W:
+                acts.append(pending.pop(0))
+                continue
+            key = (stage, F if op == F else B)
+            k = count.get(key, 0)
+            acts.append(Action(stage, op, k))
+            count[key] = k + 1
+            if op == I:
+                pending.append(Action(stage, W, k))
+
+    run(*[(a, F)] * (2 * (p - 1 - r)))
+    run(*[(a, F), (b, F)] * (r + 1))
+    run(*[(b, I), _OLDEST_W, (b, F)] * (p - 1 - r))
+    run(*[(a, F), (b, B), (b, F), (a, B)] * (n - 2 * p + r + 1))
+    run(*[(b, B), (b, F), (a, B)] * (p - 1 - r))
+    last = [(b, B), (a, B)] * (r + 1)  # the first r+1 full, the last r+1 split: W's fill the drain
+    run(*last[:r + 1], *[(s, I) for s, _ in last[r + 1:]])
+    run(*[_OLDEST_W, (a, I)] * (p - 1 - r))
+    run(*[_OLDEST_W] * (r + 1))
     return acts

@@ -2,13 +2,13 @@
 
     dp only       every process holds all blocks (a one-stage pipeline), DDP across processes
     pp only       one pipeline rank per process (Pipeline over point-to-point), holding one
-                  stage, or --virtual V of them (interleaved, looped-bfs, zbv)
+                  stage, or --virtual V of them (interleaved, looped-bfs, zbv, dualpipev)
     dp × pp       a DeviceMesh (dp, pp): a pipeline per dp row, each stage DDP'd down its column
     dp × local-pp each process drives a LocalPipeline over `local_stages` devices; stage i of
                   every process forms its own DDP group (the tutorial's DDP with model parallel)
 
 Gradients are averaged over replicas once per step: by DDP's reducer on the last backward,
-or, under zb/zbv (split I/W backward, which DDP cannot see) and whenever a rank holds several
+or, under zb/zbv/dualpipev (split I/W backward, which DDP cannot see) and whenever a rank holds several
 stages, by the stage runner's `GradientReducer` on DDP's group, bucketed, started as soon as
 that stage's last backward or weight pass is done.
 

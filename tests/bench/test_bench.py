@@ -267,6 +267,7 @@ def test_configurations_are_schedule_virtual_m_with_reasons_for_the_skipped():
     assert ("brigade", "interleaved", 2, 4) in rows and ("brigade", "1f1b", 1, 2) in rows
     assert ("torch.distributed.pipelining", "zbv", 2, 4) in rows or "zbv" not in TORCH_SCHEDULES
     assert ("torch.distributed.pipelining", "dualpipev", 2, 2) not in rows
+    assert ("brigade", "dualpipev", 2, 2) in rows  # brigade's runs any m; torch's needs m >= 2p
     assert any(s["schedule"] == "dualpipev" and "m >= 4" in s["reason"] for s in skipped)
     _, few_blocks = cases(cfg, ranks=2, n_blocks=3)
     assert any(s["name"] == "brigade" and "3 blocks" in s["reason"] for s in few_blocks)

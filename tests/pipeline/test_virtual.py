@@ -1,4 +1,4 @@
-"""Several stages per rank: interleaved 1F1B, looped BFS and ZB-V as pure plans.
+"""Several stages per rank: interleaved 1F1B, looped BFS, ZB-V and DualPipeV as pure plans.
 
 Each plan is checked like the one-stage schedules (validate, simulate, NCCL posting) over a
 grid of ranks × stages per rank × micro-batches, and each bubble against its paper.
@@ -8,8 +8,9 @@ import itertools
 import re
 
 import pytest
+import torch
 
-from brigade.pipeline import nccl, ordering
+from brigade.pipeline import microbatch, nccl, ordering, runtime
 from brigade.pipeline.plan import render, simulate, validate
 from brigade.pipeline.schedule import (
     SCHEDULES,
@@ -19,7 +20,8 @@ from brigade.pipeline.schedule import (
     place,
     stage_ranks,
 )
-from brigade.pipeline.virtual import groups, interleaved, looped_bfs, zbv
+from brigade.pipeline.virtual import dualpipev, groups, interleaved, looped_bfs, zbv
+from tests.pipeline.test_runtime import data, make_blocks, run_stages, split_stages
 
 RANKS, MICROBATCHES, VIRTUALS = (1, 2, 3, 4), (1, 2, 3, 4, 5, 8), (1, 2, 3)
 LOOPED = ("interleaved", "looped-bfs")
@@ -198,3 +200,112 @@ def test_builders_refuse_bad_sizes(args, message):
             builder(*args)
     with pytest.raises(PlanError, match="zbv holds exactly 2"):
         zbv(2, 4, 3)
+    with pytest.raises(PlanError, match="dualpipev holds exactly 2"):
+        dualpipev(2, 4, 3)
+    with pytest.raises(PlanError, match="microbatches=0"):
+        dualpipev(2, 0)
+
+
+def test_dualpipev_two_ranks_four_microbatches():
+    """Full backwards (B) in the steady state; split I/W only in the warm-up (3I0 3W0) and
+    the drain, where the W's fill what would be idle."""
+    assert plan_str(dualpipev(2, 4)) == {
+        0: "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3",
+        1: "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3",
+    }
+
+
+def _torch_dualpipev(p, m):
+    """torch's per-rank DualPipeV order, its overlapped (F; B) pairs as F then B. The builder
+    only reads the two sizes, so no stages or process group are needed."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    sizes = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+    out = {}
+    for r in range(p):
+        acts = ScheduleDualPipeV._calculate_single_rank_operations(sizes, r)
+        out[r] = " ".join(str(x) for a in acts for x in (a.sub_actions or (a,)))
+    return out
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 8)])
+def test_dualpipev_order_is_torchs(p, m):
+    assert plan_str(dualpipev(p, m)) == _torch_dualpipev(p, m)
+
+
+def test_dualpipev_is_valid_placed_and_runs_under_nccl_for_any_m():
+    """torch needs m ≥ 2p; brigade builds for 2p and cuts back, so m = 1 .. 2p-1 run too."""
+    for p, m in itertools.product(RANKS, range(1, 10)):
+        plan = validate(dualpipev(p, m))
+        assert stage_ranks(plan) == dict(enumerate(place("v", p, 2))), (p, m)
+        for mode in ordering.MODES:
+            nccl.check(plan, "grouped", mode)
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+def test_dualpipev_bubble_is_zbvs_with_fewer_split_backwards(p):
+    """With F = I = W = 1 (B = 2) and m ≥ 2p, DualPipeV idles as little as ZB-V (the ramp down
+    the V, p-1 slots a rank) while splitting only 2p-1-r of rank r's 2m backwards, whatever
+    m: the rest are full B's, so a split's overhead is paid rarely. It holds one stage
+    activation more than ZB-V per rank (2p+1: each steady step runs its F before its B), the
+    same per stage. Below 2p micro-batches the cut-back plan still beats 1F1B's bubble."""
+    for m in range(1, 3 * p + 1):
+        sim = simulate(dualpipev(p, m), 1.0, 2.0, weight=1.0)
+        if m < 2 * p:
+            assert sim.bubble_fraction < (p - 1) / (m + p - 1), (p, m)
+            continue
+        ref = simulate(zbv(p, m), 1.0, 2.0, weight=1.0)
+        assert sim.makespan == ref.makespan and sim.idle == {r: p - 1 for r in range(p)}, (p, m)
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+        assert sim.peak_held == ref.peak_held
+        assert rank_peak(dualpipev(p, m)) == {r: 2 * p + 1 for r in range(p)}
+        splits = {r: sum(a.op == "I" for a in acts) for r, acts in dualpipev(p, m).items()}
+        assert splits == {r: 2 * p - 1 - r for r in range(p)}, (p, m)
+
+
+class _RecordingReducer:
+    """Stands in for a stage's GradientReducer: notes each parameter's gradient when the runtime
+    calls it complete, to compare with the gradient at the end of the step."""
+
+    def __init__(self, params):
+        self.params, self.at_ready = list(params), {}
+
+    def reset(self):
+        pass
+
+    def ready(self, params):
+        for p in params:
+            assert id(p) not in self.at_ready, "a parameter reported ready twice"
+            self.at_ready[id(p)] = p.grad.clone()
+
+    def finish(self):
+        pass
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 5)])
+def test_dualpipev_reports_every_stage_ready_once_its_gradients_are_final(monkeypatch, p, m):
+    """Data parallel: a stage's all-reduce starts when its last backward pass is done, a W
+    (split) or a B (full, e.g. stage 3 at p = 2: 3W0 ... 3B3). Ready must come exactly once,
+    with the step's final gradient."""
+    reducers = {}
+    init = runtime.StageRunner.__init__
+
+    def with_reducers(self, modules, *args, **kwargs):
+        init(self, modules, *args, **kwargs)
+        self.reducers = {s: _RecordingReducer(mod.parameters()) for s, mod in self.modules.items()}
+        reducers.update(self.reducers)
+
+    monkeypatch.setattr(runtime.StageRunner, "__init__", with_reducers)
+    plan = validate(dualpipev(p, m))
+    x, y = data()
+    run_stages(plan, split_stages(make_blocks(2 * p), 2 * p), microbatch.split(x, m),
+               microbatch.split(y, m), microbatch.weights(len(x), m))
+    last_ops = {a.stage: a.op for acts in plan.values() for a in acts if a.op in "BW"}
+    assert {"B", "W"} <= set(last_ops.values())  # both kinds end some stage's step
+    assert sorted(reducers) == list(range(2 * p))
+    for s, red in reducers.items():
+        assert len(red.at_ready) == len(red.params), f"stage {s}: not every parameter reported"
+        for q in red.params:
+            torch.testing.assert_close(red.at_ready[id(q)], q.grad, rtol=0, atol=0)
