@@ -174,7 +174,7 @@ def _zbv_rank(p: int, m: int, r: int) -> list[Action]:
 
 
 @register("dualpipev", "DualPipe folded into a V: 2 stages per rank, full backwards in the steady "
-          "state, split I/W only in the ramps (memory: 2p+1 stage activations, zbv's 2p + 1)",
+          "state, split I/W only in the ramps (memory: 2p+1 stage activations, one more than zbv)",
           placement=V_SHAPE, virtual=2)
 def dualpipev(n_ranks: int, n_microbatches: int, n_virtual: int = 2) -> Plan:
     """DualPipeV (DeepSeek-V3 report, 2024; torch's ScheduleDualPipeV): ZB-V's placement, but a
