@@ -104,9 +104,20 @@ def _launch_config(spec: LaunchSpec, meet: rendezvous.Rendezvous):
         min_nodes=spec.min_nodes or spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
         run_id=uuid.uuid4().hex[:8] if spec.nnodes == 1 else f"brigade-{meet.endpoint}",
         rdzv_backend="c10d", rdzv_endpoint=meet.endpoint, rdzv_configs=meet.configs,
-        max_restarts=spec.max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=spec.max_restarts, monitor_interval=0.1, start_method=_start_method(),
         logs_specs=_logs_specs(spec.log_dir), local_addr=meet.local_addr,
     )
+
+
+def _start_method() -> str:
+    """How the agent starts its workers: "fork" where it is safe, since a forked worker starts
+    with torch already loaded (about 2 s of imports saved per process); "spawn" with a GPU
+    (CUDA cannot be used in a forked child) or when this process has a process group of its
+    own (the child would inherit it, with none of the threads behind it)."""
+    import torch
+    import torch.distributed as dist
+
+    return "spawn" if torch.cuda.is_available() or dist.is_initialized() else "fork"
 
 
 @contextlib.contextmanager
@@ -121,6 +132,14 @@ def _environment(values: dict[str, str]):
             os.environ.pop(k, None)
 
 
+# A worker whose peer died fails at once on the broken connection, often before the agent's next
+# poll has seen the death; the agent then reports only this symptom. Waiting a few polls first
+# lets the dead peer (its signal, its error) be the failure the agent names.
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|remote (worker|process)|"
+                        r"NCCL communicator was aborted")
+_CAUSE_FIRST_S = 0.5
+
+
 def _call_and_leave(fn: Callable[..., Any], *args: Any) -> Any:
     """Worker body: run the user's function, then leave the process group cleanly.
 
@@ -128,8 +147,17 @@ def _call_and_leave(fn: Callable[..., Any], *args: Any) -> Any:
     `_leave_once_handed_over`): the agent that sent the signal waits for it to exit.
     """
     watch_signals()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # a forked worker kept the agent's count
+        import torch
+
+        torch.set_num_threads(int(threads))
     try:
         return fn(*args)
+    except Exception as exc:
+        if _PEER_GONE.search(str(exc)):  # the agent reports one failure: let it be the cause
+            time.sleep(_CAUSE_FIRST_S)
+        raise
     finally:
         forensics.stop_all()  # their store connections first, while every store still answers
         groups.destroy()

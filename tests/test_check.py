@@ -90,7 +90,7 @@ def test_local_runtime_with_data_parallel(user_model):
 def test_local_runtime_several_stages_per_device():
     cases = [(s, m, v) for s, m, v in GRID if v == 2 and m == 3]
     results = run_check(grid_config("gpt", 1, runtime="local"), cases)
-    assert _failures(results, cases) == [] and len(results) == 3
+    assert _failures(results, cases) == [] and len(results) == len(cases) >= 4  # every V = 2 schedule
 
 
 def test_check_fails_when_a_replica_runs_the_wrong_slice(monkeypatch, user_model):
@@ -124,7 +124,7 @@ def test_llama_side_inputs_and_tied_head(stages, runtime):
              if stages * v <= 6]
     results = run_check(CheckConfig(model=LLAMA, stages=stages, runtime=runtime, batch_size=8), cases)
     assert _failures(results, cases) == []
-    assert len(results) == (8 if stages == 2 else 5)
+    assert len(results) == len(cases) and (stages == 4) != any(v == 2 for *_, v in cases)
 
 
 @pytest.mark.parametrize("flags, message", [

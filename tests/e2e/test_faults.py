@@ -171,7 +171,8 @@ def test_sigkill_from_outside_then_sigterm_then_resume(long_reference, tmp_path)
     out = tmp_path / "outside"
     proc = _start(out, "--max-restarts", "1")
     _wait_for_step(out, 45, proc)
-    workers = [p for p in _children(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    workers = [p for p in _children(proc.pid)  # forked workers, not multiprocessing's helpers
+               if "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(workers) == 2
     os.kill(workers[-1], signal.SIGKILL)
     stdout, step = _sigterm(out, proc, 60)  # past step 45: only the restarted group gets there

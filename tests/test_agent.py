@@ -1,0 +1,52 @@
+"""brigade.agent: how workers are started, and which failure the agent names."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from brigade import agent
+
+
+def test_workers_are_forked_on_cpu_and_spawned_with_a_gpu(monkeypatch):
+    assert not dist.is_initialized()
+    assert agent._start_method() == ("spawn" if torch.cuda.is_available() else "fork")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert agent._start_method() == "spawn"
+
+
+def test_a_process_with_its_own_group_spawns_its_workers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert agent._start_method() == "spawn"
+    finally:
+        dist.destroy_process_group()
+    assert agent._start_method() == "fork"
+
+
+def _what_a_worker_sees() -> tuple:
+    return os.environ.get("BRIGADE_TEST_MARK"), torch.get_num_threads(), int(os.environ["RANK"])
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_sees_the_launching_process_environment(monkeypatch):
+    monkeypatch.setenv("BRIGADE_TEST_MARK", "from the caller")
+    got = agent.launch(_what_a_worker_sees, 2)
+    assert got == {0: ("from the caller", 1, 0), 1: ("from the caller", 1, 1)}
+
+
+@pytest.mark.parametrize("message", [
+    "[gloo/transport/tcp/pair.cc:538] Connection closed by peer [127.0.0.1]:1234",
+    "Read error [127.0.0.1]:5678: Connection reset by peer",
+    "This is typically caused by a remote worker crashing.",
+])
+def test_a_broken_connection_is_recognised_as_a_symptom(message):
+    assert agent._PEER_GONE.search(message)
+
+
+def test_an_ordinary_error_is_not_a_symptom():
+    assert not agent._PEER_GONE.search("stage 1: expected a tensor of shape (4, 8), got (4, 9)")
