@@ -123,8 +123,8 @@ def cases(cfg: BenchConfig, ranks: int, n_blocks: int) -> tuple[list[Case], list
 
 
 @dataclass
-class _Bench:
-    """What a worker builds its steps from."""
+class Worker:
+    """What a bench or tuner worker builds its steps from: the run, the model, the batch, its rank."""
 
     cfg: BenchConfig
     spec: object
@@ -132,6 +132,10 @@ class _Bench:
     y: torch.Tensor
     rank: int
     ranks: int
+
+
+@dataclass
+class _Bench(Worker):
     stages: dict[int, list[nn.Module]]  # V -> the model cut into ranks × V stages (shared by rows)
     pipes: dict[Case, tuple[Pipeline, nn.Module]] = field(default_factory=dict)  # brigade's rows
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade import groups
-from brigade.bench.experiments import BenchConfig, scaled_splits
+from brigade.bench.experiments import BenchConfig, Worker, scaled_splits
 from brigade.bench.place import ddp, place_model
 from brigade.bench.timing import (
     interleaved_rounds,
@@ -150,15 +150,9 @@ def label(row: dict) -> str:
 
 
 @dataclass
-class _Tuner:
-    """What a worker builds its steps from; stages cut once per balance and shared by rows."""
+class _Tuner(Worker):
+    """Stages cut once per balance and shared by rows."""
 
-    cfg: BenchConfig
-    spec: object
-    x: torch.Tensor
-    y: torch.Tensor
-    rank: int
-    ranks: int
     stages: dict[tuple[int, ...], list[nn.Module]] = field(default_factory=dict)
 
 

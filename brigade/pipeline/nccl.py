@@ -48,25 +48,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from brigade.pipeline.ordering import (
-    DISCOVERY,
-    GROUPED,
-    MODES,
-    PREDICTED,
-    Issue,
-    peer_of,
-    posting,
-)
-from brigade.pipeline.schedule import (
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    Action,
-    Plan,
-    PlanError,
-    stage_ranks,
-)
+from brigade.pipeline.ordering import DISCOVERY, GROUPED, MODES, PREDICTED, Issue, peer_of, posting
+from brigade.pipeline.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Action, Plan, PlanError, stage_ranks
 
 PAYLOAD, HEADER, DESCRIPTION = 0, 1, 2  # the part of a message an `Op` carries
 Op = tuple[Action, int]  # (comm action, PAYLOAD, HEADER or DESCRIPTION)
