@@ -118,10 +118,10 @@ def _versus(d: dict, ours: dict, theirs: dict) -> str:
 def _bench_gpt(d: dict) -> str:
     p = dict(headline(d["configs"]))
     ours, theirs = p["brigade pipelined (best)"], p["torch pipelining (best)"]
-    one = typical(p["Single device"])
-    return (f"best brigade ({_name(ours)}) {typical(ours):.3f} s: {_versus(d, ours, theirs)} "
-            f"torch's best ({_name(theirs)}, {typical(theirs):.3f} s), ×{one / typical(ours):.2f} one "
-            f"device ({one:.3f} s); the bench took {d['wall_s']:.0f} s")
+    one, best = typical(p["Single device"]), typical(ours)
+    versus = f"{_versus(d, ours, theirs)} torch's best ({_name(theirs)}, {typical(theirs):.3f} s)"
+    single = f"×{one / best:.2f} one device ({one:.3f} s); the bench took {d['wall_s']:.0f} s"
+    return f"best brigade ({_name(ours)}) {best:.3f} s: {versus}, {single}"
 
 
 @row("ResNet-50, 64 px, batch 32, split sizes 4 and 2 (m = 8, 16)", "bench/bench.json",
