@@ -39,7 +39,7 @@ from brigade.models import load_model
 from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plan import simulate
-from brigade.pipeline.schedule import DEFAULT, build, help_text
+from brigade.pipeline.schedule import DEFAULT, SCHEDULES, build, help_text
 
 
 @dataclass
@@ -133,6 +133,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches", default="2", help="comma-separated m values")
     parser.add_argument("--schedule", default=DEFAULT, help=help_text())
     args = parser.parse_args(argv)
+    single = ", ".join(n for n, s in SCHEDULES.items() if s.virtual == 1)
+    if args.schedule not in SCHEDULES:
+        parser.error(f"--schedule {args.schedule}: unknown; expected one of {single}")
+    if SCHEDULES[args.schedule].virtual != 1:
+        bench = f"brigade bench --model mlp --batch-size 256 --splits 128 --schedules {args.schedule}"
+        parser.error(f"--schedule {args.schedule}: this bench times one stage per rank ({single}); "
+                     f"for several, run `{bench}`")
     cases = [(args.schedule, int(m)) for m in args.microbatches.split(",")]
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"  # NCCL: one GPU per process
     cfg = SpeedConfig(cases=cases, repeats=args.repeats, backend=backend)
