@@ -134,6 +134,8 @@ JOBS: dict[str, Job] = {
                       "python -m brigade.bench.speed --schedule 1f1b --microbatches 2 --repeats 1"),
     "bench-gpt": Job("brigade bench --model gpt --quick", "bench-gpt/bench.json", f"brigade bench {TOY}"),
     "bench": Job("brigade bench --splits 4,2", "bench/bench.json", f"brigade bench {TOY}"),
+    "bench-mlp": Job("brigade bench --model mlp --batch-size 256 --splits 128", "bench-mlp/bench.json",
+                     f"brigade bench {TOY}"),
     "snapshot": Job("brigade train --max-steps 300", "train/snapshot.json",
                     f"brigade train {_T} --max-steps 8 --snapshot-every 2", _snapshot),
     "restart": Job("brigade train --max-steps 300 --inject-fault kill:rank=1:step=150 --max-restarts 1",

@@ -116,6 +116,16 @@ def _versus(d: dict, ours: dict, theirs: dict) -> str:
 
 @row("GPT 8×256, context 128, batch 32", "bench-gpt/bench.json", "`brigade bench --model gpt --quick`")
 def _bench_gpt(d: dict) -> str:
+    return _best_vs_best(d)
+
+
+@row("MLP 8 × Linear(1024), batch 256, m = 2, every schedule", "bench-mlp/bench.json",
+     "`brigade bench --model mlp --batch-size 256 --splits 128`")
+def _bench_mlp(d: dict) -> str:
+    return _best_vs_best(d)
+
+
+def _best_vs_best(d: dict) -> str:
     p = dict(headline(d["configs"]))
     ours, theirs = p["brigade pipelined (best)"], p["torch pipelining (best)"]
     one, best = typical(p["Single device"]), typical(ours)
@@ -158,6 +168,12 @@ def _gpt_per_schedule(d: dict) -> str:
 @row("ResNet-50, schedule for schedule: brigade ÷ torch (per-round median)", "bench/bench.json",
      "`brigade bench --splits 4,2`")
 def _resnet_per_schedule(d: dict) -> str:
+    return _per_schedule(d)
+
+
+@row("MLP, schedule for schedule: brigade ÷ torch (per-round median)", "bench-mlp/bench.json",
+     "`brigade bench --model mlp --batch-size 256 --splits 128`")
+def _mlp_per_schedule(d: dict) -> str:
     return _per_schedule(d)
 
 
