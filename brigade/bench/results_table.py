@@ -114,15 +114,9 @@ def _versus(d: dict, ours: dict, theirs: dict) -> str:
     return f"×{b['vs_torch']:.2f} (95 % CI {lo:.2f}–{hi:.2f}{rank})"
 
 
-@row("GPT 8×256, context 128, batch 32", "bench-gpt/bench.json", "`brigade bench --model gpt --quick`")
-def _bench_gpt(d: dict) -> str:
-    return _best_vs_best(d)
-
-
-@row("MLP 8 × Linear(1024), batch 256, m = 2, every schedule", "bench-mlp/bench.json",
-     "`brigade bench --model mlp --batch-size 256 --splits 128`")
-def _bench_mlp(d: dict) -> str:
-    return _best_vs_best(d)
+_GPT = ("bench-gpt/bench.json", "`brigade bench --model gpt --quick`")
+_MLP = ("bench-mlp/bench.json", "`brigade bench --model mlp --batch-size 256 --splits 128`")
+_RESNET = ("bench/bench.json", "`brigade bench --splits 4,2`")
 
 
 def _best_vs_best(d: dict) -> str:
@@ -134,8 +128,11 @@ def _best_vs_best(d: dict) -> str:
     return f"best brigade ({_name(ours)}) {best:.3f} s: {versus}, {single}"
 
 
-@row("ResNet-50, 64 px, batch 32, split sizes 4 and 2 (m = 8, 16)", "bench/bench.json",
-     "`brigade bench --splits 4,2`")
+row("GPT 8×256, context 128, batch 32", *_GPT)(_best_vs_best)
+row("MLP 8 × Linear(1024), batch 256, m = 2, every schedule", *_MLP)(_best_vs_best)
+
+
+@row("ResNet-50, 64 px, batch 32, split sizes 4 and 2 (m = 8, 16)", *_RESNET)
 def _bench_resnet(d: dict) -> str:
     p = dict(headline(d["configs"]))
     one, mp = typical(p["Single device"]), typical(p["Model parallel"])
@@ -159,22 +156,8 @@ def _per_schedule(d: dict) -> str:
             f"{min(effs):.2f}–{max(effs):.2f}")
 
 
-@row("GPT, schedule for schedule: brigade ÷ torch (per-round median)", "bench-gpt/bench.json",
-     "`brigade bench --model gpt --quick`")
-def _gpt_per_schedule(d: dict) -> str:
-    return _per_schedule(d)
-
-
-@row("ResNet-50, schedule for schedule: brigade ÷ torch (per-round median)", "bench/bench.json",
-     "`brigade bench --splits 4,2`")
-def _resnet_per_schedule(d: dict) -> str:
-    return _per_schedule(d)
-
-
-@row("MLP, schedule for schedule: brigade ÷ torch (per-round median)", "bench-mlp/bench.json",
-     "`brigade bench --model mlp --batch-size 256 --splits 128`")
-def _mlp_per_schedule(d: dict) -> str:
-    return _per_schedule(d)
+for _model, _source in (("GPT", _GPT), ("ResNet-50", _RESNET), ("MLP", _MLP)):
+    row(f"{_model}, schedule for schedule: brigade ÷ torch (per-round median)", *_source)(_per_schedule)
 
 
 @row("snapshot at the default interval (every 100 steps), main job", "train/snapshot.json",
