@@ -236,7 +236,8 @@ def test_dualpipev_order_is_torchs(p, m):
 
 
 def test_dualpipev_is_valid_placed_and_runs_under_nccl_for_any_m():
-    """torch needs m ≥ 2p; brigade builds for 2p and cuts back, so m = 1 .. 2p-1 run too."""
+    """torch needs m ≥ 2p; brigade leaves the phases with negative counts empty and drops the
+    actions of micro-batches ≥ m, so m = 1 .. 2p-1 run too."""
     for p, m in itertools.product(RANKS, range(1, 10)):
         plan = validate(dualpipev(p, m))
         assert stage_ranks(plan) == dict(enumerate(place("v", p, 2))), (p, m)
