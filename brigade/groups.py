@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from brigade import rendezvous
+from brigade import hostmem, rendezvous
 from brigade.errors import BrigadeError
 from brigade.launchenv import launcher_env, slurm_env
 from brigade.net import free_port
@@ -85,6 +85,8 @@ def init(backend: str | None = None, threads: int | None = None,
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if threads:
         torch.set_num_threads(threads)
+    if device_type == "cpu":
+        hostmem.keep_freed_memory()
     device = local_devices(device_type, local_rank, local_stages)[0]
     if device_type == "cuda":
         torch.cuda.set_device(device)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import groups
+from brigade import groups, hostmem
 from brigade.bench.memory import stage_meter
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, local_stages, unsupported
 from brigade.bench.place import ddp, place_model
@@ -260,4 +260,4 @@ def _measure(cfg: BenchConfig, info) -> dict:
     return {"cases": [asdict(c) for c in todo], "skipped": skipped, "ranks": info.world_size,
             "times": {c.key: times[c.key] for c in todo}, "balances": balances, "memory": memory,
             "costs": {m: got[-cfg.rounds:] for m, got in costs.items()},  # the warm-up probed too
-            "trace": trace}
+            "trace": trace, "freed_memory_kept": hostmem.keep_freed_memory()}

@@ -30,7 +30,7 @@ CI_METHOD = "order-statistic (binomial) CI of the median of per-round values, 95
 def _ideal_rounds(schedule: str, ranks: int, virtual: int, m: int, costs: list) -> list[float]:
     """Per round, the makespan simulate() gives brigade's `schedule` plan on that round's costs."""
     plan = build(schedule, ranks, m, virtual)
-    return [simulate(plan, fwd, bwd, weight=wgt).makespan for fwd, bwd, wgt in costs]
+    return [simulate(plan, fwd, bwd, weight=wgt, input_grad=ing).makespan for fwd, bwd, wgt, ing in costs]
 
 
 def _twin(case: Case) -> Case | None:
@@ -85,7 +85,7 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
     row.update(_ci(ideal, times, "efficiency") if ideal else {"efficiency": None})
     if ideal and case.name in (OURS, MP):
         costs = raw["costs"][(case.virtual, case.microbatches)]
-        for k, what in enumerate(("forward", "backward", "weight")):
+        for k, what in enumerate(("forward", "backward", "weight", "input")):
             row[f"stage_{what}_s"] = [statistics.median(c[k][s] for c in costs) for s in range(row["stages"])]
     if case.key in raw["memory"]:
         row["peak_activation_bytes"], row["memory_method"] = raw["memory"][case.key]
@@ -123,5 +123,6 @@ def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:
             "skipped": raw["skipped"], "best": best_vs_best(rows, raw["times"]),
             "confidence": CONFIDENCE, "ci_method": CI_METHOD, "rounds": cfg.rounds,
             "ci_coverage": median_ci_coverage(cfg.rounds, CONFIDENCE),
-            "timeline": raw["trace"], "memory_method": ", ".join(methods)}
+            "timeline": raw["trace"], "memory_method": ", ".join(methods),
+            "freed_memory_kept": raw.get("freed_memory_kept")}
 

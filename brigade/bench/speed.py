@@ -96,14 +96,15 @@ def _case(schedule: str, m: int, raw: dict) -> dict:
     times, single = raw["times"], raw["times"]["single"]
     ours, theirs = times[f"brigade|{schedule}|{m}"], times[f"torch|{schedule}|{m}"]
     costs = raw["costs"][m][-len(ours):]
-    ideal = [simulate(build(schedule, len(raw["balance"]), m), f, b, weight=w).makespan for f, b, w in costs]
+    plan = build(schedule, len(raw["balance"]), m)
+    ideal = [simulate(plan, f, b, weight=w, input_grad=i).makespan for f, b, w, i in costs]
     peer = nearest_torch_schedule(schedule)
     vs, lo, hi = ratio_ci(theirs, ours)
     n = len(raw["balance"])
-    medians = [[statistics.median(c[k][s] for c in costs) for s in range(n)] for k in range(3)]
+    medians = [[statistics.median(c[k][s] for c in costs) for s in range(n)] for k in range(4)]
     return {"schedule": schedule, "microbatches": m, "balance": raw["balance"], "torch_schedule": peer,
             "torch_class": TORCH_SCHEDULES[peer].cls, "stage_forward_s": medians[0],
-            "stage_backward_s": medians[1], "stage_weight_s": medians[2],
+            "stage_backward_s": medians[1], "stage_weight_s": medians[2], "stage_input_s": medians[3],
             **_spread("brigade", ours), **_spread("torch_pipelining", theirs),
             "ideal_s": statistics.median(ideal), "speedup_vs_single": ratio_ci(single, ours)[0],
             "ideal_speedup": ratio_ci(single, ideal)[0], "efficiency": ratio_ci(ideal, ours)[0],

@@ -207,17 +207,18 @@ def time_single(blocks: list[nn.Module], loss_fn, x: torch.Tensor, y: torch.Tens
 
 
 def stage_costs(module: torch.nn.Module, x: torch.Tensor, loss_fn=None, target=None,
-                first: bool = False, repeats: int = 10) -> tuple[float, float, float]:
-    """Median forward, backward and weight-gradient seconds of one stage on one micro-batch.
+                first: bool = False, repeats: int = 10) -> tuple[float, float, float, float]:
+    """Median forward, backward, weight-gradient and input-gradient seconds of one stage on one
+    micro-batch.
 
-    The weight-gradient part is the W half of a split backward (see pipeline.backward);
-    no communication is included. The module and `x` share a device, synchronised before
-    every clock read.
+    The last two are the W and I halves of a split backward (see pipeline.backward), each timed:
+    together they cost more than one backward. No communication is included. The module and `x`
+    share a device, synchronised before every clock read.
     """
     from brigade.pipeline.backward import backward_split
 
     device = x.device
-    fwd, bwd, wgt = [], [], []
+    fwd, bwd, wgt, ing = [], [], [], []
     for k in range(2 * (repeats + 2)):
         inp = x.detach().requires_grad_(x.is_floating_point() and not first)
         t0 = now(device)
@@ -235,14 +236,15 @@ def stage_costs(module: torch.nn.Module, x: torch.Tensor, loss_fn=None, target=N
             t2 = now(device)
             weight_step()
             wgt.append(now(device) - t2)
+            ing.append(t2 - t1)
     module.zero_grad(set_to_none=True)
-    return statistics.median(fwd[2:]), statistics.median(bwd[2:]), statistics.median(wgt[2:])
+    return tuple(statistics.median(got[2:]) for got in (fwd, bwd, wgt, ing))
 
 
 def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tensor, y: torch.Tensor,
                          loss_fn, m: int, repeats: int = 10,
-                         held: list[int] | None = None) -> tuple[list[float], list[float], list[float]]:
-    """Every stage's (forward, backward, weight) seconds on the first of `m` micro-batches.
+                         held: list[int] | None = None) -> tuple[list[float], ...]:
+    """Every stage's (forward, backward, weight, input) seconds on the first of `m` micro-batches.
 
     Each rank measures its own stages on the input each sees, at the same time as the others
     (as in a real step, every core busy); the results are gathered on every rank, through
@@ -255,7 +257,7 @@ def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tens
     from brigade.pipeline import microbatch
 
     n = len(stages)
-    table = torch.zeros(n, 3, dtype=torch.float64, device=x.device)
+    table = torch.zeros(n, 4, dtype=torch.float64, device=x.device)
     for s in [rank] if held is None else held:
         inp = microbatch.split(x, m)[0]
         with torch.no_grad():
@@ -266,8 +268,7 @@ def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tens
         costs = stage_costs(stages[s], inp, loss_fn if last else None, target, first=s == 0, repeats=repeats)
         table[s] = torch.tensor(costs, dtype=torch.float64, device=x.device)
     dist.all_reduce(table)  # each stage measured by one rank: the sum is the gather
-    fwd, bwd, wgt = (table[:, k].tolist() for k in range(3))
-    return fwd, bwd, wgt
+    return tuple(table[:, k].tolist() for k in range(4))
 
 
 def ping_pong(t: torch.Tensor, peer: int, first: bool, recv: torch.Tensor | None = None) -> None:

@@ -51,8 +51,8 @@ from brigade.pipeline.schedule import SCHEDULES, build, stages_on
 ANY_VIRTUAL = (1, 2)  # V tried for a schedule that takes any: more would need ≥ 3·p blocks
 
 
-def block_costs(blocks: list[nn.Module], x: torch.Tensor, loss_fn, y) -> list[tuple[float, float, float]]:
-    """(forward, backward, weight) seconds of every block on input batch x (blocks on x's device)."""
+def block_costs(blocks: list[nn.Module], x: torch.Tensor, loss_fn, y) -> list[tuple[float, ...]]:
+    """(forward, backward, weight, input) seconds of every block on input batch x (on x's device)."""
     out = []
     h = x
     for i, block in enumerate(blocks):
@@ -64,7 +64,7 @@ def block_costs(blocks: list[nn.Module], x: torch.Tensor, loss_fn, y) -> list[tu
     return out
 
 
-def _interpolate(samples: dict[int, list], size: int) -> list[tuple[float, float, float]]:
+def _interpolate(samples: dict[int, list], size: int) -> list[tuple[float, ...]]:
     """Per-block costs at micro-batch `size`, linear between the measured sizes."""
     sizes = sorted(samples)
     lo = max([s for s in sizes if s <= size], default=sizes[0])
@@ -104,7 +104,7 @@ def predict(samples: dict[int, list], batch: int, m: int, schedule: str, ranks: 
     """Predicted step seconds and the balance of p·V stages that minimises the slowest one.
 
     Args:
-        samples: micro-batch size -> per-block (forward, backward, weight) seconds.
+        samples: micro-batch size -> per-block (forward, backward, weight, input) seconds.
         ranks: pipeline ranks p; virtual: stages per rank V (the plan has p·V stages).
         comm_per_sample: seconds to move one sample's activation between ranks.
 
@@ -114,11 +114,11 @@ def predict(samples: dict[int, list], batch: int, m: int, schedule: str, ranks: 
     size = math.ceil(batch / m)
     costs = _interpolate(samples, size)
     n_stages = ranks * virtual
-    balance = solve([f + b for f, b, _ in costs], n_stages)
+    balance = solve([f + b for f, b, *_ in costs], n_stages)
     bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
-    per = [[sum(c[j] for c in costs[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(3)]
+    per = [[sum(c[j] for c in costs[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(4)]
     sim = simulate(build(schedule, ranks, m, virtual), per[0], per[1], comm=comm_per_sample * size,
-                   weight=per[2])
+                   weight=per[2], input_grad=per[3])
     return sim.makespan, balance
 
 
@@ -126,7 +126,7 @@ def predict_ddp(samples: dict[int, list], batch: int, dp: int, allreduce_s: floa
     """Data parallel's predicted step: one device's forward and backward on 1/dp of the batch,
     then the gradients' all-reduce (not overlapped with the backward: an upper bound)."""
     costs = _interpolate(samples, math.ceil(batch / dp))
-    return sum(f + b for f, b, _ in costs) + allreduce_s
+    return sum(f + b for f, b, *_ in costs) + allreduce_s
 
 
 def ddp_row(samples: dict[int, list], batch: int, dp: int, allreduce_s: float) -> dict:
@@ -254,7 +254,7 @@ def _samples(t: _Tuner, sizes: list[int]) -> dict[int, list]:
     parts: list = [None] * t.ranks
     dist.all_gather_object(parts, mine)
 
-    def mean(size: int, block: int) -> tuple[float, ...]:  # (forward, backward, weight) over ranks
+    def mean(size: int, block: int) -> tuple[float, ...]:  # (forward, backward, weight, input) over ranks
         return tuple(statistics.fmean(c) for c in zip(*(part[size][block] for part in parts)))
     return {s: [mean(s, i) for i in range(len(t.spec.blocks))] for s in sizes}
 

@@ -193,7 +193,8 @@ def validate(plan: Plan) -> Plan:
     return with_comms(plan)
 
 
-def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None) -> Simulation:
+def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None,
+             input_grad=None) -> Simulation:
     """Cost a plan: when each action runs, the makespan, and the bubble.
 
     Args:
@@ -204,6 +205,9 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None)
         comm: delay between a stage finishing and its neighbour being able to start.
         weight: for split backwards, the W part of `backward` (I costs the rest);
             defaults to half of it.
+        input_grad: the I part of a split backward, when measured: splitting a backward in two
+            passes costs more than one (on CPU: I + W = 1.1-1.3 × B), so measured costs give both
+            halves; without it I = `backward` − `weight`.
 
     Returns:
         Simulation with makespan, per-rank timeline (action, start, end), busy
@@ -221,6 +225,8 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None)
         if op == F:
             return per_stage(forward, stage)
         b = per_stage(backward, stage)
+        if input_grad is not None:
+            return {B: b, I: per_stage(input_grad, stage), W: per_stage(weight, stage)}[op]
         w = b / 2 if weight is None else min(per_stage(weight, stage), b)
         return {B: b, I: b - w, W: w}[op]
 

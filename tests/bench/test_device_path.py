@@ -34,11 +34,11 @@ def _each_clock_follows_a_sync(log, device):
 
 def test_stage_costs_synchronise_before_every_clock_read(events):
     block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-    fwd, bwd, wgt = timing.stage_costs(block, torch.randn(4, 8), repeats=2)
+    fwd, bwd, wgt, ing = timing.stage_costs(block, torch.randn(4, 8), repeats=2)
     _each_clock_follows_a_sync(events, torch.device("cpu"))
     # 2 × (repeats + 2) passes, alternately forward + backward (3 reads) and forward + weight (4 reads)
     assert events.count("clock") == 4 * 3 + 4 * 4
-    assert fwd > 0 and bwd > 0 and wgt > 0
+    assert fwd > 0 and bwd > 0 and wgt > 0 and ing > 0
 
 
 def test_measure_synchronises_before_every_clock_read(events):

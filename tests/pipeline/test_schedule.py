@@ -74,6 +74,17 @@ def test_simulate_uses_per_stage_costs_and_comm():
     assert sim.timeline[0][1][1:] == (pytest.approx(11.0), pytest.approx(13.0))
 
 
+def test_simulate_costs_a_split_backward_by_its_measured_halves():
+    plan = build("zb", 2, 1)  # one micro-batch: F, F, then I and W on each stage in turn
+    rest = simulate(plan, 1.0, 4.0, weight=1.5)  # I = B − W = 2.5
+    measured = simulate(plan, 1.0, 4.0, weight=1.5, input_grad=3.0)  # I + W = 4.5 > B
+    durations = {str(a): e - s for a, s, e in measured.timeline[1]}
+    assert durations["1I0"] == pytest.approx(3.0) and durations["1W0"] == pytest.approx(1.5)
+    # 0F0 1F0 | 1I0 | 0I0 on the critical path, then the last W (on rank 0): 1 + 1 + I + I + W
+    assert rest.makespan == pytest.approx(1 + 1 + 2.5 + 2.5 + 1.5)
+    assert measured.makespan == pytest.approx(1 + 1 + 3.0 + 3.0 + 1.5)
+
+
 def test_with_comms_pairs_every_send_with_a_receive():
     full = with_comms(one_f_one_b(3, 5))
     for s in range(2):
