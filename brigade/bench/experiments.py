@@ -40,7 +40,7 @@ from brigade.bench.timing import (
 )
 from brigade.errors import BrigadeError
 from brigade.models import load_model
-from brigade.pipeline.partition import choose_balance, split
+from brigade.pipeline.partition import choose_balance, solve, split, time_costs
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.schedule import DEFAULT_VIRTUAL, SCHEDULES, names, stages_on
 
@@ -136,22 +136,35 @@ class Worker:
 
 @dataclass
 class _Bench(Worker):
-    stages: dict[int, list[nn.Module]]  # V -> the model cut into ranks × V stages (shared by rows)
+    stages: dict[tuple[int, int], list[nn.Module]]  # (V, m) -> ranks × V stages (shared by rows)
     pipes: dict[Case, tuple[Pipeline, nn.Module]] = field(default_factory=dict)  # brigade's rows
 
 
-def _agreed_balance(spec, x, n_stages: int, balance: list[int] | None) -> list[int]:
-    """Cut points where measured time balances (both systems run the same stages); rank 0's."""
-    mine = choose_balance(spec.blocks, n_stages, by="time", sample=x[: max(1, len(x) // 2)],
-                          balance=balance)
+def _agreed_balances(b: Worker, shapes: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """(V, m) -> cut points where the blocks' measured time balances over ranks × V stages, timed
+    at that m's micro-batch (rank 0's; both systems run the same stages). A block's cost is not
+    proportional to its batch: ResNet-50's last blocks cost 2x the earlier ones at 16 images and
+    7x at 4, where reading their weights dominates; cut at 16, m = 8 ran 1.5x slower."""
+    sizes = sorted({math.ceil(len(b.x) / m) for _, m in shapes})
+    costs = {n: time_costs(copy.deepcopy(b.spec.blocks), b.x[:n]) for n in sizes}
+    mine = {(v, m): choose_balance(b.spec.blocks, b.ranks, balance=b.cfg.balance) if b.cfg.balance and v == 1
+            else solve(costs[math.ceil(len(b.x) / m)], b.ranks * v) for v, m in shapes}
     agreed = [mine]
     dist.broadcast_object_list(agreed, src=0)
     return agreed[0]
 
 
+def _cut(blocks: list[nn.Module], balances: dict[tuple[int, int], list[int]]) -> dict:
+    """(V, m) -> the stages of a copy of `blocks` cut by that balance; equal balances share one."""
+    made: dict[tuple[int, ...], list[nn.Module]] = {}
+    for balance in balances.values():
+        made.setdefault(tuple(balance), split(copy.deepcopy(blocks), balance))
+    return {shape: made[tuple(balance)] for shape, balance in balances.items()}
+
+
 def _ours(b: _Bench, case: Case):
     held = stages_on(case.schedule, b.ranks, b.rank, case.virtual)
-    modules = {s: b.stages[case.virtual][s] for s in held}
+    modules = {s: b.stages[case.virtual, case.microbatches][s] for s in held}
     pipe = Pipeline(modules, case.schedule, case.microbatches, b.spec.loss_fn, device=b.x.device,
                     virtual=case.virtual)
     mine = nn.ModuleList(modules[s] for s in held)  # what a step's gradients are zeroed on
@@ -170,7 +183,7 @@ def _step(b: _Bench, case: Case):
         return train_step(wrapped, b.spec.loss_fn, b.x.chunk(b.ranks)[b.rank], b.y.chunk(b.ranks)[b.rank])
     if case.name in (OURS, MP):
         return _ours(b, case)
-    stages, placement = b.stages[case.virtual], TORCH_SCHEDULES[case.schedule].placement
+    stages, placement = b.stages[case.virtual, case.microbatches], TORCH_SCHEDULES[case.schedule].placement
     mine = {s: stages[s] for s in local_stages(placement, b.rank, b.ranks, case.virtual)}
     peer = TorchPipelining(mine, len(stages), case.schedule, case.microbatches, b.spec.loss_fn, b.x.device)
     return pipeline_step(peer, peer.module, b.x, b.y)
@@ -182,7 +195,7 @@ def _probe(b: _Bench, virtual: int, m: int, into: list):
     held = [s for s in range(b.ranks * virtual) if s % b.ranks == b.rank]
 
     def probe() -> None:
-        into.append(gathered_stage_costs(b.stages[virtual], b.rank, b.x, b.y, b.spec.loss_fn, m,
+        into.append(gathered_stage_costs(b.stages[virtual, m], b.rank, b.x, b.y, b.spec.loss_fn, m,
                                          repeats=1, held=held))
     return probe
 
@@ -241,11 +254,9 @@ def _measure(cfg: BenchConfig, info) -> dict:
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, info.device)
     todo, skipped = cases(cfg, info.world_size, len(spec.blocks))
-    virtuals = sorted({c.virtual for c in todo})
-    balances = {v: _agreed_balance(spec, x, info.world_size * v, cfg.balance if v == 1 else None)
-                for v in virtuals}
-    b = _Bench(cfg, spec, x, y, info.rank, info.world_size,
-               {v: split(copy.deepcopy(spec.blocks), balances[v]) for v in virtuals})
+    shapes = sorted({(c.virtual, c.microbatches) for c in todo if c.name in (MP, OURS, PEER)})
+    balances = _agreed_balances(Worker(cfg, spec, x, y, info.rank, info.world_size), shapes)
+    b = _Bench(cfg, spec, x, y, info.rank, info.world_size, _cut(spec.blocks, balances))
     steps = _steps(b, todo, skipped)
     todo = [c for c in todo if c.key in steps]
     costs: dict[tuple[int, int], list] = {vm: [] for vm in sorted({(c.virtual, c.microbatches)

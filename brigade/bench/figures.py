@@ -76,7 +76,7 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
     if case.name == SINGLE:
         row["speedup_vs_single_ranked"] = None  # itself, by definition 1
     if pipelined:
-        row["balance"] = raw["balances"][case.virtual]
+        row["balance"] = raw["balances"][case.virtual, case.microbatches]
     if case.name == PEER:
         row["torch_class"] = TORCH_SCHEDULES[case.schedule].cls
     _, ideal = _ideal(case, raw)
@@ -118,8 +118,8 @@ def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:
     """bench.json: one row per configuration (see the module doc), the best pair, the trace."""
     rows = [_row(cfg, Case(**c), raw) for c in raw["cases"]]
     methods = sorted({m for _, m in raw["memory"].values()})
-    return {"config": asdict(cfg), "device": device, "balance": raw["balances"][1],
-            "balances": {str(v): b for v, b in raw["balances"].items()}, "configs": rows,
+    return {"config": asdict(cfg), "device": device,
+            "balances": {f"V{v} m{m}": b for (v, m), b in raw["balances"].items()}, "configs": rows,
             "skipped": raw["skipped"], "best": best_vs_best(rows, raw["times"]),
             "confidence": CONFIDENCE, "ci_method": CI_METHOD, "rounds": cfg.rounds,
             "ci_coverage": median_ci_coverage(cfg.rounds, CONFIDENCE),

@@ -215,7 +215,7 @@ def _raw(ours: list[float], theirs: list[float], single: list[float]) -> dict:
     times = dict(zip((c.key for c in cases), (single, ours, theirs), strict=True))
     costs = [([0.1 * t, 0.1 * t], [0.2 * t, 0.2 * t], [0.1 * t, 0.1 * t], [0.1 * t, 0.1 * t]) for t in ours]
     return {"cases": [c.__dict__ for c in cases], "skipped": [], "ranks": 2, "times": times,
-            "balances": {1: [1, 2]}, "memory": {}, "costs": {(1, 2): costs}, "trace": None}
+            "balances": {(1, 2): [1, 2]}, "memory": {}, "costs": {(1, 2): costs}, "trace": None}
 
 
 def test_ratios_per_round_cancel_drift_that_hits_every_configuration():
