@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from brigade.errors import BrigadeError
 
@@ -190,7 +190,19 @@ def build(schedule: str, n_ranks: int, n_microbatches: int, virtual: int = 0) ->
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
     sched = SCHEDULES[schedule]
-    return sched.build(n_ranks, n_microbatches, sched.resolve_virtual(virtual))
+    return whole_first_backward(sched.build(n_ranks, n_microbatches, sched.resolve_virtual(virtual)))
+
+
+def whole_first_backward(plan: Plan) -> Plan:
+    """Stage 0's split backwards as whole ones: each I becomes a B, its W goes.
+
+    The first stage has no input gradient to hurry back, so its I does nothing and its W is
+    the whole backward, deferred — later than need be, on tensors gone cold (a ResNet-50 stage:
+    a deferred W 52 ms against a backward of 47). Run at the I's place instead, it costs the
+    same in any plan's order and frees the micro-batch's activations sooner.
+    """
+    return {r: [replace(a, op=B) if a.stage == 0 and a.op == I else a
+                for a in acts if not (a.stage == 0 and a.op == W)] for r, acts in plan.items()}
 
 
 def _check_sizes(n_stages: int, n_microbatches: int) -> None:

@@ -222,9 +222,10 @@ def test_zero_bubble_data_parallel_gradients_match_single_device():
             assert case["halves_differ"] > 1e-3, "a replica's half must differ from the full batch"
             assert case["accumulating"] <= 1e-5, f"rank {rank}: sync=False must not reduce"
             assert case["synced"] <= 1e-5, f"rank {rank}: {case}"
-            # Reduced once per stage, every bucket started inside the last weight pass.
+            # Stage 1 (split backward) reduced once, every bucket started inside its last weight
+            # pass; stage 0 runs whole backwards (schedule.whole_first_backward): DDP reduces it.
             assert case["early"] == case["buckets"], case
-        assert cases[1]["buckets"] > cases[0]["buckets"] >= 2, cases
+        assert cases[1]["buckets"] > cases[0]["buckets"] >= 1, cases
 
 
 def grouped_policy_worker():

@@ -6,7 +6,10 @@ import pytest
 
 from brigade.pipeline.plan import render, simulate, validate
 from brigade.pipeline.schedule import (
+    SCHEDULES,
     Action,
+    B,
+    F,
     PlanError,
     build,
     forward_only,
@@ -75,14 +78,29 @@ def test_simulate_uses_per_stage_costs_and_comm():
 
 
 def test_simulate_costs_a_split_backward_by_its_measured_halves():
-    plan = build("zb", 2, 1)  # one micro-batch: F, F, then I and W on each stage in turn
+    plan = build("zb", 2, 1)  # one micro-batch: 0F0 1F0 1I0, then 0B0 beside 1W0
     rest = simulate(plan, 1.0, 4.0, weight=1.5)  # I = B − W = 2.5
     measured = simulate(plan, 1.0, 4.0, weight=1.5, input_grad=3.0)  # I + W = 4.5 > B
     durations = {str(a): e - s for a, s, e in measured.timeline[1]}
     assert durations["1I0"] == pytest.approx(3.0) and durations["1W0"] == pytest.approx(1.5)
-    # 0F0 1F0 | 1I0 | 0I0 on the critical path, then the last W (on rank 0): 1 + 1 + I + I + W
-    assert rest.makespan == pytest.approx(1 + 1 + 2.5 + 2.5 + 1.5)
-    assert measured.makespan == pytest.approx(1 + 1 + 3.0 + 3.0 + 1.5)
+    assert rest.makespan == pytest.approx(1 + 1 + 2.5 + 4)
+    assert measured.makespan == pytest.approx(1 + 1 + 3.0 + 4)
+
+
+@pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
+def test_the_first_stage_backward_is_whole_and_never_later(schedule):
+    """Stage 0 has no input gradient: its I does nothing and its W is the whole backward.
+    Run as one B at the I's place, no plan ends later (costs: F 1, B 2, W 1, stage 0's W 2)."""
+    raw = SCHEDULES[schedule].build
+    for p, m in itertools.product((2, 3, 4), (1, 2, 3, 4, 8)):
+        v = SCHEDULES[schedule].virtual or 1
+        plan, before = build(schedule, p, m), raw(p, m, v)
+        ops = {a.op for acts in plan.values() for a in acts if a.stage == 0}
+        assert ops == {F, B}, (p, m, ops)
+        n = p * v
+        weight, inputs = [2.0] + [1.0] * (n - 1), [0.0] + [1.0] * (n - 1)
+        assert simulate(plan, 1.0, 2.0, weight=weight, input_grad=inputs).makespan <= \
+            simulate(before, 1.0, 2.0, weight=weight, input_grad=inputs).makespan + 1e-9, (p, m)
 
 
 def test_with_comms_pairs_every_send_with_a_receive():
