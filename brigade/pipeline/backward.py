@@ -77,9 +77,15 @@ def _frontier(roots: list, x_nodes: set, param_nodes: dict) -> tuple[dict, set]:
 
 
 def _accumulate(params: list[torch.Tensor], grads) -> None:
-    for p, g in zip(params, grads):
-        if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
+    """Add into `.grad` in place, as autograd does: no new tensor per micro-batch."""
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
 
 
 def _whole(ys, grads, params) -> Callable[[Ready | None], None]:
