@@ -219,6 +219,9 @@ def _add_bench(sub) -> None:
     _model_arg(p, "resnet50")
     p.add_argument("--out", default="results/bench")
     _sweep_args(p)
+    p.add_argument("--malloc-defaults", action="store_true",
+                   help="on CPU, leave malloc as it is (freed memory goes back to the OS), to see what "
+                        "keeping it saves (brigade.hostmem)")
     p.set_defaults(func=cmd_bench)
 
 

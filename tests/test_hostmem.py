@@ -49,3 +49,16 @@ def test_kept_memory_is_not_faulted_in_again():
 def test_switched_off_by_the_environment(monkeypatch, value):
     monkeypatch.setenv(hostmem.ENV, value)
     assert not hostmem._enabled()
+
+
+def test_the_bench_flag_leaves_malloc_alone_in_its_workers_only(monkeypatch):
+    from brigade.bench.run import _malloc_defaults
+
+    monkeypatch.setenv(hostmem.ENV, "1")
+    with _malloc_defaults(True):
+        assert not hostmem._enabled()  # what each worker reads as it joins the group
+    assert hostmem._enabled()
+    monkeypatch.delenv(hostmem.ENV)
+    with _malloc_defaults(False):
+        assert hostmem.ENV not in os.environ
+    assert hostmem.ENV not in os.environ

@@ -134,6 +134,8 @@ JOBS: dict[str, Job] = {
                       "python -m brigade.bench.speed --schedule 1f1b --microbatches 2 --repeats 1"),
     "bench-gpt": Job("brigade bench --model gpt --quick", "bench-gpt/bench.json", f"brigade bench {TOY}"),
     "bench": Job("brigade bench --splits 4,2", "bench/bench.json", f"brigade bench {TOY}"),
+    "bench-malloc": Job("brigade bench --splits 4 --schedules 1f1b --malloc-defaults",
+                        "bench-malloc/bench.json", f"brigade bench {TOY} --malloc-defaults"),
     "bench-mlp": Job("brigade bench --model mlp --batch-size 256 --splits 128", "bench-mlp/bench.json",
                      f"brigade bench {TOY}"),
     "snapshot": Job("brigade train --max-steps 300", "train/snapshot.json",

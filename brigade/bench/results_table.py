@@ -143,6 +143,16 @@ def _bench_resnet(d: dict) -> str:
             f"the bench took {d['wall_s']:.0f} s")
 
 
+@row("ResNet-50 as above, m = 8, with malloc's defaults (freed memory handed back to the OS)",
+     "bench-malloc/bench.json", "`brigade bench --splits 4 --schedules 1f1b --malloc-defaults`")
+def _malloc_defaults(d: dict) -> str:
+    at = {(r["name"], r["schedule"], r["microbatches"]): r["median_s"] for r in d["configs"]}
+    kept = "kept" if d.get("freed_memory_kept") else "handed back"
+    return (f"single {at['single', None, 1]:.3f} s; 1F1B brigade {at['brigade', '1f1b', 8]:.3f} s, torch "
+            f"{at['torch.distributed.pipelining', '1f1b', 8]:.3f} s; DDP {at['ddp', None, 1]:.3f} s (freed "
+            f"memory {kept})")
+
+
 def _per_schedule(d: dict) -> str:
     """brigade ÷ torch at each (schedule, V, m) both ran (× > 1: brigade faster; ? where the
     per-round CI holds 1), and brigade's efficiency range."""

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 import torch
 
-from brigade import agent
+from brigade import agent, hostmem
 from brigade.bench import plot
 from brigade.bench.experiments import BenchConfig, worker
 from brigade.bench.figures import summarise
@@ -87,7 +89,8 @@ def run_bench(args: argparse.Namespace) -> int:
           f"{cfg.splits or 'the tutorial’s, scaled'}, {cfg.rounds} interleaved rounds, on {device}",
           flush=True)
     start = time.perf_counter()
-    raw = agent.launch(worker, LaunchSpec(2, port=args.port), cfg)[0]
+    with _malloc_defaults(getattr(args, "malloc_defaults", False)):
+        raw = agent.launch(worker, LaunchSpec(2, port=args.port), cfg)[0]
     data = summarise(cfg, raw, device)
     data["wall_s"] = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
@@ -103,6 +106,23 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'bench.json'}, " + ", ".join(p.name for p in pngs)
           + f", timeline_trace.json in {data['wall_s']:.0f} s")
     return 0
+
+
+@contextlib.contextmanager
+def _malloc_defaults(on: bool):
+    """Workers started inside leave malloc as it is (`on`), instead of keeping freed memory."""
+    if not on:
+        yield
+        return
+    before = os.environ.get(hostmem.ENV)
+    os.environ[hostmem.ENV] = "0"  # read by each worker as it joins the group (brigade.hostmem)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(hostmem.ENV)
+        else:
+            os.environ[hostmem.ENV] = before
 
 
 def best_line(best: dict | None) -> str:
