@@ -144,7 +144,7 @@ def _agreed_balances(b: Worker, shapes: list[tuple[int, int]]) -> dict[tuple[int
     """(V, m) -> cut points where the blocks' measured time balances over ranks × V stages, timed
     at that m's micro-batch (rank 0's; both systems run the same stages). A block's cost is not
     proportional to its batch: ResNet-50's last blocks cost 2x the earlier ones at 16 images and
-    7x at 4, where reading their weights dominates; cut at 16, m = 8 ran 1.5x slower."""
+    7x at 4, where reading their weights dominates; cut at 16, GPipe at m = 8 ran 1.35x slower."""
     sizes = sorted({math.ceil(len(b.x) / m) for _, m in shapes})
     costs = {n: time_costs(copy.deepcopy(b.spec.blocks), b.x[:n]) for n in sizes}
     mine = {(v, m): choose_balance(b.spec.blocks, b.ranks, balance=b.cfg.balance) if b.cfg.balance and v == 1
