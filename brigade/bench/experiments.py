@@ -145,10 +145,13 @@ def _agreed_balances(b: Worker, shapes: list[tuple[int, int]]) -> dict[tuple[int
     at that m's micro-batch (rank 0's; both systems run the same stages). A block's cost is not
     proportional to its batch: ResNet-50's last blocks cost 2x the earlier ones at 16 images and
     7x at 4, where reading their weights dominates; cut at 16, GPipe at m = 8 ran 1.35x slower."""
-    sizes = sorted({math.ceil(len(b.x) / m) for _, m in shapes})
-    costs = {n: time_costs(copy.deepcopy(b.spec.blocks), b.x[:n]) for n in sizes}
-    mine = {(v, m): choose_balance(b.spec.blocks, b.ranks, balance=b.cfg.balance) if b.cfg.balance and v == 1
-            else solve(costs[math.ceil(len(b.x) / m)], b.ranks * v) for v, m in shapes}
+    size = {m: math.ceil(len(b.x) / m) for _, m in shapes}  # micro-batch of each m
+    costs = {n: time_costs(copy.deepcopy(b.spec.blocks), b.x[:n]) for n in sorted(set(size.values()))}
+    mine = {}
+    for v, m in shapes:
+        given = b.cfg.balance if v == 1 else None  # the config's cut is for one stage per rank
+        mine[v, m] = choose_balance(b.spec.blocks, b.ranks, balance=given) if given \
+            else solve(costs[size[m]], b.ranks * v)
     agreed = [mine]
     dist.broadcast_object_list(agreed, src=0)
     return agreed[0]
@@ -158,7 +161,8 @@ def _cut(blocks: list[nn.Module], balances: dict[tuple[int, int], list[int]]) ->
     """(V, m) -> the stages of a copy of `blocks` cut by that balance; equal balances share one."""
     made: dict[tuple[int, ...], list[nn.Module]] = {}
     for balance in balances.values():
-        made.setdefault(tuple(balance), split(copy.deepcopy(blocks), balance))
+        if tuple(balance) not in made:  # one deep copy per distinct cut, not per (V, m)
+            made[tuple(balance)] = split(copy.deepcopy(blocks), balance)
     return {shape: made[tuple(balance)] for shape, balance in balances.items()}
 
 
