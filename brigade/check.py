@@ -32,7 +32,7 @@ from brigade.check_inputs import chain, pieces, sample
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
-from brigade.pipeline import microbatch
+from brigade.pipeline import feed, microbatch
 from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import LocalPipeline, Pipeline, placement
 from brigade.pipeline.schedule import build, stages_on
@@ -77,6 +77,7 @@ class CheckResult:
     ok: bool
     virtual: int = 1
     dp: int = 1
+    reference_device: str = "cpu"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,11 +127,12 @@ def _has_batchnorm(blocks: list[nn.Module]) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for b in blocks for m in b.modules())
 
 
-def _reference(spec: ModelSpec, x, y, m: int, lr: float):
+def _reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device):
     """Single device: loss, and per block its gradients and post-SGD state, of a deep copy that
     keeps ties (one device sums their uses: the gradient every stage's copy must hold)."""
     blocks = copy.deepcopy(spec.blocks)  # one deepcopy of the list keeps ties between blocks
-    model = whole(blocks)  # side inputs, where blocks declare them, taken out of the batch
+    model = whole(blocks).to(device)  # side inputs, where blocks declare them, taken out of the batch
+    x, y = feed.to(x, device), feed.to(y, device)
     per_mb = m > 1 and _has_batchnorm(spec.blocks)
     if per_mb:
         total = 0.0
@@ -176,7 +178,7 @@ def _step(cfg: CheckConfig, spec: ModelSpec, stages: list[nn.Module], schedule: 
     """This replica's pipeline step on its slice: (replica loss, the stages held here)."""
     x, y = _replica(x, where), _replica(y, where)
     if where.pp_rank is None:
-        devices = where.devices or cfg.devices or local_devices(cfg.stages)
+        devices = _local_devices(cfg, where)
         ranks = placement(schedule, cfg.stages, v)[1]
 
         def wrap(s: int, module: nn.Module) -> nn.Module:
@@ -198,6 +200,22 @@ def _step(cfg: CheckConfig, spec: ModelSpec, stages: list[nn.Module], schedule: 
     return float(pipe.step(x, y)), mine
 
 
+def _local_devices(cfg: CheckConfig, where: Where) -> list:
+    """The local runtime's device per rank."""
+    return where.devices or cfg.devices or local_devices(cfg.stages)
+
+
+def _reference_device(cfg: CheckConfig, where: Where) -> torch.device:
+    """Where the one-device reference runs: on the pipeline's device when all its stages share one,
+    so that both run the same kernels (a GPU's fp32 rounds otherwise than the CPU's, and a model
+    like ResNet-50 with BatchNorm over a micro-batch of 2 magnifies that far past 1e-5); else on
+    the CPU."""
+    if where.pp_rank is not None:
+        return where.device
+    devices = {torch.device(d) for d in _local_devices(cfg, where)}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
+
+
 def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float = 0.1) -> CheckResult:
     """One (schedule, m, V) comparison from this process's place (default: local, dp = 1)."""
     where = where or Where()
@@ -205,7 +223,8 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
     v = placement(schedule, cfg.stages, virtual)[0]
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
-    ref_loss, ref_grads, ref_state, ref_kind = _reference(spec, x, y, m, lr)
+    ref_device = _reference_device(cfg, where)
+    ref_loss, ref_grads, ref_state, ref_kind = _reference(spec, x, y, m, lr, ref_device)
     balance = choose_balance(spec.blocks, cfg.stages * v, by=cfg.balance_by, sample=sample(x),
                              balance=cfg.balance)
     if dist.is_initialized():  # measured balances may differ between processes
@@ -233,19 +252,25 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     d = diffs.tolist()
     return CheckResult(schedule, m, cfg.stages, cfg.runtime, balance, loss, d[0], d[1], d[2], ref_kind,
-                       ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp)
+                       ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp, reference_device=str(ref_device))
 
 
 @contextlib.contextmanager
 def exact_matmuls():
     """fp32 matmuls and convolutions in full precision while comparing: cuBLAS and cuDNN may use
-    TF32 (10-bit mantissas), about 1e-3 off the fp32 reference, which is no pipeline bug."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    TF32 (10-bit mantissas), about 1e-3 off the fp32 reference, which is no pipeline bug. cuDNN
+    also keeps to deterministic algorithms, chosen the same way for the reference and the stages."""
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    names = [(flags[0], "allow_tf32"), (flags[1], "allow_tf32"), (flags[1], "deterministic"),
+             (flags[1], "benchmark")]
+    saved = [getattr(obj, name) for obj, name in names]
+    for (obj, name), value in zip(names, (False, False, True, False)):
+        setattr(obj, name, value)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        for (obj, name), value in zip(names, saved):
+            setattr(obj, name, value)
 
 
 def _where(cfg: CheckConfig, info: groups.DistInfo) -> Where:

@@ -118,10 +118,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         verdict = "OK" if result["ok"] else "MISMATCH"
         print(f"{verdict}: {args.model} on {cfg.stages} stages ({cfg.runtime}), {cfg.schedule}, "
               f"V={result['virtual']}, dp={cfg.dp}, m={cfg.microbatches}, balance {result['balance']}, "
-              f"reference: {result['reference']}")
+              f"reference: {result['reference']} on {result['reference_device']}")
         print(f"  max |Δloss| {result['max_abs_loss_diff']:.3g}   max |Δgrad| "
               f"{result['max_abs_grad_diff']:.3g}   max |Δparam| after one SGD step "
               f"{result['max_abs_param_diff']:.3g}   (tolerance {cfg.atol:g})")
+        if not result["ok"] and len({d.split(":")[0] for d in cfg.devices or []}) > 1:
+            print("  the stages run on a CPU and a GPU, whose fp32 arithmetic rounds differently: check "
+                  "on one kind of device to separate that from the pipeline, or raise --atol")
     return 0 if result["ok"] else 1
 
 

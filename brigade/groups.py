@@ -100,8 +100,21 @@ def init(backend: str | None = None, threads: int | None = None,
         store = rendezvous.loopback_store(kwargs.get("timeout", datetime.timedelta(minutes=30)))
         if store is not None:
             kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        dist.init_process_group(backend, **kwargs)
+        _join(backend, device, kwargs)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def _join(backend: str, device: torch.device, kwargs: dict) -> None:
+    """init_process_group, with NCCL's refusal of two ranks on one GPU said in one line."""
+    try:
+        dist.init_process_group(backend, **kwargs)
+    except dist.DistBackendError as exc:
+        if "Duplicate GPU" not in str(exc):
+            raise
+        raise BrigadeError(f"rank {os.environ.get('RANK', '?')} and another process both drive {device}, "
+                           "but NCCL needs one GPU per process: start no more processes per node than "
+                           f"it has visible GPUs ({torch.cuda.device_count()}), give each task its own GPU "
+                           "(CUDA_VISIBLE_DEVICES), or use --backend gloo") from None
 
 
 def info(backend: str | None = None, local_stages: int = 1) -> DistInfo:

@@ -51,6 +51,18 @@ GPU=cuda:0; [ -n "${GPU_CHECK_ON_CPU:-}" ] && GPU=cpu
 check check-cpu+gpu   "$PY" -m brigade check --model gpt --stages 2 --runtime local --devices cpu,$GPU
 check check-zb-cpu+gpu "$PY" -m brigade check --model gpt --stages 2 --runtime local --devices cpu,$GPU \
                         --schedule zb --microbatches 3
+check check-v-1gpu     "$PY" -m brigade check --model gpt --stages 1 --virtual 2 --schedule interleaved \
+                        --microbatches 4
+check check-zbv-cpu+gpu "$PY" -m brigade check --model gpt --stages 2 --runtime local --devices cpu,$GPU \
+                        --schedule zbv --microbatches 4
+check check-dualpipev-gpu "$PY" -m brigade check --model gpt --stages 2 --runtime local --devices $GPU,$GPU \
+                        --schedule dualpipev --microbatches 4
+check check-resnet-gpu  "$PY" -m brigade check --model resnet50 --stages 2 --runtime local --devices $GPU,$GPU \
+                        --schedule 1f1b --microbatches 4
+check check-resnet-v-gpu "$PY" -m brigade check --model resnet50 --stages 2 --runtime local --devices $GPU,$GPU \
+                        --schedule dualpipev --microbatches 4
+check check-llama-gpu   "$PY" -m brigade check --model examples/llama.py:model --stages 2 --runtime local \
+                        --devices cpu,$GPU --schedule interleaved --microbatches 3
 check train-bf16      "$PY" -m brigade train "${TINY[@]}" --max-steps 40 --out "$OUT/straight"
 check train-kill      "$PY" -m brigade train "${TINY[@]}" --max-steps 40 --out "$OUT/killed" \
                         --inject-fault kill:rank=0:step=25 --max-restarts 1
@@ -61,6 +73,22 @@ rows = [json.loads(l) for l in open('$OUT/straight/metrics.jsonl')]
 val = [r['val_loss'] for r in rows if 'val_loss' in r]
 assert val[-1] < val[0], f'validation loss {val[0]:.3f} -> {val[-1]:.3f} did not fall'
 print(f'validation loss {val[0]:.3f} -> {val[-1]:.3f}')"
+# Across processes: NCCL with one GPU per rank where there are two or more; with one GPU, the
+# one-line refusal of two processes on it. GPU_CHECK_ON_CPU=1 runs the first branch on gloo.
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ -n "${GPU_CHECK_ON_CPU:-}" ] || [ "$GPUS" -ge 2 ]; then
+    check check-2ranks-zb "$PY" -m brigade check --model gpt --stages 2 --schedule zb --microbatches 4
+    check check-2ranks-dualpipev "$PY" -m brigade check --model gpt --stages 2 --schedule dualpipev \
+                            --microbatches 4
+    check check-dp2        "$PY" -m brigade check --model gpt --stages 1 --dp 2 --microbatches 2
+    check train-pp2        "$PY" -m brigade train "${TINY[@]}" --nproc 2 --pp 2 --max-steps 20 --out "$OUT/pp2"
+else
+    refused() {  # the command exits 2 with one line on stderr that names the GPUs
+        "$@" >/dev/null 2>"$OUT/refused.err"; local rc=$?; cat "$OUT/refused.err"
+        [ $rc -eq 2 ] && [ "$(wc -l <"$OUT/refused.err")" -eq 1 ] && grep -q GPU "$OUT/refused.err"
+    }
+    check one-gpu-2procs   refused "$PY" -m brigade train "${TINY[@]}" --nproc 2 --pp 2 --out "$OUT/pp2"
+fi
 check step-time-mfu   "$PY" -m brigade.bench.gpu --steps 30 --out "$OUT/gpu"
 
 [ $FAILED -eq 0 ] && echo "gpu-check: all checks passed ($OUT)" || echo "gpu-check: some checks FAILED ($OUT)"

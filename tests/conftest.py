@@ -17,6 +17,11 @@ import pytest
 
 from tests.e2e.helpers import train
 
+# The suite is the CPU suite: gloo, with more processes than a machine has GPUs. Where GPUs are
+# visible torch would pick NCCL, which needs one per process, so they are hidden from every case
+# and the processes it starts; scripts/gpu-check.sh is what checks a GPU (README, "On GPUs").
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 class NoWorkers(AssertionError):
     """Raised if an in-process case reached the point of starting worker processes."""

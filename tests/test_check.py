@@ -156,16 +156,33 @@ def test_cli_interleaved_virtual_2_dp_2(capsys):
     assert (data["virtual"], data["dp"], data["stages"], len(data["balance"])) == (2, 2, 1, 2)
 
 
-def test_exact_matmuls_turns_tf32_off_and_restores_it():
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+def test_exact_matmuls_turns_tf32_off_keeps_cudnn_deterministic_and_restores_it():
+    cudnn = torch.backends.cudnn
+    torch.backends.cuda.matmul.allow_tf32 = cudnn.allow_tf32 = cudnn.benchmark = True
     try:
         with exact_matmuls():
             assert not torch.backends.cuda.matmul.allow_tf32
-            assert not torch.backends.cudnn.allow_tf32
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+            assert not cudnn.allow_tf32 and cudnn.deterministic and not cudnn.benchmark
+        assert torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32 and cudnn.benchmark
+        assert not cudnn.deterministic
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = True  # torch's defaults
+        torch.backends.cuda.matmul.allow_tf32 = cudnn.benchmark = False
+        cudnn.allow_tf32 = True  # torch's defaults
+
+
+@pytest.mark.parametrize("devices, want", [
+    (["cpu", "cpu"], "cpu"),
+    (["cuda:0", "cuda:0"], "cuda:0"),  # one GPU: the reference runs the stages' kernels
+    (["cpu", "cuda:0"], "cpu"),        # mixed: the CPU, and the GPU's rounding shows in the diffs
+    (["cuda:0", "cuda:1"], "cpu"),
+])
+def test_the_reference_runs_on_the_stages_device_when_they_share_one(devices, want):
+    from brigade.check import Where, _reference_device
+
+    cfg = CheckConfig(stages=len(devices), runtime="local", devices=devices)
+    assert _reference_device(cfg, Where()) == torch.device(want)
+    on_rank = Where(pp_rank=1, device=torch.device("cuda", 1))  # process runtime: the rank's GPU
+    assert _reference_device(CheckConfig(), on_rank) == torch.device("cuda", 1)
 
 
 def test_local_check_runs_under_exact_matmuls(monkeypatch):
@@ -199,3 +216,18 @@ def test_local_check_on_named_devices(capsys):
     assert main(["check", "--model", "toy", "--stages", "2", "--runtime", "local", "--devices", "cpu,cpu",
                  "--microbatches", "2", "--json"]) == 0
     assert '"ok": true' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("devices, hint", [("cpu,cuda:0", True), ("cuda:0,cuda:0", False)])
+def test_a_mismatch_across_a_cpu_and_a_gpu_names_their_rounding(cli, monkeypatch, devices, hint):
+    """Seen on an H200: ResNet-50 with stages on cpu and cuda:0 differs from the CPU reference
+    by 3e-4 (fp32 on a GPU rounds otherwise); the verdict says so rather than blame the pipeline."""
+    import brigade.check
+
+    result = {"ok": False, "virtual": 1, "balance": [15, 3], "reference": "full batch",
+              "reference_device": "cpu", "max_abs_loss_diff": 0.0, "max_abs_grad_diff": 3e-4,
+              "max_abs_param_diff": 3e-5}
+    monkeypatch.setattr(brigade.check, "run_check", lambda cfg, port=None: [result])
+    out = cli("check", "--model", "resnet50", "--runtime", "local", "--devices", devices)
+    assert out.returncode == 1 and "MISMATCH" in out.stdout
+    assert ("rounds differently" in out.stdout) == hint

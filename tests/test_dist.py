@@ -79,3 +79,30 @@ def test_the_default_group_is_bound_only_to_a_process_s_single_gpu(
     first = torch.device("cuda", 3 * local_stages)
     assert calls and ("device_id" in calls[0]) == bound
     assert calls[0].get("device_id", first) == first
+
+
+def test_two_processes_on_one_gpu_is_one_line(one_visible_gpu_at_local_rank_3, monkeypatch):
+    """NCCL refuses two ranks on one GPU (seen on a one-GPU H200: a Python API launch of 2
+    processes); brigade says so in one line instead of NCCL's invalid-usage report."""
+    def refuse(backend, **kw):
+        raise dist.DistBackendError("NCCL error in: NCCLUtils.cpp:93, invalid usage\nncclInvalidUsage: "
+                                    "...\nLast error:\nDuplicate GPU detected : rank 3 and rank 0 both "
+                                    "on CUDA device 60")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    monkeypatch.setattr(rendezvous, "loopback_store", lambda timeout: None)
+    with pytest.raises(BrigadeError) as err:
+        groups.init("nccl")
+    msg = str(err.value)
+    assert "\n" not in msg and "rank 3" in msg and "cuda:0" in msg and "one GPU per process" in msg
+    assert "--backend gloo" in msg
+
+
+def test_other_nccl_errors_pass_through(one_visible_gpu_at_local_rank_3, monkeypatch):
+    def fail(backend, **kw):
+        raise dist.DistBackendError("NCCL error: unhandled system error")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", fail)
+    monkeypatch.setattr(rendezvous, "loopback_store", lambda timeout: None)
+    with pytest.raises(dist.DistBackendError, match="unhandled system error"):
+        groups.init("nccl")

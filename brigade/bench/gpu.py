@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from brigade import groups
 from brigade.errors import BrigadeError
 
 # Dense bf16 tensor-core peaks, FLOP/s (vendors' data sheets); BRIGADE_PEAK_TFLOPS overrides.
@@ -54,6 +55,7 @@ def measure(steps: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     records = trainer.fit()
     trainer.close()
+    groups.destroy()  # the Trainer joined a group of one; leave it before exit, as NCCL asks
     times = [r["step_time_s"] for r in records if "step_time_s" in r][3:]  # past warm-up
     step = statistics.median(times)
     m = cfg.model
