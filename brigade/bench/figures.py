@@ -9,6 +9,12 @@ False, and `brigade bench` says so instead of naming a winner.
     round k:  single_k  ours_k  torch_k  ideal_k (simulate() on round k's stage costs)
     speedup_vs_single = median_k(single_k / ours_k)     efficiency = median_k(ideal_k / ours_k)
     vs_torch          = median_k(torch_k / ours_k)      (> 1: brigade faster)
+
+How far any schedule could go (transfers free, `plan.lower_bound`): each brigade row's
+`lower_bound_s` over its own cut and placement, and `balanced_bound_s`, its compute spread
+evenly over the ranks (any cut, any V). The best pair's `bound_vs_torch` and
+`balanced_bound_vs_torch` divide torch's best step by the lowest of them: a brigade step ×X
+faster than torch's best needs X below these.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import asdict
 from brigade.bench.experiments import MP, OURS, PEER, SINGLE, BenchConfig, Case
 from brigade.bench.peers import TORCH_SCHEDULES
 from brigade.bench.timing import median_ci, median_ci_coverage, ratio_ci
-from brigade.pipeline.plan import simulate
+from brigade.pipeline.plan import lower_bound, simulate
 from brigade.pipeline.schedule import build, names
 
 CONFIDENCE = 0.95
@@ -31,6 +37,15 @@ def _ideal_rounds(schedule: str, ranks: int, virtual: int, m: int, costs: list) 
     """Per round, the makespan simulate() gives brigade's `schedule` plan on that round's costs."""
     plan = build(schedule, ranks, m, virtual)
     return [simulate(plan, fwd, bwd, weight=wgt, input_grad=ing).makespan for fwd, bwd, wgt, ing in costs]
+
+
+def _bound_rounds(schedule: str, ranks: int, virtual: int, m: int, costs: list) -> dict:
+    """Per round, the fastest any plan could be over this cut and placement, and over any cut."""
+    plan = build(schedule, ranks, m, virtual)
+    lowest = [lower_bound(plan, f, b, weight=w, input_grad=i) for f, b, w, i in costs]
+    even = [m * sum(fs + min(bs, ws + is_) for fs, bs, ws, is_ in zip(f, b, w, i)) / ranks
+            for f, b, w, i in costs]
+    return {"lower_bound_s": statistics.median(lowest), "balanced_bound_s": statistics.median(even)}
 
 
 def _twin(case: Case) -> Case | None:
@@ -87,6 +102,7 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
         costs = raw["costs"][(case.virtual, case.microbatches)]
         for k, what in enumerate(("forward", "backward", "weight", "input")):
             row[f"stage_{what}_s"] = [statistics.median(c[k][s] for c in costs) for s in range(row["stages"])]
+        row.update(_bound_rounds(case.schedule, raw["ranks"], case.virtual, case.microbatches, costs))
     if case.key in raw["memory"]:
         row["peak_activation_bytes"], row["memory_method"] = raw["memory"][case.key]
     twin = _twin(case)
@@ -101,7 +117,8 @@ def best_vs_best(rows: list[dict], times: dict[str, list[float]]) -> dict | None
 
     Returns:
         {brigade, torch (each schedule, virtual, microbatches), vs_torch, vs_torch_ci,
-        vs_torch_ranked}, or None when either side has no row.
+        vs_torch_ranked, and where brigade's rows carry bounds bound_vs_torch and
+        balanced_bound_vs_torch}, or None when either side has no row.
     """
     ours = [r for r in rows if r["name"] == OURS]
     theirs = [r for r in rows if r["name"] == PEER]
@@ -110,8 +127,13 @@ def best_vs_best(rows: list[dict], times: dict[str, list[float]]) -> dict | None
     a, b = (min(side, key=lambda r: r["median_s"]) for side in (ours, theirs))
     key = lambda r: Case(r["name"], r["schedule"], r["virtual"], r["microbatches"]).key  # noqa: E731
     pick = lambda r: {k: r[k] for k in ("schedule", "virtual", "microbatches", "median_s")}  # noqa: E731
-    return {"brigade": pick(a), "torch": {**pick(b), "torch_class": b["torch_class"]},
+    best = {"brigade": pick(a), "torch": {**pick(b), "torch_class": b["torch_class"]},
             **_ci(times[key(b)], times[key(a)], "vs_torch")}
+    for field, name in (("lower_bound_s", "bound_vs_torch"), ("balanced_bound_s", "balanced_bound_vs_torch")):
+        values = [r[field] for r in ours if r.get(field)]
+        if values:
+            best[name] = b["median_s"] / min(values)
+    return best
 
 
 def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:

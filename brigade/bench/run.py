@@ -134,8 +134,18 @@ def best_line(best: dict | None) -> str:
     ratio = f"×{best['vs_torch']:.2f} (95 % CI {lo:.2f}–{hi:.2f}, per-round ratios)"
     if not best["vs_torch_ranked"]:
         return (f"cannot rank: best brigade ({ours}) vs torch.distributed.pipelining's best ({theirs}) "
-                f"is {ratio}: the spread is too large, or the rounds too few, to tell which is faster")
-    return f"best brigade pipeline ({ours}) is {ratio} torch.distributed.pipelining's best ({theirs})"
+                f"is {ratio}: the spread is too large, or the rounds too few, to tell which is faster"
+                + _bound_clause(best))
+    line = f"best brigade pipeline ({ours}) is {ratio} torch.distributed.pipelining's best ({theirs})"
+    return line + _bound_clause(best)
+
+
+def _bound_clause(best: dict) -> str:
+    """How much faster than torch's best any plan could be, from the bounds, when measured."""
+    if "bound_vs_torch" not in best:
+        return ""
+    return (f"; no plan over these cuts could beat it by more than ×{best['bound_vs_torch']:.2f}, "
+            f"nor over any cut by more than ×{best['balanced_bound_vs_torch']:.2f} (transfers free)")
 
 
 def run_tune(args: argparse.Namespace) -> int:

@@ -239,6 +239,34 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None,
     return Simulation(makespan, timeline, busy, bubble, idle, peak_held(plan))
 
 
+def lower_bound(plan: Plan, forward, backward=None, weight=None, input_grad=None) -> float:
+    """The shortest step that any plan with `plan`'s stages, placement and micro-batch count can
+    take on these costs (as `simulate` takes them), transfers free.
+
+    No rank ends before it has run its stages' m forwards and m backwards (a whole B, or I + W,
+    whichever is cheaper), nor starts before micro-batch 0's forward has reached its first
+    stage; and one micro-batch must pass forward through every stage and back. Whatever the
+    order of actions, simulate()'s makespan is at least this: how far a better schedule could go.
+    """
+    where = _placement(compute_only(plan))
+    n, m = len(where), sum(a.op == F for acts in plan.values() for a in acts) // len(where)
+    fwd = [_per_stage(forward, s) for s in range(n)]
+    whole = [_per_stage(forward if backward is None else backward, s) for s in range(n)]
+    grad = whole
+    if input_grad is not None:
+        grad = [min(b, _per_stage(input_grad, s)) for s, b in enumerate(whole)]
+        whole = [min(b, g + _per_stage(weight, s)) for s, (b, g) in enumerate(zip(whole, grad))]
+    bound = sum(fwd) + sum(grad)
+    for r in set(where.values()):
+        mine = [s for s, q in where.items() if q == r]
+        bound = max(bound, sum(fwd[:min(mine)]) + m * sum(fwd[s] + whole[s] for s in mine))
+    return bound
+
+
+def _per_stage(c, stage: int) -> float:
+    return float(c[stage]) if isinstance(c, (list, tuple)) else float(c)
+
+
 def peak_held(plan: Plan) -> dict[int, int]:
     """Per stage, the most micro-batches whose activations it holds at once (F done, B or W not).
 

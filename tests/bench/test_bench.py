@@ -232,6 +232,11 @@ def test_ratios_per_round_cancel_drift_that_hits_every_configuration():
     # simulate(): 1F1B, 2 stages, 2 micro-batches, F = 0.1 t, B = 0.2 t: 0.9 t, every round
     assert ours["efficiency"] == pytest.approx(0.9) and ours["ideal_s"] == pytest.approx(0.9 * 3.25)
     assert ours["std_s"] > 0.4 * ours["mean_s"]  # the raw times are all over the place
+    # any plan: rank 1 waits F (0.1 t), then runs 2 × (F + B) = 0.6 t; spread evenly, 0.6 t a rank
+    assert ours["lower_bound_s"] == pytest.approx(0.7 * 3.25)
+    assert ours["balanced_bound_s"] == pytest.approx(0.6 * 3.25)
+    assert data["best"]["bound_vs_torch"] == pytest.approx(1.1 / 0.7)
+    assert data["best"]["balanced_bound_vs_torch"] == pytest.approx(1.1 / 0.6)
 
 
 def test_a_spread_too_large_to_rank_is_said():
