@@ -111,8 +111,8 @@ def _versus(d: dict, ours: dict, theirs: dict) -> str:
     b = d["best"]
     lo, hi = b["vs_torch_ci"]
     rank = "" if b["vs_torch_ranked"] else ", cannot rank"
-    bound = (f"; any plan: at most ×{b['bound_vs_torch']:.2f} on these cuts, "
-             f"×{b['balanced_bound_vs_torch']:.2f} on any" if "bound_vs_torch" in b else "")
+    bound = (f"; any plan: at most ×{b['bound_vs_torch']:.3f} on these cuts, "
+             f"×{b['balanced_bound_vs_torch']:.3f} on any" if "bound_vs_torch" in b else "")
     return f"×{b['vs_torch']:.2f} (95 % CI {lo:.2f}–{hi:.2f}{rank}{bound})"
 
 

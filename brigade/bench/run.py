@@ -144,8 +144,8 @@ def _bound_clause(best: dict) -> str:
     """How much faster than torch's best any plan could be, from the bounds, when measured."""
     if "bound_vs_torch" not in best:
         return ""
-    return (f"; no plan over these cuts could beat it by more than ×{best['bound_vs_torch']:.2f}, "
-            f"nor over any cut by more than ×{best['balanced_bound_vs_torch']:.2f} (transfers free)")
+    return (f"; no plan over these cuts could beat it by more than ×{best['bound_vs_torch']:.3f}, "
+            f"nor over any cut by more than ×{best['balanced_bound_vs_torch']:.3f} (transfers free)")
 
 
 def run_tune(args: argparse.Namespace) -> int:
