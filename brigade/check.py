@@ -18,8 +18,6 @@ the full batch. Under dp it is refused: DDP broadcasts replica 0's running stati
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -29,15 +27,15 @@ from torch import nn
 
 from brigade import agent, groups
 from brigade.check_inputs import chain, pieces, sample
+from brigade.check_reference import exact_matmuls, has_batchnorm, reference
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
-from brigade.pipeline import feed, microbatch
+from brigade.pipeline import microbatch
 from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import LocalPipeline, Pipeline, placement
 from brigade.pipeline.schedule import build, stages_on
 from brigade.pipeline.shared import TieGroups, find_shared, sum_tied_grads, untie
-from brigade.pipeline.side import whole
 from brigade.rendezvous import LaunchSpec
 from brigade.train.layout import _stage_group, data_parallel, make_layout
 
@@ -123,34 +121,6 @@ def _check_devices(devices: list[str], stages: int) -> None:
                                "use cpu or a GPU this machine has")
 
 
-def _has_batchnorm(blocks: list[nn.Module]) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for b in blocks for m in b.modules())
-
-
-def _reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device):
-    """Single device: loss, and per block its gradients and post-SGD state, of a deep copy that
-    keeps ties (one device sums their uses: the gradient every stage's copy must hold)."""
-    blocks = copy.deepcopy(spec.blocks)  # one deepcopy of the list keeps ties between blocks
-    model = whole(blocks).to(device)  # side inputs, where blocks declare them, taken out of the batch
-    x, y = feed.to(x, device), feed.to(y, device)
-    per_mb = m > 1 and _has_batchnorm(spec.blocks)
-    if per_mb:
-        total = 0.0
-        for xs, ys, w in zip(pieces(x, m), pieces(y, m),
-                             microbatch.weights(x.shape[0], m)):
-            loss = spec.loss_fn(model(xs), ys) * w
-            loss.backward()
-            total += loss.detach()
-        loss = total
-    else:
-        loss = spec.loss_fn(model(x), y)
-        loss.backward()
-    grads = [[p.grad.clone() for p in b.parameters()] for b in blocks]
-    torch.optim.SGD(model.parameters(), lr=lr).step()
-    state = [[t.detach().clone() for t in b.state_dict().values()] for b in blocks]
-    return float(loss.detach()), grads, state, ("micro-batched (BatchNorm)" if per_mb else "full batch")
-
-
 def _untie(blocks: list[nn.Module], balance: list[int], ranks: list[int], where: Where):
     """Give each stage its own copy of a parameter shared across stages (a tied embedding and
     head); returns (ties, their process groups or None) for `shared.sum_tied_grads`."""
@@ -224,7 +194,7 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
     ref_device = _reference_device(cfg, where)
-    ref_loss, ref_grads, ref_state, ref_kind = _reference(spec, x, y, m, lr, ref_device)
+    ref_loss, ref_grads, ref_state, ref_kind = reference(spec, x, y, m, lr, ref_device)
     balance = choose_balance(spec.blocks, cfg.stages * v, by=cfg.balance_by, sample=sample(x),
                              balance=cfg.balance)
     if dist.is_initialized():  # measured balances may differ between processes
@@ -253,24 +223,6 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
     d = diffs.tolist()
     return CheckResult(schedule, m, cfg.stages, cfg.runtime, balance, loss, d[0], d[1], d[2], ref_kind,
                        ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp, reference_device=str(ref_device))
-
-
-@contextlib.contextmanager
-def exact_matmuls():
-    """fp32 matmuls and convolutions in full precision while comparing: cuBLAS and cuDNN may use
-    TF32 (10-bit mantissas), about 1e-3 off the fp32 reference, which is no pipeline bug. cuDNN
-    also keeps to deterministic algorithms, chosen the same way for the reference and the stages."""
-    flags = torch.backends.cuda.matmul, torch.backends.cudnn
-    names = [(flags[0], "allow_tf32"), (flags[1], "allow_tf32"), (flags[1], "deterministic"),
-             (flags[1], "benchmark")]
-    saved = [getattr(obj, name) for obj, name in names]
-    for (obj, name), value in zip(names, (False, False, True, False)):
-        setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        for (obj, name), value in zip(names, saved):
-            setattr(obj, name, value)
 
 
 def _where(cfg: CheckConfig, info: groups.DistInfo) -> Where:
@@ -314,7 +266,7 @@ def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
     if cfg.dp > 1 and cfg.devices is not None:
         raise BrigadeError(f"--devices with --dp {cfg.dp}: each replica takes its own devices; "
                            "drop --devices")
-    if cfg.dp > 1 and _has_batchnorm(spec.blocks):
+    if cfg.dp > 1 and has_batchnorm(spec.blocks):
         raise BrigadeError(f"{cfg.model} has BatchNorm, whose running statistics DDP takes from replica 0 "
                            "(no single device computes them): check it with --dp 1")
 
