@@ -216,18 +216,15 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None,
     plan = compute_only(validate(plan))
     backward = forward if backward is None else backward
 
-    def per_stage(c, stage: int) -> float:
-        return float(c[stage]) if isinstance(c, (list, tuple)) else float(c)
-
     def cost(stage: int, op: str) -> float:
         if op == "comm":
             return comm
         if op == F:
-            return per_stage(forward, stage)
-        b = per_stage(backward, stage)
+            return _per_stage(forward, stage)
+        b = _per_stage(backward, stage)
         if input_grad is not None:
-            return {B: b, I: per_stage(input_grad, stage), W: per_stage(weight, stage)}[op]
-        w = b / 2 if weight is None else min(per_stage(weight, stage), b)
+            return {B: b, I: _per_stage(input_grad, stage), W: _per_stage(weight, stage)}[op]
+        w = b / 2 if weight is None else min(_per_stage(weight, stage), b)
         return {B: b, I: b - w, W: w}[op]
 
     timeline = _execute(plan, cost)
@@ -252,8 +249,9 @@ def lower_bound(plan: Plan, forward, backward=None, weight=None, input_grad=None
     n, m = len(where), sum(a.op == F for acts in plan.values() for a in acts) // len(where)
     fwd = [_per_stage(forward, s) for s in range(n)]
     whole = [_per_stage(forward if backward is None else backward, s) for s in range(n)]
-    grad = whole
-    if input_grad is not None:
+    if input_grad is None:  # as simulate() splits: I = B - W (W: half of B by default)
+        grad = [b - (b / 2 if weight is None else min(_per_stage(weight, s), b)) for s, b in enumerate(whole)]
+    else:
         grad = [min(b, _per_stage(input_grad, s)) for s, b in enumerate(whole)]
         whole = [min(b, g + _per_stage(weight, s)) for s, (b, g) in enumerate(zip(whole, grad))]
     bound = sum(fwd) + sum(grad)

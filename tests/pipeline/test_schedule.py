@@ -208,6 +208,9 @@ def test_no_plan_beats_the_lower_bound():
                     i = [x - y + rng.uniform(-0.2, 0.3) for x, y in zip(b, w)]
                     got = simulate(plan, f, b, weight=w, input_grad=i).makespan
                     assert lower_bound(plan, f, b, weight=w, input_grad=i) <= got + 1e-9, (name, p, m)
+                    got = simulate(plan, f, b, weight=w).makespan  # I = B - W
+                    assert lower_bound(plan, f, b, weight=w) <= got + 1e-9, (name, p, m)
+                    assert lower_bound(plan, f, b) <= simulate(plan, f, b).makespan + 1e-9
     one = build("gpipe", 1, 4)
     assert lower_bound(one, 1.0, 2.0) == simulate(one, 1.0, 2.0).makespan == 12.0
     # 1F1B, p = 2, m = 4, F = B = 1: rank 1 starts after one F, then has 8 of work (the plan: 10)
