@@ -81,16 +81,24 @@ def test_the_default_group_is_bound_only_to_a_process_s_single_gpu(
     assert calls[0].get("device_id", first) == first
 
 
-def test_two_processes_on_one_gpu_is_one_line(one_visible_gpu_at_local_rank_3, monkeypatch):
+@pytest.fixture
+def joining_fails(one_visible_gpu_at_local_rank_3, monkeypatch):
+    """`joining_fails(message)`: the next init_process_group raises DistBackendError(message)."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(rendezvous, "loopback_store", lambda timeout: None)
+
+    def fail_with(message: str) -> None:
+        def refuse(backend, **kw):
+            raise dist.DistBackendError(message)
+        monkeypatch.setattr(dist, "init_process_group", refuse)
+    return fail_with
+
+
+def test_two_processes_on_one_gpu_is_one_line(joining_fails):
     """NCCL refuses two ranks on one GPU (seen on a one-GPU H200: a Python API launch of 2
     processes); brigade says so in one line instead of NCCL's invalid-usage report."""
-    def refuse(backend, **kw):
-        raise dist.DistBackendError("NCCL error in: NCCLUtils.cpp:93, invalid usage\nncclInvalidUsage: "
-                                    "...\nLast error:\nDuplicate GPU detected : rank 3 and rank 0 both "
-                                    "on CUDA device 60")
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", refuse)
-    monkeypatch.setattr(rendezvous, "loopback_store", lambda timeout: None)
+    joining_fails("NCCL error in: NCCLUtils.cpp:93, invalid usage\nncclInvalidUsage: ...\nLast error:\n"
+                  "Duplicate GPU detected : rank 3 and rank 0 both on CUDA device 60")
     with pytest.raises(BrigadeError) as err:
         groups.init("nccl")
     msg = str(err.value)
@@ -98,11 +106,7 @@ def test_two_processes_on_one_gpu_is_one_line(one_visible_gpu_at_local_rank_3, m
     assert "--backend gloo" in msg
 
 
-def test_other_nccl_errors_pass_through(one_visible_gpu_at_local_rank_3, monkeypatch):
-    def fail(backend, **kw):
-        raise dist.DistBackendError("NCCL error: unhandled system error")
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", fail)
-    monkeypatch.setattr(rendezvous, "loopback_store", lambda timeout: None)
+def test_other_nccl_errors_pass_through(joining_fails):
+    joining_fails("NCCL error: unhandled system error")
     with pytest.raises(dist.DistBackendError, match="unhandled system error"):
         groups.init("nccl")

@@ -26,7 +26,7 @@ from dataclasses import asdict
 from brigade.bench.experiments import MP, OURS, PEER, SINGLE, BenchConfig, Case
 from brigade.bench.peers import TORCH_SCHEDULES
 from brigade.bench.timing import median_ci, median_ci_coverage, ratio_ci
-from brigade.pipeline.plan import lower_bound, simulate
+from brigade.pipeline.plan import balanced_bound, lower_bound, simulate
 from brigade.pipeline.schedule import build, names
 
 CONFIDENCE = 0.95
@@ -42,10 +42,9 @@ def _ideal_rounds(schedule: str, ranks: int, virtual: int, m: int, costs: list) 
 def _bound_rounds(schedule: str, ranks: int, virtual: int, m: int, costs: list) -> dict:
     """Per round, the fastest any plan could be over this cut and placement, and over any cut."""
     plan = build(schedule, ranks, m, virtual)
-    lowest = [lower_bound(plan, f, b, weight=w, input_grad=i) for f, b, w, i in costs]
-    even = [m * sum(fs + min(bs, ws + is_) for fs, bs, ws, is_ in zip(f, b, w, i)) / ranks
-            for f, b, w, i in costs]
-    return {"lower_bound_s": statistics.median(lowest), "balanced_bound_s": statistics.median(even)}
+    return {f"{bound.__name__}_s": statistics.median(bound(plan, f, b, weight=w, input_grad=i)
+                                                     for f, b, w, i in costs)
+            for bound in (lower_bound, balanced_bound)}
 
 
 def _twin(case: Case) -> Case | None:

@@ -206,7 +206,7 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None,
         weight: for split backwards, the W part of `backward` (I costs the rest);
             defaults to half of it.
         input_grad: the I part of a split backward, when measured: splitting a backward in two
-            passes costs more than one (on CPU, the benches' last stages: I + W = 1.05-1.07 × B),
+            passes costs more than one (on CPU, the benches' last stages: I + W = 1.01-1.10 × B),
             so measured costs give both halves; without it I = `backward` − `weight`.
 
     Returns:
@@ -222,10 +222,8 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None,
         if op == F:
             return _per_stage(forward, stage)
         b = _per_stage(backward, stage)
-        if input_grad is not None:
-            return {B: b, I: _per_stage(input_grad, stage), W: _per_stage(weight, stage)}[op]
-        w = b / 2 if weight is None else min(_per_stage(weight, stage), b)
-        return {B: b, I: b - w, W: w}[op]
+        i, w = _halves(b, stage, weight, input_grad)
+        return {B: b, I: i, W: w}[op]
 
     timeline = _execute(plan, cost)
     makespan = max((end for tl in timeline.values() for _, _, end in tl), default=0.0)
@@ -245,20 +243,38 @@ def lower_bound(plan: Plan, forward, backward=None, weight=None, input_grad=None
     stage; and one micro-batch must pass forward through every stage and back. Whatever the
     order of actions, simulate()'s makespan is at least this: how far a better schedule could go.
     """
-    where = _placement(compute_only(plan))
-    n, m = len(where), sum(a.op == F for acts in plan.values() for a in acts) // len(where)
-    fwd = [_per_stage(forward, s) for s in range(n)]
-    whole = [_per_stage(forward if backward is None else backward, s) for s in range(n)]
-    if input_grad is None:  # as simulate() splits: I = B - W (W: half of B by default)
-        grad = [b - (b / 2 if weight is None else min(_per_stage(weight, s), b)) for s, b in enumerate(whole)]
-    else:
-        grad = [min(b, _per_stage(input_grad, s)) for s, b in enumerate(whole)]
-        whole = [min(b, g + _per_stage(weight, s)) for s, (b, g) in enumerate(zip(whole, grad))]
+    where, m, fwd, grad, whole = _least_costs(plan, forward, backward, weight, input_grad)
     bound = sum(fwd) + sum(grad)
     for r in set(where.values()):
         mine = [s for s, q in where.items() if q == r]
         bound = max(bound, sum(fwd[:min(mine)]) + m * sum(fwd[s] + whole[s] for s in mine))
     return bound
+
+
+def balanced_bound(plan: Plan, forward, backward=None, weight=None, input_grad=None) -> float:
+    """The plan's least compute spread evenly over its ranks: what no cut of the same blocks into
+    any number of stages per rank, and no schedule, can beat (transfers free)."""
+    where, m, fwd, _, whole = _least_costs(plan, forward, backward, weight, input_grad)
+    return m * sum(f + b for f, b in zip(fwd, whole)) / len(set(where.values()))
+
+
+def _least_costs(plan: Plan, forward, backward, weight, input_grad):
+    """(stage → rank, m, per stage: forward, least gradient-to-send pass, least whole backward)."""
+    where = _placement(compute_only(plan))
+    n, m = len(where), sum(a.op == F for acts in plan.values() for a in acts) // len(where)
+    fwd = [_per_stage(forward, s) for s in range(n)]
+    whole = [_per_stage(forward if backward is None else backward, s) for s in range(n)]
+    halves = [_halves(b, s, weight, input_grad) for s, b in enumerate(whole)]
+    return (where, m, fwd, [min(b, i) for b, (i, _) in zip(whole, halves)],
+            [min(b, i + w) for b, (i, w) in zip(whole, halves)])
+
+
+def _halves(b: float, stage: int, weight, input_grad) -> tuple[float, float]:
+    """(I, W) of a backward costing `b`: measured, or I = b - W with W half of b by default."""
+    if input_grad is not None:
+        return _per_stage(input_grad, stage), _per_stage(weight, stage)
+    w = b / 2 if weight is None else min(_per_stage(weight, stage), b)
+    return b - w, w
 
 
 def _per_stage(c, stage: int) -> float:
