@@ -29,6 +29,7 @@ from brigade import agent, groups
 from brigade.check_inputs import chain, pieces, sample
 from brigade.check_reference import exact_matmuls, has_batchnorm, reference
 from brigade.config import ParallelConfig
+from brigade.config.fielddoc import MODELS, SCHEDULES, VIRTUALS, doc, sentence
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
 from brigade.pipeline import microbatch
@@ -44,20 +45,28 @@ Case = tuple  # (schedule, m) or (schedule, m, virtual); virtual 0: the schedule
 
 @dataclass
 class CheckConfig:
-    model: str = "gpt"
-    stages: int = 2  # pipeline ranks (pp); the model is cut into stages × V pieces
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    runtime: str = "process"  # process | local
-    batch_size: int = 8
-    balance: list[int] | None = None  # blocks per piece: stages × V entries
-    seed: int = 0
-    atol: float = 1e-5
-    model_options: dict = field(default_factory=dict)
-    balance_by: str = "params"  # params | time, when balance is None
-    devices: list[str] | None = None  # local runtime: one per stage; default one GPU each, else CPU
-    virtual: int = 0  # stages per rank; 0: the schedule's own
-    dp: int = 1  # data-parallel replicas
+    """One case of `brigade check`; each field's sentence is its flag's help (`fielddoc.doc`)."""
+
+    model: str = doc("gpt", "the model to check", choices=MODELS)
+    stages: int = doc(2, "pipeline ranks (pp); the model is cut into stages × V pieces")
+    schedule: str = doc("1f1b", sentence(ParallelConfig, "schedule"), choices=SCHEDULES)
+    microbatches: int = doc(4, "micro-batches the batch is split into")
+    runtime: str = doc("process", "process: one process per stage; local: one thread per device, "
+                                  "all in this process")
+    batch_size: int = doc(8, "samples in the one batch both sides compute, split over the --dp replicas")
+    balance: list[int] | None = doc(None, "blocks per piece, stages × V entries like 3,5; unset: "
+                                          "balance by --balance-by")
+    seed: int = doc(0, "seed of the weights and the batch, the same on both sides")
+    atol: float = doc(1e-5, "largest absolute difference of the loss, a gradient or a parameter "
+                            "that still passes")
+    model_options: dict = doc(help="options for the model's builder (gpt_cfg, image_size), set per "
+                                   "model by the command", factory=dict)
+    balance_by: str = doc("params", "without --balance: balance parameter counts (params) or "
+                                    "measured time (time)")
+    devices: list[str] | None = doc(None, "local runtime: one device per stage, like cpu,cuda:0; "
+                                          "unset: a GPU each when there are enough, else the CPU")
+    virtual: int = doc(0, sentence(ParallelConfig, "virtual"), choices=VIRTUALS)
+    dp: int = doc(1, "data-parallel replicas, each on its slice of the batch (dp × stages processes)")
 
 
 @dataclass

@@ -1,13 +1,33 @@
-"""The `brigade` command: parse, build, call. Each subcommand lives in its own module."""
+"""The `brigade` command line."""
+
+# Thin: parse, build, call. Each subcommand's work lives in its own module; a flag's help is the
+# sentence of the config field it sets (`brigade.config.fielddoc`) wherever there is one.
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import typing
 from pathlib import Path
 
+from brigade.config.fielddoc import MODELS, default_of, field_of, flag_help
 from brigade.errors import BrigadeError
+
+DESCRIPTION = """\
+brigade trains PyTorch models with data, model and pipeline parallelism (GPipe, 1F1B,
+zero-bubble, interleaved and V schedules), alone or combined, on CPUs with gloo or GPUs with
+NCCL, on one machine or many. Runs survive faults and resume exactly; brigade also proves a
+pipeline computes what one device does, and measures and tunes itself."""
+
+FIRST_RUN = """\
+a first run:
+  brigade train                                  a small GPT on CPython's docs, 2 processes
+  brigade train --nproc 2 --pp 2 --schedule zb   the same GPT on a 2-stage zero-bubble pipeline
+  brigade schedule --schedule 1f1b --stages 4    draw a schedule's grid and bubble
+  brigade check --model gpt --stages 2           prove a pipeline equals one device
+
+brigade COMMAND --help lists a command's flags."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -18,27 +38,35 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _option(p: argparse.ArgumentParser, cls: type, name: str, **kw) -> None:
+    """`--name` for field `name` of dataclass `cls`: its default and its sentence as the help
+    (an int or float field's type unless `kw` says otherwise)."""
+    f = field_of(cls, name)
+    kind = typing.get_type_hints(cls)[name]
+    kw.setdefault("default", default_of(f))
+    kw.setdefault("type", kind if kind in (int, float) else None)
+    p.add_argument("--" + name.replace("_", "-"), help=flag_help(f, kw["default"]), **kw)
+
+
 def _model_arg(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--model", default=default,
-                   help="gpt, resnet50, toy, mlp, or path/to/file.py:factory (default: %(default)s)")
+                   help=f"the model to time: {MODELS.long()} (default: %(default)s)")
 
 
-def _schedule_arg(p: argparse.ArgumentParser) -> None:
-    from brigade.pipeline import schedule
-
-    p.add_argument("--schedule", default=schedule.DEFAULT,
-                   help=f"{schedule.help_text()} (default: %(default)s)")
+def _json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def _add_schedule(sub) -> None:
+    from brigade.config import ParallelConfig
+
     p = sub.add_parser("schedule", help="print a pipeline schedule's grid and bubble")
-    _schedule_arg(p)
+    _option(p, ParallelConfig, "schedule")
     p.add_argument("--stages", type=int, default=4, help="pipeline depth in ranks (default: 4)")
-    p.add_argument("--virtual", type=int, default=0,
-                   help="stages per rank (interleaved, looped-bfs: any V; zbv, dualpipev: 2); "
-                        "default: the schedule's own")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _option(p, ParallelConfig, "virtual")
+    p.add_argument("--microbatches", type=int, default=8,
+                   help="micro-batches in the step drawn (default: 8)")
+    _json_arg(p)
     p.set_defaults(func=cmd_schedule)
 
 
@@ -69,29 +97,15 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def _add_check(sub) -> None:
+    from brigade.check import CheckConfig
+
     p = sub.add_parser("check", help="compare a pipeline with a single device, loss and gradients")
-    _model_arg(p, "gpt")
-    p.add_argument("--stages", type=int, default=2)
-    _schedule_arg(p)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--virtual", type=int, default=0,
-                   help="stages per rank (0: the schedule's own; 2 for interleaved, looped-bfs, zbv, "
-                        "dualpipev)")
-    p.add_argument("--dp", type=int, default=1,
-                   help="data-parallel replicas, each on its slice of the batch (dp × stages processes)")
-    p.add_argument("--runtime", default="process", choices=["process", "local"],
-                   help="one process per stage, or one thread per device in this process")
-    p.add_argument("--devices", default=None,
-                   help="--runtime local: one device per stage, like cpu,cuda:0 (default: a GPU each "
-                        "when there are enough, else the CPU)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--balance", default=None, help="blocks per stage, like 3,5 (default: by params)")
-    p.add_argument("--balance-by", default="params", choices=["params", "time"],
-                   help="without --balance: balance parameter counts or measured time")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--atol", type=float, default=1e-5)
+    closed = {"runtime": ["process", "local"], "balance_by": ["params", "time"]}
+    for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "runtime", "devices",
+                 "batch_size", "balance", "balance_by", "seed", "atol"):
+        _option(p, CheckConfig, name, **({"choices": closed[name]} if name in closed else {}))
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _json_arg(p)
     p.set_defaults(func=cmd_check)
 
 
@@ -164,11 +178,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a run's newest snapshot")
-    p.add_argument("--from", dest="source", required=True, help="a run folder (--out) or a snapshot")
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--tokens", type=int, default=300)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--from", dest="source", required=True,
+                   help="a run folder (train's --out), for its newest good snapshot, or a snapshot folder")
+    p.add_argument("--prompt", default="\n", help="text the sample starts with (default: a newline)")
+    p.add_argument("--tokens", type=int, default=300,
+                   help="tokens (characters) to sample after the prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature: lower is more predictable, 1 samples the model as it "
+                        "is (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampling: the same seed, the same text (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -180,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _add_plot(sub) -> None:
     p = sub.add_parser("plot", help="write loss.png for a run folder, finished or not")
-    p.add_argument("run", help="a run folder (--out)")
+    p.add_argument("run", help="a run folder (train's --out), finished or still running")
     p.set_defaults(func=cmd_plot)
 
 
@@ -197,7 +216,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="verify a snapshot and print its step, layout and params_sha256")
     p.add_argument("path", help="a run folder (its newest good snapshot) or a snapshot folder")
-    p.add_argument("--json", action="store_true")
+    _json_arg(p)
     p.set_defaults(func=cmd_inspect)
 
 
@@ -220,7 +239,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="time single device, model parallel, pipelines, torch's pipelining, DDP")
     _model_arg(p, "resnet50")
-    p.add_argument("--out", default="results/bench")
+    p.add_argument("--out", default="results/bench",
+                   help="folder for the results' JSON and plots (default: %(default)s)")
     _sweep_args(p)
     p.add_argument("--malloc-defaults", action="store_true",
                    help="on CPU, leave malloc as it is (freed memory goes back to the OS), to see what "
@@ -234,15 +254,20 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--quick", action="store_true",
                    help="one split size (fewer configurations), the same number of timed rounds")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--image-size", type=int, default=None, help="resnet50 only")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples per step (default: 32; resnet50 on 2 or more GPUs: 120)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="resnet50: side of the square images in pixels (default: 64; on 2 or more GPUs: 128)")
     p.add_argument("--repeats", type=int, default=None,
                    help="bench: timed rounds, each timing every configuration once (default 10); "
                         "tune: repeats per trial")
-    p.add_argument("--splits", default=None, help="split sizes, like 1,4,16 (default: tutorial's, scaled)")
+    p.add_argument("--splits", default=None,
+                   help="split sizes (samples per micro-batch) to try, like 1,4,16 (default: the "
+                        "tutorial's, scaled to the batch)")
     p.add_argument("--schedules", default=",".join(schedule.names()),
-                   help=f"comma-separated, from {schedule.expected()} (default: %(default)s)")
-    p.add_argument("--port", type=int, default=None)
+                   help=f"pipeline schedules to time, comma-separated, from {schedule.expected()} "
+                        "(default: %(default)s)")
+    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -254,9 +279,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _add_tune(sub) -> None:
     p = sub.add_parser("tune", help="choose split size, schedule and balance; write a train config")
     _model_arg(p, "resnet50")
-    p.add_argument("--out", default="results/tune")
+    p.add_argument("--out", default="results/tune",
+                   help="folder for the choice, its measurements and the train config it writes "
+                        "(default: %(default)s)")
     p.add_argument("--verify", action="store_true", help="also time the full sweep, to compare")
-    p.add_argument("--json", action="store_true")
+    _json_arg(p)
     _sweep_args(p)
     p.set_defaults(func=cmd_tune)
 
@@ -270,18 +297,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def _add_doctor(sub) -> None:
     from brigade.doctor import Setup
 
-    d = Setup()
     p = sub.add_parser("doctor", help="check this machine (and the others) before a run: PASS or FAIL",
                        description="Run on every node with the flags you would give brigade train.")
-    p.add_argument("--nproc", type=int, default=d.nproc, help="processes on this node")
-    p.add_argument("--nnodes", type=int, default=d.nnodes)
-    p.add_argument("--node-rank", type=int, default=d.node_rank)
-    p.add_argument("--rdzv-endpoint", default=d.rdzv_endpoint, help="HOST:PORT of node 0, for --nnodes > 1")
-    p.add_argument("--local-addr", default=d.local_addr,
-                   help="address this node advertises (default: the one that routes to node 0)")
-    p.add_argument("--backend", default=d.backend, help="auto, gloo or nccl")
-    p.add_argument("--out", default=d.out, help="the snapshot folder to check (default: %(default)s)")
-    p.add_argument("--port", type=int, default=None, help="single node: the rendezvous port to check")
+    for name in ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "local_addr", "backend", "out"):
+        _option(p, Setup, name)
+    _option(p, Setup, "port", type=int)
     p.set_defaults(func=cmd_doctor)
 
 
@@ -299,15 +319,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if run_doctor(setup) else 1
 
 
+_DEBUG = "on an error, show the full traceback instead of one line"
+
+
 def build_parser() -> Parser:
-    parser = Parser(prog="brigade", description=__doc__)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser = Parser(prog="brigade", description=DESCRIPTION, epilog=FIRST_RUN,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help=_DEBUG)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in (_add_train, _add_generate, _add_plot, _add_inspect, _add_schedule, _add_check,
                 _add_bench, _add_tune, _add_doctor):
         add(sub)
     for p in sub.choices.values():
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG)
     return parser
 
 

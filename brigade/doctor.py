@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from brigade import agent, groups, net
 from brigade.bench.timing import measure, ping_pong
+from brigade.config import ParallelConfig
+from brigade.config.fielddoc import doc, sentence
 from brigade.errors import BrigadeError, RunError
 from brigade.rendezvous import LaunchSpec
 
@@ -45,16 +47,17 @@ class Check:
 
 @dataclass
 class Setup:
-    """What `brigade train` would be given: the group's shape and where it keeps snapshots."""
+    """What `brigade train` would be given: the group's shape and where it keeps snapshots.
+    Each field's sentence is its flag's help (`fielddoc.doc`), train's own where they agree."""
 
-    nproc: int = 2
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str = ""
-    local_addr: str = ""
-    backend: str = "auto"
-    out: str = "runs/latest"
-    port: int | None = None
+    nproc: int = doc(2, sentence(ParallelConfig, "nproc"))
+    nnodes: int = doc(1, "machines in the run, each running brigade doctor with its own --node-rank")
+    node_rank: int = doc(0, sentence(ParallelConfig, "node_rank"))
+    rdzv_endpoint: str = doc("", sentence(ParallelConfig, "rdzv_endpoint"))
+    local_addr: str = doc("", sentence(ParallelConfig, "local_addr"))
+    backend: str = doc("auto", sentence(ParallelConfig, "backend"))
+    out: str = doc("runs/latest", "the snapshot folder to check: writable, and the same on every node")
+    port: int | None = doc(None, "single node: the rendezvous port to check; unset: a free one")
 
 
 # --- checks this node makes alone -------------------------------------------------------------

@@ -108,3 +108,48 @@ def test_check_port_in_use(cli):
 def test_missing_factory_named(cli):
     out = cli("check", "--model", "brigade/models/toy.py:nothing")
     assert out.returncode == 2 and "has no factory 'nothing'" in out.stderr and "mlp, toy" in out.stderr
+
+
+# --- every flag explains itself ---------------------------------------------------------------
+
+def _help_words(text: str | None) -> list[str]:
+    """The words of a help text besides its default: '(default: 4)' alone explains nothing."""
+    import re
+
+    rest = re.sub(r"\(default:[^)]*\)", "", (text or "").replace("%(default)s", ""))
+    return re.findall(r"[A-Za-z]{2,}", rest)
+
+
+def _every_action():
+    """(command, flag, help) for every argument of `brigade` and of each subcommand, and each
+    subcommand's own one-line help."""
+    import argparse
+
+    from brigade.cli import build_parser
+
+    top = build_parser()
+    subs = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    yield "brigade", "--help", top.description
+    for pseudo in subs._choices_actions:
+        yield "brigade", pseudo.dest, pseudo.help
+    for name, parser in [("brigade", top), *subs.choices.items()]:
+        for action in parser._actions:
+            if action is not subs:
+                yield name, "/".join(action.option_strings) or action.dest, action.help
+
+
+def test_every_flag_of_every_subcommand_has_a_help_sentence():
+    from brigade.cli import build_parser
+
+    subs = build_parser()._subparsers._group_actions[0].choices
+    assert {"train", "generate", "plot", "inspect", "schedule", "check", "bench", "tune",
+            "doctor"} <= set(subs)
+    bare = [f"{cmd} {flag}: {text!r}" for cmd, flag, text in _every_action() if len(_help_words(text)) < 2]
+    assert not bare, "flags without a help sentence:\n" + "\n".join(bare)
+
+
+def test_the_top_level_help_speaks_to_users(cli):
+    out = cli("--help")
+    assert out.returncode == 0
+    assert "brigade train" in out.stdout and "pipeline" in out.stdout
+    assert "own module" not in out.stdout

@@ -206,3 +206,57 @@ def test_elastic_layout_and_accumulation(argv, world, expected):
         for dp in dps:  # the global batch is kept, and a replica's chunk never grows
             k, b = accumulation(cfg, dp), cfg.train.batch_size
             assert b % (dp * k) == 0 and b // (dp * k) <= b // (p.dp * accumulation(cfg, p.dp))
+
+
+# --- one sentence per field: the help, the TOML file ------------------------------------------
+
+def test_every_field_is_documented_and_its_flag_shows_the_sentence():
+    import dataclasses
+
+    from brigade.config.fielddoc import help_of
+
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    helps = {a.dest: a.help for a in p._actions}
+    for cls in config.section_classes().values():
+        for f in dataclasses.fields(cls):
+            assert help_of(f), f"{cls.__name__}.{f.name} has no sentence: declare it with doc()"
+            assert helps[f.name].startswith(help_of(f).replace("%", "%%")), f.name
+
+
+def test_choices_come_from_their_registries():
+    from brigade.models import BUILTIN
+    from brigade.pipeline import schedule
+
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    helps = {a.dest: a.help for a in p._actions}
+    assert schedule.help_text() in helps["schedule"]
+    assert all(name in helps["model"] for name in BUILTIN) and "file.py:factory" in helps["model"]
+    assert "0: the schedule's own" in helps["virtual"] and "zbv and dualpipev 2" in helps["virtual"]
+
+
+def test_to_toml_comments_every_key_and_loads_back_equal(tmp_path):
+    from brigade.config.fielddoc import help_of
+
+    cfg = parse("--schedule", "zb", "--no-tie-embeddings", "--data", 'a "quoted" file.txt',
+                "--lr", "0.01", "--nnodes", "2", "--rdzv-endpoint", "h:29500", "--precision", "fp16")
+    text = config.to_toml(cfg)
+    lines = text.splitlines()
+    for cls in config.section_classes().values():
+        for f in __import__("dataclasses").fields(cls):
+            at = next(i for i, line in enumerate(lines) if line.startswith(f"{f.name} = "))
+            assert lines[at - 1] == "# " + help_of(f, long=False), f.name
+    assert "# the pipeline schedule (brigade schedule draws one): gpipe, 1f1b" in text
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    assert config.load_toml(path) == cfg.to_dict()
+    again = parse("--config", str(path))
+    assert again == cfg and again.model.tie_embeddings is False
+
+
+def test_doc_refuses_an_undocumented_field():
+    from brigade.config.fielddoc import doc
+
+    with pytest.raises(ValueError, match="give the field a sentence"):
+        doc(1, " ")

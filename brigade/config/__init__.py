@@ -1,6 +1,7 @@
 """Typed run configuration: one dataclass per component, composed into `RunConfig`.
 
     sections.py   the dataclasses, and the part a snapshot must match (`config_hash`)
+    fielddoc.py   `doc(default, "sentence")`: each field's help, read by --help and the TOML file
     sources.py    defaults ← TOML file ← flags (`build`), and TOML out (`to_toml`)
     checks.py     `validate`: values in range, no model, data or world needed
     resolve.py    `World` and `resolve_layout`: dp from the world, derived once

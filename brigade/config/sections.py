@@ -1,5 +1,8 @@
 """The run configuration's sections: one dataclass per component, composed into `RunConfig`,
-and the part of it a snapshot must agree with to be resumed (`config_subset`, `config_hash`)."""
+and the part of it a snapshot must agree with to be resumed (`config_subset`, `config_hash`).
+
+Each field carries its one sentence (`fielddoc.doc`): `brigade train --help` and the comments of
+the TOML file a run writes both read it, so the two cannot drift."""
 
 from __future__ import annotations
 
@@ -9,74 +12,88 @@ import json
 import typing
 from dataclasses import dataclass, field, fields
 
+from brigade.config.fielddoc import MODELS, PRECISIONS, SCHEDULES, VIRTUALS, doc
+
 
 @dataclass
 class ModelConfig:
-    model: str = "gpt"  # gpt, toy, mlp, resnet50, or path/to/file.py:factory
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    context: int = 128  # the model's longest sequence (positions it knows)
-    dropout: float = 0.0
-    tie_embeddings: bool = True  # gpt: the head reuses the token embedding's weight (--no-tie-embeddings)
+    model: str = doc("gpt", "the model to train", choices=MODELS)
+    n_layer: int = doc(4, "gpt: transformer blocks")
+    n_head: int = doc(4, "gpt: attention heads per block (they divide --n-embd)")
+    n_embd: int = doc(128, "gpt: width of the embeddings and of each block")
+    context: int = doc(128, "gpt: the longest sequence the model knows positions for")
+    dropout: float = doc(0.0, "dropout probability in training, from 0 (none) up to 1")
+    tie_embeddings: bool = doc(True, "gpt: the output head reuses the token embedding's weight "
+                                     "(--no-tie-embeddings gives each its own)")
 
 
 @dataclass
 class DataConfig:
-    data: str = ""  # a UTF-8 text file; empty: CPython's pydoc topics, on every machine
-    block_size: int = 128  # training sequence length, at most the model's context
-    val_fraction: float = 0.1
+    data: str = doc("", "a UTF-8 text file to train on, character by character; empty: CPython's "
+                        "pydoc topics, which every machine has")
+    block_size: int = doc(128, "training sequence length in characters, at most --context")
+    val_fraction: float = doc(0.1, "share of the text held out for the validation loss, between 0 and 1")
 
 
 @dataclass
 class ParallelConfig:
-    nproc: int = 2  # processes on this node
-    nnodes: int = 1  # machines (MAX of --nnodes MIN:MAX); each runs `brigade train` with its --node-rank
-    min_nodes: int = 0  # elastic: fewest machines to train on (MIN of --nnodes MIN:MAX); 0: --nnodes
-    node_rank: int = 0
-    rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous, for --nnodes > 1
-    local_addr: str = ""  # address this node advertises; empty: the one that routes to node 0
-    dp: int = 0  # data-parallel replicas; 0: whatever nproc / pp leaves
-    pp: int = 1  # pipeline stages, one process each
-    local_stages: int = 1  # pipeline stages inside each process, one thread per device
-    schedule: str = "1f1b"  # a name in pipeline.schedule's registry (brigade schedule --help)
-    virtual: int = 0  # stages per pipeline rank; 0: the schedule's own (1, or 2 for multi-stage ones)
-    microbatches: int = 4
-    balance: str = ""  # blocks per stage like "3,3"; empty: balance parameters
-    backend: str = "auto"  # auto, gloo, nccl
-    threads: int = 1  # CPU threads per process
-    max_restarts: int = 0
-    hang_timeout: int = 120  # seconds a collective or transfer may wait before the run fails
-    rdzv_timeout: int = 120  # seconds nodes wait for each other at a rendezvous (elastic: for MIN)
-    rdzv_last_call: int = 10  # elastic: seconds a rendezvous waits for more nodes once MIN are there
+    nproc: int = doc(2, "processes to start on this node (under torchrun or Slurm: the launcher's)")
+    nnodes: int = doc(1, "machines in the run, each running brigade train with its own --node-rank; "
+                         "MIN:MAX for an elastic run that goes on when machines are lost and grows "
+                         "when they come back (needs --max-restarts ≥ 1, one restart per machine lost)")
+    min_nodes: int = doc(0, "elastic: fewest machines to train on, the MIN of --nnodes MIN:MAX; "
+                            "0: not elastic, exactly --nnodes")
+    node_rank: int = doc(0, "this machine's place among --nnodes, from 0 (node 0 hosts the rendezvous)")
+    rdzv_endpoint: str = doc("", "HOST:PORT of node 0's rendezvous, needed for --nnodes > 1")
+    local_addr: str = doc("", "the address this node advertises to the others; empty: the one that "
+                              "routes to node 0")
+    dp: int = doc(0, "data-parallel replicas, each on its slice of the batch; 0: derive it as "
+                     "world size ÷ --pp")
+    pp: int = doc(1, "pipeline stages, one process each (1: no pipeline across processes)")
+    local_stages: int = doc(1, "pipeline stages inside each process, one thread and device each")
+    schedule: str = doc("1f1b", "the pipeline schedule (brigade schedule draws one)", choices=SCHEDULES)
+    virtual: int = doc(0, "stages per pipeline rank; 0: the schedule's own ({choices})", choices=VIRTUALS)
+    microbatches: int = doc(4, "micro-batches each replica's batch is split into for the pipeline")
+    balance: str = doc("", "blocks per stage, like 3,3 (pp × V entries, stage 0's first); empty: "
+                           "balance the parameter counts")
+    backend: str = doc("auto", "the collective backend: auto, gloo or nccl; auto: nccl when GPUs "
+                               "are visible, else gloo")
+    threads: int = doc(1, "CPU threads per process (torch.set_num_threads)")
+    max_restarts: int = doc(0, "times the workers are restarted from the newest snapshot after a "
+                               "failure; 0: a failure ends the run")
+    hang_timeout: int = doc(120, "seconds a collective or transfer may wait before the run fails")
+    rdzv_timeout: int = doc(120, "seconds nodes wait for each other at a rendezvous (elastic: for MIN)")
+    rdzv_last_call: int = doc(10, "elastic: seconds a rendezvous waits for more nodes once MIN are there")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0  # 0 disables clipping
-    grad_accum: int = 1  # optimizer step every N batches
+    lr: float = doc(3e-3, "peak learning rate of AdamW, reached after the warm-up")
+    min_lr: float = doc(3e-4, "learning rate the cosine decay ends at, on the last step")
+    warmup_steps: int = doc(50, "steps of linear warm-up from 0 to --lr; 0: start at --lr")
+    weight_decay: float = doc(0.1, "AdamW's decoupled weight decay, on matrices only")
+    beta1: float = doc(0.9, "AdamW's decay rate of the gradient's running mean")
+    beta2: float = doc(0.99, "AdamW's decay rate of the squared gradient's running mean")
+    grad_clip: float = doc(1.0, "largest norm of the whole model's gradient; 0: no clipping")
+    grad_accum: int = doc(1, "batches whose gradients are summed per optimizer step")
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000
-    batch_size: int = 32  # global batch, across data-parallel replicas
-    seed: int = 0
-    eval_every: int = 200
-    eval_batches: int = 8
-    out: str = "runs/latest"
-    sample_tokens: int = 300
-    snapshot_every: int = 100  # 0: only at the end
-    keep: int = 2  # snapshots kept
-    tensorboard: bool = False  # also write OUT/tensorboard event files (pip install 'brigade[tensorboard]')
-    bf16: bool = True  # autocast to bf16 on GPUs (ignored on CPU)
-    precision: str = ""  # bf16, fp16 (loss-scaled) or fp32 on any device; empty: follow --bf16
+    max_steps: int = doc(1000, "optimizer steps to train for")
+    batch_size: int = doc(32, "global batch in sequences, split across data-parallel replicas")
+    seed: int = doc(0, "seed of the weights and the data order: the same seed, the same run")
+    eval_every: int = doc(200, "steps between validation losses")
+    eval_batches: int = doc(8, "batches each validation loss averages")
+    out: str = doc("runs/latest", "folder for the metrics, snapshots, config.toml and sample")
+    sample_tokens: int = doc(300, "tokens (characters) of text sampled at the end; 0: no sample")
+    snapshot_every: int = doc(100, "steps between snapshots; 0: only at the end")
+    keep: int = doc(2, "snapshots kept, the newest ones")
+    tensorboard: bool = doc(False, "also write OUT/tensorboard event files "
+                                   "(pip install 'brigade[tensorboard]')")
+    bf16: bool = doc(True, "autocast to bf16 on GPUs, ignored on the CPU and when --precision is given")
+    precision: str = doc("", "autocast type on any device: {choices}, fp16 with loss scaling; empty: "
+                             "follow --bf16", choices=PRECISIONS)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from brigade import elastic
 from brigade.config.checks import validate
+from brigade.config.fielddoc import flag_help, help_of
 from brigade.config.resolve import World, resolve_layout
 from brigade.config.sections import SECTIONS, RunConfig, field_types, section_classes
 from brigade.errors import BrigadeError
@@ -75,22 +76,25 @@ def load_toml(path: str | Path) -> dict[str, dict]:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per field, default SUPPRESS so only what the user typed overrides."""
+    """One flag per field, default SUPPRESS so only what the user typed overrides; its help is
+    the field's sentence (`fielddoc`) and default."""
     for section, cls in section_classes().items():
         group = parser.add_argument_group(section)
         for f in fields(cls):
             kind = field_types(cls)[f.name]
             flag = "--" + f.name.replace("_", "-")
-            default = f.default
+            text = flag_help(f)
             if f.name == "nnodes":  # N, or MIN:MAX (parsed in `build`, so a mistake is one line)
-                group.add_argument(flag, default=argparse.SUPPRESS, metavar="N|MIN:MAX", help=elastic.HELP)
+                group.add_argument(flag, default=argparse.SUPPRESS, metavar="N|MIN:MAX", help=text)
             elif kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                   default=argparse.SUPPRESS, help=f"(default: {default})")
+                                   default=argparse.SUPPRESS, help=text)
             else:
                 group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
-                                   help=f"(default: {default!r})")
-    parser.add_argument("--config", default=None, help="a TOML file; flags override it")
+                                   help=text)
+    parser.add_argument("--config", default=None, metavar="FILE.toml",
+                        help="a TOML file of these settings, one [table] per group above, as a run "
+                             "writes to OUT/config.toml; flags override it")
 
 
 def build(args: argparse.Namespace | None = None, toml: dict[str, dict] | None = None,
@@ -124,15 +128,17 @@ def build(args: argparse.Namespace | None = None, toml: dict[str, dict] | None =
     return resolve_layout(cfg, world, given=typed)
 
 
-
-
 def to_toml(cfg: RunConfig) -> str:
-    """`cfg` as a TOML file that `load_toml` (and `--config`) reads back."""
+    """`cfg` as a TOML file that `load_toml` (and `--config`) reads back, each key under a comment
+    that is its field's sentence (`fielddoc.help_of`, the words of `brigade train --help`)."""
     lines = []
-    for section, values in cfg.to_dict().items():
+    for section, cls in section_classes().items():
+        part = getattr(cfg, section)
         lines.append(f"[{section}]")
-        for key, value in values.items():
+        for f in fields(cls):
+            value = getattr(part, f.name)
             text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
-            lines.append(f"{key} = {text}")
+            lines.append("# " + " ".join(help_of(f, long=False).split()))
+            lines.append(f"{f.name} = {text}")
         lines.append("")
     return "\n".join(lines)
