@@ -34,7 +34,7 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device):
     if per_mb:
         total = 0.0
         for xs, ys, w in zip(pieces(x, m), pieces(y, m),
-                             microbatch.weights(x.shape[0], m)):
+                             microbatch.weights(microbatch.batch_size_of(x), m)):
             loss = spec.loss_fn(model(xs), ys) * w
             loss.backward()
             total += loss.detach()

@@ -19,7 +19,7 @@ from brigade.bench.figures import summarise
 from brigade.errors import BrigadeError
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
-from brigade.pipeline import schedule
+from brigade.pipeline import schedule, structure
 from brigade.pipeline.partition import check_chain
 from brigade.pipeline.side import needed
 from brigade.rendezvous import LaunchSpec
@@ -61,17 +61,24 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def check_timeable(spec, command: str) -> None:
-    """bench and tune time models of plain tensors: refuse a structured batch or side inputs.
+    """bench and tune time models of plain tensors: refuse a structured batch, side inputs, or
+    a block anywhere in the chain that returns a structure (`check_chain` probes every block's
+    output). Their probes and torch.distributed.pipelining's stages take one tensor per stage.
 
     Raises:
-        BrigadeError: naming the model and what to use instead.
+        BrigadeError: naming the model (and the block) and what to use instead.
     """
     x = spec.make_batch(2, torch.Generator().manual_seed(0))[0]
     if not torch.is_tensor(x) or needed(spec.blocks):
         what = "takes side inputs" if needed(spec.blocks) else f"takes a {type(x).__name__} batch"
         raise BrigadeError(f"{spec.name} {what}: brigade {command} times models whose batch is one "
                            "tensor; check it with brigade check and train it with brigade train")
-    check_chain(spec.blocks, x)
+    outputs = check_chain(spec.blocks, x)
+    i = next((i for i, out in enumerate(outputs) if out != structure.TENSOR), None)
+    if i is not None:
+        raise BrigadeError(f"{spec.name}: block {i} ({type(spec.blocks[i]).__name__}) returns a "
+                           f"{outputs[i].kind}: brigade {command} times models whose blocks pass one "
+                           "tensor; check it with brigade check and train it with brigade train")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -209,7 +209,9 @@ def _infer_batch(blocks: list[nn.Module]) -> Callable[[int, torch.Generator], Ba
         was_training = model.training
         model.eval()  # leave BatchNorm statistics untouched
         try:
-            check_chain(blocks, x[:1])  # a clear error if consecutive blocks do not fit
+            if check_chain(blocks, x[:1])[-1].kind != "T":  # a clear error if blocks do not fit
+                raise BrigadeError(f"block {len(blocks) - 1} ({type(blocks[-1]).__name__}) returns a "
+                                   "structure: define batch() and loss() in the model file")
             with torch.no_grad():
                 y = model(x[:1])
         finally:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from brigade.errors import BrigadeError
+from brigade.pipeline import structure
 
 
 def parse_balance(text: str) -> list[int]:
@@ -95,40 +97,62 @@ def param_costs(blocks: Sequence[nn.Module]) -> list[float]:
     return [1.0 + sum(p.numel() for p in b.parameters()) for b in blocks]
 
 
-@torch.no_grad()
-def _clone(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().clone()
+def _fresh(x: Any, grad: bool) -> Any:
+    """A copy of a tensor or structure to time a block on: its tensors cloned, floating ones
+    requiring a gradient when `grad` (as the pipeline hands a stage its received input)."""
+    tensors, spec = structure.flatten(x, root="input")
+    with torch.no_grad():
+        copies = [t.detach().clone() for t in tensors]
+    return structure.unflatten([c.requires_grad_(grad and c.is_floating_point()) for c in copies], spec)
 
 
-def time_costs(blocks: Sequence[nn.Module], sample: torch.Tensor, repeats: int = 3) -> list[float]:
+def _synchronize(x: Any) -> None:
+    """Wait for the GPU of a structure's first CUDA tensor, if any (the clock measures compute)."""
+    cuda = next((t for t in structure.flatten(x, root="output")[0] if t.is_cuda), None)
+    if cuda is not None:
+        torch.cuda.synchronize(cuda.device)
+
+
+def _backward_ones(y: Any) -> None:
+    """Backward from every tensor of an output structure that requires a gradient (all ones)."""
+    ys = [t for t in structure.flatten(y, root="output")[0] if t.requires_grad]
+    if ys:
+        torch.autograd.backward(ys, [torch.ones_like(t) for t in ys])
+
+
+def time_costs(blocks: Sequence[nn.Module], sample: Any, repeats: int = 3) -> list[float]:
     """Measured forward+backward seconds per block on `sample` (median of `repeats`).
+
+    `sample` is a batch's inputs, a tensor or a structure; a block may take and return either,
+    and gets its declared side inputs (`side.split_inputs` of the sample) by keyword.
 
     Each block runs once untimed first: a first call pays one-off costs (kernel selection,
     allocations, oneDNN primitive creation on CPU) that would make early blocks look heavier
     and push the cut late (ResNet-50 on CPU: the second stage came out ~3× the first).
+
+    Raises:
+        BrigadeError: a side input a block declares is missing from the sample.
     """
+    from brigade.pipeline.side import declared, split_inputs
+
+    x, side = split_inputs(sample, list(blocks))
     costs = []
-    x = sample
-    for block in blocks:
+    for i, block in enumerate(blocks):
+        kwargs = {name: side[name] for name in declared(block, i)}
         times = []
         for k in range(repeats + 1):
-            inp = _clone(x)
-            if inp.is_floating_point():
-                inp.requires_grad_(True)
-            if inp.is_cuda:  # the clock starts when the GPU is idle, not while it still copies
-                torch.cuda.synchronize(inp.device)
+            inp = _fresh(x, grad=True)
+            _synchronize(inp)  # the clock starts when the GPU is idle, not while it still copies
             start = time.perf_counter()
-            out = block(inp)
-            if out.requires_grad:
-                out.backward(torch.ones_like(out))
-            if out.is_cuda:
-                torch.cuda.synchronize(out.device)
+            out = block(inp, **kwargs)
+            _backward_ones(out)
+            _synchronize(out)
             if k:  # the first, warm-up call is not timed
                 times.append(time.perf_counter() - start)
         block.zero_grad(set_to_none=True)
         costs.append(sorted(times)[len(times) // 2])
         with torch.no_grad():
-            x = block(_clone(x))
+            x = block(_fresh(x, grad=False), **kwargs)
     return costs
 
 
@@ -136,7 +160,7 @@ def choose_balance(
     blocks: Sequence[nn.Module],
     n_stages: int,
     by: str = "params",
-    sample: torch.Tensor | None = None,
+    sample: Any = None,
     balance: Sequence[int] | None = None,
 ) -> list[int]:
     """Pick cut points: explicit `balance`, or solve over `by` = "params" | "time".
@@ -177,41 +201,50 @@ def split(blocks: Sequence[nn.Module], balance: Sequence[int]) -> list[nn.Module
     return stages
 
 
-def check_chain(blocks: Sequence[nn.Module], sample: torch.Tensor) -> None:
-    """Run `sample` through the blocks once; name both blocks if one's output does not fit the next.
+def check_chain(blocks: Sequence[nn.Module], sample: Any) -> list[structure.Spec]:
+    """Run `sample` through the blocks once, probing every block's output; name both blocks if
+    one's output does not fit the next.
 
-    A structured sample, or blocks that take side inputs, run through `side.whole`: its
-    StageModule names the block (and stage) that cannot take what comes before it.
+    Whether a model passes plain tensors is a property of the whole chain, not of its input: a
+    block may turn a tensor into a structure (tuple, list, dict, namedtuple, nested) and a later
+    one a structure back into a tensor. So each block is run on what the previous one returned
+    (with its declared side inputs, taken out of the sample by `side.split_inputs`), and what it
+    returns must be something a stage can send (`structure.flatten`).
+
+    Returns:
+        The description (`structure.Spec`) of every block's output, in order: all
+        `structure.TENSOR` when only tensors pass from block to block.
 
     Raises:
-        BrigadeError: naming block i, block i+1 and the shape that did not fit.
+        BrigadeError: naming block i, block i+1 and the shape or structure that did not fit; a
+            block output that cannot be sent (naming the block and where in the output); a
+            side input missing from the sample.
     """
-    from brigade.pipeline.side import needed, whole
+    from brigade.pipeline.side import MISMATCH, declared, split_inputs
 
-    if needed(list(blocks)) or not torch.is_tensor(sample):
-        with torch.no_grad():
-            whole(list(blocks))(sample)
-        return
-    x = sample
+    blocks = list(blocks)
+    x, side = split_inputs(sample, blocks)
+    specs = []
     with torch.no_grad():
         for i, block in enumerate(blocks):
+            kwargs = {name: side[name] for name in declared(block, i)}
             try:
-                y = block(x)
-            except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-                where = (
-                    f"block {i - 1} ({type(blocks[i - 1]).__name__}) outputs shape "
-                    f"{tuple(x.shape)}, which block {i} ({type(block).__name__}) cannot take"
-                    if i
-                    else f"block 0 ({type(block).__name__}) cannot take the input of shape "
-                    f"{tuple(x.shape)}"
-                )
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise BrigadeError(f"{where}: {first}") from None
-            if not isinstance(y, torch.Tensor):
-                raise BrigadeError(
-                    f"block {i} ({type(block).__name__}) returned {type(y).__name__}; "
-                    "each block must return one tensor"
-                )
+                y = block(x, **kwargs)
+            except (BrigadeError, torch.OutOfMemoryError):
+                raise
+            except MISMATCH as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise BrigadeError(f"{_misfit(blocks, i, x)}: {type(exc).__name__}: {first}") from None
+            specs.append(structure.flatten(y, root=f"block {i} ({type(block).__name__})'s output")[1])
             x = y
+    return specs
 
 
+def _misfit(blocks: list[nn.Module], i: int, x: Any) -> str:
+    """Which block cannot take what: `block 0 (A) outputs shape (2, 7), which block 1 (B) cannot
+    take`, or with a structure `... outputs dict('h': Tensor(2, 8) float32), which ...`."""
+    what = f"shape {tuple(x.shape)}" if torch.is_tensor(x) else structure.describe(x)
+    name = f"block {i} ({type(blocks[i]).__name__})"
+    if i == 0:
+        return f"{name} cannot take the input {'of ' if torch.is_tensor(x) else ''}{what}"
+    return f"block {i - 1} ({type(blocks[i - 1]).__name__}) outputs {what}, which {name} cannot take"

@@ -26,7 +26,7 @@ from brigade.pipeline import structure
 
 ATTRIBUTE = "side_inputs"
 # What a block raises when handed a structure it does not take (wrong arity, shapes, keys).
-_MISMATCH = (TypeError, ValueError, IndexError, KeyError, AttributeError, RuntimeError)
+MISMATCH = (TypeError, ValueError, IndexError, KeyError, AttributeError, RuntimeError)
 
 
 def _name(block: nn.Module, index: int) -> str:
@@ -177,7 +177,7 @@ class StageModule(nn.Module):
             raise
         except torch.OutOfMemoryError:
             raise
-        except _MISMATCH as exc:
+        except MISMATCH as exc:
             i = self.indices[k]
             source = (f"{_name(self.blocks()[k - 1], self.indices[k - 1])}'s output" if k
                       else "the batch's input" if i == 0 else f"block {i - 1}'s output (previous stage)")
