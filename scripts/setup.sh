@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Install brigade and its test tools into the current Python environment.
-# torch comes first, and only if missing: a CPU-only machine then takes the
-# CPU wheel instead of letting a plain "torch" requirement pull a CUDA build.
+# Install brigade and its test tools into the current Python environment, at the exact
+# versions the suite last passed with (constraints.txt; moved forward by scripts/update-pins.sh).
+# torch comes first, and only if missing: a CPU-only machine then takes the CPU wheel
+# instead of letting a plain "torch" requirement pull a CUDA build, and a GPU machine
+# keeps the torch it has (which is why constraints.txt does not pin torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet "torch==${BRIGADE_TORCH_VERSION:-2.13.0}"
 fi
-"$PY" -m pip install --quiet -e ".[dev]"
+"$PY" -m pip install --quiet -c constraints.txt -e ".[dev]"

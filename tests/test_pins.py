@@ -1,0 +1,51 @@
+"""The set-up is reproducible: every tool the suite runs with is pinned to an exact version in
+constraints.txt, and the set-up script (which .ci/run calls) installs with it."""
+
+import re
+import sys
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).parents[1]
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version, f"constraints.txt: {line!r} is not NAME==VERSION"
+            pins[name.lower().replace("_", "-")] = version
+    return pins
+
+
+def test_every_requirement_but_torch_is_pinned_exactly():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_name(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]
+              if "python_version < '3.11'" not in r}
+    pins = _pins()
+    assert wanted - {"torch"} <= set(pins), f"not pinned: {sorted(wanted - {'torch'} - set(pins))}"
+    assert "torch" not in pins  # setup.sh pins torch itself, so a GPU machine keeps the one it has
+
+
+def test_pyproject_keeps_loose_lower_bounds_for_library_users():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "torch>=2.4" in project["dependencies"]
+    assert not [r for r in project["dependencies"] if "==" in r]
+
+
+def test_setup_and_ci_install_with_the_constraints():
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert re.search(r"pip install .*-c constraints\.txt .*-e \"\.\[dev\]\"", setup)
+    assert "torch==${BRIGADE_TORCH_VERSION:-2.13.0}" in setup
+    assert "scripts/setup.sh" in (ROOT / ".ci" / "run").read_text()
+    update = (ROOT / "scripts" / "update-pins.sh").read_text()
+    assert "python3 -m venv" in update and "pytest" in update and "> constraints.txt.new" in update
