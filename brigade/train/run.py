@@ -17,16 +17,15 @@ import torch
 import torch.distributed as dist
 
 from brigade import agent, forensics, groups
-from brigade.config import RunConfig, pipeline_shape, resolve_layout, to_toml
+from brigade.config import RunConfig, pipeline_shape, resolve_layout
 from brigade.errors import BrigadeError, RunError
-from brigade.fsutil import write_atomic
-from brigade.launchenv import launcher_world, under_launcher
+from brigade.launchenv import launcher_env, launcher_world, under_launcher
 from brigade.pipeline.partition import check_chain, choose_balance, parse_balance
 from brigade.snapshot import collective
 from brigade.snapshot.compat import check_compatible, run_facts
 from brigade.snapshot.format import SnapshotError, find_latest, read_manifest
 from brigade.snapshot.rng import torch_rng_fingerprint
-from brigade.train import metrics
+from brigade.train import metrics, report
 from brigade.train.data import Vocab, build
 from brigade.train.faults import Fault, FaultInjector
 from brigade.train.supervise import launch_with_events, layout_record, this_round
@@ -49,8 +48,10 @@ def check_out(out: str) -> None:
             from None
 
 
-def preflight(cfg: RunConfig) -> None:
+def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> None:
     """Every check that needs no process group: devices, data, model, layout, output folder.
+    `quiet`: check, but leave the lines it prints (a damaged snapshot) to rank 0. `launched`: a
+    launcher (torchrun, srun) started this process and met the nodes: no endpoint to check.
 
     Raises:
         BrigadeError: naming what is wrong; nothing has been written.
@@ -66,14 +67,15 @@ def preflight(cfg: RunConfig) -> None:
         check_chain(blocks, train.batch(torch.arange(2))[0])
     ranks, virtual = pipeline_shape(p)
     choose_balance(blocks, ranks * virtual, balance=parse_balance(p.balance) if p.balance else None)
-    if p.nnodes > 1:
+    if p.nnodes > 1 and not launched:
         from brigade.net import node_address, parse_endpoint
 
         me = node_address(*parse_endpoint(p.rdzv_endpoint), p.local_addr)
         print(f"brigade: node {p.node_rank} of {p.nnodes} advertises {me.addr}"
               + (f" on {me.ifname}" if me.ifname else "") + f"; rendezvous at {p.rdzv_endpoint}", flush=True)
     check_out(cfg.train.out)
-    found = find_latest(cfg.train.out, warn=lambda m: print(f"brigade: warning: {m}", flush=True))
+    found = find_latest(cfg.train.out, warn=(lambda m: None) if quiet else
+                        (lambda m: print(f"brigade: warning: {m}", flush=True)))
     if found is not None:
         check_compatible(found.manifest, cfg)
 
@@ -209,6 +211,22 @@ def _fit(trainer: Trainer, cfg: RunConfig) -> list[dict]:
                        f"{exc.lr:g}) or --grad-clip, or check the data, then run again") from None
 
 
+def _launched(cfg: RunConfig, fault: Fault | None, world) -> dict[int, dict]:
+    """This process was started by torchrun, srun or a `brigade.launch` of the user's: every rank
+    checks what `preflight` checks (so a mistake stops each of them, not only one) and keeps its
+    stderr under OUT/logs; global rank 0 also does what brigade's own parent would (`report`)."""
+    env = launcher_env()
+    rank = env.rank if env is not None else int(os.environ.get("RANK", "0"))
+    preflight(cfg, quiet=rank != 0, launched=True)
+    report.keep_stderr(report.stderr_log(cfg.train.out, rank))
+    if rank == 0:
+        report.start(cfg, world.size if world is not None else cfg.parallel.dp * cfg.parallel.pp)
+    summary = worker(cfg, fault)
+    if rank == 0:
+        report.finish(cfg, summary)
+    return {summary["rank"]: summary}
+
+
 def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> dict[int, dict]:
     """What `brigade train` does in the user's shell. Returns this node's ranks' summaries.
     Under a launcher, the launcher's world decides the layout (`config.resolve_layout`).
@@ -217,47 +235,22 @@ def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> 
         BrigadeError: the layout contradicts the world, or a preflight check fails.
         agent.Stopped: the launcher was sent a signal; the workers wrote a snapshot and left.
     """
-    cfg = resolve_layout(cfg, launcher_world())
+    world = launcher_world()
+    cfg = resolve_layout(cfg, world)
     if under_launcher():
-        summary = worker(cfg, fault)
-        return {summary["rank"]: summary}
+        return _launched(cfg, fault, world)
     preflight(cfg)
     p = cfg.parallel
     cores = os.cpu_count() or 1
     if not torch.cuda.is_available() and p.nproc * p.threads > cores:
         print(f"brigade: warning: --nproc {p.nproc} × --threads {p.threads} is more than the {cores} "
               "CPU cores here; processes will share cores and each step will be slower", flush=True)
-    out = Path(cfg.train.out)
     if p.node_rank == 0:  # one writer for the shared folder
-        write_atomic(out / "config.toml", to_toml(cfg))
-    nodes = f"{p.min_nodes} to {p.nnodes} nodes × {p.nproc}" if p.min_nodes else p.nproc * p.nnodes
-    print(f"brigade: training {cfg.model.model} on {nodes} processes (dp={p.dp} × pp={p.pp}"
-          + (f" × {p.local_stages} local stages" if p.local_stages > 1 else "")
-          + f", {p.schedule}), results in {out}/", flush=True)
+        nodes = f"{p.min_nodes} to {p.nnodes} nodes × {p.nproc}" if p.min_nodes else p.nproc * p.nnodes
+        report.start(cfg, nodes)
     results = launch_with_events(worker, cfg, fault, port=port)
-    if p.node_rank == 0:
-        _finish(cfg, results)
+    if p.node_rank == 0:  # global rank 0 may live on another node under c10d rendezvous
+        report.finish(cfg, results[min(results)])
     else:
         print(f"brigade: node {p.node_rank} done", flush=True)
     return results
-
-
-def _finish(cfg: RunConfig, results: dict[int, dict]) -> None:
-    """Node 0's plot, sample and last line, from this node's ranks: global rank 0 may live on
-    another node under c10d rendezvous, and every rank ends at the same step and loss."""
-    from brigade.train.plot import plot_run
-    from brigade.train.sample import sample_from_run
-
-    summary = results[min(results)]
-    out = Path(cfg.train.out)
-    png = plot_run(out)
-    if cfg.model.model == "gpt" and cfg.train.sample_tokens:
-        text = sample_from_run(out, prompt="\n", tokens=cfg.train.sample_tokens, seed=cfg.train.seed)
-        write_atomic(out / "sample.txt", text)
-        print("\n--- sample ---\n" + text + "\n--------------", flush=True)
-    val = summary.get("val_loss")
-    print(f"brigade: done at step {summary['step']}"
-          + (f", validation loss {val:.4f}" if val is not None else "")
-          + f". In {out}/: metrics.jsonl, {png.name if png else 'no plot'}, config.toml, "
-          f"snapshots/, sample.txt", file=sys.stdout, flush=True)
-

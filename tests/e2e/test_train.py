@@ -75,19 +75,38 @@ def _layout(out) -> dict:
     return inspect(out)["layout"]
 
 
+RUN_FOLDER = ("config.toml", "metrics.jsonl", "snapshots/LATEST", "loss.png", "sample.txt")
+
+
+def assert_whole_run_folder(out: Path, stdout: str, ranks: int) -> None:
+    """What brigade's own launcher leaves, whoever started the processes: the files, the console's
+    start and done lines (once: rank 0's), and every rank's stderr under logs/."""
+    for name in RUN_FOLDER:
+        assert (out / name).exists(), f"{name} missing from {sorted(p.name for p in out.iterdir())}"
+    assert stdout.count("brigade: training gpt on 4 processes (dp=2 × pp=2") == 1, stdout
+    assert stdout.count("brigade: done at step 3") == 1 and "--- sample ---" in stdout, stdout
+    logs = sorted(out.glob("logs/*/attempt_0/*/stderr.log"))
+    assert [p.parent.name for p in logs] == [str(r) for r in range(ranks)], logs
+    from brigade.config import load_toml
+
+    assert load_toml(out / "config.toml")["parallel"]["pp"] == 2  # `brigade train --config` reads it
+
+
 def test_runs_under_torchrun(tmp_path):
-    """torchrun's world decides: 4 processes with --pp 2 is dp 2 × pp 2 (brigade's --nproc is 2)."""
+    """torchrun's world decides: 4 processes with --pp 2 is dp 2 × pp 2 (brigade's --nproc is 2);
+    with no brigade parent process, rank 0 writes the run folder and prints what it would."""
     from brigade.net import free_port
 
     out = tmp_path / "tr"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
            str(free_port()), "-m", "brigade", "train", "--out", str(out), *TINY, "--pp", "2",
-           "--max-steps", "3", "--sample-tokens", "0"]
+           "--max-steps", "3"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert max(losses(out).values()) > 0 and len(losses(out)) == 3
     assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 1}
+    assert_whole_run_folder(out, result.stdout, ranks=4)
 
 
 def test_runs_under_slurm_variables(tmp_path):
@@ -102,17 +121,42 @@ def test_runs_under_slurm_variables(tmp_path):
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="4", SLURM_LOCALID=str(rank),
-                   SLURM_NTASKS_PER_NODE="4", SLURM_JOB_NODELIST="localhost", MASTER_PORT=port,
-                   OMP_NUM_THREADS="1")
+                   SLURM_NTASKS_PER_NODE="4", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="7",
+                   MASTER_PORT=port, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "brigade", "train", "--out", str(out), *TINY, "--max-steps", "3",
-             "--pp", "2", "--schedule", "interleaved", "--sample-tokens", "0"],
+             "--pp", "2", "--schedule", "interleaved"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    printed = ""
     for p in procs:
-        _, err = p.communicate(timeout=240)
+        text, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-2000:]
+        printed += text
     assert len(losses(out)) == 3
     assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 2}
+    assert_whole_run_folder(out, printed, ranks=4)
+    assert list((out / "logs").iterdir()) == [out / "logs" / "slurm-7"]  # the job's id names the run
+
+
+def _train_from_python(out: str) -> dict:
+    """A user's own function under `brigade.launch`: the run's config, then `brigade.train.run.run`."""
+    from brigade.cli import build_parser
+    from brigade.config import build
+    from brigade.launchenv import launcher_world
+    from brigade.train.run import run
+
+    args = build_parser().parse_args(["train", "--out", out, *TINY, "--pp", "2", "--max-steps", "3"])
+    return run(build(args, world=launcher_world()))
+
+
+def test_runs_under_brigade_launch_from_python(tmp_path, capfd):
+    """`brigade.launch(fn, nproc=4)` where fn runs the training: the same folder and lines."""
+    import brigade
+
+    out = tmp_path / "py"
+    results = brigade.launch(_train_from_python, 4, str(out))
+    assert sorted(results) == [0, 1, 2, 3] and results[0][0]["step"] == 3
+    assert_whole_run_folder(out, capfd.readouterr().out, ranks=4)
 
 
 def _wait_until_listening(port: int, seconds: float = 60) -> None:
