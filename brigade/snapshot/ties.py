@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 _PREFIXES = ("", "state.", "param_groups.")  # model keys; flattened optimizer keys
@@ -79,11 +80,20 @@ BORROWED = "\0"  # marks a canonical key read for an alias only: no parameter na
 
 def filled(template: dict, fill: Mapping[str, str]) -> dict:
     """The loaded `template` with every alias key given its canonical entry's value, and the
-    canonical keys this rank does not hold dropped."""
-    out = dict(template)
+    canonical keys this rank does not hold dropped.
+
+    Every key gets a tensor of its own: a rank holding two copies of a tie (the V placement's
+    first and last stage, or local stages) must not hand both the same optimizer state, or each
+    step updates that state once per copy (`step` counts 2, `exp_avg` moves twice) and the copies
+    drift apart from the run that never stopped.
+    """
+    borrowed = {c.removeprefix(BORROWED) for c in fill.values() if c.startswith(BORROWED)}
+    out = {k: v for k, v in template.items() if k not in borrowed}
+    taken = {id(v) for v in out.values()}
     for alias, canonical in fill.items():
-        out[alias] = template[canonical.removeprefix(BORROWED)]
-    for canonical in fill.values():
-        if canonical.startswith(BORROWED):
-            out.pop(canonical.removeprefix(BORROWED), None)
+        value = template[canonical.removeprefix(BORROWED)]
+        if isinstance(value, torch.Tensor) and id(value) in taken:
+            value = value.clone()
+        taken.add(id(value))
+        out[alias] = value
     return out

@@ -37,11 +37,31 @@ def test_a_snapshot_drops_aliases_and_a_loader_fills_them():
     # both held: read the canonical entry once, give the alias its value
     read, fill = to_load({"blocks.0.tok.weight": a, "blocks.3.out.weight": b}, TIED)
     assert list(read) == ["blocks.0.tok.weight"] and read["blocks.0.tok.weight"] is a
-    assert filled(read, fill)["blocks.3.out.weight"] is a
+    both = filled(read, fill)
+    assert torch.equal(both["blocks.3.out.weight"], a) and both["blocks.0.tok.weight"] is a
     # only the alias held (the last stage): the canonical entry is read into the alias's tensor
     read, fill = to_load({"blocks.3.out.weight": b, "state.blocks.3.out.weight.step": 1}, TIED)
     assert read == {"blocks.0.tok.weight": b, "state.blocks.0.tok.weight.step": 1}
     assert filled(read, fill) == {"blocks.3.out.weight": b, "state.blocks.3.out.weight.step": 1}
+
+
+def test_two_copies_on_one_rank_get_optimizer_states_of_their_own():
+    """A V placement holds the embedding's stage and the head's on one rank: were both handed one
+    `exp_avg` and one `step`, each optimizer step would update them twice."""
+    state = {"state.blocks.0.tok.weight.step": torch.tensor(4.0), "state.blocks.3.out.weight.step":
+             torch.tensor(4.0), "param_groups.blocks.0.tok.weight.lr": 0.1,
+             "param_groups.blocks.3.out.weight.lr": 0.1}
+    read, fill = to_load(state, TIED)
+    both = filled(read, fill)
+    tok, out = both["state.blocks.0.tok.weight.step"], both["state.blocks.3.out.weight.step"]
+    assert tok is not out and torch.equal(tok, out)
+    assert both["param_groups.blocks.3.out.weight.lr"] == 0.1
+    # a tie used by three stages, two of them here without the first: one tensor each as well
+    three = {**TIED, "blocks.5.out.weight": "blocks.0.tok.weight"}
+    read, fill = to_load({"blocks.3.out.weight": torch.ones(2), "blocks.5.out.weight": torch.ones(2)}, three)
+    held = filled(read, fill)
+    assert sorted(held) == ["blocks.3.out.weight", "blocks.5.out.weight"]
+    assert held["blocks.3.out.weight"] is not held["blocks.5.out.weight"]
 
 
 def test_aliases_are_found_by_identity_and_declared():
