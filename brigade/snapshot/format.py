@@ -270,7 +270,7 @@ def resolve(path: str | Path) -> Snapshot:
         raise BrigadeError(f"{str(p)!r} not found: give a run folder (--out of a run) or a snapshot folder")
     if (p / MANIFEST).exists() or p.name.startswith("step_"):
         return Snapshot(p, verify(p))
-    found = find_latest(p, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    found = find_latest(p, warn=lambda msg: print(f"brigade: warning: {msg}", file=sys.stderr, flush=True))
     if found is None:
         raise BrigadeError(f"{p} holds no complete snapshot: train with --out {p} first")
     return found

@@ -12,7 +12,7 @@ from brigade.config import ModelConfig
 from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt
 from brigade.snapshot.collective import load_model_only
-from brigade.snapshot.format import resolve
+from brigade.snapshot.format import Snapshot, resolve
 from brigade.train.data import Vocab
 from brigade.train.layout import OwnedBlocks
 
@@ -38,7 +38,13 @@ def sample_from_run(path: str | Path, prompt: str, tokens: int, seed: int = 0,
     Raises:
         BrigadeError: no snapshot, not a GPT run, or characters the run never saw.
     """
-    found = resolve(path)
+    return sample_from_snapshot(resolve(path), prompt, tokens, seed, temperature)
+
+
+def sample_from_snapshot(found: Snapshot, prompt: str, tokens: int, seed: int = 0,
+                         temperature: float = 0.8) -> str:
+    """Continue `prompt` with the GPT of the verified snapshot `found` (see `sample_from_run`)."""
+    path = found.path
     manifest = found.manifest
     if manifest.model != "gpt" or not manifest.vocab:
         raise BrigadeError(f"{path} is a {manifest.model} run: generate needs a GPT trained on text")
@@ -61,5 +67,10 @@ def sample_from_run(path: str | Path, prompt: str, tokens: int, seed: int = 0,
 
 
 def main_generate(path: str, prompt: str, tokens: int, seed: int, temperature: float) -> int:
-    print(sample_from_run(path, prompt, tokens, seed, temperature), file=sys.stdout)
+    """`brigade generate`: the sample on stdout; on stderr, which snapshot it came from (after a
+    warning for each newer one that was damaged and skipped)."""
+    found = resolve(path)
+    print(f"brigade generate: sampling from snapshot step {found.manifest.step} ({found.path})",
+          file=sys.stderr, flush=True)
+    print(sample_from_snapshot(found, prompt, tokens, seed, temperature), file=sys.stdout)
     return 0

@@ -223,6 +223,29 @@ def test_inspect_a_damaged_snapshot(run, cli, tmp_path, case):
     assert _files(out) == before, "inspect must not touch a snapshot"
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["listed-file-missing", "not-an-object"])
+def test_every_command_that_loads_a_snapshot_names_its_step_and_warns_of_one_skipped(run, cli, tmp_path,
+                                                                                     case):
+    """generate fell back to an older snapshot without a word: now it says which step it sampled
+    from, after one warning per damaged snapshot it skipped (as inspect and train do)."""
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    _damage(out / "snapshots" / "step_00000006", case)
+    gen = cli("generate", "--from", out, "--tokens", "5")
+    assert gen.returncode == 0, gen.stderr
+    lines = gen.stderr.splitlines()
+    assert lines[0].startswith("brigade: warning: skipping snapshot step_00000006: "), gen.stderr
+    assert lines[1] == f"brigade generate: sampling from snapshot step 3 ({out}/snapshots/step_00000003)"
+    assert len(lines) == 2 and gen.stdout.strip()
+    result = cli("inspect", out)
+    assert "brigade: warning: skipping snapshot step_00000006" in result.stderr
+    assert "step: 3" in result.stdout
+    gen = cli("generate", "--from", out / "snapshots" / "step_00000003", "--tokens", "5")
+    assert gen.stderr.splitlines() == [f"brigade generate: sampling from snapshot step 3 "
+                                       f"({out}/snapshots/step_00000003)"]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["not-an-object", "unlisted-file"])
 def test_a_run_resumes_from_the_snapshot_before_a_damaged_one(run, tmp_path, case):
