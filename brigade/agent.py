@@ -152,15 +152,18 @@ def _call_and_leave(fn: Callable[..., Any], *args: Any) -> Any:
         import torch
 
         torch.set_num_threads(int(threads))
+    failed = True
     try:
-        return fn(*args)
+        result = fn(*args)
+        failed = False
+        return result
     except Exception as exc:
         if _PEER_GONE.search(str(exc)):  # the agent reports one failure: let it be the cause
             time.sleep(_CAUSE_FIRST_S)
         raise
     finally:
         forensics.stop_all()  # their store connections first, while every store still answers
-        groups.destroy()
+        groups.destroy(drain=not failed)  # after a failure, no barrier a waiting peer could meet
         _returned.set()
         if stop_requested():
             _leave_once_handed_over()

@@ -248,12 +248,12 @@ def _where(cfg: CheckConfig, info: groups.DistInfo) -> Where:
 def worker(cfg: CheckConfig, cases: list[Case]) -> list[dict]:
     """Process entry point: run every case in one process group (one start for many cases)."""
     info = groups.init(threads=1, local_stages=cfg.stages if cfg.runtime == "local" else 1)
-    try:
-        where = _where(cfg, info)
-        with exact_matmuls():
-            return [run_case(cfg, c, where).to_dict() for c in cases]
-    finally:
-        groups.destroy()
+    where = _where(cfg, info)
+    with exact_matmuls():
+        results = [run_case(cfg, c, where).to_dict() for c in cases]
+    del where  # its stage groups' last references go inside destroy, after the drain
+    groups.destroy()  # a failure leaves it to agent's worker wrapper, with no drain
+    return results
 
 
 def _case(cfg: CheckConfig, case: Case) -> tuple[str, int, int]:

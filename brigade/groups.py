@@ -8,6 +8,7 @@ decides which GPU a local rank drives (`local_devices`) — and joins the proces
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -125,8 +126,37 @@ def info(backend: str | None = None, local_stages: int = 1) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
-def destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy(drain: bool = True, drain_s: float = 30.0) -> None:
+    """Leave every process group, last of all: free whatever holds a group first (DDP, a trainer).
+
+    Why the order matters, and the drain: a gloo group's destructor joins its worker threads,
+    and runs in whatever frees the group's last reference, holding the GIL. A worker thread
+    that still wants the GIL then (to run, or to free, the Python callback of DDP's comm hook,
+    which it does just after DDP's wait returns) never gets it: the process hangs for ever in
+    C, where no Python timeout can fire (the suite once did, freeing a DDP model after its group).
+    So: a garbage collection frees the wrappers left in reference cycles while their groups
+    still live; a barrier on every group this rank belongs to (in creation order, the same on
+    every rank) waits on outstanding work with the GIL released, so those threads finish; then
+    the groups go. A barrier that fails or outlasts `drain_s` (a peer already gone) ends the
+    drain. After a failure pass `drain=False`: a peer may still wait in a collective that a
+    barrier would be matched with.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    for group in _member_groups() if drain else []:
+        try:
+            dist.barrier(group=group, async_op=True).wait(datetime.timedelta(seconds=drain_s))
+        except RuntimeError:  # DistError and friends: a peer left first
+            break
+    dist.destroy_process_group()
+
+
+def _member_groups() -> list:
+    """Every group this rank belongs to, the default one first, in the order they were made."""
+    names = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(names.pg_names) if names is not None else []  # dict: insertion (creation) order
+    default = dist.distributed_c10d._get_default_group()
+    return [default] + [g for g in groups if g is not default]
 
 

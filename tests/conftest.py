@@ -17,6 +17,9 @@ import pytest
 
 from tests.e2e.helpers import train
 
+# A test that blocks in C with the GIL held still ends, with every thread's stack (see there).
+pytest_plugins = ["tests.watchdog"]
+
 # The suite is the CPU suite: gloo, with more processes than a machine has GPUs. Where GPUs are
 # visible torch would pick NCCL, which needs one per process, so they are hidden from every case
 # and the processes it starts; scripts/gpu-check.sh is what checks a GPU (README, "On GPUs").

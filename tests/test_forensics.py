@@ -113,11 +113,14 @@ def test_ddp_gradient_buckets_are_recorded(monkeypatch):
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)  # init() sets them; they must not outlive this test
-    groups.init("gloo")  # a group of one, in this process
-    try:
+    def backward_through_ddp() -> tuple:
         model = data_parallel(torch.nn.Linear(4, 4), None, None)
         model(torch.ones(2, 4)).sum().backward()
-        what, _, waiting, _ = forensics.current()["MainThread"]
+        return forensics.current()["MainThread"]  # the DDP model is freed here, before its group
+
+    groups.init("gloo")  # a group of one, in this process
+    try:
+        what, _, waiting, _ = backward_through_ddp()
         assert what == "allreduce bucket 0" and waiting
     finally:
         groups.destroy()

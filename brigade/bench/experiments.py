@@ -18,7 +18,6 @@ Models, batches and every collective's tensors live on the process's device.
 from __future__ import annotations
 
 import copy
-import gc
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -246,10 +245,7 @@ def worker(cfg: BenchConfig) -> dict:
     """Build every configuration, time them in interleaved rounds, then memory and one trace."""
     info = groups.init(cfg.backend, threads=1)
     result = _measure(cfg, info)
-    # Every step (DDP's reducer, the pipelines) is gone before the group: a gloo group freed
-    # last by a DDP reducer joins its worker thread holding the GIL, which that thread needs.
-    gc.collect()
-    groups.destroy()
+    groups.destroy()  # every step (DDP's reducer, the pipelines) is gone first: see there
     return result
 
 

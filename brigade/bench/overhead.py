@@ -38,6 +38,12 @@ from brigade.train.metrics import loop_seconds, read_records
 def raw_worker(cfg: RunConfig) -> list[float]:
     """The tutorial's DDP loop; returns rank 0's wall clock after every step."""
     info = groups.init(cfg.parallel.backend, threads=cfg.parallel.threads)
+    stamps = _raw_loop(cfg, info)  # its DDP model is gone before the group (groups.destroy)
+    groups.destroy()
+    return stamps
+
+
+def _raw_loop(cfg: RunConfig, info) -> list[float]:
     world, device = info.world_size, info.device
     blocks, loss_fn, train, _, _ = build(cfg)
     model = ddp(torch.nn.Sequential(*blocks), device)
@@ -59,7 +65,6 @@ def raw_worker(cfg: RunConfig) -> list[float]:
         dist.all_reduce(loss.detach())  # the loss every rank reports, as brigade does
         float(loss.detach())  # the loss reaches the host, as brigade's metrics need it
         stamps.append(time.time())
-    groups.destroy()
     return stamps
 
 

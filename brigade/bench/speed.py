@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -63,8 +62,7 @@ def worker(cfg: SpeedConfig) -> dict:
     """Build single, brigade and torch per case, then time them in interleaved rounds."""
     info = groups.init(cfg.backend, threads=1)
     result = _measure(cfg, info)
-    gc.collect()  # the pipelines before the group (see experiments.worker)
-    groups.destroy()
+    groups.destroy()  # the pipelines are gone first: see there
     return result
 
 

@@ -7,9 +7,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -116,10 +116,25 @@ def _seconds_since_process_start() -> float:
 
 
 def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
-    """One process of a training run (under brigade's launcher, torchrun, or srun); its summary."""
+    """One process of a training run (under brigade's launcher, torchrun, or srun); its summary.
+
+    Everything that holds a process group (the trainer, its DDP wrappers, the fault injector's
+    hooks) lives inside `_train` and is gone when it returns; only then are the groups left
+    (`groups.destroy` says why the order matters). Should leaving hang all the same, the
+    faulthandler watchdog, a C thread that needs no GIL, prints every thread's stack and ends
+    the process once `hang_timeout` has passed, instead of letting it hang at exit for ever.
+    """
     info = groups.init(cfg.parallel.backend, cfg.parallel.threads,
                       forensics.group_timeout(cfg.parallel.hang_timeout), cfg.parallel.local_stages)
-    cfg = this_round(cfg)  # elastic: dp from the world this round of the rendezvous formed
+    summary = _train(this_round(cfg), info, fault)  # elastic: dp from the world this round formed
+    faulthandler.dump_traceback_later(cfg.parallel.hang_timeout, exit=True)
+    groups.destroy()
+    faulthandler.cancel_dump_traceback_later()
+    return summary
+
+
+def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
+    """Build, resume, fit and snapshot; the summary of this rank's run."""
     blocks, loss_fn, train, val, vocab = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train)
@@ -143,7 +158,6 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
                "rng": {"torch": torch_rng_fingerprint(), "python": random.random()},
                "val_loss": next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)}
     trainer.close()
-    groups.destroy()
     return summary
 
 

@@ -41,7 +41,7 @@ def world1():
     assert not dist.is_initialized(), "another test left a process group behind"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    groups.destroy()
 
 
 # by_device and OwnedBlocks need no process group.
