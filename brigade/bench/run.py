@@ -177,7 +177,8 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k not in ("predictions", "sweep")}))
         return 0
-    print(f"brigade tune: {cfg.model}, batch {cfg.batch_size}: {result['trials']} trials "
+    again = f", the best {result['finalists']} timed again" if result["finalists"] else ""
+    print(f"brigade tune: {cfg.model}, batch {cfg.batch_size}: {result['trials']} trials{again} "
           f"(the full sweep has {result['sweep_trials']}: schedule × V × m, and data parallel)")
     for gone in result["left_out"]:
         print(f"left out: {gone['schedule']}, V={gone['virtual']}: {gone['reason']}")

@@ -8,13 +8,15 @@
        takes any, 2 only with ≥ 2·p blocks) × m of the sweep, each cut by the solver into
        p·V stages and predicted with simulate() on interpolated block costs; plus data
        parallel (dp = p: one device's step on 1/p of the batch, plus the all-reduce);
-    3. time only the best predictions (at most a third of the space) in interleaved rounds
-       (as many as --verify's: with fewer, noise on a shared machine picks) and keep the
-       fastest median.
+    3. time only the best predictions (at most a third of the space, the best of data parallel
+       and of the pipelines among them) in interleaved rounds (as many as --verify's: with
+       fewer, noise on a shared machine picks), rank them within rounds (each round's times
+       over its median: `bench.choose`), then time the best two again, together, and keep the
+       faster over every round they shared.
 
 `--verify` also times the whole space in interleaved rounds, the chosen configuration among
-the others, to show how close the choice is. Blocks, batches and transfers live on the
-process's device; every time is read after synchronising it.
+the others, to show how close the choice is; its best is ranked within rounds too. Blocks,
+batches and transfers live on the process's device; every time is read after synchronising it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade import groups
+from brigade.bench.choose import pick_trials, scores
 from brigade.bench.experiments import BenchConfig, Worker, scaled_splits
 from brigade.bench.place import ddp, place_model
 from brigade.bench.timing import (
@@ -49,6 +52,8 @@ from brigade.pipeline.plan import simulate
 from brigade.pipeline.schedule import SCHEDULES, build, stages_on
 
 ANY_VIRTUAL = (1, 2)  # V tried for a schedule that takes any: more would need ≥ 3·p blocks
+FINALISTS = 2  # the best trials timed again, together, before the choice
+TIMED = ("rounds_s", "mean_s", "relative", "final_rounds_s", "final_relative")  # what timing adds
 
 
 def block_costs(blocks: list[nn.Module], x: torch.Tensor, loss_fn, y) -> list[tuple[float, ...]]:
@@ -182,9 +187,43 @@ def _timer(t: _Tuner, rounds: int):
 
 
 def timed(rows: list[dict], time_all) -> None:
-    """Time `rows` together with `time_all`; each gets `rounds_s` and `mean_s`, their median."""
-    for row, rounds in zip(rows, time_all(rows), strict=True):
-        row["rounds_s"], row["mean_s"] = rounds, statistics.median(rounds)
+    """Time `rows` together with `time_all`; each gets `rounds_s`, `mean_s` (their median) and
+    `relative`: the median over rounds of its time ÷ the round's median over `rows` (lower is
+    faster; load common to a round cancels, see bench.choose)."""
+    got = time_all(rows)
+    for row, rounds, score in zip(rows, got, scores(got), strict=True):
+        row["rounds_s"], row["mean_s"], row["relative"] = rounds, statistics.median(rounds), score
+
+
+def search(trials: list[dict], time_all, finalists: int = FINALISTS) -> dict:
+    """Time `trials` together, time the best `finalists` of them together again, keep the fastest.
+
+    Both steps compare within rounds (bench.choose): the trials are ranked by `relative`, and
+    the finalists by the same taken over them alone (`final_relative`), over every round they
+    shared: the trials' rounds and their own. A second look costs a few steps; it gives the
+    close call twice the rounds, each round shorter (fewer configurations), so less of it
+    falls in a burst of load that hit only part of a round.
+
+    Args:
+        trials: configurations to time; each gets `rounds_s`, `mean_s` and `relative`, each
+            finalist also `final_rounds_s`, `final_relative` and `mean_s` over all its rounds.
+        time_all: configurations -> their seconds per step in every round, in order (timed
+            together in interleaved rounds, every one warmed before the first).
+        finalists: how many of the best trials to time again.
+
+    Returns:
+        the chosen trial.
+    """
+    timed(trials, time_all)
+    top = sorted(trials, key=lambda r: r["relative"])[:finalists]  # stable: ties keep prediction order
+    if len(top) < 2:
+        return top[0]
+    for row, rounds in zip(top, time_all(top), strict=True):
+        row["final_rounds_s"] = rounds
+    shared = [row["rounds_s"] + row["final_rounds_s"] for row in top]
+    for row, score, rounds in zip(top, scores(shared), shared):
+        row["final_relative"], row["mean_s"] = score, statistics.median(rounds)
+    return min(top, key=lambda r: r["final_relative"])
 
 
 def verify_sweep(predictions: list[dict], chosen: dict, time_all) -> dict:
@@ -192,7 +231,10 @@ def verify_sweep(predictions: list[dict], chosen: dict, time_all) -> dict:
 
     The search's own timing of the chosen configuration is kept apart (`search_mean_s`):
     reusing it would compare one measurement taken earlier, under other conditions,
-    with the sweep's, and could make the choice look better than it is.
+    with the sweep's, and could make the choice look better than it is. For the same reason
+    the best is the lowest `relative` (ranked within rounds), not the lowest median, and
+    `within` is the median of the per-round ratios: a ratio of two medians taken over rounds
+    that bursts of load hit unevenly says where the bursts fell (see bench.choose).
 
     Args:
         predictions: the sweep's configurations (schedule, virtual, microbatches, dp, balance, ...).
@@ -201,24 +243,25 @@ def verify_sweep(predictions: list[dict], chosen: dict, time_all) -> dict:
             together in interleaved rounds).
 
     Returns:
-        sweep (every configuration with its new `mean_s`, the median of its `rounds_s`),
-        sweep_best, sweep_best_mean_s, chosen_sweep_mean_s (the chosen configuration's time in
-        this sweep), within (chosen_sweep_mean_s / sweep_best_mean_s - 1) and within_ci (95 %
-        interval of the per-round ratios chosen / best, minus 1: whether the gap is noise) with
-        within_ci_coverage (below 6 rounds the interval is their range, and covers less).
+        sweep (every configuration with its new `mean_s`, the median of its `rounds_s`, and
+        `relative`), sweep_best (the lowest `relative`), sweep_best_mean_s, chosen_sweep_mean_s
+        (the chosen configuration's median in this sweep), within (the median over rounds of
+        chosen / best, minus 1: 0 when the best is the choice) and within_ci (its 95 % interval,
+        whether the gap is noise) with within_ci_coverage (below 6 rounds the interval is their
+        range, and covers less).
     """
     sweep = []
     for c in predictions:
-        row = {k: v for k, v in c.items() if k not in ("mean_s", "rounds_s")}
+        row = {k: v for k, v in c.items() if k not in TIMED}
         if "mean_s" in c:
             row["search_mean_s"] = c["mean_s"]
         sweep.append(row)
     timed(sweep, time_all)
-    best = min(sweep, key=lambda r: r["mean_s"])
+    best = min(sweep, key=lambda r: r["relative"])
     mine = next(r for r in sweep if row_key(r) == row_key(chosen))
-    _, lo, hi = ratio_ci(mine["rounds_s"], best["rounds_s"])
+    ratio, lo, hi = ratio_ci(mine["rounds_s"], best["rounds_s"])
     return {"sweep": sweep, "sweep_best": best, "sweep_best_mean_s": best["mean_s"],
-            "chosen_sweep_mean_s": mine["mean_s"], "within": mine["mean_s"] / best["mean_s"] - 1,
+            "chosen_sweep_mean_s": mine["mean_s"], "within": ratio - 1,
             "within_ci": [lo - 1, hi - 1], "within_ci_coverage": median_ci_coverage(len(mine["rounds_s"]))}
 
 
@@ -260,8 +303,9 @@ def _samples(t: _Tuner, sizes: list[int]) -> dict[int, list]:
 
 
 def worker(cfg: BenchConfig, verify: bool) -> dict:
-    """Predict the space, time the best third in interleaved rounds, keep the fastest; `verify`:
-    time the whole space too. Returns the JSON of `brigade tune` (rank 0's is kept)."""
+    """Predict the space, time the best third in interleaved rounds and the best two of it again,
+    keep the fastest; `verify`: time the whole space too. Returns the JSON of `brigade tune`
+    (rank 0's is kept)."""
     info = groups.init(cfg.backend, threads=1)
     result = _tune(cfg, info, verify)
     # Every step (DDP's reducer, the pipelines) is gone before the group: a gloo group freed
@@ -289,11 +333,10 @@ def _tune(cfg: BenchConfig, info, verify: bool) -> dict:
     predictions = sorted([*rows, ddp_row(samples, cfg.batch_size, t.ranks, allreduce)],
                          key=lambda r: r["predicted_s"])
     budget = max(1, min(3, len(predictions) // 3))
-    trials = predictions[:budget]
-    timed(trials, _timer(t, cfg.rounds))
-    chosen = min(trials, key=lambda r: r["mean_s"])
-    result = {"trials": budget, "sweep_trials": len(predictions), "chosen": chosen,
-              "chosen_label": label(chosen), "chosen_mean_s": chosen["mean_s"], "predictions": predictions,
+    chosen = search(pick_trials(predictions, budget), _timer(t, cfg.rounds))
+    result = {"trials": budget, "finalists": min(FINALISTS, budget) if budget > 1 else 0,
+              "sweep_trials": len(predictions), "chosen": chosen, "chosen_label": label(chosen),
+              "chosen_mean_s": chosen["mean_s"], "predictions": predictions,
               "left_out": left_out, "measured_sizes": sizes, "comm_s_per_sample": comm,
               "allreduce_s": allreduce, "rounds": cfg.rounds}
     if verify:

@@ -1,6 +1,7 @@
 """bench and tune: JSON with the promised fields, plots drawn from it, a config train accepts."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -126,7 +127,8 @@ def test_tune_searches_schedule_v_m_and_data_parallel_within_a_third_and_writes_
                      "--out", out, timeout=280)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    rows = json.loads((out / "tune.json").read_text())["predictions"]
+    written = json.loads((out / "tune.json").read_text())
+    rows = written["predictions"]
     # 1f1b (V 1), interleaved (V 1 and 2), zbv (V 2), each at m = 2 and 4; and DDP
     assert {(r["schedule"], r["virtual"], r["microbatches"], r["dp"], r["pp"]) for r in rows} == {
         *((s, v, m, 1, 2) for s, v in (("1f1b", 1), ("interleaved", 1), ("interleaved", 2), ("zbv", 2))
@@ -135,8 +137,15 @@ def test_tune_searches_schedule_v_m_and_data_parallel_within_a_third_and_writes_
     assert all(len(r["balance"]) == 2 * r["virtual"] and sum(r["balance"]) == 8 for r in rows if r["pp"] == 2)
     assert data["left_out"] == [] and data["sweep_trials"] == 9 and data["trials"] <= 9 / 3
     assert sum("mean_s" in r for r in rows) == data["trials"]  # only the trials were timed
+    assert sum("final_rounds_s" in r for r in rows) == data["finalists"] == 2  # the best two again
     assert data["chosen_mean_s"] > 0 and data["sweep_best_mean_s"] > 0
-    assert data["within"] == pytest.approx(data["chosen_sweep_mean_s"] / data["sweep_best_mean_s"] - 1)
+    from brigade.bench.tune import row_key
+
+    by_key = {row_key(r): r for r in written["sweep"]}
+    mine, best = by_key[row_key(data["chosen"])], by_key[row_key(data["sweep_best"])]
+    assert best["relative"] == min(r["relative"] for r in written["sweep"])  # ranked within rounds
+    assert data["within"] == pytest.approx(  # the median round's ratio, not a ratio of medians
+        statistics.median(a / b for a, b in zip(mine["rounds_s"], best["rounds_s"])) - 1)
     assert data["chosen_sweep_mean_s"] != data["chosen_mean_s"]  # timed again, not copied
     text = (out / "tune.toml").read_text()
     assert f"microbatches = {data['chosen']['microbatches']}" in text
