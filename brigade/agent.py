@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 from brigade import forensics, groups, rendezvous
-from brigade.elastic import rendezvous_failed
 from brigade.errors import BrigadeError, RunError
 from brigade.rendezvous import LaunchSpec
 
@@ -43,7 +42,7 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec | int | None = None, *args: 
     `spec.local_addr`, by default the address that routes to node 0, and pins gloo (and NCCL's
     bootstrap) to that address's interface unless the environment already names one, so a
     hostname that resolves to loopback or to nothing does not matter (`brigade.rendezvous`).
-    `fn` must be importable. `spec.min_nodes` > 0: elastic (`brigade.elastic.rendezvous_failed`).
+    `fn` must be importable. `spec.min_nodes` > 0: elastic (`brigade.rendezvous.rendezvous_failed`).
 
     Args:
         spec: a `LaunchSpec` (`LaunchSpec.from_parallel` for a run), or just a process count.
@@ -74,7 +73,8 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec | int | None = None, *args: 
         raise RunError(_first_failure(exc)) from None
     except RendezvousError as exc:
         if spec.min_nodes:
-            raise RunError(rendezvous_failed(spec.min_nodes, meet.endpoint, spec.rdzv_timeout, exc)) from None
+            why = rendezvous.rendezvous_failed(spec.min_nodes, meet.endpoint, spec.rdzv_timeout, exc)
+            raise RunError(why) from None
         raise RunError(f"the nodes could not meet at the rendezvous {meet.endpoint} ({type(exc).__name__}): "
                        "start every node with the same --nnodes and --rdzv-endpoint, and run "
                        "`brigade doctor` on each to see what blocks them") from None

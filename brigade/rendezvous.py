@@ -59,7 +59,7 @@ class LaunchSpec:
     def from_parallel(cls, p: ParallelConfig, port: int | None = None, log_dir: str | None = None,
                       quiet: bool = True) -> LaunchSpec:
         """The launch a run's parallel configuration asks for (the one place that maps its fields)."""
-        from brigade.elastic import first_nodes
+        from brigade.config.elastic import first_nodes
 
         return cls(p.nproc, p.max_restarts, port, log_dir, p.threads, quiet, p.nnodes, p.node_rank,
                    p.rdzv_endpoint, p.local_addr, p.rdzv_timeout,
@@ -118,3 +118,10 @@ def loopback_store(timeout: datetime.timedelta) -> dist.TCPStore | None:
         return dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
                              master_listen_fd=listen(addr, port).detach())  # the store owns the fd
     return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+
+
+def rendezvous_failed(min_nodes: int, endpoint: str, timeout: int, exc: Exception) -> str:
+    """The one line for an elastic run whose nodes did not meet in time (too few for MIN or pp)."""
+    return (f"fewer than {min_nodes} nodes met at the rendezvous {endpoint} within --rdzv-timeout "
+            f"{timeout} s ({type(exc).__name__}): start more nodes with the same command, then run "
+            "it again here to resume")

@@ -137,7 +137,7 @@ def test_a_config_file_counts_as_given(tmp_path):
         parse("--config", str(f), world=config.World(4, 4, "torchrun"))
 
 
-# --- elastic ranges: --nnodes MIN:MAX (brigade/elastic.py) -----------------------------------------
+# --- elastic ranges: --nnodes MIN:MAX (brigade/config/elastic.py) -----------------------------------------
 
 ELASTIC = ["--rdzv-endpoint", "h:1", "--max-restarts", "1"]
 
@@ -195,7 +195,7 @@ def test_bad_elastic_ranges_on_the_command_line(argv, capsys, tmp_path):
     (["--nnodes", "1:2", "--pp", "2"], config.World(2, 2, "torchrun"), (1, 2, 1, {1: 2, 2: 1})),
 ])
 def test_elastic_layout_and_accumulation(argv, world, expected):
-    from brigade.elastic import accumulation, first_nodes, reachable
+    from brigade.config.elastic import accumulation, first_nodes, reachable
 
     cfg = parse(*argv, world=world)
     p = cfg.parallel

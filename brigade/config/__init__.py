@@ -3,12 +3,13 @@
     sections.py   the dataclasses, and the part a snapshot must match (`config_hash`)
     fielddoc.py   `doc(default, "sentence")`: each field's help, read by --help and the TOML file
     sources.py    defaults ← TOML file ← flags (`build`), and TOML out (`to_toml`)
-    checks.py     `validate`: values in range, no model, data or world needed
-    resolve.py    `World` and `resolve_layout`: dp from the world, derived once
+    validate.py   `validate`: values in range, no model, data or world needed
+    world.py      `World`: the processes a launcher started
+    elastic.py    --nnodes MIN:MAX: the worlds a run can reach, its accumulation in each
+    resolve.py    `resolve_layout`: dp from the world, derived once
 """
 
-from brigade.config.checks import validate
-from brigade.config.resolve import World, pipeline_shape, resolve_layout
+from brigade.config.resolve import pipeline_shape, resolve_layout
 from brigade.config.sections import (
     SECTIONS,
     DataConfig,
@@ -23,6 +24,8 @@ from brigade.config.sections import (
     section_classes,
 )
 from brigade.config.sources import add_flags, build, load_toml, to_toml
+from brigade.config.validate import validate
+from brigade.config.world import World
 from brigade.net import parse_endpoint
 
 __all__ = ["SECTIONS", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",

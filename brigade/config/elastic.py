@@ -3,7 +3,8 @@
 The pipeline depth pp is fixed; dp = world ÷ pp follows the nodes present. The global batch
 is fixed too: --grad-accum is the accumulation at the largest world (MAX nodes) and grows as
 nodes are lost, so a replica's chunk never grows and the optimizer sees the same batches.
-`config.resolve_layout` calls these; no torch import.
+`config.resolve_layout` calls these; no torch import. (The line for a rendezvous that
+failed to meet MIN nodes is `brigade.rendezvous.rendezvous_failed`.)
 
 Under brigade's launcher (`dist.launch` with min_nodes > 0) a lost node fails the others'
 workers; their agents restart them (one of --max-restarts) once MIN nodes meet again, waiting
@@ -20,11 +21,9 @@ from typing import TYPE_CHECKING
 
 from brigade.errors import BrigadeError
 
-if TYPE_CHECKING:  # config imports this module
-    from brigade.config import ParallelConfig, RunConfig, World
-
-HELP = ("machines (default: 1); MIN:MAX for an elastic run that goes on when machines are lost "
-               "and grows when they come back: needs --max-restarts ≥ 1, one restart per machine lost")
+if TYPE_CHECKING:
+    from brigade.config.sections import ParallelConfig, RunConfig
+    from brigade.config.world import World
 
 
 def parse_nodes(text: str | int) -> tuple[int, int]:
@@ -131,10 +130,3 @@ def accumulation(cfg: RunConfig, dp: int) -> int:
     need = math.lcm(*(d * -(-k * dp_max // d) for _, d in reachable(p)))
     raise BrigadeError(f"--batch-size {b} cannot be kept on {dp * p.pp // p.nproc} node(s): it does not "
                        f"split over dp {dp} × at least {least} accumulation steps; use a multiple of {need}")
-
-
-def rendezvous_failed(min_nodes: int, endpoint: str, timeout: int, exc: Exception) -> str:
-    """The one line for an elastic run whose nodes did not meet in time (too few for MIN or pp)."""
-    return (f"fewer than {min_nodes} nodes met at the rendezvous {endpoint} within --rdzv-timeout "
-            f"{timeout} s ({type(exc).__name__}): start more nodes with the same command, then run "
-            "it again here to resume")

@@ -4,24 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection
-from dataclasses import dataclass
 
-from brigade import elastic
+from brigade.config import elastic
 from brigade.config.sections import ParallelConfig, RunConfig
+from brigade.config.world import World
 from brigade.errors import BrigadeError
-
-
-@dataclass(frozen=True)
-class World:
-    """The processes of a run as a launcher started them.
-
-    size: processes in all; local: on this node (None: the launcher does not say);
-    launcher: who started them, for messages ("torchrun", "Slurm").
-    """
-
-    size: int
-    local: int | None = None
-    launcher: str = "the launcher"
 
 
 def pipeline_shape(p: ParallelConfig) -> tuple[int, int]:

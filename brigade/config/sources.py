@@ -22,11 +22,11 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
-from brigade import elastic
-from brigade.config.checks import validate
+from brigade.config import elastic
 from brigade.config.fielddoc import flag_help, help_of
 from brigade.config.resolve import World, resolve_layout
 from brigade.config.sections import SECTIONS, RunConfig, field_types, section_classes
+from brigade.config.validate import validate
 from brigade.errors import BrigadeError
 
 if sys.version_info >= (3, 11):

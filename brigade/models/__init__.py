@@ -18,7 +18,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +27,6 @@ from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.models.resnet import resnet50
 from brigade.models.toy import mlp, toy
-from brigade.pipeline.partition import check_chain
-
-if TYPE_CHECKING:
-    from brigade.config import ModelConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 BUILTIN = ("gpt", "resnet50", "toy", "mlp")
@@ -102,31 +97,6 @@ def load_model(name: str, seed: int = 0, **options) -> ModelSpec:
             f"unknown model {name!r}: expected one of {', '.join(BUILTIN)} or path/to/file.py:factory"
         )
     return _from_file(name, **options)
-
-
-def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None,
-                block_size: int | None = None) -> ModelSpec:
-    """The model a run's configuration names: the one builder for training and its checks.
-
-    Args:
-        m: the run's model section.
-        seed: draws the initial weights.
-        vocab_size: the text's characters: required for "gpt"; a model file trained on text
-            (`--data`) gets it as its factory's `vocab_size` argument, if it takes one.
-        block_size: the training sequence length, likewise for a model file's `block_size`.
-
-    Raises:
-        BrigadeError: as `load_model`.
-        ValueError: a GPT without `vocab_size`.
-    """
-    if m.model != "gpt":
-        text = {"vocab_size": vocab_size, "block_size": block_size} if ":" in m.model else {}
-        return load_model(m.model, seed=seed, **{k: v for k, v in text.items() if v is not None})
-    if vocab_size is None:
-        raise ValueError("a GPT needs the vocabulary size of its text")
-    gpt_cfg = GPTConfig(vocab_size, m.context, m.n_layer, m.n_head, m.n_embd, m.dropout,
-                        tie_embeddings=m.tie_embeddings)
-    return load_model("gpt", seed=seed, gpt_cfg=gpt_cfg)
 
 
 def _import_file(path: Path):
@@ -209,13 +179,42 @@ def _infer_batch(blocks: list[nn.Module]) -> Callable[[int, torch.Generator], Ba
         was_training = model.training
         model.eval()  # leave BatchNorm statistics untouched
         try:
-            if check_chain(blocks, x[:1])[-1].kind != "T":  # a clear error if blocks do not fit
-                raise BrigadeError(f"block {len(blocks) - 1} ({type(blocks[-1]).__name__}) returns a "
-                                   "structure: define batch() and loss() in the model file")
-            with torch.no_grad():
-                y = model(x[:1])
+            y = _chain_output(blocks, x[:1])
         finally:
             model.train(was_training)
         return x, torch.randn((n, *y.shape[1:]), generator=g)
 
     return make_batch
+
+
+def _chain_output(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """The last block's output for the inferred input `x`, block by block, so that a misfit names
+    its block. (Models know nothing of pipelines: the stage-by-stage checks of structures and side
+    inputs are `pipeline.partition.check_chain`'s, which every command runs before any work.)
+
+    Raises:
+        BrigadeError: a block that cannot take its predecessor's output, or one whose output is
+            not one tensor (an inferred batch is one tensor through the chain; a model that
+            passes structures defines its own batch() and loss()).
+    """
+    h = x
+    with torch.no_grad():
+        for i, block in enumerate(blocks):
+            try:
+                h = block(h)
+            except Exception as exc:  # the user's block: their error, in one line
+                raise BrigadeError(f"{_misfit(blocks, i, h)}: {type(exc).__name__}: {exc}: fix the model "
+                                   "file's blocks, or define batch(batch_size, generator) there") from None
+    if not isinstance(h, torch.Tensor):
+        raise BrigadeError(f"block {len(blocks) - 1} ({type(blocks[-1]).__name__}) returns a structure: "
+                           "define batch() and loss() in the model file")
+    return h
+
+
+def _misfit(blocks: list[nn.Module], i: int, h: object) -> str:
+    """'block 0 (Linear) outputs shape (1, 7), which block 1 (Linear) cannot take', as check_chain says it."""
+    name = f"block {i} ({type(blocks[i]).__name__})"
+    if i == 0:
+        return f"{name} cannot take an input inferred from its first layer"
+    out = f"shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else f"a {type(h).__name__}"
+    return f"block {i - 1} ({type(blocks[i - 1]).__name__}) outputs {out}, which {name} cannot take"

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from brigade.errors import BrigadeError
-from brigade.models import ModelSpec, from_config
+from brigade.models import ModelSpec, load_model
+from brigade.models.gpt import GPTConfig
 
 if TYPE_CHECKING:
-    from brigade.config import RunConfig
+    from brigade.config import ModelConfig, RunConfig
 
 
 def default_corpus() -> str:
@@ -172,7 +173,7 @@ class SyntheticData:
 def build(cfg: RunConfig) -> tuple[list, object, object, object, Vocab | None]:
     """Blocks, loss, train and validation data, and vocabulary (GPT; else None) for a run.
 
-    The model comes from the registry (`models.from_config`), a GPT sized to the text's real
+    The model comes from the registry (`from_config`), a GPT sized to the text's real
     vocabulary. A model file trains on `--data`'s characters when given one (its factory gets
     `vocab_size` and `block_size`, its `text_inputs` makes its inputs from the ids), else on `SyntheticData`.
 
@@ -202,3 +203,28 @@ class TextInputs:
     def batch(self, indices: torch.Tensor):
         x, y = self.data.batch(indices)
         return self.text_inputs(x), y
+
+
+def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None,
+                block_size: int | None = None) -> ModelSpec:
+    """The model a run's configuration names: the one builder for training and its checks.
+
+    Args:
+        m: the run's model section.
+        seed: draws the initial weights.
+        vocab_size: the text's characters: required for "gpt"; a model file trained on text
+            (`--data`) gets it as its factory's `vocab_size` argument, if it takes one.
+        block_size: the training sequence length, likewise for a model file's `block_size`.
+
+    Raises:
+        BrigadeError: as `load_model`.
+        ValueError: a GPT without `vocab_size`.
+    """
+    if m.model != "gpt":
+        text = {"vocab_size": vocab_size, "block_size": block_size} if ":" in m.model else {}
+        return load_model(m.model, seed=seed, **{k: v for k, v in text.items() if v is not None})
+    if vocab_size is None:
+        raise ValueError("a GPT needs the vocabulary size of its text")
+    gpt_cfg = GPTConfig(vocab_size, m.context, m.n_layer, m.n_head, m.n_embd, m.dropout,
+                        tie_embeddings=m.tie_embeddings)
+    return load_model("gpt", seed=seed, gpt_cfg=gpt_cfg)

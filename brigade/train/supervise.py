@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from brigade import agent, forensics
 from brigade.config import RunConfig, World, resolve_layout
-from brigade.elastic import accumulation
+from brigade.config.elastic import accumulation
 from brigade.rendezvous import LaunchSpec
 from brigade.snapshot.format import latest_step
 from brigade.train import metrics

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import elastic, forensics, groups
-from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, World, resolve_layout
+from brigade import forensics, groups
+from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, World, elastic, resolve_layout
 from brigade.errors import RunError
 from brigade.pipeline import structure
 from brigade.train.data import Sampler

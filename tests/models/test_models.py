@@ -108,7 +108,7 @@ def test_gpt_ties_its_head_unless_no_tie_embeddings():
     import argparse
 
     from brigade import config
-    from brigade.models import from_config
+    from brigade.train.data import from_config
 
     parser = argparse.ArgumentParser()
     config.add_flags(parser)
