@@ -1,0 +1,110 @@
+"""Rules of the house that the imports must keep (tests/test_imports.py is their one owner).
+
+- A module whose docstring says it imports no torch imports none, not even through a package's
+  `__init__`: checked in a fresh interpreter for every such module, found by its docstring.
+- Models know nothing of parallelism: brigade/models imports nothing from pipeline, train,
+  bench, check or config.
+- No import circles inside brigade/ (modules importing each other, directly or round a loop),
+  counting imports inside functions and under TYPE_CHECKING too.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[1] / "brigade"
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+MODULES = {_module(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The brigade modules `name` imports, wherever in the file (functions, TYPE_CHECKING included)."""
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES}
+            found |= subs or {base}
+    return {m for m in found if m in MODULES and m != name}
+
+
+def _torch_free() -> list[str]:
+    said = re.compile(r"\bno torch import\b|\bwithout torch\b", re.IGNORECASE)
+    return [m for m, p in MODULES.items() if said.search(ast.get_docstring(ast.parse(p.read_text())) or "")]
+
+
+def test_some_modules_say_they_import_no_torch():
+    assert len(_torch_free()) >= 4  # the plans, ordering, the launcher's env, elastic ranges
+
+
+@pytest.mark.parametrize("module", _torch_free())
+def test_a_module_that_says_it_imports_no_torch_imports_none(module):
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"{module} imports torch: {result.stdout.strip()}"
+
+
+def test_models_import_nothing_of_parallelism():
+    banned = ("brigade.pipeline", "brigade.train", "brigade.bench", "brigade.check", "brigade.config")
+    wrong = {m: sorted(i for i in _imports(m, p) if i.startswith(banned))
+             for m, p in MODULES.items() if m.startswith("brigade.models")}
+    assert not {m: i for m, i in wrong.items() if i}, wrong
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    graph = {m: _imports(m, p) for m, p in MODULES.items()}
+    assert _circles(graph) == []
