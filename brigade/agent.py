@@ -42,7 +42,14 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec | int | None = None, *args: 
     `spec.local_addr`, by default the address that routes to node 0, and pins gloo (and NCCL's
     bootstrap) to that address's interface unless the environment already names one, so a
     hostname that resolves to loopback or to nothing does not matter (`brigade.rendezvous`).
-    `fn` must be importable. `spec.min_nodes` > 0: elastic (`brigade.rendezvous.rendezvous_failed`).
+    `fn` must be importable.
+
+    Elastic (`spec.min_nodes` > 0): the agent trains on whichever of min_nodes..nnodes nodes
+    are present. A lost node fails the others' workers; the agent restarts them (one of
+    `spec.max_restarts`) once the rendezvous has min_nodes again, waiting `spec.last_call`
+    seconds for more, up to `spec.rdzv_timeout`. A node that arrives while training runs makes
+    every agent stop its workers (SIGTERM: step, snapshot, leave) and meet again with it (no
+    restart counted). Too few nodes in time: `brigade.rendezvous.rendezvous_failed`.
 
     Args:
         spec: a `LaunchSpec` (`LaunchSpec.from_parallel` for a run), or just a process count.

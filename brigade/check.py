@@ -1,19 +1,22 @@
 """`brigade check`: prove a pipeline computes what a single device computes.
 
-Every rank builds the same model from the same seed, keeps a deep copy as the single-device
-reference, and compares the loss, every gradient, every parameter and buffer after one SGD step.
+Every rank builds the same model from the same seed, keeps a deep copy as the
+single-device reference, and runs one batch both ways. It compares the loss,
+every parameter's gradient, and every parameter and buffer after one SGD step.
 
-A case is (schedule, m, V): stages × V pieces, V per rank as the schedule places them. With
-dp replicas each runs its slice of the batch, every stage DDP-wrapped over its replicas; the
-reference is one device on the whole batch (= the replicas' mean loss and averaged gradients).
+A case is (schedule, m, V): the model is cut into stages × V pieces, V per rank as the
+schedule places them. With dp replicas each runs its slice of the batch and every stage
+module is DDP-wrapped over its replicas; the reference is still one device on the whole
+batch (the replicas' mean loss and averaged gradients must equal it).
 
     process runtime   dp × stages processes over a DeviceMesh (dp, pp)
     local runtime     one process (dp = 1) or dp processes, each a LocalPipeline whose
                       device i DDPs with device i of the other processes
 
-BatchNorm: with m > 1 each micro-batch is normalised with its own statistics (as in gradient
-accumulation), so the reference runs the same micro-batches one after another; with m = 1 it is
-the full batch. Under dp it is refused: DDP broadcasts replica 0's running statistics.
+BatchNorm: with m > 1 each micro-batch is normalised with its own statistics (as in
+gradient accumulation), so the reference runs the same micro-batches one after another;
+with m = 1 it is the plain full batch. BatchNorm under dp is refused: DDP broadcasts
+replica 0's running statistics, which no single device computes.
 """
 
 from __future__ import annotations
@@ -110,7 +113,10 @@ def local_devices(n: int) -> list[str]:
 
 
 def max_workers(runtime: str = "process") -> int:
-    """Stage workers (processes, device threads) to run at once: one per GPU, two per CPU core (≥ 4)."""
+    """How many stage workers (processes or device threads) this machine should run at once.
+
+    A process per GPU; on CPU two per core (at least 4), so 2 stages × 2 replicas fit anywhere.
+    """
     if runtime == "process" and torch.cuda.is_available():
         return torch.cuda.device_count()
     return max(4, 2 * (os.cpu_count() or 1))

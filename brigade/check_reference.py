@@ -50,9 +50,12 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device):
 
 @contextlib.contextmanager
 def exact_matmuls():
-    """fp32 matmuls and convolutions in full precision while comparing: cuBLAS and cuDNN may use
-    TF32 (10-bit mantissas), about 1e-3 off the fp32 reference, which is no pipeline bug. cuDNN
-    also keeps to deterministic algorithms, chosen the same way for the reference and the stages."""
+    """fp32 matmuls and convolutions in full precision while comparing.
+
+    cuBLAS and cuDNN may use TF32 for fp32 work (10-bit mantissas); against the fp32
+    reference that is a mismatch of about 1e-3, not a pipeline bug. cuDNN also keeps to
+    deterministic algorithms, chosen the same way for the reference and the stages.
+    """
     flags = torch.backends.cuda.matmul, torch.backends.cudnn
     names = [(flags[0], "allow_tf32"), (flags[1], "allow_tf32"), (flags[1], "deterministic"),
              (flags[1], "benchmark")]

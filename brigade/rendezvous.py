@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """How `dist.launch` starts the workers on this node, and how the nodes meet.
+    """How `agent.launch` starts the workers on this node, and how the nodes meet.
 
     nnodes > 1: every node gives the same `rdzv_endpoint` (node 0's HOST:PORT) and its own
     `node_rank`; `local_addr` is what this node advertises (empty: the address routing to

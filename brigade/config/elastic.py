@@ -6,7 +6,7 @@ nodes are lost, so a replica's chunk never grows and the optimizer sees the same
 `config.resolve_layout` calls these; no torch import. (The line for a rendezvous that
 failed to meet MIN nodes is `brigade.rendezvous.rendezvous_failed`.)
 
-Under brigade's launcher (`dist.launch` with min_nodes > 0) a lost node fails the others'
+Under brigade's launcher (`agent.launch` with min_nodes > 0) a lost node fails the others'
 workers; their agents restart them (one of --max-restarts) once MIN nodes meet again, waiting
 --rdzv-last-call seconds for more and --rdzv-timeout at most. A node that arrives makes the
 agents stop their workers (SIGTERM: finish the step, snapshot, leave) and meet again with it;

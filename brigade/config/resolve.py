@@ -32,14 +32,15 @@ def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection
     Local stages live inside one process, so they do not divide the world. Under a launcher
     the world is the launcher's; `--nproc` and `--nnodes` then only need to agree with it if
     the user gave them (`given`: field names typed or in the TOML file). An elastic range
-    is checked at every node count it can reach (`elastic.check_range`).
+    (--nnodes MIN:MAX) is checked at every node count it can reach (`elastic.check_range`).
 
     Returns:
         a copy of `cfg` with `dp` set and, under a launcher, `nproc` / `nnodes` the launcher's.
 
     Raises:
         BrigadeError: the world is not divisible by --pp, dp × pp ≠ world, a given --nproc or
-            --nnodes that the launcher contradicts, or a batch that does not split over dp.
+            --nnodes that the launcher contradicts, or a batch that does not split over dp
+            (at some reachable node count, for an elastic range).
     """
     p = cfg.parallel
     nproc, nnodes, size = p.nproc, p.nnodes, p.nproc * p.nnodes
@@ -58,7 +59,7 @@ def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection
         raise BrigadeError(f"--dp {dp} × --pp {p.pp} = {dp * p.pp} but the world size is {size} ({where}): "
                            f"the world size must equal dp × pp{fix}")
     out = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp, nproc=nproc, nnodes=nnodes))
-    if p.min_nodes:
+    if p.min_nodes:  # every node count the range can reach
         elastic.check_range(out.parallel, given, world is not None, lambda n, d: _check_batch(out, d, n))
     _check_batch(out, dp)
     return out

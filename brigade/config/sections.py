@@ -75,7 +75,8 @@ class OptimConfig:
     beta1: float = doc(0.9, "AdamW's decay rate of the gradient's running mean")
     beta2: float = doc(0.99, "AdamW's decay rate of the squared gradient's running mean")
     grad_clip: float = doc(1.0, "largest norm of the whole model's gradient; 0: no clipping")
-    grad_accum: int = doc(1, "batches whose gradients are summed per optimizer step")
+    grad_accum: int = doc(1, "chunks each replica's share of the global batch is cut into, one "
+                              "forward and backward each, gradients summed before one optimizer step")
 
 
 @dataclass

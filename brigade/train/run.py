@@ -58,7 +58,8 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     """
     if cfg.train.tensorboard:
         metrics.require_tensorboard()
-    p, (_, device) = cfg.parallel, groups.pick_backend(cfg.parallel.backend)  # nccl, no GPU: refused
+    # nccl without any GPU: refused here, one line
+    p, (_, device) = cfg.parallel, groups.pick_backend(cfg.parallel.backend)
     if device == "cuda" and (gpus := torch.cuda.device_count()) < (need := p.nproc * p.local_stages):
         raise BrigadeError(f"--nproc {p.nproc} × --local-stages {p.local_stages} on {p.backend} needs {need} "
                            f"GPUs on this node but {gpus} are visible: use fewer, or --backend gloo")
@@ -213,8 +214,12 @@ def _after_step(cfg: RunConfig, info, resumed: int, snap):
 
 
 def _fit(trainer: Trainer, cfg: RunConfig) -> list[dict]:
-    """trainer.fit(). Raises RunError, on every rank alike, at a non-finite loss or gradient norm
-    (never applied to the parameters nor snapshotted), naming the snapshot to resume from."""
+    """trainer.fit(); a non-finite loss or gradient norm ends the run, naming what to resume from.
+
+    Raises:
+        RunError: on every rank alike (the values checked are reduced over all ranks); nothing
+            non-finite was applied to the parameters, nor snapshotted.
+    """
     try:
         return trainer.fit()
     except NonFiniteError as exc:
@@ -243,7 +248,9 @@ def _launched(cfg: RunConfig, fault: Fault | None, world) -> dict[int, dict]:
 
 def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> dict[int, dict]:
     """What `brigade train` does in the user's shell. Returns this node's ranks' summaries.
-    Under a launcher, the launcher's world decides the layout (`config.resolve_layout`).
+
+    Under a launcher the launcher's world decides the layout (`config.resolve_layout`); `cfg`
+    from `config.build(args, world=launcher_world())` already agrees with it.
 
     Raises:
         BrigadeError: the layout contradicts the world, or a preflight check fails.

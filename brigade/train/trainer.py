@@ -3,7 +3,7 @@
 A Trainer takes blocks, a loss function, datasets and an optimizer factory;
 `ProcessModel` (layout.py) decides where blocks run. Each optimizer step:
 
-    for each of grad_accum batches: global batch → this replica's slice → forward/backward
+    global batch → this replica's slice → grad_accum chunks, each forward/backward (gradients add up)
     clip the whole model's gradient norm → optimizer step → LR schedule → metrics
     every eval_every steps: validation loss; every snapshot_every steps: snapshot
 
