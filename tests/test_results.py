@@ -1,4 +1,5 @@
-"""The README's results table holds exactly the figures of the JSON files in results/."""
+"""docs/results.md's table holds exactly the figures of the JSON files in results/, and the
+README's first run quotes the main job's file."""
 
 import json
 import re
@@ -10,16 +11,41 @@ from brigade.bench.results_table import ROWS, table
 ROOT = Path(__file__).resolve().parents[1]
 
 
+RESULTS_PAGE = ROOT / "docs" / "results.md"
+
+
 def _results_section() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    return text[text.index("## Results"):text.index("### Known gaps")]
+    """The page down to its known gaps: the one table of figures, and what they say."""
+    text = RESULTS_PAGE.read_text(encoding="utf-8")
+    return text[:text.index("## Known gaps")]
 
 
-def test_readme_table_is_the_one_written_from_the_result_files():
+def test_results_table_is_the_one_written_from_the_result_files():
     expected = table(ROOT / "results")
     assert expected in _results_section(), (
-        "the README's results table differs from the files: paste the output of "
-        "`python -m brigade.bench.results --table`")
+        "docs/results.md's table differs from the files: paste the output of "
+        "`python -m brigade.bench.results --table` there")
+
+
+def _first_run() -> list[str]:
+    """The console output under the README's "A first run"."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## A first run"):]
+    return section.split("```")[1].splitlines()
+
+
+def test_the_readmes_first_run_quotes_the_main_jobs_file():
+    main_job = json.loads((ROOT / "results/train/main.json").read_text(encoding="utf-8"))
+    lines = _first_run()
+    assert main_job["command"] == "brigade train" and "$ brigade train" in lines
+    losses = [line for line in lines if " val loss " in line]
+    assert losses == [f"step      0  val loss {main_job['val_loss_first']:.4f}",
+                      f"step {main_job['steps']:6d}  val loss {main_job['val_loss_last']:.4f}"], losses
+    done = next(line for line in lines if line.startswith("brigade: done"))
+    assert f"done at step {main_job['steps']}, validation loss {main_job['val_loss_last']:.4f}." in done
+    sample = lines[lines.index("--- sample ---") + 1:lines.index("--------------")]
+    shown = [line for line in sample if line.strip() and line != "..."]
+    assert shown and all(line in main_job["sample"].splitlines() for line in shown), shown
 
 
 def test_every_table_row_names_its_file_and_no_other_figure_table_exists():

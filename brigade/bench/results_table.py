@@ -1,10 +1,10 @@
-"""The README's results table, written from the JSON files in results/ and nothing else.
+"""The results table of docs/results.md, written from the JSON files in results/ and nothing else.
 
-    python -m brigade.bench.results --table      # prints it; paste it under "## Results"
+    python -m brigade.bench.results --table      # prints it; paste it into docs/results.md
 
-Each row names the file that holds its figures; `figure` renders them with the README's
-rounding. tests/test_results.py checks that the README holds exactly this table, so a
-figure cannot change in the README without its file, nor the file without the README.
+Each row names the file that holds its figures; `figure` renders them with the page's
+rounding. tests/test_results.py checks that docs/results.md holds exactly this table, so a
+figure cannot change on the page without its file, nor the file without the page.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _speed_1f1b(d: dict) -> str:
 
 
 def _speed_figures(d: dict) -> dict[str, str]:
-    """The figures both speed rows print, rounded as the README has them."""
+    """The figures both speed rows print, rounded as the table has them."""
     c = d["cases"][0]
     ours = c.get("brigade_median_s", c["brigade_mean_s"])  # files before the rounds: means
     theirs = c.get("torch_pipelining_median_s", c["torch_pipelining_mean_s"])

@@ -1,12 +1,13 @@
-"""Every command the README shows runs as written.
+"""Every command the README and the pages of docs/ show runs as written.
 
-The commands are collected from the README itself: every command line in its code blocks
-and every command in its tables (`brigade …`, `python -m brigade…`, `torchrun …`, `srun …`).
+The commands are collected from the pages themselves (README.md, then docs/*.md in name order):
+every command line in their code blocks and every command in their tables (`brigade …`,
+`python -m brigade…`, `torchrun …`, `srun …`); one that several pages show runs once.
 Each runs as shown, shortened only by flags: a tiny model and few steps for `train`, small
 sizes for `bench` and `tune`, a temporary `--out`. Placeholders become local values
 (`node0:29500` and `HOST:PORT` a free loopback port, `/shared/run` and `runs/latest` a temporary
 folder, `K` each node rank), `srun` becomes one process per task with Slurm's variables, and a
-multi-node command runs once per node rank, side by side. A command added to the README that
+multi-node command runs once per node rank, side by side. A command added to any page that
 does not work fails here.
 """
 
@@ -26,7 +27,9 @@ import torch
 from brigade.net import free_port
 from tests.e2e.helpers import TINY
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # every page's commands run
 PREFIXES = ("brigade ", "python -m brigade", "torchrun ", "srun ", "scripts/setup.sh && ")
 
 # Flags that shorten a command without changing what it shows.
@@ -39,7 +42,7 @@ SHORT = {
     "brigade.bench.speed": ["--repeats", "1"],
     "brigade.bench.overhead": ["--tiny", "", "--steps", "2", "--rounds", "1", "--warmup", "1"],
 }
-# What a command is meant to do when it does not succeed (the README says so beside it).
+# What a command is meant to do when it does not succeed (its page says so beside it).
 # The GPU smoke test on a machine without one: its first check fails and it stops (exit 1).
 EXPECTED_EXIT = [("stall:rank=", 1), ("gpu-check.sh", 0 if torch.cuda.is_available() else 1)]
 
@@ -66,21 +69,31 @@ def _commands_in_tables(text: str) -> list[str]:
     return out
 
 
+def page_commands(page: Path) -> list[str]:
+    """The commands one page shows: its code blocks' first, then its tables'."""
+    text = page.read_text(encoding="utf-8")
+    return _commands_in_blocks(text) + _commands_in_tables(text)
+
+
+def _as_shown(cmd: str) -> str:
+    cmd = cmd.removeprefix("scripts/setup.sh && ")
+    return re.sub(r"--node-rank \d+", "--node-rank K", cmd)  # node 0 and node 1: one case
+
+
+def _case(cmd: str) -> str:
+    """What running `cmd` here means, as one string: `brigade doctor [--nnodes 2 … HOST:PORT …]`
+    runs here as plain `brigade doctor`, and a command that differs from another only in its
+    --out folder (the default folder is every other command's) runs as that one."""
+    return " ".join(re.sub(r" --out \S+", "", localise(cmd, Path("OUT"), 1)).split())
+
+
 def readme_commands() -> list[str]:
-    """Every distinct command the README shows, in order of appearance."""
-    text = README.read_text(encoding="utf-8")
-    seen: dict[str, None] = {}
-    for cmd in _commands_in_blocks(text) + _commands_in_tables(text):
-        cmd = cmd.removeprefix("scripts/setup.sh && ")
-        cmd = re.sub(r"--node-rank \d+", "--node-rank K", cmd)  # node 0 and node 1: one case
-        seen.setdefault(cmd, None)
-    commands = [c for c in seen if not c.startswith("python -m pytest")]  # the suite runs those
-    # Once each: `brigade doctor [--nnodes 2 … HOST:PORT …]` runs here as plain `brigade doctor`,
-    # and a command that differs from an earlier one only in its --out folder (the default folder
-    # is every other command's) runs as that one.
+    """Every distinct command the README and docs/ show, in order of appearance (README first),
+    once per case; `python -m pytest …` is left to the suite itself."""
     once: dict[str, str] = {}
-    for c in commands:
-        once.setdefault(" ".join(re.sub(r" --out \S+", "", localise(c, Path("OUT"), 1)).split()), c)
+    for cmd in (_as_shown(c) for page in PAGES for c in page_commands(page)):
+        if not cmd.startswith("python -m pytest"):
+            once.setdefault(_case(cmd), cmd)
     return list(once.values())
 
 
@@ -133,7 +146,7 @@ def _python(argv: list[str]) -> list[str]:
 
 
 def _slurm(argv: list[str], port: int) -> list[tuple[list[str], dict]]:
-    """`srun [-n N] CMD`: N tasks (the README's sbatch example: 2 nodes × 2 tasks)."""
+    """`srun [-n N] CMD`: N tasks (multi-node.md's sbatch example: 2 nodes × 2 tasks)."""
     n = int(argv[argv.index("-n") + 1]) if "-n" in argv else 4
     cmd = argv[argv.index("python"):] if "python" in argv else argv[1:]
     base = {"SLURM_NTASKS": str(n), "SLURM_NTASKS_PER_NODE": str(n), "SLURM_JOB_NODELIST": "localhost",
@@ -146,7 +159,7 @@ def processes(cmd: str, out: Path) -> list[tuple[list[str], dict]]:
     port = free_port()
     argv = shorten(shlex.split(localise(cmd, out, port)), out)
     if argv[0].startswith("scripts/"):  # the project's own scripts, wherever the command runs
-        argv[0] = str(README.parent / argv[0])
+        argv[0] = str(ROOT / argv[0])
     if argv[0] == "srun":
         return [(_python(a), env) for a, env in _slurm(argv, port)]
     if "K" in argv:
@@ -180,6 +193,19 @@ COMMANDS = readme_commands()
 def test_the_readme_shows_commands():
     assert len(COMMANDS) >= 15, COMMANDS
     assert any(c.startswith("torchrun ") for c in COMMANDS) and any(c.startswith("srun ") for c in COMMANDS)
+    setup = [c for c in page_commands(README) if c.startswith("scripts/setup.sh && ")]
+    assert setup == ["scripts/setup.sh && brigade train", "scripts/setup.sh && python -m pytest"], setup
+
+
+def test_every_page_of_docs_is_read_and_its_commands_run():
+    names = {p.name for p in PAGES[1:]}
+    assert {"layouts.md", "models.md", "multi-node.md", "results.md", "schedules.md"} <= names, names
+    cases = {_case(c) for c in COMMANDS}
+    for page in PAGES:
+        for cmd in map(_as_shown, page_commands(page)):
+            assert cmd.startswith("python -m pytest") or _case(cmd) in cases, f"{page.name}: {cmd}"
+    # docs/ shows commands the README does not (the README is one screen): they run too.
+    assert set(COMMANDS) - {_as_shown(c) for c in page_commands(README)}
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +222,7 @@ def trained(tmp_path_factory, tiny_run) -> Path:
 def test_readme_command_runs(cmd, tmp_path, trained):
     reads_run = re.search(r"(runs/latest|\bOUT\b|--from)", cmd) and " train" not in cmd
     out = trained if reads_run else tmp_path / "out"
-    for name in ("examples", "README.md"):  # the README's commands run from the checkout
+    for name in ("examples", "README.md", "docs"):  # the pages' commands run from the checkout
         (tmp_path / name).symlink_to(README.parent / name)
     results = run_all(processes(cmd, out), tmp_path, 360)
     expected = next((code for pattern, code in EXPECTED_EXIT if pattern in cmd), 0)
