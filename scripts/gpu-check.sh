@@ -6,7 +6,7 @@
 #
 # One GPU cannot show multi-rank NCCL pipelines (NCCL refuses two ranks on one device); on a
 # machine with several GPUs, run `brigade check --stages 2` and `brigade train --nproc 2 --pp 2`
-# as well. See the README, "On GPUs".
+# as well. See docs/gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-$(mktemp -d)}

@@ -22,7 +22,7 @@ pytest_plugins = ["tests.watchdog"]
 
 # The suite is the CPU suite: gloo, with more processes than a machine has GPUs. Where GPUs are
 # visible torch would pick NCCL, which needs one per process, so they are hidden from every case
-# and the processes it starts; scripts/gpu-check.sh is what checks a GPU (README, "On GPUs").
+# and the processes it starts; scripts/gpu-check.sh is what checks a GPU (docs/gpu.md).
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 

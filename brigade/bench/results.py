@@ -1,4 +1,4 @@
-"""Regenerate every file in results/ with the current code, then print the README's table.
+"""Regenerate every file in results/ with the current code, then print the results table (docs/results.md).
 
     python -m brigade.bench.results                      # everything (about 25 minutes on 2 cores)
     python -m brigade.bench.results --only overhead,restart
@@ -39,7 +39,7 @@ BRIGADE = [sys.executable, "-m", "brigade"]
 
 @dataclass
 class Job:
-    """A command as the README shows it and, for training runs, what to read from it.
+    """A command as docs/results.md shows it and, for training runs, what to read from it.
 
     `command` runs with `--out FOLDER` added (unless `takes_out` is False); `quick` is the same with
     tiny sizes, for tests. Without `extract`, the command writes its own JSON into the folder
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results", help="the results folder (default: %(default)s)")
     parser.add_argument("--only", default="", help="comma-separated jobs: " + ", ".join(JOBS))
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to test this script")
-    parser.add_argument("--table", action="store_true", help="only print the README table from --out")
+    parser.add_argument("--table", action="store_true", help="only print the results table (docs/results.md) from --out")
     args = parser.parse_args(argv)
     from brigade.bench.results_table import table
 

@@ -1,4 +1,4 @@
-"""scripts/results.sh at tiny sizes: every job it runs writes the JSON its README row reads."""
+"""scripts/results.sh at tiny sizes: every job it runs writes the JSON its row in docs/results.md reads."""
 
 import json
 import subprocess
@@ -25,7 +25,7 @@ def test_quick_regeneration_writes_every_figure_its_rows_need(tmp_path):
     for row in ROWS:
         if row.file in files:
             data = json.loads((tmp_path / row.file).read_text())
-            assert row.figure(data), row.file  # every key the README's figure needs is there
+            assert row.figure(data), row.file  # every key the figure in docs/results.md needs is there
     main = json.loads((tmp_path / "train/main.json").read_text())
     assert main["steps"] == 4 and main["val_loss_last"] < main["val_loss_first"] + 1
     snap = json.loads((tmp_path / "train/snapshot.json").read_text())
