@@ -167,7 +167,9 @@ def run_tune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise BrigadeError(f"--out {args.out!r} is a file: give a folder")
+    before = os.getloadavg()[0]
     result = agent.launch(tune_worker, LaunchSpec(2, port=args.port), cfg, args.verify)[0]
+    result["load_avg"] = [before, os.getloadavg()[0]]  # 1-minute, as the tune started and ended
     chosen = result["chosen"]
     out.mkdir(parents=True, exist_ok=True)
     toml = out / "tune.toml"
@@ -177,7 +179,7 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k not in ("predictions", "sweep")}))
         return 0
-    again = f", the best {result['finalists']} timed again" if result["finalists"] else ""
+    again = f", {result['finalists']} finalists timed again" if result["finalists"] else ""
     print(f"brigade tune: {cfg.model}, batch {cfg.batch_size}: {result['trials']} trials{again} "
           f"(the full sweep has {result['sweep_trials']}: schedule × V × m, and data parallel)")
     for gone in result["left_out"]:
@@ -193,8 +195,27 @@ def run_tune(args: argparse.Namespace) -> int:
               f"again in the sweep, {result['chosen_sweep_mean_s'] * 1e3:.1f} ms/step: within "
               f"{100 * result['within']:+.1f} % of it ({cover:.0f} % CI of the per-round ratio: "
               f"{lo:+.1f} to {hi:+.1f} %)")
+    note = load_note(result["load_avg"], os.cpu_count() or 1)
+    if note:
+        print(note)
     print(f"wrote {toml} (brigade train --config {toml}) and {out / 'tune.json'}")
     return 0
+
+
+def load_note(load_avg: list[float], cpus: int) -> str | None:
+    """A line when other jobs loaded the machine while tuning (the tuner's own processes count
+    up to one per core; more than a core beyond that is someone else's), or None.
+
+    Under such load a step's time swings by more than the gaps between configurations (on 2
+    cores at a load of 7, one configuration read 1.3 s to 5.8 s over ten rounds): the choice
+    among close configurations is then contention's, and --verify's interval shows it.
+    """
+    worst = max(load_avg)
+    if worst <= cpus + 1:
+        return None
+    return (f"note: the 1-minute load average reached {worst:.1f} on {cpus} cores while tuning: other "
+            "jobs' contention can decide between configurations this close; --verify's interval "
+            "says whether it did, a quiet machine decides")
 
 
 def _train_config(cfg: BenchConfig, chosen: dict):

@@ -11,8 +11,9 @@
     3. time only the best predictions (at most a third of the space, the best of data parallel
        and of the pipelines among them) in interleaved rounds (as many as --verify's: with
        fewer, noise on a shared machine picks), rank them within rounds (each round's times
-       over its median: `bench.choose`), then time the best two again, together, and keep the
-       faster over every round they shared.
+       over its median: `bench.choose`), then time again, together, the best two and any
+       other the rounds cannot tell from the best, and keep the fastest over every round
+       they shared.
 
 `--verify` also times the whole space in interleaved rounds, the chosen configuration among
 the others, to show how close the choice is; its best is ranked within rounds too. Blocks,
@@ -52,7 +53,6 @@ from brigade.pipeline.plan import simulate
 from brigade.pipeline.schedule import SCHEDULES, build, stages_on
 
 ANY_VIRTUAL = (1, 2)  # V tried for a schedule that takes any: more would need ≥ 3·p blocks
-FINALISTS = 2  # the best trials timed again, together, before the choice
 TIMED = ("rounds_s", "mean_s", "relative", "final_rounds_s", "final_relative")  # what timing adds
 
 
@@ -195,29 +195,32 @@ def timed(rows: list[dict], time_all) -> None:
         row["rounds_s"], row["mean_s"], row["relative"] = rounds, statistics.median(rounds), score
 
 
-def search(trials: list[dict], time_all, finalists: int = FINALISTS) -> dict:
-    """Time `trials` together, time the best `finalists` of them together again, keep the fastest.
+def search(trials: list[dict], time_all) -> dict:
+    """Time `trials` together, time the finalists together again, keep the fastest.
 
-    Both steps compare within rounds (bench.choose): the trials are ranked by `relative`, and
-    the finalists by the same taken over them alone (`final_relative`), over every round they
-    shared: the trials' rounds and their own. A second look costs a few steps; it gives the
-    close call twice the rounds, each round shorter (fewer configurations), so less of it
-    falls in a burst of load that hit only part of a round.
+    Both steps compare within rounds (bench.choose): the trials are ranked by `relative`; the
+    finalists are the best two and every other trial the rounds cannot tell from the best (the
+    95 % interval of its per-round ratio over the best reaches 1), ranked by the same taken
+    over them alone (`final_relative`) and over every round they shared: the trials' rounds
+    and their own. A second look costs a few steps; it gives the close calls twice the rounds,
+    each round shorter (fewer configurations), so less of it falls in a burst of load that
+    hit only part of a round.
 
     Args:
         trials: configurations to time; each gets `rounds_s`, `mean_s` and `relative`, each
             finalist also `final_rounds_s`, `final_relative` and `mean_s` over all its rounds.
         time_all: configurations -> their seconds per step in every round, in order (timed
             together in interleaved rounds, every one warmed before the first).
-        finalists: how many of the best trials to time again.
 
     Returns:
         the chosen trial.
     """
     timed(trials, time_all)
-    top = sorted(trials, key=lambda r: r["relative"])[:finalists]  # stable: ties keep prediction order
-    if len(top) < 2:
-        return top[0]
+    ranked = sorted(trials, key=lambda r: r["relative"])  # stable: ties keep prediction order
+    if len(ranked) < 2:
+        return ranked[0]
+    best = ranked[0]["rounds_s"]
+    top = ranked[:2] + [r for r in ranked[2:] if ratio_ci(r["rounds_s"], best)[1] <= 1]
     for row, rounds in zip(top, time_all(top), strict=True):
         row["final_rounds_s"] = rounds
     shared = [row["rounds_s"] + row["final_rounds_s"] for row in top]
@@ -303,7 +306,7 @@ def _samples(t: _Tuner, sizes: list[int]) -> dict[int, list]:
 
 
 def worker(cfg: BenchConfig, verify: bool) -> dict:
-    """Predict the space, time the best third in interleaved rounds and the best two of it again,
+    """Predict the space, time the best third in interleaved rounds and its finalists again,
     keep the fastest; `verify`: time the whole space too. Returns the JSON of `brigade tune`
     (rank 0's is kept)."""
     info = groups.init(cfg.backend, threads=1)
@@ -333,8 +336,9 @@ def _tune(cfg: BenchConfig, info, verify: bool) -> dict:
     predictions = sorted([*rows, ddp_row(samples, cfg.batch_size, t.ranks, allreduce)],
                          key=lambda r: r["predicted_s"])
     budget = max(1, min(3, len(predictions) // 3))
-    chosen = search(pick_trials(predictions, budget), _timer(t, cfg.rounds))
-    result = {"trials": budget, "finalists": min(FINALISTS, budget) if budget > 1 else 0,
+    trials = pick_trials(predictions, budget)
+    chosen = search(trials, _timer(t, cfg.rounds))
+    result = {"trials": budget, "finalists": sum("final_rounds_s" in r for r in trials),
               "sweep_trials": len(predictions), "chosen": chosen, "chosen_label": label(chosen),
               "chosen_mean_s": chosen["mean_s"], "predictions": predictions,
               "left_out": left_out, "measured_sizes": sizes, "comm_s_per_sample": comm,

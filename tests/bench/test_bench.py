@@ -137,7 +137,8 @@ def test_tune_searches_schedule_v_m_and_data_parallel_within_a_third_and_writes_
     assert all(len(r["balance"]) == 2 * r["virtual"] and sum(r["balance"]) == 8 for r in rows if r["pp"] == 2)
     assert data["left_out"] == [] and data["sweep_trials"] == 9 and data["trials"] <= 9 / 3
     assert sum("mean_s" in r for r in rows) == data["trials"]  # only the trials were timed
-    assert sum("final_rounds_s" in r for r in rows) == data["finalists"] == 2  # the best two again
+    assert sum("final_rounds_s" in r for r in rows) == data["finalists"]  # timed again
+    assert 2 <= data["finalists"] <= data["trials"]
     assert data["chosen_mean_s"] > 0 and data["sweep_best_mean_s"] > 0
     from brigade.bench.tune import row_key
 
