@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results", help="the results folder (default: %(default)s)")
     parser.add_argument("--only", default="", help="comma-separated jobs: " + ", ".join(JOBS))
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to test this script")
-    parser.add_argument("--table", action="store_true", help="only print the results table (docs/results.md) from --out")
+    parser.add_argument("--table", action="store_true",
+                        help="only print the results table (docs/results.md) from --out")
     args = parser.parse_args(argv)
     from brigade.bench.results_table import table
 

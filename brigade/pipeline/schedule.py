@@ -14,7 +14,7 @@ compute actions sit in its rank's list. Plans are data: they are built, checked
 (`plan.validate`), costed (`plan.simulate`) and drawn (`plan.render`) without torch
 and without processes. The runtime only interprets them.
 
-Every schedule is registered (`SCHEDULES`, by `@register`, with its placement and the V
+Every schedule is registered (`registry.SCHEDULES`, by `@register`, with its placement and the V
 it runs): the CLI's help texts, the configuration's check and the benchmarks read names
 from there, so a new schedule is one decorated function (here, or in `virtual.py` for
 several stages per rank) and an entry in `bench/peers.py` if torch has it too.
@@ -31,106 +31,46 @@ action that needs a neighbour's result.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from brigade.errors import BrigadeError
-
-F, B = "F", "B"
-I, W = "I", "W"  # noqa: E741 -- B split in two: input gradient (sent upstream), weight gradient
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE_OPS = (F, B, I, W)
-COMM_OPS = (SEND_F, RECV_F, SEND_B, RECV_B)
-
-Plan = dict[int, list["Action"]]
-Builder = Callable[[int, int, int], Plan]  # (n_ranks, n_microbatches, n_virtual) -> plan
-SINGLE, LOOP, V_SHAPE = "single", "loop", "v"
-PLACEMENTS = (SINGLE, LOOP, V_SHAPE)
-
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
-
-
-class PlanError(BrigadeError, ValueError):
-    """A plan that cannot run: the message names the offending action."""
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """One step of one stage: `op` on micro-batch `microbatch`. Prints as ``1F3``."""
-
-    stage: int
-    op: str
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.op}{self.microbatch}"
-
-    __repr__ = __str__
-
-    @staticmethod
-    def parse(text: str) -> Action:
-        """Parse ``"1F3"`` or ``"0SEND_B2"`` back into an Action.
-
-        Raises:
-            PlanError: if the text is not an action.
-        """
-        match = _ACTION_RE.match(text.strip())
-        if not match:
-            raise PlanError(f"cannot parse action {text!r}: expected STAGE OP MB, like '1F3'")
-        return Action(int(match[1]), match[2], int(match[3]))
+# The plan's vocabulary and the registry live below this module (so `virtual.py` can use them
+# without importing this one); their names are re-exported here, where callers have found them.
+from brigade.pipeline.action import (  # noqa: F401
+    COMM_OPS,
+    COMPUTE_OPS,
+    LOOP,
+    PLACEMENTS,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    SINGLE,
+    V_SHAPE,
+    Action,
+    B,
+    Builder,
+    F,
+    I,
+    Op,
+    Placement,
+    Plan,
+    PlanError,
+    W,
+)
+from brigade.pipeline.registry import (  # noqa: F401
+    DEFAULT,
+    DEFAULT_VIRTUAL,
+    SCHEDULES,
+    Schedule,
+    check,
+    expected,
+    help_text,
+    names,
+    register,
+)
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """A registered schedule: its name on the command line, its builder, one line for help texts,
-    its placement (`PLACEMENTS`) and the stages per rank it runs: `virtual` = that fixed V, or
-    None for any V ≥ 1 (then `DEFAULT_VIRTUAL` unless asked)."""
-
-    name: str
-    build: Builder
-    description: str
-    placement: str = SINGLE
-    virtual: int | None = 1
-
-    def resolve_virtual(self, virtual: int = 0, flag: str = "--virtual") -> int:
-        """The V this schedule runs with: `virtual`, or its default when 0.
-
-        Raises:
-            PlanError: a V this schedule cannot run, naming what it can.
-        """
-        if virtual == 0:
-            return self.virtual or DEFAULT_VIRTUAL
-        if virtual < 0 or (self.virtual is not None and virtual != self.virtual):
-            can = f"exactly {self.virtual}" if self.virtual else "any V of 1 or more"
-            hint = "; interleaved, looped-bfs, zbv and dualpipev hold several" if self.virtual == 1 else ""
-            raise PlanError(f"{flag} {virtual}: schedule {self.name} runs {can} stage(s) per rank"
-                            f"{hint}")
-        return virtual
-
-
-SCHEDULES: dict[str, Schedule] = {}
-DEFAULT = "1f1b"
-DEFAULT_VIRTUAL = 2  # stages per rank of a schedule that takes any V, when none is asked
-
-
-def register(name: str, description: str, placement: str = SINGLE,
-             virtual: int | None = 1) -> Callable[[Builder], Builder]:
-    """Decorator: make a builder `(n_ranks, n_microbatches, n_virtual) -> Plan` available as `name`.
-
-    Args:
-        placement: "single", "loop" or "v" (module docstring). virtual: the V it runs, or None (any).
-    """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
-
-    def add(builder: Builder) -> Builder:
-        SCHEDULES[name] = Schedule(name, builder, description, placement, virtual)
-        return builder
-    return add
-
-
-def place(placement: str, n_ranks: int, n_virtual: int) -> list[int]:
+def place(placement: Placement, n_ranks: int, n_virtual: int) -> list[int]:
     """The rank of each of the n_ranks · n_virtual stages under `placement`."""
     p, n = n_ranks, n_ranks * n_virtual
     if placement == SINGLE or placement == LOOP:
@@ -152,33 +92,6 @@ def stages_on(schedule: str, n_ranks: int, rank: int, virtual: int = 0) -> list[
     sched = SCHEDULES[check(schedule)]
     ranks = place(sched.placement, n_ranks, sched.resolve_virtual(virtual))
     return [s for s, r in enumerate(ranks) if r == rank]
-
-
-def names() -> list[str]:
-    """The registered schedules' names, in registration order."""
-    return list(SCHEDULES)
-
-
-def expected() -> str:
-    """``"gpipe, 1f1b or zb"``: the names as an error message lists them."""
-    *rest, last = names()
-    return f"{', '.join(rest)} or {last}" if rest else last
-
-
-def help_text() -> str:
-    """One line per schedule for a flag's help: ``gpipe: all forwards, then all backwards; ...``."""
-    return "; ".join(f"{s.name}: {s.description}" for s in SCHEDULES.values())
-
-
-def check(name: str, flag: str = "--schedule") -> str:
-    """Return `name` if it is a registered schedule.
-
-    Raises:
-        PlanError: naming the flag, the value and the registered names.
-    """
-    if name not in SCHEDULES:
-        raise PlanError(f"{flag} {name!r}: unknown schedule: expected {expected()}")
-    return name
 
 
 def build(schedule: str, n_ranks: int, n_microbatches: int, virtual: int = 0) -> Plan:

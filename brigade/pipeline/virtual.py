@@ -20,18 +20,8 @@ rank instead, as phases over a count of each stage's forwards and backwards. No 
 
 from __future__ import annotations
 
-from brigade.pipeline.schedule import (
-    LOOP,
-    V_SHAPE,
-    Action,
-    B,
-    F,
-    I,
-    Plan,
-    PlanError,
-    W,
-    register,
-)
+from brigade.pipeline.action import LOOP, V_SHAPE, Action, B, F, I, Plan, PlanError, W
+from brigade.pipeline.registry import register
 
 Step = tuple[int, int]  # (local chunk c, micro-batch): chunk c of rank r is stage c·p + r (loop)
 

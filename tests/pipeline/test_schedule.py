@@ -157,13 +157,15 @@ def test_render_draws_time_across_ranks_down():
 
 
 def test_a_schedule_registered_here_is_accepted_everywhere(monkeypatch, capsys):
-    """Adding a schedule touches schedule.py only: config, CLI and bench read the registry."""
+    """Adding a schedule is one `@register`: config, CLI and bench read the registry."""
     from brigade import config
     from brigade.bench.run import bench_config
     from brigade.cli import build_parser, main
-    from brigade.pipeline import schedule
+    from brigade.pipeline import registry, schedule
 
-    monkeypatch.setattr(schedule, "SCHEDULES", dict(schedule.SCHEDULES))
+    assert schedule.SCHEDULES is registry.SCHEDULES  # one registry, whoever asks
+    monkeypatch.setattr(registry, "SCHEDULES", dict(registry.SCHEDULES))
+    monkeypatch.setattr(schedule, "SCHEDULES", registry.SCHEDULES)
     schedule.register("gpipe-again", "GPipe under another name, for this test")(gpipe)
 
     cfg = config.RunConfig()
