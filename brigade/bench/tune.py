@@ -249,7 +249,8 @@ def verify_sweep(predictions: list[dict], chosen: dict, time_all) -> dict:
         sweep (every configuration with its new `mean_s`, the median of its `rounds_s`, and
         `relative`), sweep_best (the lowest `relative`), sweep_best_mean_s, chosen_sweep_mean_s
         (the chosen configuration's median in this sweep), within (the median over rounds of
-        chosen / best, minus 1: 0 when the best is the choice) and within_ci (its 95 % interval,
+        chosen / best, minus 1: 0 when the best is the choice, below 0 when the choice was the
+        faster in most rounds though not the lowest `relative`) and within_ci (its 95 % interval,
         whether the gap is noise) with within_ci_coverage (below 6 rounds the interval is their
         range, and covers less).
     """
