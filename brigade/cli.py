@@ -260,7 +260,7 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
                    help="resnet50: side of the square images in pixels (default: 64; on 2 or more GPUs: 128)")
     p.add_argument("--repeats", type=int, default=None,
                    help="bench: timed rounds, each timing every configuration once (default 10); "
-                        "tune: repeats per trial")
+                        "tune: interleaved rounds in which its trials are timed together")
     p.add_argument("--splits", default=None,
                    help="split sizes (samples per micro-batch) to try, like 1,4,16 (default: the "
                         "tutorial's, scaled to the batch)")
