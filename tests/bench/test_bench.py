@@ -10,7 +10,7 @@ from torch import nn
 from brigade.bench.experiments import scaled_splits
 from brigade.bench.memory import ActivationMeter
 from brigade.bench.plot import table
-from brigade.bench.tune import _interpolate, predict
+from brigade.bench.predict import interpolate, predict
 from tests.e2e.helpers import brigade
 
 FIELDS = {"name", "schedule", "virtual", "stages", "microbatches", "split_size", "mean_s", "std_s",
@@ -42,7 +42,7 @@ def test_activation_meter_sees_gpipe_hold_more_than_one_microbatch():
 def test_prediction_balances_and_interpolates():
     samples = {2: [(1.0, 2.0, 1.0, 1.2)] * 4, 8: [(4.0, 8.0, 4.0, 4.8)] * 4}
     # one approx per block: pytest 9.2 refuses an approx nested in a list (a TypeError)
-    assert _interpolate(samples, 5) == [pytest.approx((2.5, 5.0, 2.5, 3.0))] * 4
+    assert interpolate(samples, 5) == [pytest.approx((2.5, 5.0, 2.5, 3.0))] * 4
     seconds, balance = predict(samples, batch=16, m=2, schedule="1f1b", ranks=2, comm_per_sample=0.0)
     assert balance == [2, 2]
     # size 8: each stage F = 8, B = 16; 1F1B over 2 stages and 2 micro-batches ends at 72
@@ -60,7 +60,7 @@ def test_prediction_with_two_stages_per_rank_cuts_and_costs_p_times_v_stages():
 
 
 def test_the_space_leaves_out_two_stages_per_rank_without_enough_blocks_and_says_why():
-    from brigade.bench.tune import search_space
+    from brigade.bench.predict import search_space
 
     rows, left_out = search_space(["1f1b", "interleaved", "zbv"], [2, 4], ranks=2, n_blocks=3)
     assert {(r["schedule"], r["virtual"], r["microbatches"]) for r in rows} == {
@@ -74,7 +74,7 @@ def test_the_space_leaves_out_two_stages_per_rank_without_enough_blocks_and_says
 
 
 def test_data_parallel_is_predicted_as_one_device_on_half_the_batch_plus_the_all_reduce():
-    from brigade.bench.tune import ddp_row
+    from brigade.bench.predict import ddp_row
 
     samples = {2: [(1.0, 2.0, 1.0)] * 4, 8: [(4.0, 8.0, 4.0)] * 4}
     row = ddp_row(samples, batch=8, dp=2, allreduce_s=0.5)

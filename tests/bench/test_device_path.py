@@ -49,7 +49,7 @@ def test_measure_synchronises_before_every_clock_read(events):
 
 
 def test_block_costs_are_timed_through_the_synchronised_clock(events):
-    from brigade.bench.tune import block_costs
+    from brigade.bench.predict import block_costs
 
     blocks = [nn.Linear(8, 8), nn.Linear(8, 2)]
     costs = block_costs(blocks, torch.randn(4, 8), nn.functional.mse_loss, torch.randn(4, 2))
