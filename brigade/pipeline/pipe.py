@@ -26,6 +26,7 @@ from brigade.errors import BrigadeError
 from brigade.pipeline import feed, microbatch
 from brigade.pipeline.p2p import P2PTransport
 from brigade.pipeline.plan import validate
+from brigade.pipeline.randomness import StageRandom
 from brigade.pipeline.runtime import StageRunner, StepResult
 from brigade.pipeline.schedule import SCHEDULES, build, check, forward_only, place
 from brigade.pipeline.transport import LocalTransport, StageAborted
@@ -177,7 +178,10 @@ def _modules_for(module, stages: list[int], rank: int, schedule: str, virtual: i
 
 class LocalPipeline:
     """All stages in this process, one worker thread per device; the schedule's placement puts
-    stage s on devices[rank of s] (stage i on devices[i] when V = 1).
+    stage s on devices[rank of s] (stage i on devices[i] when V = 1). Threads that share a
+    generator (the CPU's; a GPU's that several ranks sit on) draw dropout masks from a stream
+    per (step, stage, micro-batch), so a run repeats bit for bit whatever their timing
+    (`randomness`).
 
     Args:
         stages: one module per stage, len(devices) × V of them (moved to their devices here).
@@ -207,9 +211,10 @@ class LocalPipeline:
         self.plan = validate(build(schedule, self.n_ranks, n_microbatches, self.virtual))
         self.inference_plan = validate(forward_only(self.n_stages, n_microbatches, ranks))
         modules = [wrap(i, s) if wrap else s for i, s in enumerate(self.stages)]
+        self.random = StageRandom(self.devices)  # threads that share a generator draw apart
         self.runners = [
             StageRunner({s: modules[s] for s in range(self.n_stages) if ranks[s] == r}, self.n_stages,
-                        self.transport.endpoint(), loss_fn, autocast)
+                        self.transport.endpoint(), loss_fn, autocast, draws=self.random.forward)
             for r in range(self.n_ranks)
         ]
         self.first, self.last = ranks[0], ranks[-1]  # the ranks reading inputs and targets
@@ -249,12 +254,14 @@ class LocalPipeline:
                 raise
 
         self.transport.abort.clear()
+        self.random.begin(training=plan is self.plan)
         futures = [pool.submit(job, i) for i, pool in enumerate(self._pools)]
         errors = [f.exception() for f in futures]
         # Raise the stage that failed first, not the neighbours it left waiting.
         root = [e for e in errors if e is not None and not isinstance(e, StageAborted)]
         if root or any(errors):
             raise (root or [e for e in errors if e])[0]
+        self.random.end()
         return [f.result() for f in futures]
 
     def step(self, inputs, targets, trace: bool = False, loss_scale: float = 1.0,
@@ -290,6 +297,7 @@ class LocalPipeline:
     def close(self) -> None:
         for pool in self._pools:
             pool.shutdown(wait=True)
+        self.random.close()
 
     def __enter__(self) -> LocalPipeline:
         return self

@@ -116,10 +116,12 @@ class StageRunner:
         transport: a `Transport` (P2P between processes, or a local endpoint).
         loss_fn: (output, target) -> mean loss; used on the last stage only.
         autocast: None (fp32), torch.bfloat16 or torch.float16 for the forwards.
+        draws: `draws(stage, microbatch, module)`, the context each forward runs in: where
+            device threads share a generator, `randomness.StageRandom.forward` (default: none).
     """
 
     def __init__(self, modules: dict[int, nn.Module], n_stages: int, transport: Transport, loss_fn=None,
-                 autocast: torch.dtype | None = None):
+                 autocast: torch.dtype | None = None, draws: Callable | None = None):
         self.modules = dict(sorted(modules.items()))
         self.n_stages = n_stages
         self.transport = transport
@@ -127,6 +129,7 @@ class StageRunner:
         self.is_first = 0 in self.modules
         self.is_last = n_stages - 1 in self.modules
         self.autocast = autocast  # e.g. torch.bfloat16 on GPUs
+        self.draws = draws or (lambda stage, microbatch, module: contextlib.nullcontext())
         several = len(self.modules) > 1
         # Under DDP: a reducer per stage for split backwards (DDP's reducer does not see them),
         # and for every backward when this rank holds several stages (see the module docstring).
@@ -203,15 +206,15 @@ class StageRunner:
         x = st.inputs[i] if s == 0 else st.take(st.acts, a, "received activation")
         if st.training and s > 0:
             x = structure.as_inputs(x)  # floating leaves require a gradient, integer ones pass
-        y = self._forward(s, x, st.side[i] if st.side else None)
-        last = s == self.n_stages - 1
-        if last:
-            if st.keep_outputs:
+        with self.draws(s, i, self.modules[s]):  # the loss too: a loss may draw
+            y = self._forward(s, x, st.side[i] if st.side else None)
+            last = s == self.n_stages - 1
+            if last and st.keep_outputs:
                 st.result.outputs.append(_detach(y))
-            if st.targets is not None:
+            if last and st.targets is not None:
                 y = self._loss(y, st.targets[i], st.weights[i] if st.weights else 1.0)
                 st.total = y.detach() if st.total is None else st.total + y.detach()
-        elif s + 1 in self.modules:
+        if not last and s + 1 in self.modules:
             st.acts[(s + 1, i)] = _detach(y)  # the next stage is here: a reference, no message
         if st.training or (not last and s + 1 not in self.modules):
             st.held[(s, i)] = (x, y)

@@ -2,9 +2,12 @@
 restarted from its snapshot, ends bit for bit where the run that never stopped ends.
 
 The schedules come from the registry (`schedule.names()`), so one registered later is covered
-by construction. Each runs under pp 2 and under dp 2 × pp 2, on a tied GPT with dropout: the
-V placements (zbv, dualpipev) put the embedding's stage and the head's on one rank, the case a
-loader once got wrong (both copies of the tie were handed one optimizer state, stepped twice).
+by construction. Each runs under pp 2, dp 2 × pp 2, two local stages in one process and
+dp 2 × two local stages, on a tied GPT with dropout: the V placements (zbv, dualpipev) put the
+embedding's stage and the head's on one rank, the case a loader once got wrong (both copies of
+the tie were handed one optimizer state, stepped twice). Local stages are threads of one
+process that share its CPU generator, whose dropout masks once followed the threads' timing:
+two runs that never stopped parted within a few steps (so they are also compared with each other).
 
 Six steps, a snapshot every two, the kill as step 4 begins: step 3 is lost and run again, and
 three steps follow the resume (a wrong optimizer state shows in the loss from the second on).
@@ -26,8 +29,11 @@ RUN = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "16", "
        "--max-steps", "6", "--snapshot-every", "2", "--eval-every", "100", "--eval-batches", "1",
        "--sample-tokens", "0", "--warmup-steps", "2"]
 # layout flags, and the rank to kill: under dp 2 × pp 2 rank 2 is the second replica's first
-# pipeline rank, which under a V holds both ends of the model.
-LAYOUTS = {"pp2": (["--nproc", "2", "--pp", "2"], 1), "dp2xpp2": (["--nproc", "4", "--pp", "2"], 2)}
+# pipeline rank, which under a V holds both ends of the model; under dp 2 × local stages rank 1
+# is the second replica (all its stages die with it).
+LAYOUTS = {"pp2": (["--nproc", "2", "--pp", "2"], 1), "dp2xpp2": (["--nproc", "4", "--pp", "2"], 2),
+           "local2": (["--nproc", "1", "--local-stages", "2"], 0),
+           "dp2xlocal2": (["--nproc", "2", "--local-stages", "2"], 1)}
 CASES = [pytest.param(layout, name, id=f"{layout}-{name}") for layout in LAYOUTS for name in names()]
 
 
@@ -70,3 +76,13 @@ def test_a_killed_run_resumes_bit_for_bit(uninterrupted, tmp_path, layout, sched
     assert losses(out) == losses(plain)
     assert sorted(losses(out)) == list(range(1, 7))
     assert final_hash(out) == final_hash(plain)
+
+
+@pytest.mark.parametrize("layout", ["local2", "dp2xlocal2"])
+def test_two_local_stage_runs_with_dropout_are_bit_identical(uninterrupted, tmp_path, layout):
+    """Without a fault, too: the same command twice, the same losses and parameters."""
+    again = tmp_path / "again"
+    _train(again, *LAYOUTS[layout][0], "--schedule", "1f1b")
+    plain = uninterrupted(layout, "1f1b")
+    assert losses(again) == losses(plain)
+    assert final_hash(again) == final_hash(plain)
