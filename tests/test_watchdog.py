@@ -58,3 +58,24 @@ def test_the_watchdog_ends_it_within_its_bound_with_every_threads_stack(tmp_path
     assert "Timeout (0:00:03)!" in output, output  # the test's 1 s + the 2 s margin
     assert "in test_blocks_in_c_with_the_gil_held" in output  # the stuck main thread's frame
     assert output.count("Thread 0x") >= 2 and "in wait" in output  # and the other thread's
+
+
+@pytest.mark.timeout(120)
+def test_a_process_forked_under_the_armed_watchdog_can_arm_its_own(tmp_path):
+    """A child forked while the watchdog is armed inherits its lock held by a thread it lacks;
+    brigade's workers (forked by the elastic agent) arm their own around teardown, which then
+    waited for ever: the watchdog stops across a fork and the parent re-arms it."""
+    (tmp_path / "test_fork.py").write_text(
+        "import faulthandler, os\n\n\n"
+        "def test_fork():\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        faulthandler.dump_traceback_later(30, exit=True)\n"
+        "        faulthandler.cancel_dump_traceback_later()\n"
+        "        os._exit(0)\n"
+        "    assert os.waitpid(pid, 0)[1] == 0\n")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir",
+           str(tmp_path), "-c", "/dev/null", "-p", "tests.watchdog", str(tmp_path / "test_fork.py")]
+    result = subprocess.run(cmd, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -15,11 +15,41 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import time
 
 import pytest
 
 MARGIN_S = float(os.environ.get("BRIGADE_WATCHDOG_MARGIN_S", "60"))
 _TERMINAL: list[int] = []  # the real stderr, duplicated before pytest captured it
+_DEADLINE: list[float] = []  # when the armed watchdog fires (monotonic), while one is armed
+
+
+def _arm(seconds: float) -> None:
+    faulthandler.dump_traceback_later(seconds, exit=True, file=_TERMINAL[0])
+    _DEADLINE[:] = [time.monotonic() + seconds]
+
+
+def _disarm() -> None:
+    faulthandler.cancel_dump_traceback_later()
+    _DEADLINE.clear()
+
+
+# A process forked while the watchdog is armed inherits its lock held by a thread it does not
+# have: the child's first dump_traceback_later (brigade's workers arm one around their teardown)
+# would wait on it for ever. So the watchdog stops just before a fork, and the parent re-arms
+# it for the time that was left; the child starts with none.
+def _before_fork() -> None:
+    if _DEADLINE:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _after_fork_in_parent() -> None:
+    if _DEADLINE:
+        _arm(max(1.0, _DEADLINE[0] - time.monotonic()))
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_DEADLINE.clear)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -49,8 +79,8 @@ def limit_of(item: pytest.Item) -> float | None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     limit = limit_of(item)
     if limit is not None and _TERMINAL:
-        faulthandler.dump_traceback_later(limit + MARGIN_S, exit=True, file=_TERMINAL[0])
+        _arm(limit + MARGIN_S)
     try:
         yield
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        _disarm()
