@@ -20,7 +20,7 @@ _WHERE = {
     "TrainConfig": "brigade.config",
     "RunConfig": "brigade.config",
     "BrigadeError": "brigade.errors",
-    "unbatched": "brigade.pipeline.microbatch",
+    "unbatched": "brigade.pipeline.batches.microbatch",
 }
 __all__ = list(_WHERE)
 

@@ -71,8 +71,9 @@ def _add_schedule(sub) -> None:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from brigade.pipeline.plan import render, simulate
-    from brigade.pipeline.schedule import SCHEDULES, build, check
+    from brigade.pipeline.plans.registry import SCHEDULES, check
+    from brigade.pipeline.plans.schedule import build
+    from brigade.pipeline.plans.simulate import render, simulate
 
     sched = SCHEDULES[check(args.schedule)]
     virtual = sched.resolve_virtual(args.virtual)
@@ -97,7 +98,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def _add_check(sub) -> None:
-    from brigade.check import CheckConfig
+    from brigade.check.run import CheckConfig
 
     p = sub.add_parser("check", help="compare a pipeline with a single device, loss and gradients")
     closed = {"runtime": ["process", "local"], "balance_by": ["params", "time"]}
@@ -110,9 +111,9 @@ def _add_check(sub) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from brigade.check import CheckConfig, run_check
+    from brigade.check.run import CheckConfig, run_check
     from brigade.models.gpt import GPTConfig
-    from brigade.pipeline.partition import parse_balance
+    from brigade.pipeline.stages.partition import parse_balance
 
     options = {"gpt_cfg": GPTConfig(block_size=32)} if args.model == "gpt" else {}
     if args.model == "resnet50":
@@ -250,7 +251,7 @@ def _add_bench(sub) -> None:
 
 def _sweep_args(p: argparse.ArgumentParser) -> None:
     """What `bench` and `tune` both sweep over."""
-    from brigade.pipeline import schedule
+    from brigade.pipeline.plans import schedule
 
     p.add_argument("--quick", action="store_true",
                    help="one split size (fewer configurations), the same number of timed rounds")

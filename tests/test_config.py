@@ -226,7 +226,7 @@ def test_every_field_is_documented_and_its_flag_shows_the_sentence():
 
 def test_choices_come_from_their_registries():
     from brigade.models import BUILTIN
-    from brigade.pipeline import schedule
+    from brigade.pipeline.plans import schedule
 
     p = argparse.ArgumentParser()
     config.add_flags(p)

@@ -36,7 +36,7 @@ def test_the_schedules_page_is_what_its_script_writes_from_the_registry():
 
 
 def test_the_schedules_page_has_every_registered_schedule_in_its_table_and_a_grid():
-    from brigade.pipeline.schedule import SCHEDULES
+    from brigade.pipeline.plans.registry import SCHEDULES
 
     text = (ROOT / "docs" / "schedules.md").read_text(encoding="utf-8")
     for name in SCHEDULES:
@@ -45,7 +45,7 @@ def test_the_schedules_page_has_every_registered_schedule_in_its_table_and_a_gri
 
 
 def test_a_schedule_registered_later_appears_on_the_page(monkeypatch):
-    from brigade.pipeline import schedule
+    from brigade.pipeline.plans import schedule
 
     doc = _schedules_doc()
     added = schedule.Schedule("gpipe-again", schedule.gpipe, "GPipe under another name")
@@ -57,7 +57,7 @@ def test_a_schedule_registered_later_appears_on_the_page(monkeypatch):
 
 
 def test_each_grid_of_the_schedules_page_is_what_brigade_schedule_draws(cli):
-    from brigade.pipeline.schedule import SCHEDULES
+    from brigade.pipeline.plans.registry import SCHEDULES
 
     doc = _schedules_doc()
     for name in SCHEDULES:
@@ -122,7 +122,7 @@ def test_every_link_of_a_page_leads_somewhere(page):
 
 
 def _named_modules(text: str) -> set[str]:
-    """The .py and .sh files a page names: `pipeline/plan.py`, `hostmem.py`, scripts/results.sh."""
+    """The .py and .sh files a page names: `pipeline/plans/validate.py`, `hostmem.py`, scripts/results.sh."""
     return set(re.findall(r"(?<![\w/.])((?:[\w-]+/)*[\w-]+\.(?:py|sh))\b(?![:\w])", text)) - {"file.py"}
 
 

@@ -3,7 +3,10 @@
 - A module whose docstring says it imports no torch imports none, not even through a package's
   `__init__`: checked in a fresh interpreter for every such module, found by its docstring.
 - Models know nothing of parallelism: brigade/models imports nothing from pipeline, train,
-  bench, check or config.
+  bench, check or config; and the configuration imports nothing of what runs it (train, bench,
+  check, the CLI, the launcher).
+- pipeline/ is built in floors (plans, stages, batches, transport, runtime, lowest first; pipe.py
+  on top): a module imports nothing from a floor above its own, and every plan module is pure.
 - No import circles inside brigade/ (modules importing each other, directly or round a loop),
   counting imports inside functions and under TYPE_CHECKING too.
 """
@@ -66,6 +69,36 @@ def test_models_import_nothing_of_parallelism():
     banned = ("brigade.pipeline", "brigade.train", "brigade.bench", "brigade.check", "brigade.config")
     wrong = {m: sorted(i for i in _imports(m, p) if i.startswith(banned))
              for m, p in MODULES.items() if m.startswith("brigade.models")}
+    assert not {m: i for m, i in wrong.items() if i}, wrong
+
+
+# pipeline/'s floors, lowest first: a module imports only from its own floor and those below.
+FLOORS = ["plans", "stages", "batches", "transport", "runtime"]
+
+
+def _floor(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["brigade", "pipeline"] or len(parts) < 4:
+        return None
+    return FLOORS.index(parts[2])
+
+
+def test_pipeline_floors_import_only_downwards():
+    up = {m: sorted(i for i in _imports(m, p) if (_floor(i) or 0) > _floor(m))
+          for m, p in MODULES.items() if _floor(m) is not None}
+    assert not {m: i for m, i in up.items() if i}, up
+
+
+def test_every_plan_module_says_it_imports_no_torch():
+    plans = [m for m in MODULES if m.startswith("brigade.pipeline.plans.") and not m.endswith("__init__")]
+    assert plans and set(plans) <= set(_torch_free()), sorted(set(plans) - set(_torch_free()))
+
+
+def test_config_imports_nothing_that_runs_it():
+    """The configuration sits below training, benchmarks and checks: they read it, not it them."""
+    banned = ("brigade.train", "brigade.bench", "brigade.check", "brigade.cli", "brigade.agent")
+    wrong = {m: sorted(i for i in _imports(m, p) if i.startswith(banned))
+             for m, p in MODULES.items() if m.startswith("brigade.config")}
     assert not {m: i for m, i in wrong.items() if i}, wrong
 
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade import groups, hostmem
+from brigade.bench.device import ddp, place_model
 from brigade.bench.memory import stage_meter
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, local_stages, unsupported
-from brigade.bench.place import ddp, place_model
 from brigade.bench.timing import (
     Workload,
     gathered_stage_costs,
@@ -39,9 +39,10 @@ from brigade.bench.timing import (
 )
 from brigade.errors import BrigadeError
 from brigade.models import load_model
-from brigade.pipeline.partition import choose_balance, solve, split, time_costs
 from brigade.pipeline.pipe import Pipeline
-from brigade.pipeline.schedule import DEFAULT_VIRTUAL, SCHEDULES, names, stages_on
+from brigade.pipeline.plans.registry import DEFAULT_VIRTUAL, SCHEDULES, names
+from brigade.pipeline.plans.schedule import stages_on
+from brigade.pipeline.stages.partition import choose_balance, solve, split, time_costs
 
 TUTORIAL_SPLITS = [1, 3, 5, 8, 10, 12, 20, 40, 60]  # of a batch of 120
 SINGLE, MP, OURS, PEER, DDP = "single", "model parallel", "brigade", "torch.distributed.pipelining", "ddp"

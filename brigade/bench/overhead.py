@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from brigade import agent, groups
-from brigade.bench.place import ddp
+from brigade.bench.device import ddp
 from brigade.config import RunConfig, to_toml
 from brigade.errors import BrigadeError, RunError
 from brigade.train.data import Sampler, build

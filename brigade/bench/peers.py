@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from brigade.pipeline.schedule import place
+from brigade.pipeline.plans.schedule import place
 
 
 @dataclass(frozen=True)

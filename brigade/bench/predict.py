@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from brigade.bench.timing import stage_costs
-from brigade.pipeline.partition import solve
-from brigade.pipeline.plan import simulate
-from brigade.pipeline.schedule import SCHEDULES, build
+from brigade.pipeline.plans.registry import SCHEDULES
+from brigade.pipeline.plans.schedule import build
+from brigade.pipeline.plans.simulate import simulate
+from brigade.pipeline.stages.partition import solve
 
 ANY_VIRTUAL = (1, 2)  # V tried for a schedule that takes any: more would need ≥ 3·p blocks
 

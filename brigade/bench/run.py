@@ -19,9 +19,10 @@ from brigade.bench.figures import summarise
 from brigade.errors import BrigadeError
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
-from brigade.pipeline import schedule, structure
-from brigade.pipeline.partition import check_chain
-from brigade.pipeline.side import needed
+from brigade.pipeline.plans import schedule
+from brigade.pipeline.stages import structure
+from brigade.pipeline.stages.partition import check_chain
+from brigade.pipeline.stages.side_inputs import needed
 from brigade.rendezvous import LaunchSpec
 
 

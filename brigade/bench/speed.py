@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from brigade import agent, groups
+from brigade.bench.device import place_model
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, nearest_torch_schedule
-from brigade.bench.place import place_model
 from brigade.bench.timing import (
     Workload,
     gathered_stage_costs,
@@ -35,10 +35,11 @@ from brigade.bench.timing import (
     train_step,
 )
 from brigade.models import load_model
-from brigade.pipeline.partition import choose_balance, split
 from brigade.pipeline.pipe import Pipeline
-from brigade.pipeline.plan import simulate
-from brigade.pipeline.schedule import DEFAULT, SCHEDULES, build, help_text
+from brigade.pipeline.plans.registry import DEFAULT, SCHEDULES, help_text
+from brigade.pipeline.plans.schedule import build
+from brigade.pipeline.plans.simulate import simulate
+from brigade.pipeline.stages.partition import choose_balance, split
 
 
 @dataclass

@@ -215,7 +215,7 @@ def stage_costs(module: torch.nn.Module, x: torch.Tensor, loss_fn=None, target=N
     together they cost more than one backward. No communication is included. The module and `x`
     share a device, synchronised before every clock read.
     """
-    from brigade.pipeline.backward import backward_split
+    from brigade.pipeline.runtime.backward import backward_split
 
     device = x.device
     fwd, bwd, wgt, ing = [], [], [], []
@@ -254,7 +254,7 @@ def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tens
         held: the stages this rank measures (default: stage `rank`, one per rank); the ranks'
             lists together must hold every stage once.
     """
-    from brigade.pipeline import microbatch
+    from brigade.pipeline.batches import microbatch
 
     n = len(stages)
     table = torch.zeros(n, 4, dtype=torch.float64, device=x.device)

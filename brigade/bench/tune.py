@@ -34,8 +34,8 @@ from torch import nn
 
 from brigade import groups
 from brigade.bench.choose import pick_trials, scores
+from brigade.bench.device import ddp, place_model
 from brigade.bench.experiments import BenchConfig, Worker, scaled_splits
-from brigade.bench.place import ddp, place_model
 from brigade.bench.predict import block_costs, ddp_row, predict, search_space
 from brigade.bench.timing import (
     interleaved_rounds,
@@ -47,9 +47,9 @@ from brigade.bench.timing import (
     train_step,
 )
 from brigade.models import load_model
-from brigade.pipeline.partition import split
 from brigade.pipeline.pipe import Pipeline
-from brigade.pipeline.schedule import stages_on
+from brigade.pipeline.plans.schedule import stages_on
+from brigade.pipeline.stages.partition import split
 
 TIMED = ("rounds_s", "mean_s", "relative", "final_rounds_s", "final_relative")  # what timing adds
 

@@ -4,6 +4,7 @@
     fielddoc.py   `doc(default, "sentence")`: each field's help, read by --help and the TOML file
     sources.py    defaults ← TOML file ← flags (`build`), and TOML out (`to_toml`)
     validate.py   `validate`: values in range, no model, data or world needed
+    precision.py  the precisions a run may name, and the autocast dtype each means
     world.py      `World`: the processes a launcher started
     elastic.py    --nnodes MIN:MAX: the worlds a run can reach, its accumulation in each
     resolve.py    `resolve_layout`: dp from the world, derived once

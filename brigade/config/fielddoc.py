@@ -125,20 +125,20 @@ def flag_help(f: dataclasses.Field, default: Any = dataclasses.MISSING) -> str:
 
 
 def _schedule_names() -> list[str]:
-    from brigade.pipeline import schedule  # the registry owns the names and each one's V
+    from brigade.pipeline.plans import schedule  # the registry owns the names and each one's V
 
     return schedule.names()
 
 
 def _schedule_help() -> str:
-    from brigade.pipeline import schedule
+    from brigade.pipeline.plans import schedule
 
     return schedule.help_text()
 
 
 def _schedule_virtuals() -> str:
     """``"gpipe, 1f1b and zb run 1; interleaved and looped-bfs any V, 2 unless asked; ..."``."""
-    from brigade.pipeline import schedule
+    from brigade.pipeline.plans import schedule
 
     runs: dict[str, list[str]] = {}
     for s in schedule.SCHEDULES.values():
@@ -161,7 +161,7 @@ def _model_names() -> tuple[str, ...]:
 
 
 def _precision_names() -> list[str]:
-    from brigade.train.precision import PRECISIONS  # owns the names it accepts
+    from brigade.config.precision import PRECISIONS  # owns the names it accepts
 
     return list(PRECISIONS)
 

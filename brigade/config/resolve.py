@@ -19,7 +19,7 @@ def pipeline_shape(p: ParallelConfig) -> tuple[int, int]:
     Raises:
         PlanError: an unknown schedule, or a --virtual it cannot run.
     """
-    from brigade.pipeline import schedule  # the registry owns each schedule's V
+    from brigade.pipeline.plans import schedule  # the registry owns each schedule's V
 
     ranks = p.pp * p.local_stages
     virtual = schedule.SCHEDULES[schedule.check(p.schedule)].resolve_virtual(p.virtual)

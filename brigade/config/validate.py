@@ -41,9 +41,9 @@ def validate(cfg: RunConfig) -> None:
         )
     if m.n_embd % m.n_head:
         raise BrigadeError(f"--n-embd {m.n_embd} is not a multiple of --n-head {m.n_head}")
-    from brigade.pipeline import schedule  # the registry owns the names and each one's V
+    from brigade.pipeline.plans import schedule  # the registry owns the names and each one's V
     schedule.SCHEDULES[schedule.check(p.schedule)].resolve_virtual(p.virtual)
-    from brigade.train.precision import autocast_dtype  # owns the names; raises on an unknown one
+    from brigade.config.precision import autocast_dtype  # owns the names; raises on an unknown one
     autocast_dtype(t.precision, t.bf16, "cpu")
     _positive("nnodes", p.nnodes)
     if not 0 <= p.node_rank < p.nnodes:

@@ -23,30 +23,19 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade.errors import BrigadeError
-from brigade.pipeline import feed, microbatch
-from brigade.pipeline.p2p import P2PTransport
-from brigade.pipeline.plan import validate
-from brigade.pipeline.randomness import StageRandom
-from brigade.pipeline.runtime import StageRunner, StepResult
-from brigade.pipeline.schedule import SCHEDULES, build, check, forward_only, place
-from brigade.pipeline.transport import LocalTransport, StageAborted
+from brigade.pipeline.batches import feed, microbatch
+from brigade.pipeline.plans.schedule import build, forward_only, placement
+from brigade.pipeline.plans.validate import validate
+from brigade.pipeline.runtime.interpreter import StageRunner, StepResult
+from brigade.pipeline.runtime.randomness import StageRandom
+from brigade.pipeline.transport.local import LocalTransport, StageAborted
+from brigade.pipeline.transport.p2p import P2PTransport
 
 
 def check_autocast(dtype) -> None:
     """Refuse an autocast dtype other than None, bf16 or fp16, in one line."""
     if dtype not in (None, torch.bfloat16, torch.float16):
         raise BrigadeError(f"autocast {dtype!r}: expected None (fp32), torch.bfloat16 or torch.float16")
-
-
-def placement(schedule: str, n_ranks: int, virtual: int = 0) -> tuple[int, list[int]]:
-    """(V, stage → rank) for `schedule` over `n_ranks` ranks with `virtual` stages each (0: its own).
-
-    Raises:
-        PlanError: an unknown schedule, or a V it cannot run.
-    """
-    sched = SCHEDULES[check(schedule)]
-    v = sched.resolve_virtual(virtual)
-    return v, place(sched.placement, n_ranks, v)
 
 
 class Pipeline:

@@ -32,9 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 from brigade import forensics, groups
 from brigade.config import ParallelConfig, pipeline_shape
 from brigade.errors import BrigadeError
-from brigade.pipeline.partition import choose_balance, parse_balance, split
-from brigade.pipeline.pipe import LocalPipeline, Pipeline, placement
-from brigade.pipeline.shared import aliases, find_shared
+from brigade.pipeline.pipe import LocalPipeline, Pipeline
+from brigade.pipeline.plans.schedule import placement
+from brigade.pipeline.stages.partition import choose_balance, parse_balance, split
+from brigade.pipeline.stages.ties import aliases, find_shared
 from brigade.train.ties import StageTies
 
 
@@ -103,7 +104,7 @@ def _recorded_allreduce(group, bucket):
     return allreduce_hook(group, bucket)
 
 
-def _stage_group(device: torch.device):
+def stage_group(device: torch.device):
     """A group over the whole world for one local stage, bound to that stage's device.
 
     A group created without `device_id` inherits the default group's binding; torch refuses
@@ -174,7 +175,7 @@ class ProcessModel:
                                f"--local-stages {n} runs on {devices[0]}: pass local_stages={n} to "
                                "brigade.groups.init and brigade.groups.info")
         # One process group per stage: each device's thread issues its own stages' all-reduces.
-        stage_groups = [_stage_group(devices[r]) for r in ranks] if layout.dp > 1 else None
+        stage_groups = [stage_group(devices[r]) for r in ranks] if layout.dp > 1 else None
 
         def wrap(s: int, module: nn.Module) -> nn.Module:
             if stage_groups is None:

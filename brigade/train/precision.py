@@ -1,11 +1,7 @@
-"""Mixed precision for training: the autocast dtype, and fp16's loss scaling.
+"""Mixed precision for training: fp16's loss scaling. The precisions a run may name and the
+autocast dtype each means are the configuration's (`config/precision.py`: `autocast_dtype`).
 
-    --precision ""        (default) follow --bf16: bf16 autocast on GPUs, fp32 on the CPU
-    --precision bf16      bf16 autocast on any device (CPU autocast runs it too, slowly)
-    --precision fp16      fp16 autocast with loss scaling (`LossScaler`), on any device
-    --precision fp32      no autocast
-
-Whatever the dtype, the loss is computed and summed in fp32 (`pipeline/runtime.py`).
+Whatever the dtype, the loss is computed and summed in fp32 (`pipeline/runtime/handlers.py`).
 
 fp16 keeps 5 exponent bits: small gradients underflow to zero in the backward. The loss is
 multiplied by a power of two before backward (the pipelines' `loss_scale`) and the gradients
@@ -20,31 +16,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
-
-from brigade.errors import BrigadeError
-
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-
-
-def autocast_dtype(precision: str, bf16: bool, device_type: str) -> torch.dtype | None:
-    """The autocast dtype a run uses (None: fp32).
-
-    Args:
-        precision: "" (follow `bf16`), "bf16", "fp16" or "fp32".
-        bf16: the --bf16 flag, read only when `precision` is empty: bf16 on GPUs.
-        device_type: "cuda" or "cpu".
-
-    Raises:
-        BrigadeError: an unknown precision.
-    """
-    if precision == "":
-        return torch.bfloat16 if bf16 and device_type == "cuda" else None
-    if precision not in PRECISIONS:
-        raise BrigadeError(f"--precision {precision!r}: expected bf16, fp16 or fp32 "
-                           "(or leave it empty to follow --bf16)")
-    return PRECISIONS[precision]
 
 
 @dataclass

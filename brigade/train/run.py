@@ -20,7 +20,7 @@ from brigade import agent, forensics, groups
 from brigade.config import RunConfig, pipeline_shape, resolve_layout
 from brigade.errors import BrigadeError, RunError
 from brigade.launchenv import launcher_env, launcher_world, under_launcher
-from brigade.pipeline.partition import check_chain, choose_balance, parse_balance
+from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
 from brigade.snapshot import collective
 from brigade.snapshot.compat import check_compatible, run_facts
 from brigade.snapshot.format import SnapshotError, find_latest, read_manifest

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from brigade.pipeline.shared import Tie, TieGroups, aliases, find_shared, sum_tied_grads, untie
+from brigade.pipeline.stages.ties import Tie, TieGroups, aliases, find_shared, sum_tied_grads, untie
 
 
 def stage_of_blocks(balance: Sequence[int]) -> list[int]:

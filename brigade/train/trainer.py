@@ -27,12 +27,13 @@ from torch import nn
 
 from brigade import forensics, groups
 from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, World, elastic, resolve_layout
+from brigade.config.precision import autocast_dtype
 from brigade.errors import RunError
-from brigade.pipeline import structure
+from brigade.pipeline.stages import structure
 from brigade.train.data import Sampler
 from brigade.train.layout import ProcessModel, by_device, make_layout
 from brigade.train.metrics import Metrics
-from brigade.train.precision import LossScaler, autocast_dtype
+from brigade.train.precision import LossScaler
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from brigade.bench import memory, place, timing
+from brigade.bench import device as bench_device
+from brigade.bench import memory, timing
 from brigade.bench.run import bench_config
 from brigade.models import load_model
 
@@ -99,7 +100,7 @@ def test_the_cuda_meter_reads_the_allocator_peak_above_the_start(monkeypatch):
 
 def test_a_model_and_its_batch_go_to_the_process_device():
     spec = load_model("toy", seed=0)
-    x, y = place.place_model(spec, 4, 0, torch.device("meta"))
+    x, y = bench_device.place_model(spec, 4, 0, torch.device("meta"))
     assert x.device.type == y.device.type == "meta" and x.shape[0] == 4
     assert {p.device.type for b in spec.blocks for p in b.parameters()} == {"meta"}
 
@@ -107,7 +108,7 @@ def test_a_model_and_its_batch_go_to_the_process_device():
 @pytest.mark.parametrize("device,ids", [(CUDA, [CUDA]), (torch.device("cpu"), None)])
 def test_ddp_is_placed_and_told_its_device(monkeypatch, device, ids):
     made = {}
-    monkeypatch.setattr(place, "DistributedDataParallel",
+    monkeypatch.setattr(bench_device, "DistributedDataParallel",
                         lambda m, device_ids: made.update(ids=device_ids) or m)
 
     class Module(nn.Module):
@@ -115,7 +116,7 @@ def test_ddp_is_placed_and_told_its_device(monkeypatch, device, ids):
             made["to"] = d
             return self
 
-    place.ddp(Module(), device)
+    bench_device.ddp(Module(), device)
     assert made == {"to": device, "ids": ids}
 
 

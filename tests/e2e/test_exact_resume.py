@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from brigade.pipeline.schedule import names
+from brigade.pipeline.plans.registry import names
 from tests.e2e.helpers import final_hash, losses
 
 pytestmark = pytest.mark.timeout(180)

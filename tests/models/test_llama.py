@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from brigade.models import load_model
-from brigade.pipeline import microbatch, shared, side
-from brigade.pipeline.side import StageModule
+from brigade.pipeline.batches import microbatch
+from brigade.pipeline.stages import side_inputs, ties
+from brigade.pipeline.stages.side_inputs import StageModule
 
 FILE = Path(__file__).resolve().parents[2] / "examples" / "llama.py"
 SPEC = f"{FILE}:model"
@@ -31,18 +32,18 @@ def test_the_file_loads_as_a_model_with_batch_and_loss(llama):
     assert set(x) == {"tokens", "padding_mask"} and x["tokens"].shape == y.shape == (6, 32)
     assert (~x["padding_mask"]).any(), "some positions are padding"
     assert ((y == -100) | x["padding_mask"]).all(), "a padded input position has no target"
-    (tie,) = shared.find_shared(spec.blocks)
+    (tie,) = ties.find_shared(spec.blocks)
     assert tie.uses == ((0, "tok.weight"), (5, "out.weight"))
 
 
 def test_stage_module_equals_the_blocks_by_hand(llama):
     spec, _ = llama
     x, _ = inputs(spec)
-    main, extra = side.split_inputs(x, spec.blocks)
+    main, extra = side_inputs.split_inputs(x, spec.blocks)
     assert main is x["tokens"] and list(extra) == ["padding_mask"]
     h = main
     for block in spec.blocks:
-        h = block(h, **({"padding_mask": x["padding_mask"]} if side.declared(block) else {}))
+        h = block(h, **({"padding_mask": x["padding_mask"]} if side_inputs.declared(block) else {}))
     out = StageModule(spec.blocks)(main, extra)
     assert out.shape == (6, 32, 96)
     torch.testing.assert_close(out, h, rtol=0, atol=0)
@@ -55,7 +56,7 @@ def test_trains_on_one_process(llama):
     assert blocks[5].out.weight is blocks[0].tok.weight, "deepcopy keeps the tie"
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
     x, y = inputs(spec, n=8, seed=1)
-    main, extra = side.split_inputs(x, blocks)
+    main, extra = side_inputs.split_inputs(x, blocks)
     losses = []
     for _ in range(8):
         opt.zero_grad()
@@ -71,7 +72,7 @@ def test_padding_does_not_leak_into_real_positions(llama):
     spec, _ = llama
     stage = StageModule(spec.blocks).eval()
     x, _ = inputs(spec)
-    main, extra = side.split_inputs(x, spec.blocks)
+    main, extra = side_inputs.split_inputs(x, spec.blocks)
     noisy = main.masked_fill(~extra["padding_mask"], 7)
     real = extra["padding_mask"]
     torch.testing.assert_close(stage(main, extra)[real], stage(noisy, extra)[real])
@@ -82,7 +83,7 @@ def test_microbatched_loss_equals_the_batch_loss(llama):
     spec, _ = llama
     stage = StageModule(spec.blocks)
     x, y = inputs(spec, n=7)
-    main, extra = side.split_inputs(x, spec.blocks)
+    main, extra = side_inputs.split_inputs(x, spec.blocks)
     full = spec.loss_fn(stage(main, extra), y)
     parts = zip(microbatch.split_structure((main, extra), 3, 7), microbatch.split(y, 3),
                 microbatch.weights(7, 3))

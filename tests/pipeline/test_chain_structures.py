@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from brigade import LocalPipeline
-from brigade.check import CheckConfig, run_check
-from brigade.check_inputs import sample
+from brigade.check.inputs import sample
+from brigade.check.run import CheckConfig, run_check
 from brigade.errors import BrigadeError
 from brigade.models import load_model
-from brigade.pipeline.partition import check_chain, choose_balance, split, time_costs
-from brigade.pipeline.schedule import SCHEDULES, names
+from brigade.pipeline.plans.registry import SCHEDULES, names
+from brigade.pipeline.stages.partition import check_chain, choose_balance, split, time_costs
 
 TOL = 1e-5
 MODEL = '''

@@ -11,16 +11,16 @@ import torch
 from torch import nn
 
 from brigade import agent, groups
-from brigade.check import CheckConfig, run_check
+from brigade.check.run import CheckConfig, run_check
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
-from brigade.pipeline.partition import split
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
+from brigade.pipeline.stages.partition import split
 
 CASES = list(itertools.product(["gpipe", "1f1b"], [1, 3, 8]))
 TINY_GPT = {"gpt_cfg": GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)}
 # For pipelines driven by hand (no ProcessModel, no check): the tied head would be one Parameter
-# on two stages, which only ProcessModel and check untie and sum (tests/train, tests/test_check.py).
+# on two stages, which only ProcessModel and check untie and sum (tests/train, tests/check/test_run.py).
 UNTIED_GPT = {"gpt_cfg": GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, tie_embeddings=False)}
 MODELS = {  # id -> (model, stages, options)
     "gpt-2": ("gpt", 2, TINY_GPT),
@@ -79,7 +79,7 @@ def test_resnet50_batchnorm_per_microbatch():
 
 def test_check_detects_a_wrong_pipeline(monkeypatch):
     """The comparison can fail: drop one micro-batch's loss weight and it must say so."""
-    from brigade.pipeline import microbatch
+    from brigade.pipeline.batches import microbatch
 
     monkeypatch.setattr(microbatch, "weights", lambda n, m: [1.0] * m)
     (result,) = run_check(config("toy-2", "local"), [("1f1b", 3)])
@@ -168,7 +168,7 @@ def zb_data_parallel_worker(bucket_caps: list[float | None]) -> list[dict[str, f
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from brigade.pipeline.backward import GradientReducer
+    from brigade.pipeline.runtime.reduce import GradientReducer
     from brigade.train.layout import data_parallel
 
     started: list[tuple[int, int]] = []  # (buckets already in flight when finish() began, buckets)

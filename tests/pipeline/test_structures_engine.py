@@ -22,9 +22,10 @@ from torch import nn
 
 from brigade import agent, groups
 from brigade.errors import BrigadeError
-from brigade.pipeline.pipe import LocalPipeline, Pipeline, placement
-from brigade.pipeline.schedule import SCHEDULES
-from brigade.pipeline.side import StageModule
+from brigade.pipeline.pipe import LocalPipeline, Pipeline
+from brigade.pipeline.plans.registry import SCHEDULES
+from brigade.pipeline.plans.schedule import placement
+from brigade.pipeline.stages.side_inputs import StageModule
 
 VOCAB, WIDTH, TOL = 11, 8, 1e-5
 COMBOS = [(name, v) for name, s in SCHEDULES.items()

@@ -10,12 +10,13 @@ from torch import nn
 from brigade import agent, groups
 from brigade import config as bconfig
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
+from brigade.config.precision import autocast_dtype
 from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
-from brigade.pipeline import microbatch
+from brigade.pipeline.batches import microbatch
 from brigade.pipeline.pipe import LocalPipeline
 from brigade.train.data import load_text_data
-from brigade.train.precision import LossScaler, autocast_dtype
+from brigade.train.precision import LossScaler
 from brigade.train.trainer import Trainer
 
 

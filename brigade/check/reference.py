@@ -1,0 +1,68 @@
+"""`brigade check`'s one-device reference: what every pipeline is compared with.
+
+The reference runs the same blocks (a deep copy that keeps ties) on one device, on the whole
+batch, or micro-batch after micro-batch where BatchNorm makes micro-batching change the result,
+and is compared under exact arithmetic (`exact_matmuls`): no TF32, deterministic cuDNN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch import nn
+
+from brigade.models import ModelSpec
+from brigade.pipeline.batches import feed, microbatch
+from brigade.pipeline.stages.side_inputs import whole
+
+
+def has_batchnorm(blocks: list[nn.Module]) -> bool:
+    """Whether any block holds a BatchNorm (micro-batching then changes what it computes)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for b in blocks for m in b.modules())
+
+
+def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device):
+    """Single device: loss, and per block its gradients and post-SGD state, of a deep copy that
+    keeps ties (one device sums their uses: the gradient every stage's copy must hold)."""
+    blocks = copy.deepcopy(spec.blocks)  # one deepcopy of the list keeps ties between blocks
+    model = whole(blocks).to(device)  # side inputs, where blocks declare them, taken out of the batch
+    x, y = feed.to(x, device), feed.to(y, device)
+    per_mb = m > 1 and has_batchnorm(spec.blocks)
+    if per_mb:
+        total = 0.0
+        for xs, ys, w in zip(microbatch.split_structure(x, m), microbatch.split_structure(y, m),
+                             microbatch.weights(microbatch.batch_size_of(x), m)):
+            loss = spec.loss_fn(model(xs), ys) * w
+            loss.backward()
+            total += loss.detach()
+        loss = total
+    else:
+        loss = spec.loss_fn(model(x), y)
+        loss.backward()
+    grads = [[p.grad.clone() for p in b.parameters()] for b in blocks]
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    state = [[t.detach().clone() for t in b.state_dict().values()] for b in blocks]
+    return float(loss.detach()), grads, state, ("micro-batched (BatchNorm)" if per_mb else "full batch")
+
+
+@contextlib.contextmanager
+def exact_matmuls():
+    """fp32 matmuls and convolutions in full precision while comparing.
+
+    cuBLAS and cuDNN may use TF32 for fp32 work (10-bit mantissas); against the fp32
+    reference that is a mismatch of about 1e-3, not a pipeline bug. cuDNN also keeps to
+    deterministic algorithms, chosen the same way for the reference and the stages.
+    """
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    names = [(flags[0], "allow_tf32"), (flags[1], "allow_tf32"), (flags[1], "deterministic"),
+             (flags[1], "benchmark")]
+    saved = [getattr(obj, name) for obj, name in names]
+    for (obj, name), value in zip(names, (False, False, True, False)):
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for (obj, name), value in zip(names, saved):
+            setattr(obj, name, value)

@@ -1,0 +1,342 @@
+"""`brigade check`: prove a pipeline computes what a single device computes.
+
+Every rank builds the same model from the same seed, keeps a deep copy as the
+single-device reference, and runs one batch both ways. It compares the loss,
+every parameter's gradient, and every parameter and buffer after one SGD step.
+
+A case is (schedule, m, V): the model is cut into stages × V pieces, V per rank as the
+schedule places them. With dp replicas each runs its slice of the batch and every stage
+module is DDP-wrapped over its replicas; the reference is still one device on the whole
+batch (the replicas' mean loss and averaged gradients must equal it).
+
+    process runtime   dp × stages processes over a DeviceMesh (dp, pp)
+    local runtime     one process (dp = 1) or dp processes, each a LocalPipeline whose
+                      device i DDPs with device i of the other processes
+
+BatchNorm: with m > 1 each micro-batch is normalised with its own statistics (as in
+gradient accumulation), so the reference runs the same micro-batches one after another;
+with m = 1 it is the plain full batch. BatchNorm under dp is refused: DDP broadcasts
+replica 0's running statistics, which no single device computes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from brigade import agent, groups
+from brigade.check.inputs import sample
+from brigade.check.reference import exact_matmuls, has_batchnorm, reference
+from brigade.config import ParallelConfig
+from brigade.config.fielddoc import MODELS, SCHEDULES, VIRTUALS, doc, sentence
+from brigade.errors import BrigadeError
+from brigade.models import ModelSpec, load_model
+from brigade.pipeline.batches import microbatch
+from brigade.pipeline.pipe import LocalPipeline, Pipeline
+from brigade.pipeline.plans.schedule import build, placement, stages_on
+from brigade.pipeline.stages.partition import check_chain, choose_balance, split
+from brigade.pipeline.stages.ties import TieGroups, find_shared, sum_tied_grads, untie
+from brigade.rendezvous import LaunchSpec
+from brigade.train.layout import data_parallel, make_layout, stage_group
+
+Case = tuple  # (schedule, m) or (schedule, m, virtual); virtual 0: the schedule's own V
+
+
+@dataclass
+class CheckConfig:
+    """One case of `brigade check`; each field's sentence is its flag's help (`fielddoc.doc`)."""
+
+    model: str = doc("gpt", "the model to check", choices=MODELS)
+    stages: int = doc(2, "pipeline ranks (pp); the model is cut into stages × V pieces")
+    schedule: str = doc("1f1b", sentence(ParallelConfig, "schedule"), choices=SCHEDULES)
+    microbatches: int = doc(4, "micro-batches the batch is split into")
+    runtime: str = doc("process", "process: one process per stage; local: one thread per device, "
+                                  "all in this process")
+    batch_size: int = doc(8, "samples in the one batch both sides compute, split over the --dp replicas")
+    balance: list[int] | None = doc(None, "blocks per piece, stages × V entries like 3,5; unset: "
+                                          "balance by --balance-by")
+    seed: int = doc(0, "seed of the weights and the batch, the same on both sides")
+    atol: float = doc(1e-5, "largest absolute difference of the loss, a gradient or a parameter "
+                            "that still passes")
+    model_options: dict = doc(help="options for the model's builder (gpt_cfg, image_size), set per "
+                                   "model by the command", factory=dict)
+    balance_by: str = doc("params", "without --balance: balance parameter counts (params) or "
+                                    "measured time (time)")
+    devices: list[str] | None = doc(None, "local runtime: one device per stage, like cpu,cuda:0; "
+                                          "unset: a GPU each when there are enough, else the CPU")
+    virtual: int = doc(0, sentence(ParallelConfig, "virtual"), choices=VIRTUALS)
+    dp: int = doc(1, "data-parallel replicas, each on its slice of the batch (dp × stages processes)")
+
+
+@dataclass
+class CheckResult:
+    schedule: str
+    microbatches: int
+    stages: int
+    runtime: str
+    balance: list[int]
+    loss: float
+    max_abs_loss_diff: float
+    max_abs_grad_diff: float
+    max_abs_param_diff: float
+    reference: str
+    ok: bool
+    virtual: int = 1
+    dp: int = 1
+    reference_device: str = "cpu"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Where:
+    """This process's place: its pipeline rank (None: the local runtime drives every rank)."""
+
+    pp_rank: int | None = None
+    dp: int = 1
+    dp_rank: int = 0
+    pp_group: object = None
+    dp_group: object = None  # None: the whole world (local runtime)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    devices: list | None = None  # local runtime: one per rank
+    stage_groups: list | None = None  # local runtime under dp: one group per device
+
+
+def local_devices(n: int) -> list[str]:
+    """One GPU per stage when there are enough, else every stage on the CPU."""
+    return [f"cuda:{i}" for i in range(n)] if torch.cuda.device_count() >= n else ["cpu"] * n
+
+
+def max_workers(runtime: str = "process") -> int:
+    """How many stage workers (processes or device threads) this machine should run at once.
+
+    A process per GPU; on CPU two per core (at least 4), so 2 stages × 2 replicas fit anywhere.
+    """
+    if runtime == "process" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(4, 2 * (os.cpu_count() or 1))
+
+
+def _check_devices(devices: list[str], stages: int) -> None:
+    if len(devices) != stages:
+        raise BrigadeError(f"--devices {','.join(devices)} names {len(devices)} devices for {stages} "
+                           "stages: give one per stage, like cpu,cuda:0")
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except RuntimeError:
+            raise BrigadeError(f"--devices: {d!r} is not a device: use cpu or cuda:N") from None
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise BrigadeError(f"--devices: {d} is not visible ({torch.cuda.device_count()} GPUs here): "
+                               "use cpu or a GPU this machine has")
+
+
+def _untie(blocks: list[nn.Module], balance: list[int], ranks: list[int], where: Where):
+    """Give each stage its own copy of a parameter shared across stages (a tied embedding and
+    head); returns (ties, their process groups or None) for `shared.sum_tied_grads`."""
+    stage = [s for s, n in enumerate(balance) for _ in range(n)]
+    ties = [t for t in find_shared(blocks) if len({stage[b] for b in t.blocks}) > 1]
+    untie(blocks, ties)
+    if not ties or where.pp_rank is None:
+        return ties, None  # local runtime: every copy is in this process
+    pp = len(set(ranks))  # global rank = dp row · pp + pp rank (make_layout)
+    return ties, TieGroups(ties, [{b: row * pp + ranks[stage[b]] for b in range(len(blocks))}
+                                  for row in range(where.dp)])
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    diffs = [(x.float() - y.float().to(x.device)).abs().max().item() for x, y in zip(a, b) if x.numel()]
+    return max(diffs, default=0.0)
+
+
+def _replica(t, where: Where):
+    return microbatch.split_structure(t, where.dp)[where.dp_rank]
+
+
+def _step(cfg: CheckConfig, spec: ModelSpec, stages: list[nn.Module], schedule: str, m: int, v: int,
+          x, y, where: Where) -> tuple[float, list[int]]:
+    """This replica's pipeline step on its slice: (replica loss, the stages held here)."""
+    x, y = _replica(x, where), _replica(y, where)
+    if where.pp_rank is None:
+        devices = _local_devices(cfg, where)
+        ranks = placement(schedule, cfg.stages, v)[1]
+
+        def wrap(s: int, module: nn.Module) -> nn.Module:
+            if where.stage_groups is None:
+                return module
+            device = torch.device(devices[ranks[s]])
+            return data_parallel(module, where.stage_groups[ranks[s]],
+                                 [device] if device.type == "cuda" else None)
+
+        with LocalPipeline(stages, devices, schedule, m, spec.loss_fn, wrap=wrap, virtual=v) as pipe:
+            return float(pipe.step(x, y)), list(range(len(stages)))
+    mine = stages_on(schedule, cfg.stages, where.pp_rank, v)
+    ids = [where.device] if where.device.type == "cuda" else None
+    modules = {s: stages[s].to(where.device) for s in mine}
+    if where.dp > 1:
+        modules = {s: data_parallel(mod, where.dp_group, ids) for s, mod in modules.items()}
+    pipe = Pipeline(modules, schedule, m, spec.loss_fn, group=where.pp_group, device=where.device,
+                    virtual=v)
+    return float(pipe.step(x, y)), mine
+
+
+def _local_devices(cfg: CheckConfig, where: Where) -> list:
+    """The local runtime's device per rank."""
+    return where.devices or cfg.devices or local_devices(cfg.stages)
+
+
+def _reference_device(cfg: CheckConfig, where: Where) -> torch.device:
+    """Where the one-device reference runs: on the pipeline's device when all its stages share one,
+    so that both run the same kernels (a GPU's fp32 rounds otherwise than the CPU's, and a model
+    like ResNet-50 with BatchNorm over a micro-batch of 2 magnifies that far past 1e-5); else on
+    the CPU."""
+    if where.pp_rank is not None:
+        return where.device
+    devices = {torch.device(d) for d in _local_devices(cfg, where)}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
+
+
+def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float = 0.1) -> CheckResult:
+    """One (schedule, m, V) comparison from this process's place (default: local, dp = 1)."""
+    where = where or Where()
+    schedule, m, virtual = _case(cfg, case)
+    v = placement(schedule, cfg.stages, virtual)[0]
+    spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+    x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
+    ref_device = _reference_device(cfg, where)
+    ref_loss, ref_grads, ref_state, ref_kind = reference(spec, x, y, m, lr, ref_device)
+    balance = choose_balance(spec.blocks, cfg.stages * v, by=cfg.balance_by, sample=sample(x),
+                             balance=cfg.balance)
+    if dist.is_initialized():  # measured balances may differ between processes
+        agreed = torch.tensor(balance, device=where.device)  # NCCL takes only tensors on its GPU
+        dist.broadcast(agreed, 0)
+        balance = agreed.tolist()
+    ties, tie_groups = _untie(spec.blocks, balance, placement(schedule, cfg.stages, v)[1], where)
+    stages = split(spec.blocks, balance)
+    loss, mine = _step(cfg, spec, stages, schedule, m, v, x, y, where)
+    held = {b: spec.blocks[b] for s in mine for b in range(sum(balance[:s]), sum(balance[:s + 1]))}
+    sum_tied_grads(ties, held, tie_groups)
+    if where.dp > 1:  # the replicas' mean loss is the whole batch's
+        total = torch.tensor(loss, dtype=torch.float64, device=where.device)
+        dist.all_reduce(total, group=where.dp_group)
+        loss = float(total) / where.dp
+    grad_diff = _max_diff([p.grad for b in held.values() for p in b.parameters()],
+                          [g for b in held for g in ref_grads[b]])
+    for s in mine:
+        torch.optim.SGD(stages[s].parameters(), lr=lr).step()
+    param_diff = _max_diff([t.detach() for b in held.values() for t in b.state_dict().values()],
+                           [t for b in held for t in ref_state[b]])
+    diffs = torch.tensor([abs(loss - ref_loss), grad_diff, param_diff], dtype=torch.float64,
+                         device=where.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    d = diffs.tolist()
+    return CheckResult(schedule, m, cfg.stages, cfg.runtime, balance, loss, d[0], d[1], d[2], ref_kind,
+                       ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp, reference_device=str(ref_device))
+
+
+def _where(cfg: CheckConfig, info: groups.DistInfo) -> Where:
+    """This worker's place: a DeviceMesh (dp, pp) cell, or one replica of a local pipeline."""
+    if cfg.runtime == "process":
+        lay = make_layout(ParallelConfig(dp=cfg.dp, pp=cfg.stages), info.device)
+        return Where(lay.pp_rank, lay.dp, lay.dp_rank, lay.pp_group, lay.dp_group, lay.device)
+    devices = groups.local_devices(info.device.type, info.local_rank, cfg.stages)
+    # One group per device: each device's thread issues its own all-reduces.
+    return Where(None, cfg.dp, info.rank, None, None, devices[0], devices,
+                 [stage_group(d) for d in devices])
+
+
+def worker(cfg: CheckConfig, cases: list[Case]) -> list[dict]:
+    """Process entry point: run every case in one process group (one start for many cases)."""
+    info = groups.init(threads=1, local_stages=cfg.stages if cfg.runtime == "local" else 1)
+    where = _where(cfg, info)
+    with exact_matmuls():
+        results = [run_case(cfg, c, where).to_dict() for c in cases]
+    del where  # its stage groups' last references go inside destroy, after the drain
+    groups.destroy()  # a failure leaves it to agent's worker wrapper, with no drain
+    return results
+
+
+def _case(cfg: CheckConfig, case: Case) -> tuple[str, int, int]:
+    """(schedule, m, virtual): a case without V takes the config's."""
+    return (*case, cfg.virtual)[:3]
+
+
+def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
+    """dp, the workers it starts, and what dp cannot check."""
+    if cfg.dp < 1:
+        raise BrigadeError(f"--dp {cfg.dp}: need at least 1 replica")
+    workers, cap = cfg.dp * cfg.stages, max_workers(cfg.runtime)
+    if workers > cap and (cfg.runtime == "process" or cfg.dp > 1):
+        raise BrigadeError(f"--dp {cfg.dp} × --stages {cfg.stages} = {workers} workers but this machine "
+                           f"should run at most {cap} (one per GPU, two per CPU core): use fewer of either")
+    if cfg.batch_size % cfg.dp:
+        raise BrigadeError(f"--batch-size {cfg.batch_size} does not split into --dp {cfg.dp} equal "
+                           f"replica batches: use a multiple of {cfg.dp}")
+    if cfg.dp > 1 and cfg.devices is not None:
+        raise BrigadeError(f"--devices with --dp {cfg.dp}: each replica takes its own devices; "
+                           "drop --devices")
+    if cfg.dp > 1 and has_batchnorm(spec.blocks):
+        raise BrigadeError(f"{cfg.model} has BatchNorm, whose running statistics DDP takes from replica 0 "
+                           "(no single device computes them): check it with --dp 1")
+
+
+def _check_microbatches(cfg: CheckConfig, m: int) -> None:
+    replica = cfg.batch_size // cfg.dp
+    if cfg.dp > 1 and m > replica:
+        raise BrigadeError(f"microbatches={m} is more than a replica's batch ({replica} = --batch-size "
+                           f"{cfg.batch_size} / --dp {cfg.dp}): use at most {replica} or a larger batch")
+    microbatch.check(cfg.batch_size, m)
+
+
+def preflight(cfg: CheckConfig, cases: list[Case]) -> None:
+    """Catch bad input in this process, before any worker starts.
+
+    Raises:
+        BrigadeError: unknown runtime/model/schedule, a V the schedule cannot run, bad sizes,
+            dp or balance, more workers than the machine should run, blocks that do not chain.
+    """
+    if cfg.runtime not in ("process", "local"):
+        raise BrigadeError(f"unknown runtime {cfg.runtime!r}: expected process or local")
+    if cfg.devices is not None:
+        if cfg.runtime != "local":
+            raise BrigadeError("--devices places the stages of --runtime local: add --runtime local")
+        _check_devices(cfg.devices, cfg.stages)
+    if cfg.batch_size < 1:
+        raise BrigadeError(f"batch size {cfg.batch_size}: need at least 1")
+    spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+    if cfg.balance_by not in ("params", "time"):
+        raise BrigadeError(f"unknown balance method {cfg.balance_by!r}: expected params or time")
+    _check_layout(cfg, spec)
+    for case in cases:
+        schedule, m, virtual = _case(cfg, case)
+        build(schedule, cfg.stages, m, virtual)
+        _check_microbatches(cfg, m)
+        choose_balance(spec.blocks, cfg.stages * placement(schedule, cfg.stages, virtual)[0],
+                       balance=cfg.balance)
+    x, _ = spec.make_batch(min(cfg.batch_size, 2), torch.Generator().manual_seed(0))
+    check_chain(spec.blocks, x)
+
+
+def run_check(cfg: CheckConfig, cases: list[Case] | None = None, port: int | None = None) -> list[dict]:
+    """Run the comparison for each (schedule, m[, virtual]) in `cases` (default: the config's own).
+
+    Returns:
+        One result dict per case, in order (rank 0's; diffs are the maximum over all processes).
+
+    Raises:
+        BrigadeError: as `preflight`, before any process starts.
+    """
+    cases = cases or [(cfg.schedule, cfg.microbatches, cfg.virtual)]
+    preflight(cfg, cases)
+    if cfg.runtime == "local" and cfg.dp == 1:
+        with exact_matmuls():
+            return [run_case(cfg, c).to_dict() for c in cases]
+    nproc = cfg.dp * (cfg.stages if cfg.runtime == "process" else 1)
+    results = agent.launch(worker, LaunchSpec(nproc, port=port), cfg, cases)
+    return results[0]

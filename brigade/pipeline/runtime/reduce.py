@@ -1,0 +1,94 @@
+"""Gradient reduction over data-parallel replicas where DDP's own reducer cannot do it.
+
+DDP hooks a normal backward. A split backward (I now, W later) never runs one, and a rank
+holding several stages runs several backwards per micro-batch; in both cases the runner
+(`interpreter.StageRunner`) hands each stage's finished parameters to a `GradientReducer`,
+which all-reduces them in buckets as they complete and writes the mean into `.grad`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from brigade import forensics
+
+
+class GradientReducer:
+    """Averages a stage's gradients over data-parallel replicas after a split backward.
+
+    Buckets hold parameters in reverse order (later layers finish first, as in DDP). During
+    the step's last weight pass the runner reports finished parameters (`ready`); a bucket
+    whose parameters are all finished starts an asynchronous all-reduce, always in bucket
+    order so every replica issues the same collectives in the same order. `finish` starts
+    what is left (parameters no pass reached), waits, and writes the mean into `.grad`.
+
+        last W:  frontier node ─► ready(params) ─► bucket k complete ─► all_reduce(k, async)
+        end:     finish() ─► launch the rest ─► wait each ─► ÷ replicas ─► .grad
+
+    Args:
+        params: the stage's parameters (those not requiring grad are skipped).
+        group: the data-parallel process group.
+        bucket_bytes: the most bytes a bucket holds (DDP's `bucket_bytes_cap`).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], group, bucket_bytes: int = 25 * 2**20):
+        self.group = group
+        self.replicas = dist.get_world_size(group)
+        self.buckets = _buckets([p for p in params if p.requires_grad][::-1], bucket_bytes)
+        self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget a step's progress (every bucket waits for all of its parameters again)."""
+        self._pending = [{id(p) for p in b} for b in self.buckets]
+        self._next = 0
+        self._inflight: list[tuple[int, torch.Tensor, object]] = []
+
+    def ready(self, params: list[torch.Tensor]) -> None:
+        """These parameters' gradients are complete for this step; start every full bucket."""
+        for p in params:
+            k = self._bucket_of.get(id(p))
+            if k is not None:
+                self._pending[k].discard(id(p))
+        while self._next < len(self.buckets) and not self._pending[self._next]:
+            self._launch()
+
+    def finish(self) -> None:
+        """Reduce what is left, wait for every bucket, and put the replicas' mean in `.grad`."""
+        while self._next < len(self.buckets):
+            self._launch()
+        for k, flat, work in self._inflight:
+            forensics.doing(f"allreduce bucket {k}", waiting=True)
+            work.wait()
+            flat.div_(self.replicas)
+            bucket = self.buckets[k]
+            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+                if p.grad is not None:  # None on every replica alike: the parameter was unused
+                    p.grad.copy_(g.view_as(p))
+        self.reset()
+
+    def _launch(self) -> None:
+        k, bucket = self._next, self.buckets[self._next]
+        forensics.doing(f"allreduce bucket {k}", waiting=True)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in bucket])
+        self._inflight.append((k, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        self._next += 1
+
+
+def _buckets(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of same device and dtype, each at most `cap` bytes (or one parameter)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        last = out[-1] if out else None
+        if last is None or size + nbytes > cap or (p.device, p.dtype) != (last[0].device, last[0].dtype):
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes
+    return out

@@ -1,0 +1,232 @@
+"""`brigade check`: fp32 comparisons, and the transparency grid of issue #14.
+
+Grid: for the GPT (its head tied to the embedding: one parameter on two stages) and a user
+model file, every schedule × V (the registry's fixed V, or 1 and 2) × m ∈ {1, 3, 8} ×
+dp ∈ {1, 2} on 2 pipeline ranks: loss, every gradient and every parameter after one SGD step
+within 1e-5 of one device on the whole batch. One process start per (model, dp) runs all of
+its cases.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from brigade.check import run as check_run
+from brigade.check.run import CheckConfig, exact_matmuls, run_check
+from brigade.cli import main
+from brigade.models.gpt import GPTConfig
+from brigade.pipeline.plans.registry import SCHEDULES
+
+GRID = [(name, m, v) for name, s in SCHEDULES.items() for v in ([s.virtual] if s.virtual else [1, 2])
+        for m in (1, 3, 8)]
+TINY_GPT = {"gpt_cfg": GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, tie_embeddings=True)}
+USER_MODEL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def make():
+    def block(n_in, n_out):
+        return nn.Sequential(nn.Linear(n_in, n_out), nn.GELU())
+    return nn.Sequential(block(6, 16), block(16, 16), block(16, 16), block(16, 16), nn.Linear(16, 3))
+
+
+def batch(n, g):
+    return torch.randn(n, 6, generator=g), torch.randint(3, (n,), generator=g)
+
+
+def loss(out, y):
+    return F.cross_entropy(out, y)
+'''
+_grid: dict = {}
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory) -> str:
+    f = tmp_path_factory.mktemp("user-model") / "blocks.py"
+    f.write_text(USER_MODEL)
+    return f"{f}:make"
+
+
+def grid_config(model: str, dp: int, runtime: str = "process") -> CheckConfig:
+    options = TINY_GPT if model == "gpt" else {}
+    return CheckConfig(model=model, stages=2, runtime=runtime, batch_size=16, dp=dp, model_options=options)
+
+
+def _failures(results: list[dict], cases) -> list[str]:
+    bad = []
+    for r, (schedule, m, v) in zip(results, cases, strict=True):
+        row = (r["schedule"], r["microbatches"], r["virtual"])
+        if row != (schedule, m, v) or not r["ok"] or r["reference"] != "full batch" or \
+                max(r["max_abs_loss_diff"], r["max_abs_grad_diff"], r["max_abs_param_diff"]) > 1e-5:
+            bad.append(f"{schedule} V={v} m={m}: {r}")
+    return bad
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("model", ["gpt", "user"])
+def test_transparency_grid(model, dp, user_model):
+    name = user_model if model == "user" else "gpt"
+    results = run_check(grid_config(name, dp), GRID)
+    assert len(results) == len(GRID) and {r["dp"] for r in results} == {dp}
+    assert _failures(results, GRID) == []
+    worst = {k: max(r[k] for r in results) for k in ("max_abs_loss_diff", "max_abs_grad_diff",
+                                                     "max_abs_param_diff")}
+    print(f"{model} dp={dp}: {len(results)} cases, worst {worst}")
+
+
+@pytest.mark.timeout(300)
+def test_local_runtime_with_data_parallel(user_model):
+    """dp processes, each driving a LocalPipeline; device i of each process DDPs with device i."""
+    cases = [("interleaved", 3, 2), ("zb", 8, 1), ("zbv", 1, 2)]
+    results = run_check(grid_config(user_model, 2, runtime="local"), cases)
+    assert _failures(results, cases) == []
+    assert {(r["runtime"], r["dp"]) for r in results} == {("local", 2)}
+
+
+def test_local_runtime_several_stages_per_device():
+    cases = [(s, m, v) for s, m, v in GRID if v == 2 and m == 3]
+    results = run_check(grid_config("gpt", 1, runtime="local"), cases)
+    assert _failures(results, cases) == [] and len(results) == len(cases) >= 4  # every V = 2 schedule
+
+
+def test_check_fails_when_a_replica_runs_the_wrong_slice(monkeypatch, user_model):
+    """The grid can fail: a replica that runs another slice than its own must not pass."""
+
+    monkeypatch.setattr(check_run, "_replica", lambda t, where: t[: t.shape[0] // 2])
+    (result,) = run_check(grid_config(user_model, 1, runtime="local"), [("1f1b", 2, 1)])
+    assert not result["ok"] and result["max_abs_loss_diff"] > 1e-4
+
+
+def test_check_fails_when_tied_copies_are_not_summed(monkeypatch):
+    """The tied GPT's embedding and head copies must each hold the sum of both gradients."""
+
+    monkeypatch.setattr(check_run, "sum_tied_grads", lambda ties, held, groups: None)
+    (result,) = run_check(grid_config("gpt", 1, runtime="local"), [("1f1b", 1, 1)])
+    assert not result["ok"] and result["max_abs_grad_diff"] > 1e-4
+
+
+LLAMA = str(Path(__file__).parents[2] / "examples" / "llama.py") + ":model"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("runtime", ["local", "process"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_llama_side_inputs_and_tied_head(stages, runtime):
+    """examples/llama.py (padding-mask side input, head tied to the embedding) on every schedule;
+    on 4 stages only V = 1 fits its 6 blocks. One process start per (stages, runtime)."""
+    cases = [(name, 4, v) for name, s in SCHEDULES.items() for v in ([s.virtual] if s.virtual else [1, 2])
+             if stages * v <= 6]
+    results = run_check(CheckConfig(model=LLAMA, stages=stages, runtime=runtime, batch_size=8), cases)
+    assert _failures(results, cases) == []
+    assert len(results) == len(cases) and (stages == 4) != any(v == 2 for *_, v in cases)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--schedule", "1f1b", "--virtual", "2"], "--virtual 2: schedule 1f1b runs exactly 1 stage(s) per rank"),
+    (["--schedule", "zbv", "--virtual", "3"], "--virtual 3: schedule zbv runs exactly 2"),
+    (["--dp", "0"], "--dp 0: need at least 1 replica"),
+    (["--dp", "-1"], "--dp -1: need at least 1 replica"),
+    (["--dp", "64"], "--dp 64 × --stages 2 = 128 workers but this machine should run at most"),
+    (["--dp", "64", "--runtime", "local"], "--dp 64 × --stages 2 = 128 workers"),
+    (["--stages", "1", "--dp", "3"], "--batch-size 8 does not split into --dp 3 equal replica batches"),
+    (["--dp", "2", "--microbatches", "5"], "microbatches=5 is more than a replica's batch (4 = --batch-size"),
+    (["--dp", "2", "--runtime", "local", "--devices", "cpu,cpu"], "--devices with --dp 2"),
+    (["--model", "resnet50", "--dp", "2", "--microbatches", "2"], "resnet50 has BatchNorm"),
+    (["--model", "toy", "--schedule", "zbv"], "stages=4 but the model has only 3 blocks"),
+])
+def test_bad_virtual_and_dp_get_one_line(cli, flags, message):
+    base = [] if "--model" in flags else ["--model", "toy"]
+    out = cli("check", *base, *flags)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_cli_interleaved_virtual_2_dp_2(capsys):
+    code = main(["check", "--model", "toy", "--stages", "1", "--schedule", "interleaved", "--virtual", "2",
+                 "--dp", "2", "--microbatches", "2", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["ok"], data
+    assert (data["virtual"], data["dp"], data["stages"], len(data["balance"])) == (2, 2, 1, 2)
+
+
+def test_exact_matmuls_turns_tf32_off_keeps_cudnn_deterministic_and_restores_it():
+    cudnn = torch.backends.cudnn
+    torch.backends.cuda.matmul.allow_tf32 = cudnn.allow_tf32 = cudnn.benchmark = True
+    try:
+        with exact_matmuls():
+            assert not torch.backends.cuda.matmul.allow_tf32
+            assert not cudnn.allow_tf32 and cudnn.deterministic and not cudnn.benchmark
+        assert torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32 and cudnn.benchmark
+        assert not cudnn.deterministic
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = cudnn.benchmark = False
+        cudnn.allow_tf32 = True  # torch's defaults
+
+
+@pytest.mark.parametrize("devices, want", [
+    (["cpu", "cpu"], "cpu"),
+    (["cuda:0", "cuda:0"], "cuda:0"),  # one GPU: the reference runs the stages' kernels
+    (["cpu", "cuda:0"], "cpu"),        # mixed: the CPU, and the GPU's rounding shows in the diffs
+    (["cuda:0", "cuda:1"], "cpu"),
+])
+def test_the_reference_runs_on_the_stages_device_when_they_share_one(devices, want):
+    from brigade.check.run import Where, _reference_device
+
+    cfg = CheckConfig(stages=len(devices), runtime="local", devices=devices)
+    assert _reference_device(cfg, Where()) == torch.device(want)
+    on_rank = Where(pp_rank=1, device=torch.device("cuda", 1))  # process runtime: the rank's GPU
+    assert _reference_device(CheckConfig(), on_rank) == torch.device("cuda", 1)
+
+
+def test_local_check_runs_under_exact_matmuls(monkeypatch):
+    seen = []
+    monkeypatch.setattr("brigade.check.run.run_case", lambda cfg, case, where=None:
+                        seen.append(torch.backends.cudnn.allow_tf32) or _Result())
+    run_check(CheckConfig(model="toy", stages=2, runtime="local", batch_size=4, microbatches=2))
+    assert seen == [False]
+
+
+class _Result:
+    def to_dict(self):
+        return {}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--runtime", "local", "--devices", "cpu,cuda:0"], "--devices: cuda:0 is not visible"),
+    (["--devices", "cpu,cpu"], "--devices places the stages of --runtime local: add --runtime local"),
+    (["--runtime", "local", "--devices", "cpu"], "--devices cpu names 1 devices for 2 stages"),
+    (["--runtime", "local", "--devices", "cpu,gpu7"], "--devices: 'gpu7' is not a device"),
+])
+def test_bad_devices_get_one_line(flags, message, capsys):
+    if torch.cuda.device_count() and "cuda:0" in flags[-1]:
+        pytest.skip("a GPU is visible: cuda:0 is a valid device here")
+    code = main(["check", "--model", "toy", "--stages", "2", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_local_check_on_named_devices(capsys):
+    assert main(["check", "--model", "toy", "--stages", "2", "--runtime", "local", "--devices", "cpu,cpu",
+                 "--microbatches", "2", "--json"]) == 0
+    assert '"ok": true' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("devices, hint", [("cpu,cuda:0", True), ("cuda:0,cuda:0", False)])
+def test_a_mismatch_across_a_cpu_and_a_gpu_names_their_rounding(cli, monkeypatch, devices, hint):
+    """Seen on an H200: ResNet-50 with stages on cpu and cuda:0 differs from the CPU reference
+    by 3e-4 (fp32 on a GPU rounds otherwise); the verdict says so rather than blame the pipeline."""
+    import brigade.check.run
+
+    result = {"ok": False, "virtual": 1, "balance": [15, 3], "reference": "full batch",
+              "reference_device": "cpu", "max_abs_loss_diff": 0.0, "max_abs_grad_diff": 3e-4,
+              "max_abs_param_diff": 3e-5}
+    monkeypatch.setattr(brigade.check.run, "run_check", lambda cfg, port=None: [result])
+    out = cli("check", "--model", "resnet50", "--runtime", "local", "--devices", devices)
+    assert out.returncode == 1 and "MISMATCH" in out.stdout
+    assert ("rounds differently" in out.stdout) == hint

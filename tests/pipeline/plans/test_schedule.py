@@ -1,0 +1,136 @@
+"""Plans are data: built, validated, simulated and drawn without torch or processes."""
+
+import itertools
+
+import pytest
+
+from brigade.pipeline.plans.action import Action, B, F, PlanError
+from brigade.pipeline.plans.registry import SCHEDULES
+from brigade.pipeline.plans.schedule import build, forward_only, gpipe, one_f_one_b, with_comms
+from brigade.pipeline.plans.simulate import simulate
+from brigade.pipeline.plans.validate import validate
+
+GRID = list(itertools.product(range(1, 6), range(1, 10)))
+
+
+def plan_str(plan):
+    return {r: " ".join(map(str, acts)) for r, acts in plan.items()}
+
+
+def test_action_prints_and_parses():
+    assert str(Action(1, "F", 3)) == "1F3"
+    assert str(Action(0, "B", 2)) == "0B2"
+    for text in ("1F3", "0B2", "2SEND_F11", "3RECV_B0"):
+        assert str(Action.parse(text)) == text
+    with pytest.raises(PlanError, match="cannot parse"):
+        Action.parse("F3")
+
+
+def test_gpipe_two_stages_three_microbatches():
+    assert plan_str(gpipe(2, 3)) == {0: "0F0 0F1 0F2 0B0 0B1 0B2", 1: "1F0 1F1 1F2 1B0 1B1 1B2"}
+
+
+def test_1f1b_warms_up_then_alternates():
+    assert plan_str(one_f_one_b(3, 4)) == {
+        0: "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3",
+        1: "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3",
+        2: "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3",
+    }
+
+
+def test_1f1b_with_fewer_microbatches_than_stages():
+    assert plan_str(one_f_one_b(4, 2))[0] == "0F0 0F1 0B0 0B1"
+    validate(one_f_one_b(4, 2))
+
+
+def test_1f1b_keeps_at_most_depth_in_flight():
+    for p, m in GRID:
+        for rank, acts in one_f_one_b(p, m).items():
+            in_flight = peak = 0
+            for a in acts:
+                in_flight += 1 if a.op == "F" else -1
+                peak = max(peak, in_flight)
+            assert peak <= min(p - rank, m)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_uniform_bubble_matches_formula(schedule, p, m):
+    sim = simulate(build(schedule, p, m), 1.0, 1.0)
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert sim.makespan == pytest.approx(2 * (m + p - 1))
+
+
+@pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
+def test_the_first_stage_backward_is_whole_and_never_later(schedule):
+    """Stage 0 has no input gradient: its I does nothing and its W is the whole backward.
+    Run as one B at the I's place, no plan ends later (costs: F 1, B 2, W 1, stage 0's W 2)."""
+    raw = SCHEDULES[schedule].build
+    for p, m in itertools.product((2, 3, 4), (1, 2, 3, 4, 8)):
+        v = SCHEDULES[schedule].virtual or 1
+        plan, before = build(schedule, p, m), raw(p, m, v)
+        ops = {a.op for acts in plan.values() for a in acts if a.stage == 0}
+        assert ops == {F, B}, (p, m, ops)
+        n = p * v
+        weight, inputs = [2.0] + [1.0] * (n - 1), [0.0] + [1.0] * (n - 1)
+        assert simulate(plan, 1.0, 2.0, weight=weight, input_grad=inputs).makespan <= \
+            simulate(before, 1.0, 2.0, weight=weight, input_grad=inputs).makespan + 1e-9, (p, m)
+
+
+def test_with_comms_pairs_every_send_with_a_receive():
+    full = with_comms(one_f_one_b(3, 5))
+    for s in range(2):
+        sends = [a.microbatch for a in full[s] if a.op == "SEND_F"]
+        recvs = [a.microbatch for a in full[s + 1] if a.op == "RECV_F"]
+        assert sends == recvs
+        sends_b = [a.microbatch for a in full[s + 1] if a.op == "SEND_B"]
+        recvs_b = [a.microbatch for a in full[s] if a.op == "RECV_B"]
+        assert sends_b == recvs_b
+    assert validate(full) == full
+
+
+def test_forward_only_plan_has_no_backward():
+    full = validate(forward_only(3, 2))
+    assert plan_str(full) == {0: "0F0 0SEND_F0 0F1 0SEND_F1", 1: "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 "
+                              "1SEND_F1", 2: "2RECV_F0 2F0 2RECV_F1 2F1"}
+
+
+@pytest.mark.parametrize("args,message", [
+    (("zigzag", 2, 2), "unknown schedule 'zigzag'"),
+    (("gpipe", 0, 2), "stages=0"),
+    (("1f1b", 2, 0), "microbatches=0"),
+])
+def test_build_rejects_bad_input(args, message):
+    with pytest.raises(PlanError, match=message):
+        build(*args)
+
+
+def test_a_schedule_registered_here_is_accepted_everywhere(monkeypatch, capsys):
+    """Adding a schedule is one `@register`: config, CLI and bench read the registry."""
+    from brigade import config
+    from brigade.bench.run import bench_config
+    from brigade.cli import build_parser, main
+    from brigade.pipeline.plans import registry, schedule
+
+    assert registry.SCHEDULES is registry.SCHEDULES  # one registry, whoever asks
+    monkeypatch.setattr(registry, "SCHEDULES", dict(registry.SCHEDULES))
+    monkeypatch.setattr(schedule, "SCHEDULES", registry.SCHEDULES)
+    registry.register("gpipe-again", "GPipe under another name, for this test")(gpipe)
+
+    cfg = config.RunConfig()
+    cfg.parallel.schedule = "gpipe-again"
+    config.validate(cfg)  # accepted: no error
+    cfg.parallel.schedule = "zigzag"
+    with pytest.raises(PlanError, match="--schedule 'zigzag': unknown schedule: expected gpipe, 1f1b, zb, "
+                                        "interleaved, looped-bfs, zbv, dualpipev or gpipe-again"):
+        config.validate(cfg)
+
+    assert main(["schedule", "--schedule", "gpipe-again", "--stages", "2", "--microbatches", "2"]) == 0
+    assert "bubble 0.333" in capsys.readouterr().out
+    bench = build_parser().parse_args(["bench", "--model", "toy"])
+    assert bench_config(bench).schedules == ["gpipe", "1f1b", "zb", "interleaved", "looped-bfs", "zbv",
+                                             "dualpipev", "gpipe-again"]
+    with pytest.raises(PlanError, match="--schedules 'fast': unknown schedule"):
+        bench_config(build_parser().parse_args(["bench", "--model", "toy", "--schedules", "fast,zb"]))
+    assert "gpipe-again: GPipe under another name" in registry.help_text()
+    assert registry.names()[-1] == "gpipe-again"

@@ -1,0 +1,66 @@
+"""The posting policy: which operations a rank issues, in which batches, when."""
+
+import pytest
+
+from brigade.pipeline.plans.action import Action, PlanError
+from brigade.pipeline.plans.schedule import build
+from brigade.pipeline.plans.validate import validate
+from brigade.pipeline.transport import ordering
+
+
+def test_modes_follow_input_shapes():
+    key = (("0F0",), ((("float32",), (4, 3)),))
+    assert ordering.mode_for(None, key) == ordering.DISCOVERY  # first step
+    assert ordering.mode_for(key, key) == ordering.PREDICTED
+    assert ordering.mode_for(key, (("0F0",), ((("float32",), (5, 3)),))) == ordering.DISCOVERY
+    assert ordering.mode_for(key, key, ordering.DYNAMIC) == ordering.DISCOVERY
+
+
+def test_unknown_shapes_option_is_refused():
+    with pytest.raises(PlanError, match="shapes='sometimes'"):
+        ordering.mode_for(None, None, "sometimes")
+
+
+def test_policy_per_backend():
+    assert ordering.policy_for("nccl") == ordering.GROUPED
+    assert ordering.policy_for("gloo") == ordering.GROUPED  # eager costs CPU on gloo (issue #14)
+    assert ordering.policy_for("gloo", "eager") == ordering.EAGER
+
+
+def test_eager_is_refused_under_nccl():
+    with pytest.raises(PlanError, match="BRIGADE_P2P_POLICY=eager deadlocks under NCCL"):
+        ordering.policy_for("nccl", "eager")
+
+
+def test_unknown_requested_policy_is_refused():
+    with pytest.raises(PlanError, match="BRIGADE_P2P_POLICY='fastest': expected one of grouped, eager"):
+        ordering.policy_for("gloo", "fastest")
+
+
+def test_grouped_issues_in_clock_order_one_send_per_batch():
+    """Receives are posted as early as the clock allows (1RECV_F1 at the start), each send in
+    a batch of its own with the receives that come after it in the clock."""
+    plan = validate(build("1f1b", 2, 3))
+    issues = ordering.posting(plan, 1, ordering.GROUPED)
+    assert [(i.after, [str(a) for a in i.ops]) for i in issues] == [
+        (ordering.BEGIN, ["1RECV_F0", "1RECV_F1"]), (1, ["1SEND_B0", "1RECV_F2"]),  # after comm #1
+        (3, ["1SEND_B1"]), (5, ["1SEND_B2"])]
+
+
+def test_every_comm_action_is_issued_once():
+    for policy in ordering.POLICIES:
+        plan = validate(build("zb", 3, 5))
+        acts = plan[1]
+        ops = [a for i in ordering.posting(plan, 1, policy) for a in i.ops]
+        assert sorted(ops) == sorted(a for a in acts if "SEND" in a.op or "RECV" in a.op)
+
+
+def test_eager_posts_first_receives_at_begin():
+    plan = validate(build("gpipe", 3, 2))
+    first = [i.ops for i in ordering.posting(plan, 1, ordering.EAGER) if i.after == ordering.BEGIN]
+    assert first == [(Action(1, "RECV_F", 0),), (Action(1, "RECV_B", 0),)]
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(PlanError, match="posting policy 'fast'"):
+        ordering.posting({0: []}, 0, "fast")
