@@ -71,8 +71,7 @@ def _add_schedule(sub) -> None:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from brigade.pipeline.plans.registry import SCHEDULES, check
-    from brigade.pipeline.plans.schedule import build
+    from brigade.pipeline.plans.schedule import SCHEDULES, build, check
     from brigade.pipeline.plans.simulate import render, simulate
 
     sched = SCHEDULES[check(args.schedule)]

@@ -20,8 +20,7 @@ import sys
 from pathlib import Path
 
 from brigade.pipeline.plans.action import I
-from brigade.pipeline.plans.registry import DEFAULT, SCHEDULES, Schedule
-from brigade.pipeline.plans.schedule import build, compute_only
+from brigade.pipeline.plans.schedule import DEFAULT, SCHEDULES, Schedule, build, compute_only
 from brigade.pipeline.plans.simulate import render, simulate
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "schedules.md"

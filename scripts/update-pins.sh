@@ -13,11 +13,13 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet "torch==${BRIGADE_TORCH_VERSION:-2.13.0}"
 "$venv/bin/python" -m pip install --quiet -e ".[dev]"   # no constraints: the newest releases
-"$venv/bin/python" -m pytest "$@"
 if [ "$#" -gt 0 ]; then
+    "$venv/bin/python" -m pytest "$@"
     echo "update-pins: ran a subset (pytest $*): constraints.txt left as it is"
     exit 0
 fi
+"$venv/bin/python" -m pytest                # the default tier, as the README runs it
+"$venv/bin/python" -m pytest -m slow        # and the slow tier, as CI does
 {
     sed -n '1,3p' constraints.txt
     "$venv/bin/python" -m pip freeze --exclude-editable | grep -v '^torch=='

@@ -36,7 +36,7 @@ def test_the_schedules_page_is_what_its_script_writes_from_the_registry():
 
 
 def test_the_schedules_page_has_every_registered_schedule_in_its_table_and_a_grid():
-    from brigade.pipeline.plans.registry import SCHEDULES
+    from brigade.pipeline.plans.schedule import SCHEDULES
 
     text = (ROOT / "docs" / "schedules.md").read_text(encoding="utf-8")
     for name in SCHEDULES:
@@ -57,7 +57,7 @@ def test_a_schedule_registered_later_appears_on_the_page(monkeypatch):
 
 
 def test_each_grid_of_the_schedules_page_is_what_brigade_schedule_draws(cli):
-    from brigade.pipeline.plans.registry import SCHEDULES
+    from brigade.pipeline.plans.schedule import SCHEDULES
 
     doc = _schedules_doc()
     for name in SCHEDULES:

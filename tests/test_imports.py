@@ -89,6 +89,21 @@ def test_pipeline_floors_import_only_downwards():
     assert not {m: i for m, i in up.items() if i}, up
 
 
+def test_the_registry_is_asked_through_schedule_which_loads_every_builder():
+    """`plans.registry` fills as the builder modules import; `plans.schedule` imports them all.
+    A module that imported the registry alone could see it empty (a test parametrized over it
+    would then run no case), so outside plans/ every module asks `plans.schedule`."""
+    direct = sorted(m for m, p in MODULES.items() if not m.startswith("brigade.pipeline.plans")
+                    and "brigade.pipeline.plans.registry" in _imports(m, p))
+    tests = sorted(str(p.relative_to(PACKAGE.parent)) for p in (PACKAGE.parent / "tests").rglob("*.py")
+                   if re.search(r"plans\.registry import|plans import (\w+, )*registry\b", p.read_text())
+                   and p.name != "test_schedule.py")  # that one registers a schedule of its own
+    assert direct == [] and tests == [], (direct, tests)
+    code = "from brigade.pipeline.plans.schedule import names; print(' '.join(names()))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["gpipe", "1f1b", "zb", "interleaved", "looped-bfs", "zbv", "dualpipev"]
+
+
 def test_every_plan_module_says_it_imports_no_torch():
     plans = [m for m in MODULES if m.startswith("brigade.pipeline.plans.") and not m.endswith("__init__")]
     assert plans and set(plans) <= set(_torch_free()), sorted(set(plans) - set(_torch_free()))

@@ -40,8 +40,7 @@ from brigade.bench.timing import (
 from brigade.errors import BrigadeError
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
-from brigade.pipeline.plans.registry import DEFAULT_VIRTUAL, SCHEDULES, names
-from brigade.pipeline.plans.schedule import stages_on
+from brigade.pipeline.plans.schedule import DEFAULT_VIRTUAL, SCHEDULES, names, stages_on
 from brigade.pipeline.stages.partition import choose_balance, solve, split, time_costs
 
 TUTORIAL_SPLITS = [1, 3, 5, 8, 10, 12, 20, 40, 60]  # of a batch of 120

@@ -27,8 +27,7 @@ from brigade.bench.experiments import MP, OURS, PEER, SINGLE, BenchConfig, Case
 from brigade.bench.peers import TORCH_SCHEDULES
 from brigade.bench.timing import median_ci, median_ci_coverage, ratio_ci
 from brigade.pipeline.plans.bounds import balanced_bound, lower_bound
-from brigade.pipeline.plans.registry import names
-from brigade.pipeline.plans.schedule import build
+from brigade.pipeline.plans.schedule import build, names
 from brigade.pipeline.plans.simulate import simulate
 
 CONFIDENCE = 0.95

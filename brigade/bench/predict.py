@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from brigade.bench.timing import stage_costs
-from brigade.pipeline.plans.registry import SCHEDULES
-from brigade.pipeline.plans.schedule import build
+from brigade.pipeline.plans.schedule import SCHEDULES, build
 from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.stages.partition import solve
 

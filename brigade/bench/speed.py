@@ -36,8 +36,7 @@ from brigade.bench.timing import (
 )
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
-from brigade.pipeline.plans.registry import DEFAULT, SCHEDULES, help_text
-from brigade.pipeline.plans.schedule import build
+from brigade.pipeline.plans.schedule import DEFAULT, SCHEDULES, build, help_text
 from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.stages.partition import choose_balance, split
 

@@ -17,7 +17,7 @@ from brigade.check import run as check_run
 from brigade.check.run import CheckConfig, exact_matmuls, run_check
 from brigade.cli import main
 from brigade.models.gpt import GPTConfig
-from brigade.pipeline.plans.registry import SCHEDULES
+from brigade.pipeline.plans.schedule import SCHEDULES
 
 GRID = [(name, m, v) for name, s in SCHEDULES.items() for v in ([s.virtual] if s.virtual else [1, 2])
         for m in (1, 3, 8)]

@@ -29,7 +29,7 @@ from brigade.check.inputs import sample
 from brigade.check.run import CheckConfig, run_check
 from brigade.errors import BrigadeError
 from brigade.models import load_model
-from brigade.pipeline.plans.registry import SCHEDULES, names
+from brigade.pipeline.plans.schedule import SCHEDULES, names
 from brigade.pipeline.stages.partition import check_chain, choose_balance, split, time_costs
 
 TOL = 1e-5

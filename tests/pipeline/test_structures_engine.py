@@ -23,8 +23,7 @@ from torch import nn
 from brigade import agent, groups
 from brigade.errors import BrigadeError
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
-from brigade.pipeline.plans.registry import SCHEDULES
-from brigade.pipeline.plans.schedule import placement
+from brigade.pipeline.plans.schedule import SCHEDULES, placement
 from brigade.pipeline.stages.side_inputs import StageModule
 
 VOCAB, WIDTH, TOL = 11, 8, 1e-5

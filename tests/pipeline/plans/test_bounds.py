@@ -2,8 +2,7 @@
 
 from brigade.pipeline.plans.action import PlanError
 from brigade.pipeline.plans.bounds import lower_bound
-from brigade.pipeline.plans.registry import SCHEDULES
-from brigade.pipeline.plans.schedule import build
+from brigade.pipeline.plans.schedule import SCHEDULES, build
 from brigade.pipeline.plans.simulate import simulate
 
 

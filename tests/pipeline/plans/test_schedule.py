@@ -5,8 +5,7 @@ import itertools
 import pytest
 
 from brigade.pipeline.plans.action import Action, B, F, PlanError
-from brigade.pipeline.plans.registry import SCHEDULES
-from brigade.pipeline.plans.schedule import build, forward_only, gpipe, one_f_one_b, with_comms
+from brigade.pipeline.plans.schedule import SCHEDULES, build, forward_only, gpipe, one_f_one_b, with_comms
 from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.plans.validate import validate
 
@@ -112,10 +111,10 @@ def test_a_schedule_registered_here_is_accepted_everywhere(monkeypatch, capsys):
     from brigade.cli import build_parser, main
     from brigade.pipeline.plans import registry, schedule
 
-    assert registry.SCHEDULES is registry.SCHEDULES  # one registry, whoever asks
+    assert schedule.SCHEDULES is registry.SCHEDULES  # one registry, whoever asks
     monkeypatch.setattr(registry, "SCHEDULES", dict(registry.SCHEDULES))
     monkeypatch.setattr(schedule, "SCHEDULES", registry.SCHEDULES)
-    registry.register("gpipe-again", "GPipe under another name, for this test")(gpipe)
+    schedule.register("gpipe-again", "GPipe under another name, for this test")(gpipe)
 
     cfg = config.RunConfig()
     cfg.parallel.schedule = "gpipe-again"
@@ -132,5 +131,5 @@ def test_a_schedule_registered_here_is_accepted_everywhere(monkeypatch, capsys):
                                              "dualpipev", "gpipe-again"]
     with pytest.raises(PlanError, match="--schedules 'fast': unknown schedule"):
         bench_config(build_parser().parse_args(["bench", "--model", "toy", "--schedules", "fast,zb"]))
-    assert "gpipe-again: GPipe under another name" in registry.help_text()
-    assert registry.names()[-1] == "gpipe-again"
+    assert "gpipe-again: GPipe under another name" in schedule.help_text()
+    assert schedule.names()[-1] == "gpipe-again"

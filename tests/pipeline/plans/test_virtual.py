@@ -12,8 +12,7 @@ import torch
 
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.plans.action import PlanError
-from brigade.pipeline.plans.registry import SCHEDULES
-from brigade.pipeline.plans.schedule import build, one_f_one_b, place, stage_ranks
+from brigade.pipeline.plans.schedule import SCHEDULES, build, one_f_one_b, place, stage_ranks
 from brigade.pipeline.plans.simulate import render, simulate
 from brigade.pipeline.plans.validate import validate
 from brigade.pipeline.plans.virtual import dualpipev, groups, interleaved, looped_bfs, zbv

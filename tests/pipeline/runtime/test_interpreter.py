@@ -19,8 +19,7 @@ from torch import nn
 from brigade.errors import BrigadeError, RunError
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.plans.action import COMM_OPS, Action
-from brigade.pipeline.plans.registry import SCHEDULES
-from brigade.pipeline.plans.schedule import build, forward_only, stage_ranks
+from brigade.pipeline.plans.schedule import SCHEDULES, build, forward_only, stage_ranks
 from brigade.pipeline.plans.validate import validate
 from brigade.pipeline.runtime.interpreter import StageRunner, StepResult
 from brigade.pipeline.transport.ordering import peer_of

@@ -15,8 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from brigade.pipeline.pipe import LocalPipeline
-from brigade.pipeline.plans.registry import names
-from brigade.pipeline.plans.schedule import placement
+from brigade.pipeline.plans.schedule import names, placement
 
 pytestmark = pytest.mark.timeout(120)
 M = 4  # micro-batches: enough that stage 0's later forwards overlap stage 1's earlier ones

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from brigade.pipeline.plans.action import Action, PlanError
-from brigade.pipeline.plans.registry import SCHEDULES
-from brigade.pipeline.plans.schedule import build, forward_only, stage_ranks
+from brigade.pipeline.plans.schedule import SCHEDULES, build, forward_only, stage_ranks
 from brigade.pipeline.plans.validate import validate
 from brigade.pipeline.transport import nccl, ordering
 
