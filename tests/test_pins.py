@@ -49,3 +49,14 @@ def test_setup_and_ci_install_with_the_constraints():
     assert "scripts/setup.sh" in (ROOT / ".ci" / "run").read_text()
     update = (ROOT / "scripts" / "update-pins.sh").read_text()
     assert "python3 -m venv" in update and "pytest" in update and "> constraints.txt.new" in update
+
+
+def test_ci_runs_the_readme_command_and_the_slow_tier_it_leaves_out():
+    """`python -m pytest` leaves the slow tier out (pyproject's addopts); CI must not."""
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "-m 'not slow'" in addopts
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m pytest && python3 -m pytest -m slow" in ci
+    update = (ROOT / "scripts" / "update-pins.sh").read_text()
+    assert "-m pytest -m slow" in update
+

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["main", "snapshot", "restart", "check", "overhead"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_regeneration_writes_every_figure_its_rows_need(tmp_path):
     done = subprocess.run([str(ROOT / "scripts" / "results.sh"), "--quick", "--out", str(tmp_path),

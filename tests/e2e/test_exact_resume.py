@@ -1,5 +1,5 @@
-"""Exact resume is a property of every registered schedule: a run with a rank killed mid-run,
-restarted from its snapshot, ends bit for bit where the run that never stopped ends.
+"""Exact resume is a property of every registered schedule: a run stopped mid-run and resumed from
+its snapshot ends bit for bit where the run that never stopped ends.
 
 The schedules come from the registry (`schedule.names()`), so one registered later is covered
 by construction. Each runs under pp 2, dp 2 × pp 2, two local stages in one process and
@@ -9,80 +9,160 @@ the tie were handed one optimizer state, stepped twice). Local stages are thread
 process that share its CPU generator, whose dropout masks once followed the threads' timing:
 two runs that never stopped parted within a few steps (so they are also compared with each other).
 
-Six steps, a snapshot every two, the kill as step 4 begins: step 3 is lost and run again, and
-three steps follow the resume (a wrong optimizer state shows in the loss from the second on).
-Each run is `brigade train` through the CLI's `main` in this process: no `brigade` process start
-per run; the same agent, workers and restarts.
+Six steps, a snapshot every two. Two ways to stop:
+
+- **every schedule**, in one spawned world per layout (the processes start once and run every
+  schedule's runs one after another, as `brigade train`'s workers run one: `train.run._train`
+  on the same process groups): the run that never stopped; the same run stopped after step 3
+  as SIGTERM stops it (the agreed stop flag: snapshot step 3, leave); and its resume, steps 4-6.
+  What is under test, saving and loading a snapshot across ranks, is the same whatever stopped
+  the run; starting the processes once per layout instead of twice per schedule is what keeps
+  this under a minute a layout.
+- **a kill**, through the CLI as a user types it, for one schedule per layout (a V schedule
+  where the layout has one rank per stage): rank R SIGKILLed as step 4 begins, the agent
+  restarts every worker, step 3 is lost and run again from the snapshot of step 2. Its end must
+  equal the never-stopped run of the spawned world: the CLI's workers and `_train` in a shared
+  world are one code path, and so give one result.
 """
+
+from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
 
-from brigade.pipeline.plans.registry import names
+from brigade.pipeline.plans.schedule import names
 from tests.e2e.helpers import final_hash, losses
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 RUN = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "16", "--block-size", "16",
        "--batch-size", "8", "--microbatches", "2", "--dropout", "0.1", "--seed", "21",
        "--max-steps", "6", "--snapshot-every", "2", "--eval-every", "100", "--eval-batches", "1",
        "--sample-tokens", "0", "--warmup-steps", "2"]
-# layout flags, and the rank to kill: under dp 2 × pp 2 rank 2 is the second replica's first
-# pipeline rank, which under a V holds both ends of the model; under dp 2 × local stages rank 1
-# is the second replica (all its stages die with it).
-LAYOUTS = {"pp2": (["--nproc", "2", "--pp", "2"], 1), "dp2xpp2": (["--nproc", "4", "--pp", "2"], 2),
-           "local2": (["--nproc", "1", "--local-stages", "2"], 0),
-           "dp2xlocal2": (["--nproc", "2", "--local-stages", "2"], 1)}
-CASES = [pytest.param(layout, name, id=f"{layout}-{name}") for layout in LAYOUTS for name in names()]
+# layout flags; the rank to kill and the schedule it is killed under. Under dp 2 × pp 2 rank 2
+# is the second replica's first pipeline rank, which under a V holds both ends of the model;
+# under dp 2 × local stages rank 1 is the second replica (all its stages die with it).
+LAYOUTS = {"pp2": (["--nproc", "2", "--pp", "2"], 1, "zbv"),
+           "dp2xpp2": (["--nproc", "4", "--pp", "2"], 2, "dualpipev"),
+           "local2": (["--nproc", "1", "--local-stages", "2"], 0, "1f1b"),
+           "dp2xlocal2": (["--nproc", "2", "--local-stages", "2"], 1, "zbv")}
+STOP_AFTER = 3  # the stopped run's last step
 
 
-def _train(out: Path, *flags: str) -> None:
-    """`brigade train` as the user types it, run by the CLI's `main` in this process."""
-    from brigade.cli import main
+def _in_world(layout: str, name: str):
+    """A case's param, on the xdist worker that holds its layout's world (one world per layout)."""
+    return pytest.param(layout, name, id=f"{layout}-{name}",
+                        marks=pytest.mark.xdist_group(f"resume-{layout}"))
 
-    assert main(["train", "--out", str(out), *RUN, *flags]) == 0
+
+CASES = [_in_world(layout, name) for layout in LAYOUTS for name in names()]
+
+
+def _config(out: Path, layout: str, schedule: str):
+    """The configuration `brigade train --out OUT RUN LAYOUT --schedule S` builds."""
+    from brigade import config
+    from brigade.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--out", str(out), *RUN, *LAYOUTS[layout][0],
+                                      "--schedule", schedule])
+    return config.build(args)
+
+
+def _stop_after(step: int):
+    """`agent.stop_requested` as SIGTERM after `step` makes it: the run's after-step callback asks
+    it once per step, then all ranks agree on the flag (train.run._after_step)."""
+    asked = [0]
+
+    def stop_requested() -> bool:
+        asked[0] += 1
+        return asked[0] >= step
+
+    return stop_requested
+
+
+def _every_schedule(runs: dict) -> dict:
+    """Worker: for each schedule, the never-stopped run, the stopped run and its resume, and (local
+    layouts) the never-stopped run again; {schedule: {run: params sha256}} on every rank."""
+    from brigade import agent, forensics, groups
+    from brigade.train import run as train_run
+
+    p = next(iter(runs.values()))["plain"].parallel
+    info = groups.init(p.backend, p.threads, forensics.group_timeout(p.hang_timeout), p.local_stages)
+    hashes: dict = {}
+    try:
+        for schedule, cfgs in runs.items():
+            got = hashes[schedule] = {"plain": train_run._train(cfgs["plain"], info, None)["params_sha256"]}
+            if "again" in cfgs:
+                got["again"] = train_run._train(cfgs["again"], info, None)["params_sha256"]
+            asked, agent.stop_requested = agent.stop_requested, _stop_after(STOP_AFTER)
+            try:
+                stopped = train_run._train(cfgs["stopped"], info, None)
+            finally:
+                agent.stop_requested = asked
+            assert stopped["preempted"] and stopped["step"] == STOP_AFTER, stopped
+            got["resumed"] = train_run._train(cfgs["stopped"], info, None)["params_sha256"]
+    finally:
+        groups.destroy()
+    return hashes
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The run that never stopped, per (layout, schedule): trained once, on first use."""
-    made: dict[tuple[str, str], Path] = {}
+def worlds(tmp_path_factory):
+    """Per layout, on first use: one spawned world that runs every schedule's three runs."""
+    from brigade import agent
 
-    def get(layout: str, schedule: str) -> Path:
-        if (layout, schedule) not in made:
-            out = tmp_path_factory.mktemp(f"plain-{layout}-{schedule}")
-            _train(out, *LAYOUTS[layout][0], "--schedule", schedule)
-            made[layout, schedule] = out
-        return made[layout, schedule]
+    made: dict[str, tuple[Path, dict]] = {}
+
+    def get(layout: str) -> tuple[Path, dict]:
+        if layout not in made:
+            root = tmp_path_factory.mktemp(f"resume-{layout}")
+            local = "--local-stages" in LAYOUTS[layout][0]
+            runs = {s: {"plain": _config(root / s / "plain", layout, s),
+                        "stopped": _config(root / s / "stopped", layout, s),
+                        **({"again": _config(root / s / "again", layout, s)} if local else {})}
+                    for s in names()}
+            nproc = runs[names()[0]]["plain"].parallel.nproc
+            results = agent.launch(_every_schedule, nproc, runs)
+            made[layout] = root, results[0]
+        return made[layout]
 
     return get
 
 
-def _restarts(out: Path) -> list[tuple[int, int]]:
+@pytest.mark.parametrize("layout,schedule", CASES)
+def test_a_stopped_run_resumes_bit_for_bit(worlds, layout, schedule):
+    root, hashes = worlds(layout)
+    plain, stopped = root / schedule / "plain", root / schedule / "stopped"
+    assert _first_steps(stopped) == [(0, 0), (0, STOP_AFTER)], "the run did not resume from its stop"
+    assert losses(stopped) == losses(plain)
+    assert sorted(losses(stopped)) == list(range(1, 7))
+    assert hashes[schedule]["resumed"] == hashes[schedule]["plain"]
+    assert final_hash(plain) == final_hash(stopped) == hashes[schedule]["plain"]
+    if "again" in hashes[schedule]:  # local stages: the same run twice, the same parameters
+        assert hashes[schedule]["again"] == hashes[schedule]["plain"]
+        assert losses(root / schedule / "again") == losses(plain)
+
+
+def _first_steps(out: Path) -> list[tuple[int, int]]:
     """(attempt, resumed_from) of every attempt's first step."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [(r["attempt"], r["resumed_from"]) for r in rows if r.get("event") == "first_step"]
 
 
-@pytest.mark.parametrize("layout,schedule", CASES)
-def test_a_killed_run_resumes_bit_for_bit(uninterrupted, tmp_path, layout, schedule):
-    flags, rank = LAYOUTS[layout]
-    plain = uninterrupted(layout, schedule)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.xdist_group(f"resume-{name}"))
+                                    for name in LAYOUTS])
+def test_a_killed_run_restarted_by_the_agent_resumes_bit_for_bit(worlds, tmp_path, layout):
+    """`brigade train` through the CLI's `main` in this process (no `brigade` process start; the
+    same agent, workers and restarts), a rank killed as step 4 begins."""
+    from brigade.cli import main
+
+    flags, rank, schedule = LAYOUTS[layout]
+    root, _ = worlds(layout)
     out = tmp_path / "killed"
-    _train(out, *flags, "--schedule", schedule, "--max-restarts", "1",
-           "--inject-fault", f"kill:rank={rank}:step=4")
-    assert (1, 2) in _restarts(out), "the kill never fired, or the run did not resume from step 2"
+    assert main(["train", "--out", str(out), *RUN, *flags, "--schedule", schedule, "--max-restarts", "1",
+                 "--inject-fault", f"kill:rank={rank}:step=4"]) == 0
+    assert (1, 2) in _first_steps(out), "the kill never fired, or the run did not resume from step 2"
+    plain = root / schedule / "plain"
     assert losses(out) == losses(plain)
-    assert sorted(losses(out)) == list(range(1, 7))
     assert final_hash(out) == final_hash(plain)
-
-
-@pytest.mark.parametrize("layout", ["local2", "dp2xlocal2"])
-def test_two_local_stage_runs_with_dropout_are_bit_identical(uninterrupted, tmp_path, layout):
-    """Without a fault, too: the same command twice, the same losses and parameters."""
-    again = tmp_path / "again"
-    _train(again, *LAYOUTS[layout][0], "--schedule", "1f1b")
-    plain = uninterrupted(layout, "1f1b")
-    assert losses(again) == losses(plain)
-    assert final_hash(again) == final_hash(plain)
