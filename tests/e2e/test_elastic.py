@@ -109,12 +109,12 @@ class Nodes:
                 proc.wait(timeout=60)
 
 
-# A module fixture is made once per pytest-xdist worker: both tests that compare with `reference`
+# A session fixture is made once per pytest-xdist worker: both tests that compare with `reference`
 # run on one worker (one group), so the uninterrupted run is trained once.
 WITH_REFERENCE = pytest.mark.xdist_group("elastic-reference")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist interleaves modules, which tears it down
 def reference(tmp_path_factory) -> dict[int, float]:
     """The uninterrupted run on one node: dp 2, the same global batch."""
     out = tmp_path_factory.mktemp("elastic") / "reference"

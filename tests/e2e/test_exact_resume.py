@@ -107,9 +107,11 @@ def _every_schedule(runs: dict) -> dict:
     return hashes
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def worlds(tmp_path_factory):
-    """Per layout, on first use: one spawned world that runs every schedule's three runs."""
+    """Per layout, on first use: one spawned world that runs every schedule's three runs. Session
+    scoped: an xdist worker runs other modules' tests between a layout's cases, and a module
+    scoped fixture would be torn down (and its world started again) at each such switch."""
     from brigade import agent
 
     made: dict[str, tuple[Path, dict]] = {}

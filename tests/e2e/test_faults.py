@@ -23,12 +23,12 @@ pytestmark = pytest.mark.timeout(300)
 RUN = ["--max-steps", "12", "--snapshot-every", "5", "--dropout", "0.1", "--sample-tokens", "0"]
 
 
-# A module fixture is made once per pytest-xdist worker: the tests that compare with `reference`
+# A session fixture is made once per pytest-xdist worker: the tests that compare with `reference`
 # run on one worker (one group), so it is trained once, not once on each worker.
 WITH_REFERENCE = pytest.mark.xdist_group("faults-reference")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist interleaves modules, which tears it down
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     result = train(out, *RUN)
@@ -133,7 +133,7 @@ LONG = ["--max-steps", "150", "--snapshot-every", "20", "--dropout", "0.1", "--s
         "--eval-every", "50"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist interleaves modules, which tears it down
 def long_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("long")
     assert train(out, *LONG).returncode == 0

@@ -188,6 +188,41 @@ def run_all(procs: list[tuple[list[str], dict]], cwd: Path,
 
 
 COMMANDS = readme_commands()
+# The benchmarks' and the tuner's commands measure (10-20 s each, a third of this file's time):
+# they are the slow tier's (`python -m pytest -m slow`, which CI runs after the default tier).
+BENCHMARKS = ("bench", "tune", "brigade.bench.overhead", "brigade.bench.speed")
+
+
+def _param(cmd: str):
+    slow = _subcommand(shlex.split(cmd)) in BENCHMARKS
+    return pytest.param(cmd, marks=[pytest.mark.slow] if slow else [])
+
+
+def in_this_process(argv: list[str], cmd: str) -> bool:
+    """Whether a command runs as `brigade.cli.main(ARGV)` in this process: a plain `brigade …` of
+    one process that is meant to succeed. Its workers are forked from here as the agent forks
+    them from a `brigade` process (with torch already imported, as there), so what is saved is
+    the interpreter's start and the imports: 2-3 s a command. Whatever a page shows through
+    another program (`torchrun`, `srun`, `python -m …`, the scripts), as several processes, or
+    expecting a failure, runs as its own process."""
+    return (argv[:3] == [sys.executable, "-m", "brigade"] and "K" not in shlex.split(cmd)
+            and not any(pattern in cmd for pattern, _ in EXPECTED_EXIT))
+
+
+def run_here(argv: list[str], cwd: Path, capfd, monkeypatch) -> subprocess.CompletedProcess:
+    """`brigade ARGV` by the CLI's `main` in this process, in `cwd`, as `run_all` runs it."""
+    from brigade.cli import main
+
+    monkeypatch.chdir(cwd)
+    for name in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))]:
+        monkeypatch.delenv(name)
+    capfd.readouterr()
+    try:
+        code = main(argv[3:])
+    except SystemExit as exc:  # argparse's usage errors, as the real command exits
+        code = exc.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, code, out + err, "")
 
 
 def test_the_readme_shows_commands():
@@ -218,13 +253,17 @@ def trained(tmp_path_factory, tiny_run) -> Path:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("cmd", COMMANDS)
-def test_readme_command_runs(cmd, tmp_path, trained):
+@pytest.mark.parametrize("cmd", [_param(c) for c in COMMANDS])
+def test_readme_command_runs(cmd, tmp_path, trained, capfd, monkeypatch):
     reads_run = re.search(r"(runs/latest|\bOUT\b|--from)", cmd) and " train" not in cmd
     out = trained if reads_run else tmp_path / "out"
     for name in ("examples", "README.md", "docs"):  # the pages' commands run from the checkout
         (tmp_path / name).symlink_to(README.parent / name)
-    results = run_all(processes(cmd, out), tmp_path, 360)
+    procs = processes(cmd, out)
+    if len(procs) == 1 and not procs[0][1] and in_this_process(procs[0][0], cmd):
+        results = [run_here(procs[0][0], tmp_path, capfd, monkeypatch)]
+    else:
+        results = run_all(procs, tmp_path, 360)
     expected = next((code for pattern, code in EXPECTED_EXIT if pattern in cmd), 0)
     for r in results:
         assert r.returncode == expected, f"{' '.join(r.args)} → exit {r.returncode}\n{r.stdout[-4000:]}"

@@ -19,7 +19,7 @@ from tests.e2e.helpers import TINY, brigade, final_hash, inspect, losses, train
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist interleaves modules, which tears it down
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     result = train(out, "--max-steps", "20", "--snapshot-every", "10")

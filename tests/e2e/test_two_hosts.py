@@ -102,7 +102,7 @@ class Hosts:
             _ip("netns", "del", self.names[k])  # takes its end of the veth pair with it
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist interleaves modules, which tears it down
 def hosts(tmp_path_factory):
     h = Hosts(tmp_path_factory.mktemp("host-logs"))
     why = h.create()
@@ -282,7 +282,7 @@ def _lose_host_1(hosts, out: Path) -> tuple[subprocess.Popen, float]:
     return node0, first["time"] - killed
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist interleaves modules, which tears it down
 def elastic_reference(tmp_path_factory) -> dict[int, float]:
     out = tmp_path_factory.mktemp("elastic-hosts") / "one-host"
     result = train(out, *ELASTIC_RUN, "--nproc", "4", timeout=600)  # dp 2 × pp 2 on this machine

@@ -216,7 +216,7 @@ def process_worker():
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist interleaves modules, which tears it down
 def process_results():
     return agent.launch(process_worker, 2)
 

@@ -55,7 +55,7 @@ def _assert_copies_equal(trainer: Trainer) -> None:
         assert held[alias] == held[canonical], f"{alias} drifted from {canonical}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist interleaves modules, which tears it down
 def reference():
     import multiprocessing as mp
 
