@@ -17,8 +17,9 @@ import pytest
 
 from tests.e2e.helpers import train
 
-# A test that blocks in C with the GIL held still ends, with every thread's stack (see there).
-pytest_plugins = ["tests.watchdog"]
+# A test that blocks in C with the GIL held still ends, with every thread's stack (see there);
+# and an xdist_group runs on one worker under pytest 9 too (see there).
+pytest_plugins = ["tests.watchdog", "tests.xdist_groups"]
 
 # The suite is the CPU suite: gloo, with more processes than a machine has GPUs. Where GPUs are
 # visible torch would pick NCCL, which needs one per process, so they are hidden from every case
