@@ -117,16 +117,26 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def _wait_for_step(out: Path, step: int, proc, limit: float = 120) -> None:
+def _steps_of_attempt(out: Path, attempt: int) -> list[int]:
+    """The steps logged since attempt `attempt` began (its first_step event; 0: from the start)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    begun = next((i for i, r in enumerate(rows)
+                  if r.get("event") == "first_step" and r["attempt"] == attempt), None)
+    return [] if begun is None else [r["step"] for r in rows[begun:] if "loss" in r]
+
+
+def _wait_for_step(out: Path, step: int, proc, limit: float = 120, attempt: int = 0) -> None:
+    """Until attempt `attempt` has logged `step`: lines an earlier attempt left count for nothing
+    (a group killed at step 45 may have logged past 60 before the kill landed, on a loaded machine)."""
     end = time.time() + limit
     while time.time() < end and proc.poll() is None:
         try:
-            if (out / "metrics.jsonl").is_file() and max(losses(out), default=0) >= step:
+            if (out / "metrics.jsonl").is_file() and max(_steps_of_attempt(out, attempt), default=0) >= step:
                 return
         except ValueError:  # a line being written
             pass
         time.sleep(0.05)
-    raise AssertionError(f"run never reached step {step}")
+    raise AssertionError(f"run never reached step {step} in attempt {attempt}")
 
 
 LONG = ["--max-steps", "150", "--snapshot-every", "20", "--dropout", "0.1", "--sample-tokens", "0",
@@ -145,10 +155,11 @@ def _start(out, *extra):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _sigterm(out: Path, proc, step: int) -> tuple[str, int]:
-    """SIGTERM once the run reaches `step`: exit 0 well within a scheduler's grace, the step in
-    flight finished and kept in a complete snapshot. Returns stdout and the snapshot's step."""
-    _wait_for_step(out, step, proc, limit=180)
+def _sigterm(out: Path, proc, step: int, attempt: int = 0) -> tuple[str, int]:
+    """SIGTERM once the run (its attempt `attempt`) reaches `step`: exit 0 well within a scheduler's
+    grace, the step in flight finished and kept in a complete snapshot. Returns stdout and the
+    snapshot's step."""
+    _wait_for_step(out, step, proc, limit=180, attempt=attempt)
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
@@ -176,7 +187,7 @@ def test_sigkill_from_outside_then_sigterm_then_resume(long_reference, tmp_path)
                if "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(workers) == 2
     os.kill(workers[-1], signal.SIGKILL)
-    stdout, step = _sigterm(out, proc, 60)  # past step 45: only the restarted group gets there
+    stdout, step = _sigterm(out, proc, 60, attempt=1)  # the restarted group, past step 45
     assert "died (SIGKILL)" in stdout and "restarting 1/1 from snapshot step 40" in stdout
     assert 60 <= step < 150  # the step in flight finished and was kept
     resumed = train(out, *LONG)
