@@ -138,7 +138,7 @@ def _check_devices(devices: list[str], stages: int) -> None:
 
 def _untie(blocks: list[nn.Module], balance: list[int], ranks: list[int], where: Where):
     """Give each stage its own copy of a parameter shared across stages (a tied embedding and
-    head); returns (ties, their process groups or None) for `shared.sum_tied_grads`."""
+    head); returns (ties, their process groups or None) for `ties.sum_tied_grads`."""
     stage = [s for s, n in enumerate(balance) for _ in range(n)]
     ties = [t for t in find_shared(blocks) if len({stage[b] for b in t.blocks}) > 1]
     untie(blocks, ties)

@@ -8,7 +8,7 @@ A rank holds `virtual` stages (1, or several for interleaved, looped-bfs, zbv, d
 schedule's placement says which). Both build the schedule's plan once, validate it, and
 hand each rank its own action list; `step(inputs, targets)` runs forward and backward of
 one batch and returns the mean loss, `forward(inputs)` runs inference. Inputs and targets
-may be structures (tuples, dicts...); stages that are `side.StageModule`s get the side
+may be structures (tuples, dicts...); stages that are `side_inputs.StageModule`s get the side
 inputs they declare from the batch (`feed`).
 """
 

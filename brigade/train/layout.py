@@ -52,7 +52,7 @@ class OwnedBlocks(nn.Module):
     Args:
         blocks: the whole model's blocks; indices: those held here.
         tied: every use of a shared parameter but its first → the first's name, as
-            `shared.aliases` gives them (default: found in `blocks`, which must still be tied).
+            `ties.aliases` gives them (default: found in `blocks`, which must still be tied).
             A snapshot stores each shared parameter once, under its first name.
     """
 

@@ -1,7 +1,7 @@
 """Shared parameters of a model split into stages: which ties cross stages, who holds them.
 
 A tie whose users all sit on one stage needs nothing (autograd sums its uses). A tie across
-stages is untied (`shared.untie`: each later stage gets its own copy, same values) and after
+stages is untied (`ties.untie`: each later stage gets its own copy, same values) and after
 each step's backward every copy's gradient becomes the sum over all copies:
 
     pp 2, GPT tied:   rank 0 holds blocks.0.tok.weight      rank 1 holds blocks.3.out.weight

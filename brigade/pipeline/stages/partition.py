@@ -124,7 +124,7 @@ def time_costs(blocks: Sequence[nn.Module], sample: Any, repeats: int = 3) -> li
     """Measured forward+backward seconds per block on `sample` (median of `repeats`).
 
     `sample` is a batch's inputs, a tensor or a structure; a block may take and return either,
-    and gets its declared side inputs (`side.split_inputs` of the sample) by keyword.
+    and gets its declared side inputs (`side_inputs.split_inputs` of the sample) by keyword.
 
     Each block runs once untimed first: a first call pays one-off costs (kernel selection,
     allocations, oneDNN primitive creation on CPU) that would make early blocks look heavier
@@ -186,8 +186,9 @@ def split(blocks: Sequence[nn.Module], balance: Sequence[int]) -> list[nn.Module
     """Group blocks into one module per stage (modules are shared, not copied).
 
     A stage is an `nn.Sequential` of its blocks; when a block of the model declares side
-    inputs (`side.needed`) every stage is a `side.StageModule` instead, which hands each block
-    its side inputs and names the block and stage when one cannot take the previous output.
+    inputs (`side_inputs.needed`) every stage is a `side_inputs.StageModule` instead, which hands
+    each block its side inputs and names the block and stage when one cannot take the previous
+    output.
     """
     from brigade.pipeline.stages.side_inputs import StageModule, needed  # side imports nothing of this module
 
@@ -208,7 +209,7 @@ def check_chain(blocks: Sequence[nn.Module], sample: Any) -> list[structure.Spec
     Whether a model passes plain tensors is a property of the whole chain, not of its input: a
     block may turn a tensor into a structure (tuple, list, dict, namedtuple, nested) and a later
     one a structure back into a tensor. So each block is run on what the previous one returned
-    (with its declared side inputs, taken out of the sample by `side.split_inputs`), and what it
+    (with its declared side inputs, taken out of the sample by `side_inputs.split_inputs`), and what it
     returns must be something a stage can send (`structure.flatten`).
 
     Returns:
