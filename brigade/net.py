@@ -74,11 +74,16 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def check_reachable(host: str, port: int, timeout_s: float = 15.0) -> None:
-    """Raise BrigadeError if nothing answers at host:port within `timeout_s`.
+REACH_WAIT_S = 15.0
+"""How long a node waits for node 0's rendezvous endpoint to answer before it gives up."""
+
+
+def check_reachable(host: str, port: int, timeout_s: float | None = None) -> None:
+    """Raise BrigadeError if nothing answers at host:port within `timeout_s` (REACH_WAIT_S).
 
     A refused connection is retried until then: node 0 may simply be starting a little later.
     """
+    timeout_s = REACH_WAIT_S if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()

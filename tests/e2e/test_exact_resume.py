@@ -50,13 +50,18 @@ LAYOUTS = {"pp2": (["--nproc", "2", "--pp", "2"], 1, "zbv"),
 STOP_AFTER = 3  # the stopped run's last step
 
 
-def _in_world(layout: str, name: str):
-    """A case's param, on the xdist worker that holds its layout's world (one world per layout)."""
-    return pytest.param(layout, name, id=f"{layout}-{name}",
-                        marks=pytest.mark.xdist_group(f"resume-{layout}"))
+# Local stages resume by the same code as processes do (the same snapshot, the same sampler): their
+# worlds (40-50 s each) are the slow tier's, which CI runs after the default tier.
+SLOW = ("local2", "dp2xlocal2")
 
 
-CASES = [_in_world(layout, name) for layout in LAYOUTS for name in names()]
+def _marks(layout: str) -> list:
+    """On the xdist worker that holds the layout's world (one world per layout); slow or not."""
+    return [pytest.mark.xdist_group(f"resume-{layout}"), *([pytest.mark.slow] if layout in SLOW else [])]
+
+
+CASES = [pytest.param(layout, name, id=f"{layout}-{name}", marks=_marks(layout))
+         for layout in LAYOUTS for name in names()]
 
 
 def _config(out: Path, layout: str, schedule: str):
@@ -152,8 +157,7 @@ def _first_steps(out: Path) -> list[tuple[int, int]]:
     return [(r["attempt"], r["resumed_from"]) for r in rows if r.get("event") == "first_step"]
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.xdist_group(f"resume-{name}"))
-                                    for name in LAYOUTS])
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=_marks(name)) for name in LAYOUTS])
 def test_a_killed_run_restarted_by_the_agent_resumes_bit_for_bit(worlds, tmp_path, layout):
     """`brigade train` through the CLI's `main` in this process (no `brigade` process start; the
     same agent, workers and restarts), a rank killed as step 4 begins."""

@@ -188,13 +188,17 @@ def run_all(procs: list[tuple[list[str], dict]], cwd: Path,
 
 
 COMMANDS = readme_commands()
-# The benchmarks' and the tuner's commands measure (10-20 s each, a third of this file's time):
-# they are the slow tier's (`python -m pytest -m slow`, which CI runs after the default tier).
+# The slow tier's (`python -m pytest -m slow`, which CI runs after the default tier): the
+# benchmarks' and the tuner's commands, which measure (10-20 s each); and the commands that
+# start several processes through another launcher (torchrun, srun) or on two nodes (K), 20-35 s
+# each, which tests/e2e/test_train.py also runs in the default tier, each way once, checking more.
 BENCHMARKS = ("bench", "tune", "brigade.bench.overhead", "brigade.bench.speed")
+LAUNCHERS = ("torchrun", "srun")
 
 
 def _param(cmd: str):
-    slow = _subcommand(shlex.split(cmd)) in BENCHMARKS
+    argv = shlex.split(cmd)
+    slow = _subcommand(argv) in BENCHMARKS or argv[0] in LAUNCHERS or "K" in argv
     return pytest.param(cmd, marks=[pytest.mark.slow] if slow else [])
 
 
