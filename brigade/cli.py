@@ -40,11 +40,14 @@ class Parser(argparse.ArgumentParser):
 
 def _option(p: argparse.ArgumentParser, cls: type, name: str, **kw) -> None:
     """`--name` for field `name` of dataclass `cls`: its default and its sentence as the help
-    (an int or float field's type unless `kw` says otherwise)."""
+    (an int or float field's type, a bool field a switch, unless `kw` says otherwise)."""
     f = field_of(cls, name)
     kind = typing.get_type_hints(cls)[name]
     kw.setdefault("default", default_of(f))
-    kw.setdefault("type", kind if kind in (int, float) else None)
+    if kind is bool:
+        kw.setdefault("action", "store_true")
+    else:
+        kw.setdefault("type", kind if kind in (int, float) else None)
     p.add_argument("--" + name.replace("_", "-"), help=flag_help(f, kw["default"]), **kw)
 
 
@@ -101,8 +104,8 @@ def _add_check(sub) -> None:
 
     p = sub.add_parser("check", help="compare a pipeline with a single device, loss and gradients")
     closed = {"runtime": ["process", "local"], "balance_by": ["params", "time"]}
-    for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "runtime", "devices",
-                 "batch_size", "balance", "balance_by", "seed", "atol"):
+    for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "reshard",
+                 "runtime", "devices", "batch_size", "balance", "balance_by", "seed", "atol"):
         _option(p, CheckConfig, name, **({"choices": closed[name]} if name in closed else {}))
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     _json_arg(p)
@@ -123,7 +126,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         balance=parse_balance(args.balance) if args.balance else None, seed=args.seed,
         atol=args.atol, model_options=options, balance_by=args.balance_by,
         devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
-        virtual=args.virtual, dp=args.dp,
+        virtual=args.virtual, dp=args.dp, shard=args.shard, reshard=args.reshard,
     )
     result = run_check(cfg, port=args.port)[0]
     if args.json:
@@ -131,7 +134,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         verdict = "OK" if result["ok"] else "MISMATCH"
         print(f"{verdict}: {args.model} on {cfg.stages} stages ({cfg.runtime}), {cfg.schedule}, "
-              f"V={result['virtual']}, dp={cfg.dp}, m={cfg.microbatches}, balance {result['balance']}, "
+              f"V={result['virtual']}, dp={cfg.dp}{f' (shard {cfg.shard})' if cfg.shard > 1 else ''}, m={cfg.microbatches}, balance {result['balance']}, "
               f"reference: {result['reference']} on {result['reference_device']}")
         print(f"  max |Δloss| {result['max_abs_loss_diff']:.3g}   max |Δgrad| "
               f"{result['max_abs_grad_diff']:.3g}   max |Δparam| after one SGD step "

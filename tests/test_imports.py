@@ -2,8 +2,9 @@
 
 - A module whose docstring says it imports no torch imports none, not even through a package's
   `__init__`: checked in a fresh interpreter for every such module, found by its docstring.
-- Models know nothing of parallelism: brigade/models imports nothing from pipeline, train,
-  bench, check or config; and the configuration imports nothing of what runs it (train, bench,
+- Models know nothing of parallelism: brigade/models imports nothing from pipeline, parallel,
+  train, bench, check or config; parallel/ (what wraps a stage from outside) and pipeline/ import
+  nothing of what builds the stages (train, check, bench); and the configuration imports nothing of what runs it (train, bench,
   check, the CLI, the launcher).
 - pipeline/ is built in floors (plans, stages, batches, transport, runtime, lowest first; pipe.py
   on top): a module imports nothing from a floor above its own, and every plan module is pure.
@@ -66,10 +67,22 @@ def test_a_module_that_says_it_imports_no_torch_imports_none(module):
 
 
 def test_models_import_nothing_of_parallelism():
-    banned = ("brigade.pipeline", "brigade.train", "brigade.bench", "brigade.check", "brigade.config")
+    banned = ("brigade.pipeline", "brigade.parallel", "brigade.train", "brigade.bench", "brigade.check",
+              "brigade.config")
     wrong = {m: sorted(i for i in _imports(m, p) if i.startswith(banned))
              for m, p in MODULES.items() if m.startswith("brigade.models")}
     assert not {m: i for m, i in wrong.items() if i}, wrong
+
+
+def test_wrappers_and_the_pipeline_import_nothing_that_builds_the_stages():
+    """parallel/ wraps a stage and pipeline/ runs it; train, check and bench build them."""
+    banned = ("brigade.train", "brigade.bench", "brigade.check", "brigade.cli")
+    wrong = {m: sorted(i for i in _imports(m, p) if i.startswith(banned))
+             for m, p in MODULES.items() if m.startswith(("brigade.parallel", "brigade.pipeline"))}
+    assert not {m: i for m, i in wrong.items() if i}, wrong
+    runtime = {m: sorted(i for i in _imports(m, p) if i.startswith("brigade.parallel"))
+               for m, p in MODULES.items() if m.startswith("brigade.pipeline")}
+    assert not {m: i for m, i in runtime.items() if i}, runtime  # the runtime sees only torch's wrappers
 
 
 # pipeline/'s floors, lowest first: a module imports only from its own floor and those below.

@@ -35,12 +35,14 @@ from brigade.config import ParallelConfig
 from brigade.config.fielddoc import MODELS, SCHEDULES, VIRTUALS, doc, sentence
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
+from brigade.parallel.shard import shard_stage
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
 from brigade.pipeline.plans.schedule import build, placement, stages_on
 from brigade.pipeline.stages.partition import check_chain, choose_balance, split
 from brigade.pipeline.stages.ties import TieGroups, find_shared, sum_tied_grads, untie
 from brigade.rendezvous import LaunchSpec
+from brigade.shards import full
 from brigade.train.layout import data_parallel, make_layout, stage_group
 
 Case = tuple  # (schedule, m) or (schedule, m, virtual); virtual 0: the schedule's own V
@@ -70,6 +72,8 @@ class CheckConfig:
                                           "unset: a GPU each when there are enough, else the CPU")
     virtual: int = doc(0, sentence(ParallelConfig, "virtual"), choices=VIRTUALS)
     dp: int = doc(1, "data-parallel replicas, each on its slice of the batch (dp × stages processes)")
+    shard: int = doc(1, sentence(ParallelConfig, "shard"))
+    reshard: bool = doc(False, sentence(ParallelConfig, "reshard"))
 
 
 @dataclass
@@ -88,6 +92,7 @@ class CheckResult:
     virtual: int = 1
     dp: int = 1
     reference_device: str = "cpu"
+    shard: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +110,7 @@ class Where:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     devices: list | None = None  # local runtime: one per rank
     stage_groups: list | None = None  # local runtime under dp: one group per device
+    shard_mesh: object = None  # --shard: fully_shard's mesh (make_layout's)
 
 
 def local_devices(n: int) -> list[str]:
@@ -150,6 +156,7 @@ def _untie(blocks: list[nn.Module], balance: list[int], ranks: list[int], where:
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    a = [full(x) for x in a]  # a sharded parameter or gradient: gathered (every rank takes part)
     diffs = [(x.float() - y.float().to(x.device)).abs().max().item() for x, y in zip(a, b) if x.numel()]
     return max(diffs, default=0.0)
 
@@ -178,7 +185,9 @@ def _step(cfg: CheckConfig, spec: ModelSpec, stages: list[nn.Module], schedule: 
     mine = stages_on(schedule, cfg.stages, where.pp_rank, v)
     ids = [where.device] if where.device.type == "cuda" else None
     modules = {s: stages[s].to(where.device) for s in mine}
-    if where.dp > 1:
+    if where.shard_mesh is not None:
+        modules = {s: shard_stage(mod, where.shard_mesh, cfg.reshard) for s, mod in modules.items()}
+    elif where.dp > 1:
         modules = {s: data_parallel(mod, where.dp_group, ids) for s, mod in modules.items()}
     pipe = Pipeline(modules, schedule, m, spec.loss_fn, group=where.pp_group, device=where.device,
                     virtual=v)
@@ -237,14 +246,16 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     d = diffs.tolist()
     return CheckResult(schedule, m, cfg.stages, cfg.runtime, balance, loss, d[0], d[1], d[2], ref_kind,
-                       ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp, reference_device=str(ref_device))
+                       ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp, reference_device=str(ref_device),
+                       shard=cfg.shard)
 
 
 def _where(cfg: CheckConfig, info: groups.DistInfo) -> Where:
     """This worker's place: a DeviceMesh (dp, pp) cell, or one replica of a local pipeline."""
     if cfg.runtime == "process":
-        lay = make_layout(ParallelConfig(dp=cfg.dp, pp=cfg.stages), info.device)
-        return Where(lay.pp_rank, lay.dp, lay.dp_rank, lay.pp_group, lay.dp_group, lay.device)
+        lay = make_layout(ParallelConfig(dp=cfg.dp, pp=cfg.stages, shard=cfg.shard), info.device)
+        return Where(lay.pp_rank, lay.dp, lay.dp_rank, lay.pp_group, lay.dp_group, lay.device,
+                     shard_mesh=lay.shard_mesh)
     devices = groups.local_devices(info.device.type, info.local_rank, cfg.stages)
     # One group per device: each device's thread issues its own all-reduces.
     return Where(None, cfg.dp, info.rank, None, None, devices[0], devices,
@@ -275,6 +286,12 @@ def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
     if workers > cap and (cfg.runtime == "process" or cfg.dp > 1):
         raise BrigadeError(f"--dp {cfg.dp} × --stages {cfg.stages} = {workers} workers but this machine "
                            f"should run at most {cap} (one per GPU, two per CPU core): use fewer of either")
+    if cfg.shard < 1 or cfg.dp % cfg.shard:
+        raise BrigadeError(f"--shard {cfg.shard} does not divide --dp {cfg.dp}: give --shard a divisor of "
+                           f"--dp (dp = --shard × replicas; 1: no sharding)")
+    if cfg.shard > 1 and cfg.runtime == "local":
+        raise BrigadeError(f"--shard {cfg.shard} with --runtime local: FSDP2 shards over one device per "
+                           "process, and the local runtime drives every stage from one; use --runtime process")
     if cfg.batch_size % cfg.dp:
         raise BrigadeError(f"--batch-size {cfg.batch_size} does not split into --dp {cfg.dp} equal "
                            f"replica batches: use a multiple of {cfg.dp}")

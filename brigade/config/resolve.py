@@ -81,8 +81,13 @@ def _launcher_nodes(p: ParallelConfig, world: World, given: Collection[str]) -> 
 
 
 def _check_batch(cfg: RunConfig, dp: int, nodes: int = 0) -> None:
-    """The global batch must split evenly over replicas and accumulation, then micro-batches."""
+    """The global batch must split evenly over replicas and accumulation, then micro-batches; the
+    replicas into shard groups of --shard."""
     p, t, k = cfg.parallel, cfg.train, elastic.accumulation(cfg, dp)
+    if dp % p.shard:
+        on = f" on {nodes} node(s)" if nodes else ""
+        raise BrigadeError(f"--shard {p.shard} does not divide the data-parallel width dp {dp}{on}: give "
+                           f"--shard a divisor of {dp} (dp = --shard × replicas; 1: no sharding)")
     if t.batch_size % (dp * k):
         raise BrigadeError(f"--batch-size {t.batch_size} does not split evenly over dp {dp} × grad-accum "
                            f"{k}: use a multiple of {dp * k}")

@@ -49,6 +49,11 @@ class ParallelConfig:
                               "routes to node 0")
     dp: int = doc(0, "data-parallel replicas, each on its slice of the batch; 0: derive it as "
                      "world size ÷ --pp")
+    shard: int = doc(1, "of each stage's --dp data-parallel processes, how many shard its parameters, "
+                        "gradients and optimizer state between them (FSDP2); the others replicate "
+                        "those shards (HSDP when both are > 1); 1: no sharding (DDP)")
+    reshard: bool = doc(False, "with --shard: free a stage's gathered parameters after each forward "
+                               "(less memory; an all-gather per micro-batch, not per step)")
     pp: int = doc(1, "pipeline stages, one process each (1: no pipeline across processes)")
     local_stages: int = doc(1, "pipeline stages inside each process, one thread and device each")
     schedule: str = doc("1f1b", "the pipeline schedule (brigade schedule draws one)", choices=SCHEDULES)

@@ -50,5 +50,23 @@ def validate(cfg: RunConfig) -> None:
         raise BrigadeError(f"--node-rank {p.node_rank}: must be between 0 and --nnodes - 1 ({p.nnodes - 1})")
     if p.nnodes > 1 and (p.rdzv_endpoint or not p.min_nodes):  # elastic under torchrun: none needed
         parse_endpoint(p.rdzv_endpoint)
+    _positive("shard", p.shard)
+    if p.shard > 1 and p.local_stages > 1:
+        raise BrigadeError(f"--shard {p.shard} with --local-stages {p.local_stages}: FSDP2 shards over a "
+                           "DeviceMesh of one device per process, and local stages drive several from "
+                           "one; shard across processes (--pp) instead, or drop --shard")
+    if p.shard > 1:
+        _fsdp_available(p.shard)
     if p.pp > 1 and p.local_stages > 1:
         raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")
+
+
+def _fsdp_available(shard: int) -> None:
+    """FSDP2's `fully_shard` lives in torch.distributed.fsdp from torch 2.6 on."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        import torch
+
+        raise BrigadeError(f"--shard {shard} needs FSDP2 (torch.distributed.fsdp.fully_shard, torch ≥ 2.6) "
+                           f"but this torch is {torch.__version__}: upgrade torch, or drop --shard") from None

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from brigade import forensics
 from brigade.fsutil import fsync_path, write_atomic
+from brigade.shards import full
 from brigade.snapshot.format import (
     MANIFEST,
     Manifest,
@@ -104,9 +105,10 @@ class SafeReader(dcp.FileSystemReader):
 
 
 def _param_hashes(model: nn.Module) -> dict[str, str]:
-    """Every parameter's hash over all ranks, a shared one once (its canonical name)."""
+    """Every parameter's hash over all ranks, a shared one once (its canonical name); a sharded one
+    of the whole parameter, gathered (so every layout hashes the same model alike)."""
     tied = aliases_of(model)
-    mine = {name: tensor_sha256(p) for name, p in model.named_parameters() if name not in tied}
+    mine = {name: tensor_sha256(full(p)) for name, p in model.named_parameters() if name not in tied}
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)

@@ -32,10 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 from brigade import forensics, groups
 from brigade.config import ParallelConfig, pipeline_shape
 from brigade.errors import BrigadeError
+from brigade.parallel.shard import shard_stage
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
 from brigade.pipeline.plans.schedule import placement
 from brigade.pipeline.stages.partition import choose_balance, parse_balance, split
 from brigade.pipeline.stages.ties import aliases, find_shared
+from brigade.shards import local
 from brigade.train.ties import StageTies
 
 
@@ -71,10 +73,19 @@ class Layout:
     dp_group: object
     pp_group: object
     device: torch.device
+    shard: int = 1  # of the dp processes of a stage, how many shard it (1: DDP, or no dp)
+    shard_mesh: object = None  # fully_shard's mesh: (shard), or (replicate, shard) under HSDP
+    shard_group: object = None  # the processes holding the other shards of this one's copy
 
 
 def make_layout(cfg: ParallelConfig, device: torch.device) -> Layout:
-    """Process groups for dp × pp over the current world (rank = dp_rank · pp + pp_rank)."""
+    """Process groups for dp × pp over the current world (rank = dp_rank · pp + pp_rank).
+
+    With --shard S the data-parallel rank is itself replicate · S + shard: a second mesh
+    (replicate, shard, pp) over the same ranks gives fully_shard its data-parallel part.
+
+        dp 4, shard 2, pp 2:  rank = (replicate · 2 + shard) · 2 + pp_rank
+    """
     world, rank = dist.get_world_size(), dist.get_rank()
     if cfg.dp * cfg.pp != world:
         raise BrigadeError(
@@ -84,8 +95,16 @@ def make_layout(cfg: ParallelConfig, device: torch.device) -> Layout:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (cfg.dp, cfg.pp), mesh_dim_names=("dp", "pp"))
-    return Layout(cfg.dp, cfg.pp, rank // cfg.pp, rank % cfg.pp, mesh["dp"].get_group(),
-                  mesh["pp"].get_group(), device)
+    layout = Layout(cfg.dp, cfg.pp, rank // cfg.pp, rank % cfg.pp, mesh["dp"].get_group(),
+                    mesh["pp"].get_group(), device)
+    if cfg.shard > 1:
+        replicas = cfg.dp // cfg.shard
+        full = init_device_mesh(device.type, (replicas, cfg.shard, cfg.pp),
+                                mesh_dim_names=("replicate", "shard", "pp"))
+        layout.shard = cfg.shard
+        layout.shard_mesh = full["shard"] if replicas == 1 else full["replicate", "shard"]
+        layout.shard_group = full["shard"].get_group()
+    return layout
 
 
 def data_parallel(module: nn.Module, group, device_ids) -> DistributedDataParallel:
@@ -137,6 +156,7 @@ class ProcessModel:
     def __init__(self, blocks: list[nn.Module], loss_fn, cfg: ParallelConfig, layout: Layout,
                  sample: torch.Tensor | None = None, autocast: torch.dtype | None = None):
         self.layout = layout
+        self.reshard = cfg.reshard
         n_ranks, virtual = pipeline_shape(cfg)
         schedule = cfg.schedule if n_ranks > 1 else "gpipe"
         _, ranks = placement(schedule, n_ranks, virtual)
@@ -160,7 +180,10 @@ class ProcessModel:
                                  autocast=autocast, virtual=virtual)
 
     def _replicated(self, module: nn.Module) -> nn.Module:
-        """`module` under DDP over this stage's data-parallel group, when there are replicas."""
+        """`module` under FSDP2 over the layout's shard mesh (--shard), else under DDP over this
+        stage's data-parallel group, when there are replicas."""
+        if self.layout.shard_mesh is not None:
+            return shard_stage(module, self.layout.shard_mesh, self.reshard)
         if self.layout.dp == 1:
             return module
         device = self.layout.device
@@ -219,11 +242,14 @@ class ProcessModel:
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (all stages, a shared parameter once), on every process."""
         sq = torch.zeros((), device=self.layout.device)
-        once = [p.grad for name, p in self.owned.named_parameters()
+        once = [local(p.grad) for name, p in self.owned.named_parameters()
                 if p.grad is not None and name not in self.owned.aliases]
         for group in by_device(once):  # local-pp stages may sit on several GPUs
             norms = torch._foreach_norm(group)  # one fused pass, as clip_grad_norm_ does
             sq = sq + torch.stack(norms).float().pow(2).sum().to(sq.device)
+        if self.layout.shard_group is not None:  # each shard of a copy once (not per replica)
+            forensics.doing("allreduce gradient norm over shards", waiting=True)
+            dist.all_reduce(sq, group=self.layout.shard_group)
         if self.layout.pp > 1:
             forensics.doing("allreduce gradient norm over stages", waiting=True)
             dist.all_reduce(sq, group=self.layout.pp_group)

@@ -18,7 +18,7 @@ STEPS = 20
 
 
 def losses(pp: int = 1, local_stages: int = 1, grad_accum: int = 1, schedule: str = "1f1b",
-           batch_size: int = 8) -> dict[str, list[float]]:
+           batch_size: int = 8, shard: int = 1) -> dict[str, list[float]]:
     """Run 20 steps of a tiny GPT in the current process group; per-step losses and gradient
     norms (a tied weight counted once, and clipped at 1.0 the same in every layout)."""
     vocab, train, val = load_text_data("", 32, 0.1)
@@ -26,7 +26,7 @@ def losses(pp: int = 1, local_stages: int = 1, grad_accum: int = 1, schedule: st
     blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
     info = groups.init(threads=1)
     par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // pp,
-                         local_stages=local_stages, microbatches=2, schedule=schedule)
+                         local_stages=local_stages, microbatches=2, schedule=schedule, shard=shard)
     trainer = Trainer(blocks, gpt_loss, train, None, parallel=par,
                       optim=OptimConfig(warmup_steps=5, grad_accum=grad_accum),
                       train=TrainConfig(max_steps=STEPS, batch_size=batch_size), metrics=False)
@@ -44,9 +44,10 @@ def _assert_same(got: dict, want: dict, rank: int = 0) -> None:
 
 def _assert_copies_equal(trainer: Trainer) -> None:
     """Every copy of a shared parameter, on whichever rank, equals its canonical one bit for bit."""
+    from brigade.shards import full
     from brigade.snapshot.format import tensor_sha256
 
-    mine = {n: tensor_sha256(p) for n, p in trainer.model.named_parameters(remove_duplicate=False)}
+    mine = {n: tensor_sha256(full(p)) for n, p in trainer.model.named_parameters(remove_duplicate=False)}
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     held = {n: h for part in parts for n, h in part.items()}
@@ -77,12 +78,17 @@ def reference():
     dict(nproc=4, pp=2, schedule="interleaved"),  # dp = 2 × pp = 2, two stages per rank
     dict(nproc=2, local_stages=2, schedule="looped-bfs"),  # dp = 2 × local-pp = 2, two per device
     dict(nproc=2, pp=2, schedule="interleaved"),  # pp = 2, two stages per rank: the tie on both ranks
+    dict(nproc=4, pp=2, shard=2),       # shard = 2 × pp = 2 (FSDP2 per stage)
+    dict(nproc=4, pp=2, shard=2, schedule="zb"),  # shard = 2 × pp = 2, split backward
+    dict(nproc=4, pp=2, shard=2, schedule="zbv"),  # shard = 2 × pp = 2, the tie's copies on rank 0
+    dict(nproc=4, shard=2),             # HSDP: 2 replicas × shard 2
 ], ids=["dp2", "pp2", "dp2xlocal2", "pp2-zb", "dp2xpp2", "dp2xpp2-zb", "dp2xlocal2-zb", "pp2-zbv",
-        "dp2xpp2-interleaved", "dp2xlocal2-looped-bfs", "pp2-interleaved"])
+        "dp2xpp2-interleaved", "dp2xlocal2-looped-bfs", "pp2-interleaved", "shard2xpp2", "shard2xpp2-zb",
+        "shard2xpp2-zbv", "hsdp2x2"])
 def test_layouts_match_a_single_device(reference, layout):
     nproc = layout.pop("nproc")
     results = agent.launch(losses, nproc, layout.get("pp", 1), layout.get("local_stages", 1), 1,
-                           layout.get("schedule", "1f1b"))
+                           layout.get("schedule", "1f1b"), 8, layout.get("shard", 1))
     assert len(reference["loss"]) == STEPS
     for rank, got in results.items():
         _assert_same(got, reference, rank)
@@ -92,6 +98,14 @@ def test_layouts_match_a_single_device(reference, layout):
 @pytest.mark.timeout(120)
 def test_gradient_accumulation_matches_one_big_batch(reference):
     got = agent.launch(losses, 2, 1, 1, 2)[0]  # dp=2, two accumulated halves per replica
+    _assert_same(got, reference)
+
+
+@pytest.mark.timeout(120)
+def test_sharded_gradient_accumulation_reduces_once_per_step(reference):
+    """shard 2, two accumulated halves per replica: the first half's backward adds into the gathered
+    gradients and only the step's last one reduce-scatters."""
+    got = agent.launch(losses, 2, 1, 1, 2, "1f1b", 8, 2)[0]
     _assert_same(got, reference)
 
 

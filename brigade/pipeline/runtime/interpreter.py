@@ -23,6 +23,8 @@ per step. With one stage per rank and a plain backward, DDP's own reducer does i
 the last backward. Otherwise (a split I/W backward, or several stages per rank) the stage's
 `GradientReducer` starts the all-reduce as soon as that stage's last backward or weight
 pass is done, so it overlaps the actions that remain, and waits at the end of the step.
+A stage under FSDP2 (`fully_shard`) reduce-scatters once, at the end of every step that syncs
+(`ShardedReducer`), whatever the schedule; its backwards see the gathered parameters.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from brigade import forensics
 from brigade.pipeline.plans.action import COMM_OPS, RECV_B, RECV_F, Action, W
 from brigade.pipeline.runtime.handlers import HANDLERS
-from brigade.pipeline.runtime.reduce import GradientReducer
+from brigade.pipeline.runtime.reduce import GradientReducer, ShardedReducer
 from brigade.pipeline.runtime.step import Step, StepResult
 from brigade.pipeline.transport.local import Transport
 from brigade.pipeline.transport.ordering import peer_of
@@ -75,6 +77,8 @@ class StageRunner:
         self.reducers = {s: GradientReducer(m.module.parameters(), m.process_group, m.bucket_bytes_cap)
                          for s, m in self.modules.items() if isinstance(m, DistributedDataParallel)}
         self.ddp_reduces = not several  # DDP's own reducer, on plain backwards
+        # Under FSDP2: its reduction held off for the step, run once at its end (reduce.py).
+        self.sharded = {s: ShardedReducer(m) for s, m in self.modules.items() if _is_sharded(m)}
         self._param_lists = {s: list((m.module if isinstance(m, DistributedDataParallel) else m).parameters())
                              for s, m in self.modules.items()}  # listed once, asked for every backward
 
@@ -113,7 +117,9 @@ class StageRunner:
         st = Step(actions, inputs, targets, weights, keep_outputs, sync, side)
         split = any(a.op == W for a in actions)
         if sync and (split or not self.ddp_reduces):
-            st.reducers = self.reducers
+            st.reducers = dict(self.reducers)
+        if sync and st.training:
+            st.reducers.update(self.sharded)
         for reducer in st.reducers.values():
             reducer.reset()
         self.transport.begin_step(actions, (inputs, side) if self.is_first and side else
@@ -129,11 +135,17 @@ class StageRunner:
             self.transport.flush()
         for reducer in st.reducers.values():
             reducer.finish()  # before anyone reads .grad (norm, clipping, optimizer)
+        if not st.training:
+            for reducer in self.sharded.values():
+                reducer.rest()  # evaluation gathered parameters that no backward will reshard
         st.result.loss = st.total
         return st.result
 
     def params(self, s: int) -> list[torch.Tensor]:
-        """Stage s's parameters (inside DDP's wrapper), listed once and asked for every backward."""
+        """Stage s's parameters as autograd sees them: inside DDP's wrapper (listed once), or
+        under FSDP2 the gathered ones (asked for each time: FSDP makes them at the first forward)."""
+        if s in self.sharded:
+            return self.sharded[s].params()
         return self._param_lists[s]
 
     def _record(self, a: Action) -> None:
@@ -147,3 +159,12 @@ class StageRunner:
         where = f"{'from' if a.op in (RECV_F, RECV_B) else 'to'} stage {peer}"
         forensics.doing(f"{a.op} mb{a.microbatch} {where}" + (f" (rank {rank})" if ranks else ""),
                         waiting=True, on=rank)
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    """Whether `module` is a stage under FSDP2's `fully_shard` (an FSDPModule)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 cannot have made one
+        return False
+    return isinstance(module, FSDPModule)

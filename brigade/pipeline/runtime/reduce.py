@@ -1,19 +1,39 @@
-"""Gradient reduction over data-parallel replicas where DDP's own reducer cannot do it.
+"""Gradient reduction over data-parallel replicas where the wrapper's own cannot do it.
 
 DDP hooks a normal backward. A split backward (I now, W later) never runs one, and a rank
 holding several stages runs several backwards per micro-batch; in both cases the runner
 (`interpreter.StageRunner`) hands each stage's finished parameters to a `GradientReducer`,
 which all-reduces them in buckets as they complete and writes the mean into `.grad`.
+
+FSDP2 (a stage under `fully_shard`) would reduce-scatter after every backward of every
+micro-batch, and never after a weight pass, which its hooks do not see. So a
+`ShardedReducer` holds its reduction off for the whole step (gradients accumulate in the
+gathered parameters) and runs FSDP's post-backward by hand once at the end: one
+reduce-scatter per stage per step (torch's pipelining does the same, `perform_reduce_grad`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from brigade import forensics
+
+
+class Reducer(Protocol):
+    """What the runner asks of a stage's gradient reduction during a step that syncs."""
+
+    def reset(self) -> None:
+        """A step begins: forget the last one's progress."""
+
+    def ready(self, params: list[torch.Tensor]) -> None:
+        """These parameters' gradients are complete for the step."""
+
+    def finish(self) -> None:
+        """The step's actions are done: leave the replicas' mean in `.grad`."""
 
 
 class GradientReducer:
@@ -92,3 +112,70 @@ def _buckets(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
         out[-1].append(p)
         size += nbytes
     return out
+
+
+class ShardedReducer:
+    """One reduce-scatter per step for a stage under FSDP2's `fully_shard` (and HSDP's all-reduce).
+
+    Between steps FSDP is told that no backward is the last one and that nothing reshards after
+    backward, so every backward (B, I or W, every micro-batch, every accumulation chunk) adds
+    into the gathered parameters' `.grad`. `finish` then reduces each FSDP unit of the stage,
+    FSDP's own way, leaving the mean of the replicas' gradients in the sharded parameters'
+    `.grad` and the parameters sharded again.
+
+    Uses FSDP's per-unit post-backward (`FSDPParamGroup.post_backward`), not a public API: the
+    one torch's pipelining calls for the same reason.
+
+    Args:
+        module: the stage, an FSDPModule (its blocks may be FSDP units of their own).
+    """
+
+    def __init__(self, module):
+        self.module = module
+        self._hold()
+
+    def _hold(self) -> None:
+        self.module.set_requires_gradient_sync(False)
+        self.module.set_is_last_backward(False)
+        self.module.set_reshard_after_backward(False)
+
+    def _state(self):
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard.state(self.module)
+
+    def _units(self) -> list:
+        """Every FSDP parameter group of the stage (empty before its first forward)."""
+        ctx = self._state()._state_ctx
+        return [g for st in ctx.all_states
+                for g in getattr(st, "_fsdp_param_groups", None) or [st._fsdp_param_group] if g is not None]
+
+    def params(self) -> list:
+        """The gathered parameters autograd sees in this step's graphs (not the sharded ones)."""
+        return [fp.unsharded_param for g in self._units() for fp in g.fsdp_params
+                if hasattr(fp, "_unsharded_param")]
+
+    def reset(self) -> None:
+        """Nothing to forget: FSDP keeps what the step has accumulated."""
+
+    def ready(self, params: list) -> None:
+        """Parameters finish as a whole stage here: `finish` reduces them all."""
+
+    def finish(self) -> None:
+        """Reduce-scatter every unit's accumulated gradients; reshard the parameters."""
+        self.module.set_requires_gradient_sync(True)
+        self.module.set_is_last_backward(True)
+        self.module.set_reshard_after_backward(True)
+        forensics.doing("reduce-scatter sharded gradients", waiting=True)
+        for unit in self._units():
+            unit.post_backward()
+        self._state()._root_post_backward_final_callback()
+        self._hold()
+
+    def rest(self) -> None:
+        """Free the gathered parameters (after a forward with no backward: evaluation)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()

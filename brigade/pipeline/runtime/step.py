@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from brigade.pipeline.plans.action import Action, B, I, PlanError, W
-from brigade.pipeline.runtime.reduce import GradientReducer
+from brigade.pipeline.runtime.reduce import Reducer
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Step:
     outgoing: dict[Key, torch.Tensor] = field(default_factory=dict)  # input gradients to send
     weight_steps: dict[Key, Callable] = field(default_factory=dict)  # pending W of (stage, mb)
     total: torch.Tensor | None = None
-    reducers: dict[int, GradientReducer] = field(default_factory=dict)  # stage -> its reducer
+    reducers: dict[int, Reducer] = field(default_factory=dict)  # stage -> its reducer
     remaining: dict[int, int] = field(default_factory=dict)  # stage -> backward/weight passes left
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade.errors import BrigadeError
+from brigade.shards import local
 
 
 @dataclass(frozen=True)
@@ -182,17 +183,18 @@ def sum_tied_grads(ties: Sequence[Tie], held: Mapping[int, nn.Module],
         group = groups.group(k) if groups is not None else None
         if not copies or (len(copies) == 1 and group is None):
             continue  # one copy in all the world: autograd already summed its uses
-        grads = [p.grad for p in copies if p.grad is not None]
+        # Sharded copies (FSDP2) sum shard by shard: every copy of a tie has the same shape and
+        # mesh, so the copies on one data-parallel row hold the same part of it.
+        grads = [local(p.grad) for p in copies if p.grad is not None]
         if not grads and group is None:
             continue
-        device = copies[0].device
-        total = torch.zeros_like(copies[0]) if not grads else grads[0].to(device, copy=True)
+        device = local(copies[0]).device
+        total = torch.zeros_like(local(copies[0])) if not grads else grads[0].to(device, copy=True)
         for g in grads[1:]:
             total += g.to(device)
         if group is not None:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         for p in copies:
             if p.grad is None:
-                p.grad = total.to(p.device, copy=True)
-            else:
-                p.grad.copy_(total)
+                p.grad = torch.zeros_like(p)  # a DTensor's zeros are a DTensor like it
+            local(p.grad).copy_(total)

@@ -1,0 +1,57 @@
+"""Sharded data parallel: FSDP2's `fully_shard` on a stage's blocks, then on the stage itself.
+
+Each block that owns parameters becomes its own FSDP unit (all-gathered and freed as one), and
+the stage's root takes whatever is left (a parameter two blocks of the stage share, buffers of
+the root). The mesh is the data-parallel part of the DeviceMesh: 1-D (shard) for FSDP, 2-D
+(replicate, shard) for HSDP, where each shard group holds one full copy and the replicas
+all-reduce the reduce-scattered gradients.
+
+    stage s ── fully_shard(block) for each block ── fully_shard(stage)      (torchtitan's order)
+
+Under a pipeline the gradient reduction is not FSDP's own: the runtime holds it off for every
+backward of the step and reduce-scatters once at its end (`runtime.reduce.ShardedReducer`).
+By default the parameters stay gathered from the step's first forward to that reduction, so a
+stage all-gathers once per step and not once per micro-batch (`reshard_after_forward=False`,
+as torchtitan does under a pipeline); `reshard=True` frees them after each forward, for less
+memory and one all-gather per micro-batch more.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def _shared_within(blocks: list[nn.Module]) -> set[int]:
+    """ids of parameters that more than one of `blocks` holds (a tie inside one stage)."""
+    seen: dict[int, int] = {}
+    for k, block in enumerate(blocks):
+        for p in block.parameters():
+            if seen.setdefault(id(p), k) != k:
+                seen[id(p)] = -1
+    return {pid for pid, k in seen.items() if k == -1}
+
+
+def shard_stage(module: nn.Module, mesh, reshard: bool = False) -> nn.Module:
+    """Wrap a stage's blocks and then the stage with `fully_shard` over `mesh`, in place.
+
+    A block holding a parameter another block of the stage also holds is left to the root (one
+    FSDP unit may own a parameter, and the root then owns it once).
+
+    Args:
+        module: the stage (an nn.Sequential or StageModule of blocks).
+        mesh: the data-parallel DeviceMesh: 1-D (shard) or 2-D (replicate, shard).
+        reshard: free the gathered parameters after each forward (see the module docstring).
+
+    Returns:
+        `module`, now an FSDPModule whose parameters are sharded DTensors.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = list(module.children())
+    shared = _shared_within(blocks)
+    for block in blocks:
+        params = list(block.parameters())
+        if params and not any(id(p) in shared for p in params):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    return module

@@ -1,0 +1,87 @@
+"""FSDP2 on a stage from outside (brigade/parallel/shard.py) and its one reduction per step.
+
+Two processes share a one-stage pipeline sharded over both: the gradients equal one device's
+on the whole batch under a plain and a split backward, and FSDP's collectives are counted — an
+all-gather per unit per step (per micro-batch with `reshard`), one reduce-scatter per unit per
+step, not per micro-batch.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from brigade.parallel.shard import _shared_within, shard_stage
+
+M = 4  # micro-batches
+
+
+def _stage() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Linear(8, 5), nn.Linear(5, 3))
+
+
+def _loss(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _counting(calls: dict):
+    """Wrap torch.distributed's single-tensor all-gather and reduce-scatter (FSDP2's) to count them."""
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kw)
+        setattr(dist, name, counted)
+
+
+def _one_step(schedule: str, reshard: bool) -> dict:
+    """Worker: one step of a sharded one-stage pipeline over 2 ranks; the worst gradient difference
+    from one device and the collectives of the step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from brigade import groups
+    from brigade.pipeline.pipe import Pipeline
+    from brigade.shards import full
+
+    groups.init("gloo", threads=1)
+    rank = dist.get_rank()
+    ref, stage = _stage(), _stage()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+    _loss(ref(x), y).backward()
+    shard_stage(stage, init_device_mesh("cpu", (2,)), reshard=reshard)
+    solo = dist.new_group([rank])  # the pipeline's own group: one stage, this rank alone
+    pipe = Pipeline({0: stage}, schedule, M, _loss, group=solo, device=torch.device("cpu"))
+    calls: dict = {}
+    _counting(calls)
+    pipe.step(x.chunk(2)[rank], y.chunk(2)[rank])
+    worst = max((full(p.grad) - q.grad).abs().max().item() for p, q in zip(stage.parameters(), ref.parameters()))
+    sharded = all(type(p).__name__ == "DTensor" and p.to_local().shape[0] <= (q.shape[0] + 1) // 2
+                  for p, q in zip(stage.parameters(), ref.parameters()))
+    groups.destroy()
+    return {"worst": worst, "calls": calls, "sharded": sharded}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reshard", [False, True])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_one_reduce_scatter_per_unit_per_step_and_gradients_of_one_device(schedule, reshard):
+    from brigade import launch
+
+    got = launch(_one_step, 2, schedule, reshard)[0]
+    units = 4  # the three blocks and the stage's root (the Tanh block's Linear is in its block)
+    assert got["worst"] < 1e-6 and got["sharded"], got
+    assert got["calls"]["reduce_scatter_single"] == units - 1  # the root holds no parameter of its own
+    gathers = got["calls"]["all_gather_single"]
+    assert gathers == units - 1 if not reshard else gathers > units - 1, got
+
+
+def test_a_parameter_two_blocks_share_is_left_to_the_stage():
+    shared = nn.Linear(3, 3)
+    blocks = [nn.Sequential(shared), nn.Linear(3, 3), nn.Sequential(shared, nn.ReLU())]
+    assert _shared_within(blocks) == {id(shared.weight), id(shared.bias)}
+    assert _shared_within([nn.Linear(2, 2), copy.deepcopy(nn.Linear(2, 2))]) == set()
