@@ -133,8 +133,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         verdict = "OK" if result["ok"] else "MISMATCH"
+        sharded = f" (shard {cfg.shard})" if cfg.shard > 1 else ""
         print(f"{verdict}: {args.model} on {cfg.stages} stages ({cfg.runtime}), {cfg.schedule}, "
-              f"V={result['virtual']}, dp={cfg.dp}{f' (shard {cfg.shard})' if cfg.shard > 1 else ''}, m={cfg.microbatches}, balance {result['balance']}, "
+              f"V={result['virtual']}, dp={cfg.dp}{sharded}, m={cfg.microbatches}, "
+              f"balance {result['balance']}, "
               f"reference: {result['reference']} on {result['reference_device']}")
         print(f"  max |Δloss| {result['max_abs_loss_diff']:.3g}   max |Δgrad| "
               f"{result['max_abs_grad_diff']:.3g}   max |Δparam| after one SGD step "

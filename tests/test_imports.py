@@ -4,7 +4,8 @@
   `__init__`: checked in a fresh interpreter for every such module, found by its docstring.
 - Models know nothing of parallelism: brigade/models imports nothing from pipeline, parallel,
   train, bench, check or config; parallel/ (what wraps a stage from outside) and pipeline/ import
-  nothing of what builds the stages (train, check, bench); and the configuration imports nothing of what runs it (train, bench,
+  nothing of what builds the stages (train, check, bench); and the configuration imports nothing
+  of what runs it (train, bench,
   check, the CLI, the launcher).
 - pipeline/ is built in floors (plans, stages, batches, transport, runtime, lowest first; pipe.py
   on top): a module imports nothing from a floor above its own, and every plan module is pure.

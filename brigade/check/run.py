@@ -291,7 +291,8 @@ def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
                            f"--dp (dp = --shard × replicas; 1: no sharding)")
     if cfg.shard > 1 and cfg.runtime == "local":
         raise BrigadeError(f"--shard {cfg.shard} with --runtime local: FSDP2 shards over one device per "
-                           "process, and the local runtime drives every stage from one; use --runtime process")
+                           "process, and the local runtime drives every stage from one; use "
+                           "--runtime process")
     if cfg.batch_size % cfg.dp:
         raise BrigadeError(f"--batch-size {cfg.batch_size} does not split into --dp {cfg.dp} equal "
                            f"replica batches: use a multiple of {cfg.dp}")

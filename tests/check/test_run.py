@@ -2,9 +2,9 @@
 
 Grid: for the GPT (its head tied to the embedding: one parameter on two stages) and a user
 model file, every schedule × V (the registry's fixed V, or 1 and 2) × m ∈ {1, 3, 8} ×
-dp ∈ {1, 2} (dp 2 replicated, DDP, or sharded, FSDP2) on 2 pipeline ranks: loss, every gradient and every parameter after one SGD step
-within 1e-5 of one device on the whole batch. One process start per (model, dp) runs all of
-its cases.
+dp ∈ {1, 2} (dp 2 replicated, DDP, or sharded, FSDP2) on 2 pipeline ranks: loss, every gradient
+and every parameter after one SGD step within 1e-5 of one device on the whole batch. One process
+start per (model, dp, shard) runs all of its cases.
 """
 
 import json
@@ -51,7 +51,8 @@ def user_model(tmp_path_factory) -> str:
     return f"{f}:make"
 
 
-def grid_config(model: str, dp: int, runtime: str = "process", shard: int = 1, stages: int = 2) -> CheckConfig:
+def grid_config(model: str, dp: int, runtime: str = "process", shard: int = 1,
+                stages: int = 2) -> CheckConfig:
     options = TINY_GPT if model == "gpt" else {}
     return CheckConfig(model=model, stages=stages, runtime=runtime, batch_size=16, dp=dp, shard=shard,
                        model_options=options)
@@ -94,9 +95,8 @@ def test_check_fails_when_fsdp_reduces_on_its_own_under_a_split_backward(monkeyp
     """Left to itself FSDP reduce-scatters when a unit's input gradient is done, which under zb's
     split backward is before its weight pass (the trap torch's own PP + zero-bubble met): the
     check must see the weight gradients that never got reduced."""
-    from brigade.pipeline.runtime import reduce
-
     from brigade.errors import RunError
+    from brigade.pipeline.runtime import reduce
 
     monkeypatch.setattr(reduce.ShardedReducer, "_hold", lambda self: None)
     monkeypatch.setattr(reduce.ShardedReducer, "finish", lambda self: None)

@@ -59,7 +59,8 @@ def _one_step(schedule: str, reshard: bool) -> dict:
     calls: dict = {}
     _counting(calls)
     pipe.step(x.chunk(2)[rank], y.chunk(2)[rank])
-    worst = max((full(p.grad) - q.grad).abs().max().item() for p, q in zip(stage.parameters(), ref.parameters()))
+    worst = max((full(p.grad) - q.grad).abs().max().item()
+                for p, q in zip(stage.parameters(), ref.parameters()))
     sharded = all(type(p).__name__ == "DTensor" and p.to_local().shape[0] <= (q.shape[0] + 1) // 2
                   for p, q in zip(stage.parameters(), ref.parameters()))
     groups.destroy()
