@@ -70,6 +70,20 @@ CASES = [
      "step 0 is never run: give a step from 1 to --max-steps", 2),
     ("fault step past the end", ["train", "--max-steps", "5", "--inject-fault", "stall:rank=0:step=6"],
      "step 6 is never run: give a step from 1 to --max-steps 5", 2),
+    # sharding
+    ("shard does not divide dp", ["train", "--nproc", "4", "--pp", "2", "--shard", "4"],
+     "--shard 4 does not divide the data-parallel width dp 2: give --shard a divisor of 2", 2),
+    ("shard 0", ["train", "--shard", "0"], "--shard 0: must be ≥ 1", 2),
+    ("shard with local stages", ["train", "--shard", "2", "--local-stages", "2"],
+     "--shard 2 with --local-stages 2: FSDP2 shards over a DeviceMesh of one device per process", 2),
+    ("elastic shard not dividing dp at MIN", ["train", "--nnodes", "2:3", "--rdzv-endpoint", "127.0.0.1:29999",
+                                             "--nproc", "2", "--shard", "4", "--max-restarts", "1",
+                                             "--batch-size", "48"],
+     "--shard 4 does not divide the data-parallel width dp 6 on 3 node(s)", 2),
+    ("check shard does not divide dp", ["check", "--dp", "2", "--shard", "3"],
+     "--shard 3 does not divide --dp 2: give --shard a divisor of --dp", 2),
+    ("check shard under the local runtime", ["check", "--dp", "2", "--shard", "2", "--runtime", "local"],
+     "--shard 2 with --runtime local: FSDP2 shards over one device per process", 2),
     # model
     ("unknown model", ["train", "--model", "vgg"], "unknown model 'vgg'", 2),
     ("model file missing", ["train", "--model", "{tmp}/missing.py:make"], "not found", 2),
@@ -153,6 +167,23 @@ def test_catalogue(tmp, cli, case, argv, message, code):
     result = brigade(*argv) if case in END_TO_END else cli(*argv)
     assert_clean(result, message.replace("{tmp}", str(tmp)), code)
     assert not out.exists(), "nothing may be written for a rejected run"
+
+
+def test_shard_on_a_torch_without_fsdp2(cli, tmp_path, monkeypatch):
+    """A torch before 2.6 has no torch.distributed.fsdp.fully_shard: refused, naming the version."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_fsdp(name, *args, **kw):
+        if name == "torch.distributed.fsdp" and "fully_shard" in (args[2] if len(args) > 2 else ()):
+            raise ImportError("cannot import name 'fully_shard'")
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_fsdp)
+    result = cli("train", "--out", tmp_path / "run", "--shard", "2")
+    assert_clean(result, "--shard 2 needs FSDP2 (torch.distributed.fsdp.fully_shard, torch ≥ 2.6)", 2)
+    assert not (tmp_path / "run").exists()
 
 
 def test_debug_shows_the_traceback():

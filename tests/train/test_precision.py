@@ -83,7 +83,7 @@ def test_loss_scaler_backs_off_grows_and_gives_up():
 STEPS = 6
 
 
-def fp16_run(pp: int = 1, scale: float = 2.0 ** 19) -> dict:
+def fp16_run(pp: int = 1, scale: float = 2.0 ** 19, shard: int = 1) -> dict:
     """fp16 steps of a tiny GPT from a loss scale that overflows (here up to 2**18); records, and
     whether the parameters stayed as they were after the first (skipped) step."""
     vocab, train, _ = load_text_data("", 32, 0.1)
@@ -93,7 +93,7 @@ def fp16_run(pp: int = 1, scale: float = 2.0 ** 19) -> dict:
     blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0,
                            tie_embeddings=False))
     info = groups.init(threads=1)
-    par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // pp, microbatches=2)
+    par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // pp, microbatches=2, shard=shard)
     trainer = Trainer(blocks, gpt_loss, train, None, parallel=par, optim=OptimConfig(warmup_steps=2),
                       train=TrainConfig(max_steps=STEPS, batch_size=8, precision="fp16"), metrics=False)
     trainer.scaler.scale = scale
@@ -121,13 +121,19 @@ def test_fp16_skips_an_overflowing_step_then_trains():
 
 
 @pytest.mark.timeout(240)
-def test_fp16_stages_skip_the_same_steps_and_keep_the_same_scale():
-    """pp 2: stage 0 sees no loss, yet skips exactly where the last stage does, at the same scale."""
+@pytest.mark.parametrize("pp,shard", [(2, 1), (1, 2)], ids=["pp2", "shard2"])
+def test_fp16_stages_and_shards_skip_the_same_steps_and_keep_the_same_scale(pp, shard):
+    """pp 2: stage 0 sees no loss, yet skips exactly where the last stage does, at the same scale,
+    as one device. shard 2: an overflow in one shard's gradients skips the step on both, as under
+    DDP's dp 2 (each replica's half batch overflows otherwise than one device's whole one)."""
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(1) as pool:
-        alone = pool.apply(fp16_run)["history"]
-    runs = agent.launch(fp16_run, 2, 2)
+    if shard == 1:
+        with mp.get_context("spawn").Pool(1) as pool:
+            alone = pool.apply(fp16_run)["history"]
+    else:
+        alone = agent.launch(fp16_run, 2, 1)[0]["history"]
+    runs = agent.launch(fp16_run, 2, pp, 2.0 ** 19, shard)
     for rank, run in runs.items():
         h = run["history"]
         assert run["unchanged_after_skip"], f"rank {rank}"

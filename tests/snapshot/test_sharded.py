@@ -1,0 +1,45 @@
+"""Snapshots of sharded runs stay layout-free (DCP reshards on load).
+
+A tied GPT trains 3 steps under shard 2 × pp 2 (FSDP2 on each stage), snapshots, and goes on to
+step 6; the snapshot then resumes under dp 2 (DDP), under pp 2 and under shard 4, and each
+resumed step's loss equals the run that never stopped.
+"""
+
+import pytest
+
+from brigade import agent, groups
+from brigade.config import ParallelConfig
+from brigade.snapshot.format import find_latest
+from brigade.train.data import load_text_data
+from tests.snapshot.test_ties import _resume, _save, _steps, _trainer
+
+LAYOUTS = {"shard2xpp2": ParallelConfig(nproc=4, pp=2, dp=2, shard=2, microbatches=2),
+           "dp2": ParallelConfig(nproc=2, dp=2),
+           "pp2": ParallelConfig(nproc=2, pp=2, dp=1, microbatches=2),
+           "shard4": ParallelConfig(nproc=4, dp=4, shard=4)}
+
+
+def _leg(layout: str, root: str, save: bool) -> list[float]:
+    """Worker: steps 4-6 of `layout`, from the snapshot in root (save: first train to 3 and save it)."""
+    vocab, train, _ = load_text_data("", 32, 0.1)
+    groups.init(threads=1)
+    trainer = _trainer(LAYOUTS[layout], train, len(vocab))
+    if save:
+        _steps(trainer, 3)
+        _save(trainer, root)
+    else:
+        _resume(trainer, root)
+    got = _steps(trainer, 6)
+    trainer.close()
+    groups.destroy()
+    return got
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_snapshot_resumes_under_ddp_pp_and_another_shard(tmp_path):
+    root = str(tmp_path / "snap")
+    want = agent.launch(_leg, 4, "shard2xpp2", root, True)[0]
+    assert len(want) == 3 and find_latest(root).manifest.step == 3
+    for layout in ("dp2", "pp2", "shard4"):
+        got = agent.launch(_leg, LAYOUTS[layout].nproc, layout, root, False)[0]
+        assert got == pytest.approx(want, abs=1e-5), layout
