@@ -103,9 +103,11 @@ def _add_check(sub) -> None:
     from brigade.check.run import CheckConfig
 
     p = sub.add_parser("check", help="compare a pipeline with a single device, loss and gradients")
-    closed = {"runtime": ["process", "local"], "balance_by": ["params", "time"]}
+    from brigade.config.recompute import MODES
+
+    closed = {"runtime": ["process", "local"], "balance_by": ["params", "time"], "recompute": list(MODES)}
     for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "reshard",
-                 "runtime", "devices", "batch_size", "balance", "balance_by", "seed", "atol"):
+                 "recompute", "runtime", "devices", "batch_size", "balance", "balance_by", "seed", "atol"):
         _option(p, CheckConfig, name, **({"choices": closed[name]} if name in closed else {}))
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     _json_arg(p)
@@ -127,6 +129,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         atol=args.atol, model_options=options, balance_by=args.balance_by,
         devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
         virtual=args.virtual, dp=args.dp, shard=args.shard, reshard=args.reshard,
+        recompute=args.recompute,
     )
     result = run_check(cfg, port=args.port)[0]
     if args.json:
@@ -134,6 +137,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         verdict = "OK" if result["ok"] else "MISMATCH"
         sharded = f" (shard {cfg.shard})" if cfg.shard > 1 else ""
+        sharded += f", recompute {cfg.recompute}" if cfg.recompute != "none" else ""
         print(f"{verdict}: {args.model} on {cfg.stages} stages ({cfg.runtime}), {cfg.schedule}, "
               f"V={result['virtual']}, dp={cfg.dp}{sharded}, m={cfg.microbatches}, "
               f"balance {result['balance']}, "

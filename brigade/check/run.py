@@ -32,9 +32,10 @@ from brigade import agent, groups
 from brigade.check.inputs import sample
 from brigade.check.reference import exact_matmuls, has_batchnorm, reference
 from brigade.config import ParallelConfig
-from brigade.config.fielddoc import MODELS, SCHEDULES, VIRTUALS, doc, sentence
+from brigade.config.fielddoc import MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
+from brigade.parallel import recompute
 from brigade.parallel.shard import shard_stage
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
@@ -45,7 +46,7 @@ from brigade.rendezvous import LaunchSpec
 from brigade.shards import full
 from brigade.train.layout import data_parallel, make_layout, stage_group
 
-Case = tuple  # (schedule, m) or (schedule, m, virtual); virtual 0: the schedule's own V
+Case = tuple  # (schedule, m[, virtual[, recompute]]); virtual 0: the schedule's own V
 
 
 @dataclass
@@ -73,6 +74,7 @@ class CheckConfig:
     virtual: int = doc(0, sentence(ParallelConfig, "virtual"), choices=VIRTUALS)
     dp: int = doc(1, "data-parallel replicas, each on its slice of the batch (dp × stages processes)")
     shard: int = doc(1, sentence(ParallelConfig, "shard"))
+    recompute: str = doc("none", sentence(ParallelConfig, "recompute"), choices=RECOMPUTES)
     reshard: bool = doc(False, sentence(ParallelConfig, "reshard"))
 
 
@@ -93,6 +95,7 @@ class CheckResult:
     dp: int = 1
     reference_device: str = "cpu"
     shard: int = 1
+    recompute: str = "none"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -213,7 +216,7 @@ def _reference_device(cfg: CheckConfig, where: Where) -> torch.device:
 def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float = 0.1) -> CheckResult:
     """One (schedule, m, V) comparison from this process's place (default: local, dp = 1)."""
     where = where or Where()
-    schedule, m, virtual = _case(cfg, case)
+    schedule, m, virtual, mode = _case(cfg, case)
     v = placement(schedule, cfg.stages, virtual)[0]
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
@@ -226,6 +229,7 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
         dist.broadcast(agreed, 0)
         balance = agreed.tolist()
     ties, tie_groups = _untie(spec.blocks, balance, placement(schedule, cfg.stages, v)[1], where)
+    recompute.apply(spec.blocks, mode)  # the reference (a deep copy) ran without
     stages = split(spec.blocks, balance)
     loss, mine = _step(cfg, spec, stages, schedule, m, v, x, y, where)
     held = {b: spec.blocks[b] for s in mine for b in range(sum(balance[:s]), sum(balance[:s + 1]))}
@@ -247,7 +251,7 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
     d = diffs.tolist()
     return CheckResult(schedule, m, cfg.stages, cfg.runtime, balance, loss, d[0], d[1], d[2], ref_kind,
                        ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp, reference_device=str(ref_device),
-                       shard=cfg.shard)
+                       shard=cfg.shard, recompute=mode)
 
 
 def _where(cfg: CheckConfig, info: groups.DistInfo) -> Where:
@@ -273,9 +277,9 @@ def worker(cfg: CheckConfig, cases: list[Case]) -> list[dict]:
     return results
 
 
-def _case(cfg: CheckConfig, case: Case) -> tuple[str, int, int]:
-    """(schedule, m, virtual): a case without V takes the config's."""
-    return (*case, cfg.virtual)[:3]
+def _case(cfg: CheckConfig, case: Case) -> tuple[str, int, int, str]:
+    """(schedule, m, virtual, recompute): a case without V or recompute takes the config's."""
+    return (*case, cfg.virtual, cfg.recompute)[:4] if len(case) < 3 else (*case, cfg.recompute)[:4]
 
 
 def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
@@ -332,7 +336,8 @@ def preflight(cfg: CheckConfig, cases: list[Case]) -> None:
         raise BrigadeError(f"unknown balance method {cfg.balance_by!r}: expected params or time")
     _check_layout(cfg, spec)
     for case in cases:
-        schedule, m, virtual = _case(cfg, case)
+        schedule, m, virtual, mode = _case(cfg, case)
+        recompute.modes(spec.blocks, mode)
         build(schedule, cfg.stages, m, virtual)
         _check_microbatches(cfg, m)
         choose_balance(spec.blocks, cfg.stages * placement(schedule, cfg.stages, virtual)[0],

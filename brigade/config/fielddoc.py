@@ -160,6 +160,18 @@ def _model_names() -> tuple[str, ...]:
     return BUILTIN
 
 
+def _recompute_names() -> list[str]:
+    from brigade.config.recompute import MODES  # owns the names and what each does
+
+    return list(MODES)
+
+
+def _recompute_help() -> str:
+    from brigade.config.recompute import MODES
+
+    return "; ".join(f"{name}: {what}" for name, what in MODES.items())
+
+
 def _precision_names() -> list[str]:
     from brigade.config.precision import PRECISIONS  # owns the names it accepts
 
@@ -170,3 +182,4 @@ SCHEDULES = Choices(_schedule_names, _schedule_help)
 VIRTUALS = Choices(described=_schedule_virtuals)
 MODELS = Choices(_model_names, more="path/to/file.py:factory")
 PRECISIONS = Choices(_precision_names)
+RECOMPUTES = Choices(_recompute_names, _recompute_help)

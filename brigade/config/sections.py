@@ -12,7 +12,7 @@ import json
 import typing
 from dataclasses import dataclass, field, fields
 
-from brigade.config.fielddoc import MODELS, PRECISIONS, SCHEDULES, VIRTUALS, doc
+from brigade.config.fielddoc import MODELS, PRECISIONS, RECOMPUTES, SCHEDULES, VIRTUALS, doc
 
 
 @dataclass
@@ -54,6 +54,8 @@ class ParallelConfig:
                         "those shards (HSDP when both are > 1); 1: no sharding (DDP)")
     reshard: bool = doc(False, "with --shard: free a stage's gathered parameters after each forward "
                                "(less memory; an all-gather per micro-batch, not per step)")
+    recompute: str = doc("none", "activation recomputation of every block ({choices}); a model file's "
+                                 "recompute = {index: mode} sets it per block", choices=RECOMPUTES)
     pp: int = doc(1, "pipeline stages, one process each (1: no pipeline across processes)")
     local_stages: int = doc(1, "pipeline stages inside each process, one thread and device each")
     schedule: str = doc("1f1b", "the pipeline schedule (brigade schedule draws one)", choices=SCHEDULES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from brigade.config.recompute import MODES
 from brigade.config.sections import RunConfig
 from brigade.errors import BrigadeError
 from brigade.net import parse_endpoint
@@ -51,6 +52,8 @@ def validate(cfg: RunConfig) -> None:
     if p.nnodes > 1 and (p.rdzv_endpoint or not p.min_nodes):  # elastic under torchrun: none needed
         parse_endpoint(p.rdzv_endpoint)
     _positive("shard", p.shard)
+    if p.recompute not in MODES:
+        raise BrigadeError(f"--recompute {p.recompute!r}: expected one of {', '.join(MODES)}")
     if p.shard > 1 and p.local_stages > 1:
         raise BrigadeError(f"--shard {p.shard} with --local-stages {p.local_stages}: FSDP2 shards over a "
                            "DeviceMesh of one device per process, and local stages drive several from "

@@ -6,6 +6,8 @@ last block's output, and a way to make a synthetic batch (for check, bench, tune
 A user's file may define, beside its factory:
     batch(batch_size: int, generator: torch.Generator) -> (inputs, targets)
     loss(output, targets) -> scalar mean over the batch
+    recompute = {block index: "none" | "full" | "selective"}   per block, over --recompute
+(the last is the same as giving those blocks a `recompute` attribute of that mode)
 Without them, brigade infers an input from the first Linear / Conv2d / Embedding
 and uses mean-squared error against random targets (as the tutorial does).
 """
@@ -131,9 +133,29 @@ def _from_file(spec_text: str, **text) -> ModelSpec:
     except Exception as exc:
         raise BrigadeError(f"factory {spec_text} raised {type(exc).__name__}: {exc}") from None
     blocks = as_blocks(made, spec_text)
+    _declare_recompute(blocks, getattr(module, "recompute", None), path)
     loss_fn = getattr(module, "loss", _mse)
     make_batch = getattr(module, "batch", None) or _infer_batch(blocks)
     return ModelSpec(spec_text, blocks, loss_fn, make_batch, getattr(module, "text_inputs", None))
+
+
+def _declare_recompute(blocks: list[nn.Module], plan: object, path: Path) -> None:
+    """A model file's `recompute = {index: mode}`: each named block declares its mode (the modes
+    themselves are checked where recompute is applied, `brigade.parallel.recompute`).
+
+    Raises:
+        BrigadeError: not a dict, or it names a block the model does not have.
+    """
+    if plan is None:
+        return
+    if not isinstance(plan, dict):
+        raise BrigadeError(f"{path}: recompute is a {type(plan).__name__}: expected a dict like "
+                           "{0: 'none', 3: 'full'} from block index to mode")
+    for i, mode in plan.items():
+        if not isinstance(i, int) or not 0 <= i < len(blocks):
+            raise BrigadeError(f"{path}: recompute names block {i!r} but the model has {len(blocks)} "
+                               f"blocks (0 to {len(blocks) - 1}): name blocks by their index")
+        blocks[i].recompute = mode
 
 
 def as_blocks(made: object, where: str = "model") -> list[nn.Module]:

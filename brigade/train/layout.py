@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from brigade import forensics, groups
 from brigade.config import ParallelConfig, pipeline_shape
 from brigade.errors import BrigadeError
+from brigade.parallel import recompute
 from brigade.parallel.shard import shard_stage
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
 from brigade.pipeline.plans.schedule import placement
@@ -157,6 +158,7 @@ class ProcessModel:
                  sample: torch.Tensor | None = None, autocast: torch.dtype | None = None):
         self.layout = layout
         self.reshard = cfg.reshard
+        self.recompute = recompute.apply(blocks, cfg.recompute)  # before any wrapper (torchtitan's order)
         n_ranks, virtual = pipeline_shape(cfg)
         schedule = cfg.schedule if n_ranks > 1 else "gpipe"
         _, ranks = placement(schedule, n_ranks, virtual)

@@ -1,10 +1,11 @@
 """`brigade check`: fp32 comparisons, and the transparency grid of issue #14.
 
 Grid: for the GPT (its head tied to the embedding: one parameter on two stages) and a user
-model file, every schedule × V (the registry's fixed V, or 1 and 2) × m ∈ {1, 3, 8} ×
-dp ∈ {1, 2} (dp 2 replicated, DDP, or sharded, FSDP2) on 2 pipeline ranks: loss, every gradient
-and every parameter after one SGD step within 1e-5 of one device on the whole batch. One process
-start per (model, dp, shard) runs all of its cases.
+model file, every schedule × V (the registry's fixed V, or 1 and 2) × m ∈ {1, 3, 8}, and each
+of those at m = 3 under full and selective recompute, × dp ∈ {1, 2} (dp 2 replicated, DDP, or
+sharded, FSDP2) on 2 pipeline ranks: loss, every gradient and every parameter after one SGD step
+within 1e-5 of one device on the whole batch. One process start per (model, dp, shard) runs all
+of its cases.
 """
 
 import json
@@ -21,6 +22,8 @@ from brigade.pipeline.plans.schedule import SCHEDULES
 
 GRID = [(name, m, v) for name, s in SCHEDULES.items() for v in ([s.virtual] if s.virtual else [1, 2])
         for m in (1, 3, 8)]
+# and each recompute mode over every schedule and V (at m = 3), in the same worlds
+RECOMPUTE = [(name, m, v, mode) for name, m, v in GRID if m == 3 for mode in ("full", "selective")]
 TINY_GPT = {"gpt_cfg": GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, tie_embeddings=True)}
 USER_MODEL = '''
 import torch
@@ -60,9 +63,10 @@ def grid_config(model: str, dp: int, runtime: str = "process", shard: int = 1,
 
 def _failures(results: list[dict], cases) -> list[str]:
     bad = []
-    for r, (schedule, m, v) in zip(results, cases, strict=True):
-        row = (r["schedule"], r["microbatches"], r["virtual"])
-        if row != (schedule, m, v) or not r["ok"] or r["reference"] != "full batch" or \
+    for r, case in zip(results, cases, strict=True):
+        schedule, m, v, mode = (*case, "none")[:4]
+        row = (r["schedule"], r["microbatches"], r["virtual"], r["recompute"])
+        if row != (schedule, m, v, mode) or not r["ok"] or r["reference"] != "full batch" or \
                 max(r["max_abs_loss_diff"], r["max_abs_grad_diff"], r["max_abs_param_diff"]) > 1e-5:
             bad.append(f"{schedule} V={v} m={m}: {r}")
     return bad
@@ -72,11 +76,13 @@ def _failures(results: list[dict], cases) -> list[str]:
 @pytest.mark.parametrize("dp,shard", [(1, 1), (2, 1), (2, 2)], ids=["dp1", "dp2", "shard2"])
 @pytest.mark.parametrize("model", ["gpt", "user"])
 def test_transparency_grid(model, dp, shard, user_model):
-    """dp 2 replicates each stage (DDP) or, with shard 2, shards it over both replicas (FSDP2)."""
+    """dp 2 replicates each stage (DDP) or, with shard 2, shards it over both replicas (FSDP2);
+    every case without recompute, and every schedule under full and selective recompute."""
     name = user_model if model == "user" else "gpt"
-    results = run_check(grid_config(name, dp, shard=shard), GRID)
-    assert len(results) == len(GRID) and {(r["dp"], r["shard"]) for r in results} == {(dp, shard)}
-    assert _failures(results, GRID) == []
+    results = run_check(grid_config(name, dp, shard=shard), GRID + RECOMPUTE)
+    assert len(results) == len(GRID + RECOMPUTE)
+    assert {(r["dp"], r["shard"]) for r in results} == {(dp, shard)}
+    assert _failures(results, GRID + RECOMPUTE) == []
     worst = {k: max(r[k] for r in results) for k in ("max_abs_loss_diff", "max_abs_grad_diff",
                                                      "max_abs_param_diff")}
     print(f"{model} dp={dp} shard={shard}: {len(results)} cases, worst {worst}")
