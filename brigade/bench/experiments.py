@@ -42,6 +42,7 @@ from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.schedule import DEFAULT_VIRTUAL, SCHEDULES, names, stages_on
 from brigade.pipeline.stages.partition import choose_balance, solve, split, time_costs
+from brigade.train.memory import storage_bytes
 
 TUTORIAL_SPLITS = [1, 3, 5, 8, 10, 12, 20, 40, 60]  # of a batch of 120
 SINGLE, MP, OURS, PEER, DDP = "single", "model parallel", "brigade", "torch.distributed.pipelining", "ddp"
@@ -215,15 +216,19 @@ def _steps(b: _Bench, todo: list[Case], skipped: list[dict]) -> dict:
     return steps
 
 
-def _memory(b: _Bench, case: Case) -> tuple[list[float], str]:
-    """Every stage's activation peak in one step of brigade's `case`, gathered; the meter's method."""
+def _memory(b: _Bench, case: Case) -> tuple[list[float], str, list[float], list[float]]:
+    """Every stage's activation peak in one step of brigade's `case`, the meter's method, and every
+    stage's parameter and gradient bytes (`train.memory.storage_bytes`), gathered."""
     pipe, module = b.pipes[case]
-    meter = stage_meter(b.x.device, exclude=list(module.parameters()))
+    params = list(module.parameters())
+    meter = stage_meter(b.x.device, exclude=params)
     with meter:
-        pipeline_step(pipe, module, b.x, b.y)()
-    peaks = [torch.zeros(1, dtype=torch.float64, device=b.x.device) for _ in range(b.ranks)]
-    dist.all_gather(peaks, torch.tensor([float(meter.peak_bytes)], dtype=torch.float64, device=b.x.device))
-    return [p.item() for p in peaks], meter.method
+        pipe.step(b.x, b.y)
+    mine = [float(meter.peak_bytes), storage_bytes(params), storage_bytes(p.grad for p in params)]
+    module.zero_grad(set_to_none=True)
+    got = [torch.zeros(3, dtype=torch.float64, device=b.x.device) for _ in range(b.ranks)]
+    dist.all_gather(got, torch.tensor(mine, dtype=torch.float64, device=b.x.device))
+    return [g[0].item() for g in got], meter.method, [g[1].item() for g in got], [g[2].item() for g in got]
 
 
 def _trace(b: _Bench, case: Case) -> dict:

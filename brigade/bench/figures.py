@@ -104,7 +104,8 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
             row[f"stage_{what}_s"] = [statistics.median(c[k][s] for c in costs) for s in range(row["stages"])]
         row.update(_bound_rounds(case.schedule, raw["ranks"], case.virtual, case.microbatches, costs))
     if case.key in raw["memory"]:
-        row["peak_activation_bytes"], row["memory_method"] = raw["memory"][case.key]
+        activations, row["memory_method"], params, grads = raw["memory"][case.key]
+        row.update(peak_activation_bytes=activations, params_bytes=params, grads_bytes=grads)
     twin = _twin(case)
     if case.name == OURS and twin and twin.key in raw["times"]:
         row["torch_twin"] = twin.schedule
@@ -139,7 +140,7 @@ def best_vs_best(rows: list[dict], times: dict[str, list[float]]) -> dict | None
 def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:
     """bench.json: one row per configuration (see the module doc), the best pair, the trace."""
     rows = [_row(cfg, Case(**c), raw) for c in raw["cases"]]
-    methods = sorted({m for _, m in raw["memory"].values()})
+    methods = sorted({m for _, m, *_ in raw["memory"].values()})
     return {"config": asdict(cfg), "device": device,
             "balances": {f"V{v} m{m}": b for (v, m), b in raw["balances"].items()}, "configs": rows,
             "skipped": raw["skipped"], "best": best_vs_best(rows, raw["times"]),

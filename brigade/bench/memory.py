@@ -10,9 +10,9 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+
+from brigade.parallel.held import Held
 
 
 def stage_meter(device: torch.device, exclude=()) -> ActivationMeter | AllocatorPeak:
@@ -49,51 +49,12 @@ class AllocatorPeak:
         self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
 
 
-class ActivationMeter:
-    """Context manager: `peak_bytes` of saved-for-backward tensors alive at once."""
+class ActivationMeter(Held):
+    """Context manager: `peak_bytes` of saved-for-backward tensors alive at once (`parallel.held`,
+    whose counting `brigade train` reports as activations)."""
 
     method = "saved-tensors"
 
-    def __init__(self, exclude=()):
-        self.live = 0
-        self.peak_bytes = 0
-        self._storages: dict[int, int] = {}  # storage pointer -> references held
-        self._exclude = {p.untyped_storage().data_ptr() for p in exclude}  # e.g. the weights
-
-    def _pack(self, t: torch.Tensor):
-        key = t.untyped_storage().data_ptr()
-        if key in self._exclude:
-            return t
-        if key not in self._storages:
-            self._storages[key] = 0
-            self.live += t.untyped_storage().nbytes()
-            self.peak_bytes = max(self.peak_bytes, self.live)
-        self._storages[key] += 1
-        holder = _Held(t)
-        weakref.finalize(holder, self._release, key, t.untyped_storage().nbytes())
-        return holder
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self._storages[key] -= 1
-        if not self._storages[key]:
-            del self._storages[key]
-            self.live -= nbytes
-
-    @staticmethod
-    def _unpack(holder):
-        return holder.tensor if isinstance(holder, _Held) else holder
-
-    def __enter__(self) -> ActivationMeter:
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._ctx.__exit__(*exc)
-
-
-class _Held:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak

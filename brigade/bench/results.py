@@ -148,6 +148,8 @@ JOBS: dict[str, Job] = {
                 "--inject-fault stall:rank=1:step=3", _hang, expect_exit=1),
     "tune-gpt": Job("brigade tune --model gpt --quick --verify", "tune-gpt/tune.json",
                     "brigade tune --model toy --batch-size 8 --splits 8,4 --repeats 1 --verify"),
+    "footprint": Job("python -m brigade.bench.footprint", "footprint/footprint.json",
+                     "python -m brigade.bench.footprint --tiny --steps 3 --repeats 1"),
     "two-hosts": Job("", "two-hosts/two_hosts.json", needs_root=ROOT),
     "doctor-two-hosts": Job("", "two-hosts/doctor.json", needs_root=ROOT),
 }

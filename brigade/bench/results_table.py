@@ -46,8 +46,9 @@ def _main(d: dict) -> str:
 
 
 @row("transparency, tied GPT, all layouts (dp2, pp2, dp2×local2, pp2-zb, dp2×pp2, dp2×pp2-zb, "
-     "dp2×local2-zb, pp2-zbv, dp2×pp2-interleaved, dp2×local2-looped-bfs, pp2-interleaved, grad-accum, "
-     "zb grad-accum under dp), 20 steps",
+     "dp2×local2-zb, pp2-zbv, dp2×pp2-interleaved, dp2×local2-looped-bfs, pp2-interleaved, shard2×pp2 "
+     "under 1f1b, zb and zbv, HSDP 2×2, pp2-zb with full recompute, shard2×pp2 with selective recompute, "
+     "grad-accum, sharded grad-accum, zb grad-accum under dp), 20 steps",
      "check/transparency.json", "`python -m pytest tests/train/test_trainer.py`")
 def _transparency(d: dict) -> str:
     if d["passed"] is None:  # transcribed: the tolerance the tests assert, without a run of them
@@ -229,6 +230,50 @@ def _tune(d: dict) -> str:
             f"{_name(c)}{balance}: {timed}, {100 * d['within']:+.1f} % from the sweep's best ({_name(b)})")
 
 
+
+
+_FOOTPRINT = ("footprint/footprint.json", "`python -m brigade.bench.footprint`")
+_MIB = 2 ** 20
+
+
+def _largest(run: dict, *kinds: str) -> float:
+    """MiB of `kinds` together on the rank that holds the most of them."""
+    return max(sum(r[k] for k in kinds) for r in run["ranks"]) / _MIB
+
+
+@row("memory per rank, GPT 4×256, context 64, batch 8, 4 processes: parameters + gradients + "
+     "AdamW state (largest rank), peak, step time; no recompute", *_FOOTPRINT)
+def _footprint_layouts(d: dict) -> str:
+    runs = [r for r in d["runs"] if r["recompute"] == "none"]
+    within = all(t["within"] for t in d["targets"]["states"])
+    parts = [f"{r['layout']} {_largest(r, 'params', 'grads', 'optimizer'):.1f} MiB, peak "
+             f"{_largest(r, 'peak'):.1f} MiB, {r['step_s'] * 1e3:.0f} ms" for r in runs]
+    return "; ".join(parts) + (f" — every sharded rank within 1/S of DDP's plus one block's states: "
+                               f"{'yes' if within else 'NO'}")
+
+
+@row("activation recompute (none / full / selective): activations held (largest rank) and step time",
+     *_FOOTPRINT)
+def _footprint_recompute(d: dict) -> str:
+    parts = []
+    for layout in dict.fromkeys(r["layout"] for r in d["runs"] if r["recompute"] != "none"):
+        modes = {r["recompute"]: r for r in d["runs"] if r["layout"] == layout}
+        parts.append(f"{layout}: " + " / ".join(f"{_largest(modes[m], 'activations'):.2f} MiB "
+                                                f"{modes[m]['step_s'] * 1e3:.0f} ms"
+                                                for m in ("none", "full", "selective")))
+    a = d["targets"]["activations_full"]
+    bound = (f"full recompute, {a['microbatches_in_flight']} micro-batches in flight: "
+             f"{a['held_peak'] / _MIB:.2f} MiB held ≤ {a['bound'] / _MIB:.2f} MiB (their block inputs + "
+             f"one block's working set): {'yes' if a['within'] else 'NO'}")
+    return "; ".join(parts) + "; " + bound
+
+
+@row("split backward (one stage of 4 GPT blocks, batch 8): forward, input pass I, weight pass W",
+     *_FOOTPRINT)
+def _footprint_split(d: dict) -> str:
+    return "; ".join(f"{mode}: F {s['forward_ms']:.1f} ms, I {s['input_ms']:.1f} ms, W {s['weight_ms']:.1f} "
+                     f"ms, forwards run again per block {s['recomputes_per_block']:.0f}"
+                     for mode, s in d["split_backward"].items())
 
 
 def table(results: str | Path = "results") -> str:

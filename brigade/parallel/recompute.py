@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 
 from brigade.config.recompute import MODES
 from brigade.errors import BrigadeError
+from brigade.parallel import held
 
 _aten = torch.ops.aten
 # Ops whose outputs selective recompute keeps: matmuls and fused attention (torchtitan's policy
@@ -90,7 +91,9 @@ class _Replay(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _kept(func, args, kwargs):
-            return next(self.outputs)
+            # A fresh alias: autograd sets the recompute's history on what an op returns, and the
+            # noted tensor itself must not come to hold that graph.
+            return _detached(next(self.outputs))
         return func(*args, **kwargs)
 
 
@@ -120,10 +123,14 @@ class _Frame:
         self.outputs: list | None = [] if selective else None
         self.tickets = 0  # tensors the first forward left to the recompute
         self.saved: list | None = None
+        # What the frame holds instead of the saved tensors, counted while memory is measured.
+        counting = held.current()
+        self.holders = counting.keep(_tensors((args, kwargs))) if counting else []
 
     def keeps(self, t: torch.Tensor) -> bool:
-        """A tensor saved as it is: a parameter, or one of the call's inputs (held anyway)."""
-        return isinstance(t, nn.Parameter) or id(t) in self.inputs
+        """A tensor saved as it is: a parameter (or a view of one), or one of the call's inputs
+        (held anyway)."""
+        return _keeps(t, self.inputs)
 
     def pack(self, t: torch.Tensor):
         if self.keeps(t):
@@ -134,9 +141,10 @@ class _Frame:
     def recompute(self) -> None:
         """Run the forward again as it first ran, keeping each tensor it saves (detached)."""
         saved: list = []
+        inputs = self.inputs
 
-        def pack(t):
-            if not self.keeps(t):
+        def pack(t):  # (not a method: the recompute's graph keeps its hooks, and must not keep the frame)
+            if not _keeps(t, inputs):
                 saved.append(t.detach())
 
         cpu, gpus = self.rng
@@ -157,7 +165,15 @@ class _Frame:
                                f"{len(saved)} when recomputed: its forward depends on more than its "
                                "inputs and parameters; turn recompute off for it (--recompute none, "
                                "or recompute = {index: 'none'} in the model file)")
-        self.saved, self.outputs = saved, None
+        self.saved = saved
+        counting = held.current()
+        if counting:
+            self.holders += counting.keep(saved)
+        self.outputs = None
+
+
+def _keeps(t: torch.Tensor, inputs: set[int]) -> bool:
+    return held.is_parameter(t) or id(t) in inputs
 
 
 def _never(_):
@@ -190,7 +206,11 @@ class Recomputed:
             stack.enter_context(saved_tensors_hooks(frame.pack, _unpack))
             if frame.outputs is not None:
                 stack.enter_context(_Record(frame.outputs))
-            return self.inner(*args, **kwargs)
+            out = self.inner(*args, **kwargs)
+        counting = held.current()
+        if counting and frame.outputs:
+            frame.holders += counting.keep(_tensors(frame.outputs))  # selective: kept until recomputed
+        return out
 
 
 def modes(blocks: list[nn.Module], mode: str) -> list[str]:

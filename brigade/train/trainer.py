@@ -32,6 +32,7 @@ from brigade.errors import RunError
 from brigade.pipeline.stages import structure
 from brigade.train.data import Sampler
 from brigade.train.layout import ProcessModel, by_device, make_layout
+from brigade.train.memory import StepMemory
 from brigade.train.metrics import Metrics
 from brigade.train.precision import LossScaler
 
@@ -124,6 +125,10 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.before_step: list[Callable[[int], None]] = []  # called with the step about to run
         self.stop_requested = False  # set by a callback to end fit() after this step
+        # The step whose memory is measured and logged: the second (its optimizer state exists at
+        # its start, as in every later step), or the first of a one-step run; 0: none.
+        self.memory_step = min(2, self.cfg.max_steps)
+        self._memory: list[dict] | None = None  # every rank's report, once measured
         self.is_main = dist.get_rank() == 0
         self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps,
                                tensorboard=self.cfg.tensorboard)
@@ -148,8 +153,11 @@ class Trainer:
         """This replica's part of a global batch, split further for gradient accumulation."""
         return Sampler.shard(indices, self.layout.dp_rank, self.layout.dp)
 
-    def train_step(self) -> dict:
-        """One optimizer step: one global batch in `grad_accum` chunks per replica; returns a record."""
+    def train_step(self, memory: StepMemory | None = None) -> dict:
+        """One optimizer step: one global batch in `grad_accum` chunks per replica; returns a record.
+
+        With `memory` (entered around the call), it is told when the gradients are reduced.
+        """
         start = time.perf_counter()
         k = self.optim_cfg.grad_accum
         indices = self._replica_slice(self.sampler.next_global())
@@ -166,6 +174,8 @@ class Trainer:
         norm = self.engine.grad_norm() / scale
         loss_v, norm_v = torch.stack([total.float(), norm.to(total.device)]).tolist()  # the step's one read
         skipped = self.scaler is not None and self.scaler.skip(norm_v)
+        if memory is not None:
+            memory.grads_ready(self.engine.grads())
         if not skipped:
             self._check_finite(loss_v, norm_v)
             self._unscale_and_clip(norm, scale)
@@ -250,7 +260,7 @@ class Trainer:
             forensics.doing(f"step {self.state.step + 1} begins")
             for hook in self.before_step:
                 hook(self.state.step + 1)
-            record = self.train_step()
+            record = self._measured_step() if self.state.step + 1 == self.memory_step else self.train_step()
             if self.watchdog:
                 self.watchdog.arm()  # warm-up is over: from now on the plain --hang-timeout
             self._log(record)
@@ -258,6 +268,22 @@ class Trainer:
             if self.val_data is not None and not self.stop_requested and (
                     step % self.cfg.eval_every == 0 or step == self.cfg.max_steps):
                 self._log({"step": step, "val_loss": self.evaluate()})
+
+    def _measured_step(self) -> dict:
+        """`train_step` with this rank's memory measured (`memory.StepMemory`); every rank's goes
+        to rank 0, which logs it as one `memory` event, `rank{r}/{kind}` in bytes."""
+        with StepMemory(list(self.model.parameters()), self.optimizer, self.info.device) as mem:
+            record = self.train_step(mem)
+        mine = {**mem.report(), "dp_rank": self.layout.dp_rank, "pp_rank": self.layout.pp_rank}
+        ranks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        self._memory = ranks
+        event = {"step": self.state.step, "event": "memory", "counted": mine["counted"]}
+        for r, got in enumerate(ranks):
+            event.update({f"rank{r}/{k}": got[k] for k in ("params", "grads", "optimizer", "activations",
+                                                            "peak")})
+        self._log(event)
+        return record
 
     def _log(self, record: dict) -> None:
         self.state.history.append(record)

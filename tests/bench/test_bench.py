@@ -36,7 +36,7 @@ def test_activation_meter_sees_gpipe_hold_more_than_one_microbatch():
             model(x).sum().backward()  # 1F1B on one stage: one micro-batch in flight
     assert one_by_one.peak_bytes > 0
     assert all_first.peak_bytes == pytest.approx(4 * one_by_one.peak_bytes, rel=0.01)
-    assert one_by_one.live == 0
+    assert one_by_one.now == 0  # every saved tensor released with its graph
 
 
 def test_prediction_balances_and_interpolates():

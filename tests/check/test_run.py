@@ -89,6 +89,16 @@ def test_transparency_grid(model, dp, shard, user_model):
 
 
 @pytest.mark.timeout(300)
+def test_resharding_after_each_forward_equals_one_device():
+    """--reshard: parameters freed after each forward (and after each whole backward), gathered
+    again for the next; under I/W kept from the input pass to the step's end."""
+    cases = [(name, 3, v) for name, m, v in GRID if m == 3]
+    cfg = grid_config("gpt", 2, shard=2)
+    cfg.reshard = True
+    assert _failures(run_check(cfg, cases), cases) == []
+
+
+@pytest.mark.timeout(300)
 def test_hsdp_two_replicas_of_two_shards_on_every_schedule():
     """HSDP 2 × 2 on 4 processes (one stage): the shard groups reduce-scatter, the replicas
     all-reduce what they hold; the tied GPT still equals one device."""

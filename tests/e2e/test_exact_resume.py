@@ -175,3 +175,25 @@ def test_a_killed_run_restarted_by_the_agent_resumes_bit_for_bit(worlds, tmp_pat
     plain = root / schedule / "plain"
     assert losses(out) == losses(plain)
     assert final_hash(out) == final_hash(plain)
+
+
+# Ten kills under shard 2 × pp 2 (zb), every rank, steps 2 to 6 (snapshots every 2 steps: some
+# resume from a snapshot, the step-2 kills from the start): each must end bit-identical.
+KILLS = [(0, 2), (1, 3), (2, 4), (3, 5), (0, 6), (1, 4), (2, 3), (3, 2), (0, 5), (1, 6)]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume-shard2xpp2")
+@pytest.mark.parametrize("rank,step", KILLS, ids=[f"rank{r}-step{s}" for r, s in KILLS])
+def test_the_kill_campaign_under_shard_2_x_pp_2(worlds, tmp_path, rank, step):
+    from brigade.cli import main
+
+    flags, _, schedule = LAYOUTS["shard2xpp2"]
+    root, _ = worlds("shard2xpp2")
+    out = tmp_path / "killed"
+    assert main(["train", "--out", str(out), *RUN, *flags, "--schedule", schedule, "--max-restarts", "1",
+                 "--inject-fault", f"kill:rank={rank}:step={step}"]) == 0
+    assert [a for a, _ in _first_steps(out)] == [0, 1], "the kill never fired, or no restart"
+    plain = root / schedule / "plain"
+    assert losses(out) == losses(plain)
+    assert final_hash(out) == final_hash(plain)

@@ -100,7 +100,7 @@ def readme_commands() -> list[str]:
 def _optional_groups(cmd: str) -> str:
     """`[--json]` is part of the command; a group naming placeholders is left out."""
     def keep(m: re.Match) -> str:
-        return "" if re.search(r"\b(K|HOST|PORT|DIR|V|D)\b", m[1]) else m[1]
+        return "" if re.search(r"\b(K|HOST|PORT|DIR|V|D|S|MODE)\b", m[1]) else m[1]
     return re.sub(r"\[([^\]]*)\]", keep, cmd)
 
 
@@ -192,7 +192,7 @@ COMMANDS = readme_commands()
 # benchmarks' and the tuner's commands, which measure (10-20 s each); and the commands that
 # start several processes through another launcher (torchrun, srun) or on two nodes (K), 20-35 s
 # each, which tests/e2e/test_train.py also runs in the default tier, each way once, checking more.
-BENCHMARKS = ("bench", "tune", "brigade.bench.overhead", "brigade.bench.speed")
+BENCHMARKS = ("bench", "tune", "brigade.bench.overhead", "brigade.bench.speed", "brigade.bench.footprint")
 LAUNCHERS = ("torchrun", "srun")
 
 

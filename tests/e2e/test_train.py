@@ -39,6 +39,13 @@ def test_outputs_of_a_run(run_dir):
     assert {"step", "loss", "lr", "tokens_per_s", "step_time_s"} <= set(steps[0])
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(vals) == 3 and vals[-1] < vals[0]
+    (memory,) = [r for r in rows if r.get("event") == "memory"]  # once, every rank's, on step 2
+    assert memory["step"] == 2 and memory["counted"] == "storages"
+    for rank in (0, 1):
+        kinds = {k: memory[f"rank{rank}/{k}"]
+                 for k in ("params", "grads", "optimizer", "activations", "peak")}
+        assert kinds["params"] == kinds["grads"] > 0 and kinds["optimizer"] > 2 * kinds["params"]
+        assert kinds["peak"] > kinds["params"] + kinds["grads"] + kinds["optimizer"] > 0
     assert (out / "snapshots" / "LATEST").read_text() == "step_00000020"
     assert sorted(p.name for p in (out / "snapshots").iterdir()) == ["LATEST", "step_00000010",
                                                                      "step_00000020"]

@@ -145,7 +145,7 @@ def test_a_forward_that_changes_between_runs_is_refused_naming_the_block():
     block = _Moody()
     recompute.apply([block], "full")
     loss = block(torch.ones(2, 3, requires_grad=True)).sum()
-    with pytest.raises(BrigadeError, match=r"block 0 \(_Moody\) saved 2 tensors .* and 1 when recomputed"):
+    with pytest.raises(BrigadeError, match=r"block 0 \(_Moody\) saved \d tensors .* and \d when recomputed"):
         loss.backward()
 
 

@@ -118,6 +118,8 @@ class StageRunner:
         split = any(a.op == W for a in actions)
         if sync and (split or not self.ddp_reduces):
             st.reducers = dict(self.reducers)
+        for sharded in self.sharded.values():
+            sharded.begin(split)
         if sync and st.training:
             st.reducers.update(self.sharded)
         for reducer in st.reducers.values():

@@ -117,11 +117,15 @@ def _buckets(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
 class ShardedReducer:
     """One reduce-scatter per step for a stage under FSDP2's `fully_shard` (and HSDP's all-reduce).
 
-    Between steps FSDP is told that no backward is the last one and that nothing reshards after
-    backward, so every backward (B, I or W, every micro-batch, every accumulation chunk) adds
-    into the gathered parameters' `.grad`. `finish` then reduces each FSDP unit of the stage,
-    FSDP's own way, leaving the mean of the replicas' gradients in the sharded parameters'
-    `.grad` and the parameters sharded again.
+    Between steps FSDP is told that no backward is the last one, so every backward (B, I or W,
+    every micro-batch, every accumulation chunk) adds into the gathered parameters' `.grad`.
+    `finish` then reduces each FSDP unit of the stage, FSDP's own way, leaving the mean of the
+    replicas' gradients in the sharded parameters' `.grad` and the parameters sharded again.
+
+    Parameters stay gathered from a unit's backward to the step's end, except where the stage
+    reshards after each forward (`parallel.shard`'s `reshard`) and the step's backward is whole:
+    then after each backward too. A split backward's weight pass runs nodes of the input pass
+    again, which read the gathered weights, so under I/W they stay.
 
     Uses FSDP's per-unit post-backward (`FSDPParamGroup.post_backward`), not a public API: the
     one torch's pipelining calls for the same reason.
@@ -132,12 +136,19 @@ class ShardedReducer:
 
     def __init__(self, module):
         self.module = module
+        self.reshard = any(g._reshard_after_forward for g in self._units())
+        self.between = False  # reshard after each backward of this step
+        self._hold()
+
+    def begin(self, split: bool) -> None:
+        """A step begins; `split`: its backward is I then W."""
+        self.between = self.reshard and not split
         self._hold()
 
     def _hold(self) -> None:
         self.module.set_requires_gradient_sync(False)
         self.module.set_is_last_backward(False)
-        self.module.set_reshard_after_backward(False)
+        self.module.set_reshard_after_backward(self.between)
 
     def _state(self):
         from torch.distributed.fsdp import fully_shard
@@ -145,9 +156,11 @@ class ShardedReducer:
         return fully_shard.state(self.module)
 
     def _units(self) -> list:
-        """Every FSDP parameter group of the stage (empty before its first forward)."""
-        ctx = self._state()._state_ctx
-        return [g for st in ctx.all_states
+        """Every FSDP parameter group of the stage: each FSDP module's (made by fully_shard)."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        states = [fully_shard.state(m) for m in self.module.modules() if isinstance(m, FSDPModule)]
+        return [g for st in states
                 for g in getattr(st, "_fsdp_param_groups", None) or [st._fsdp_param_group] if g is not None]
 
     def params(self) -> list:

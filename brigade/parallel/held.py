@@ -1,0 +1,104 @@
+"""Bytes held for backward: what autograd saves during a step (activations), over time, and its peak.
+
+While a `Held` is active (`with held:`), every tensor autograd saves for a backward is counted
+by its storage (once, however many tensors view it), parameters and their views aside, from the moment it is
+saved until the graph holding it is freed (a backward without retain_graph, or the held output
+dropped). Recomputed blocks (`recompute.py`) save their own way: what they keep instead — each
+block's input, and after its recompute the tensors it made again — they report here, for as long
+as their frame lives.
+
+    forward ── saved t ──► hold(t): storage bytes += (first holder)     peak = max(peak, now)
+    graph freed ── the holder dies ──► storage bytes -= (last holder)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+_active: list[Held] = []  # the innermost Held of this process (steps do not nest across threads)
+
+
+def current() -> Held | None:
+    """The Held counting now, or None."""
+    return _active[-1] if _active else None
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a Linear saves its weight transposed): held anyway."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+def _key(t: torch.Tensor) -> tuple | None:
+    storage = t.untyped_storage()
+    return (t.device, storage.data_ptr()) if storage.nbytes() else None
+
+
+class _Holder:
+    """A saved tensor while autograd keeps it; counted off when autograd drops it."""
+
+    __slots__ = ("t", "held", "key")
+
+    def __init__(self, t: torch.Tensor, held: Held):
+        self.t, self.held, self.key = t, held, held.add(t)
+
+    def __del__(self):
+        self.held.remove(self.key)
+
+
+class Held:
+    """Counts the bytes held for backward while active; `peak` is the most at any moment.
+
+    Args:
+        exclude: tensors whose storages are not counted (weights that are not nn.Parameters, say).
+    """
+
+    def __init__(self, exclude: list[torch.Tensor] = ()):
+        self.refs: dict[tuple, list[int]] = {}  # storage → [bytes, holders]
+        self.now = self.peak = 0
+        self._exclude = {_key(t) for t in exclude}
+        self._hooks = None
+
+    def add(self, t: torch.Tensor) -> tuple | None:
+        key = _key(t)
+        if key is None or key in self._exclude:
+            return None
+        entry = self.refs.setdefault(key, [t.untyped_storage().nbytes(), 0])
+        entry[1] += 1
+        if entry[1] == 1:
+            self.now += entry[0]
+            self.peak = max(self.peak, self.now)
+        return key
+
+    def remove(self, key: tuple | None) -> None:
+        entry = self.refs.get(key) if key is not None else None
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.refs[key]
+
+    def keep(self, tensors: list[torch.Tensor]) -> list[_Holder]:
+        """Count `tensors` for as long as the returned holders live (a recompute frame keeps them)."""
+        return [_Holder(t, self) for t in tensors if not is_parameter(t)]
+
+    def _pack(self, t: torch.Tensor):
+        return t if is_parameter(t) else _Holder(t, self)
+
+    @staticmethod
+    def _unpack(h):
+        return h.t if isinstance(h, _Holder) else h
+
+    def __enter__(self) -> Held:
+        self._hooks = contextlib.ExitStack()
+        self._hooks.enter_context(saved_tensors_hooks(self._pack, self._unpack))
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active.remove(self)
+        self._hooks.close()
