@@ -1,7 +1,8 @@
 """Elastic runs: two `brigade train --nnodes 1:2` agents on loopback, one process each (dp 2 × pp 1).
 
 One agent (its whole process group) is killed for good after a snapshot: the other goes on as
-dp 1 with twice the gradient accumulation, and every step's loss stays the uninterrupted run's.
+dp 1 with twice the gradient accumulation, and every step's loss stays the uninterrupted run's
+(and with two processes a node under --shard 2: HSDP dp 4, then FSDP dp 2).
 Then the killed node comes back with the same command and the job grows to it again. The seconds
 from the loss to the next step, and from the return to the first step with it, are printed
 (`pytest -s`).
@@ -62,11 +63,12 @@ def _steps_after(rows: list[dict], record: dict) -> list[dict]:
 class Nodes:
     """Two `brigade train` agents meeting at one loopback endpoint, each in its own session."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, nproc: int = 1, extra: tuple[str, ...] = ()):
         from brigade.net import free_port
 
         self.port = free_port()
-        self.flags = ["train", "--out", str(out), *TINY, *RUN, "--nnodes", "1:2", "--nproc", "1",
+        self.flags = ["train", "--out", str(out), *TINY, *RUN, *extra, "--nnodes", "1:2",
+                      "--nproc", str(nproc),
                       "--max-restarts", "2", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
                       "--rdzv-last-call", "3", "--rdzv-timeout", "60"]
         self.logs = out.parent
@@ -158,6 +160,23 @@ def test_a_node_lost_for_good(tmp_path, reference):
     assert (f"brigade: node 1 lost at step {lost['at_step']} — continuing on 1 node as dp 1 × pp 1 with "
             f"gradient accumulation 2 (global batch 16 unchanged) from snapshot step {lost['step']}") in said
     assert lost["step"] >= 10 and lost["step"] % 10 == 0
+    _same_losses(out, reference)
+
+
+@WITH_REFERENCE
+def test_a_sharded_run_loses_a_node_and_keeps_sharding(tmp_path, reference):
+    """Two processes a node, --shard 2: dp 4 (2 replicas of 2 shards, HSDP) on both nodes, then dp 2
+    (one shard group, FSDP) on node 0 with twice the accumulation; every loss as the DDP run's."""
+    out = tmp_path / "elastic-sharded"
+    nodes = Nodes(out, nproc=2, extra=("--shard", "2"))
+    try:
+        rows, _ = _lose_node_1(nodes, out)
+        nodes.finish(0)
+    finally:
+        nodes.close()
+    first, lost = _layouts(rows)[0], _layouts(rows)[-1]
+    assert (first["n_nodes"], first["dp"]) == (2, 4)
+    assert (lost["n_nodes"], lost["dp"], lost["grad_accum"]) == (1, 2, 2)
     _same_losses(out, reference)
 
 
