@@ -37,6 +37,10 @@ FACTORIES = {
     "raises.py": "def make():\n    raise ValueError('bad width')\n",
     "notmodule.py": "def make():\n    return 42\n",
     "mismatch.py": "import torch.nn as nn\ndef make():\n    return [nn.Linear(10, 7), nn.Linear(10, 5)]\n",
+    "recompute9.py": "import torch.nn as nn\nrecompute = {9: 'full'}\n"
+                     "def make():\n    return [nn.Linear(4, 4)]\n",
+    "recomputehalf.py": "import torch.nn as nn\nrecompute = {0: 'half'}\n"
+                        "def make():\n    return [nn.Linear(4, 4)]\n",
 }
 
 # (case id, arguments after `brigade`, text the error must contain, exit code)
@@ -84,6 +88,12 @@ CASES = [
      "--shard 3 does not divide --dp 2: give --shard a divisor of --dp", 2),
     ("check shard under the local runtime", ["check", "--dp", "2", "--shard", "2", "--runtime", "local"],
      "--shard 2 with --runtime local: FSDP2 shards over one device per process", 2),
+    ("unknown recompute", ["train", "--recompute", "some"], "--recompute 'some': expected one of none, full", 2),
+    ("recompute names a block the model lacks", ["train", "--model", "{tmp}/recompute9.py:make"],
+     "recompute names block 9 but the model has 1 blocks (0 to 0): name blocks by their index", 2),
+    ("recompute of a block unknown", ["check", "--model", "{tmp}/recomputehalf.py:make", "--runtime",
+                                      "local"],
+     "block 0 (Linear) declares recompute 'half': expected one of none, full, selective", 2),
     # model
     ("unknown model", ["train", "--model", "vgg"], "unknown model 'vgg'", 2),
     ("model file missing", ["train", "--model", "{tmp}/missing.py:make"], "not found", 2),

@@ -170,6 +170,15 @@ def test_llama_side_inputs_and_tied_head(stages, runtime):
     assert len(results) == len(cases) and (stages == 4) != any(v == 2 for *_, v in cases)
 
 
+@pytest.mark.timeout(300)
+def test_llama_sharded_with_selective_recompute():
+    """examples/llama.py under shard 2 × pp 2 (4 processes): a side input and a tied head, sharded and
+    recomputed, on a schedule of each placement (one per rank, loop, V)."""
+    cases = [("zb", 2, 1, "selective"), ("interleaved", 2, 2, "full"), ("dualpipev", 2, 2, "selective")]
+    cfg = CheckConfig(model=LLAMA, stages=2, runtime="process", batch_size=8, dp=2, shard=2)
+    assert _failures(run_check(cfg, cases), cases) == []
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--schedule", "1f1b", "--virtual", "2"], "--virtual 2: schedule 1f1b runs exactly 1 stage(s) per rank"),
     (["--schedule", "zbv", "--virtual", "3"], "--virtual 3: schedule zbv runs exactly 2"),
