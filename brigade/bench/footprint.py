@@ -189,13 +189,14 @@ def plot(result: dict, path: Path) -> None:
                 bottom += mib
             left.plot([x - 0.4 / n, x + 0.4 / n], [rank["peak"] / 2**20] * 2, color="black", lw=1,
                       label="peak" if i == r == 0 else None)
-    names = [f"{run['layout']}\n{run['recompute']}" for run in runs]
-    left.set_xticks(range(len(runs)), names, fontsize=7)
+    names = [f"{run['layout']}, {run['recompute']}" for run in runs]
+    left.set_xticks(range(len(runs)), names, fontsize=7, rotation=35, ha="right")
     left.set_ylabel("MiB per rank (one bar per rank)")
-    left.set_title(f"Memory by kind on each rank, step 2 ({result['model']})")
+    left.set_title("Memory by kind on each rank at step 2; black: the step's peak", fontsize=10)
+    fig.suptitle(result["model"], fontsize=8)
     left.legend(fontsize=8)
     right.barh(range(len(runs)), [run["step_s"] * 1e3 for run in runs], color="#8172b3")
-    right.set_yticks(range(len(runs)), [n.replace("\n", ", ") for n in names], fontsize=7)
+    right.set_yticks(range(len(runs)), names, fontsize=7)
     right.invert_yaxis()
     right.set_xlabel("median step time (ms), 4 processes on 2 cores")
     fig.tight_layout()
