@@ -4,10 +4,12 @@ Every rank builds the same model from the same seed, keeps a deep copy as the
 single-device reference, and runs one batch both ways. It compares the loss,
 every parameter's gradient, and every parameter and buffer after one SGD step.
 
-A case is (schedule, m, V): the model is cut into stages × V pieces, V per rank as the
-schedule places them. With dp replicas each runs its slice of the batch and every stage
-module is DDP-wrapped over its replicas; the reference is still one device on the whole
-batch (the replicas' mean loss and averaged gradients must equal it).
+A case is (schedule, m, V, recompute): the model is cut into stages × V pieces, V per rank as
+the schedule places them, its blocks recomputed or not. With dp replicas each runs its slice of
+the batch and every stage module is DDP-wrapped over its replicas, or with --shard sharded over
+them (FSDP2, `parallel.shard`); the reference is still one device on the whole batch (the
+replicas' mean loss and averaged gradients must equal it). What a check is asked is config.py's;
+its refusals, before any worker starts, preflight.py's.
 
     process runtime   dp × stages processes over a DeviceMesh (dp, pp)
     local runtime     one process (dp = 1) or dp processes, each a LocalPipeline whose
@@ -21,84 +23,29 @@ replica 0's running statistics, which no single device computes.
 
 from __future__ import annotations
 
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from brigade import agent, groups
+from brigade.check.config import Case, CheckConfig, CheckResult, case_of
 from brigade.check.inputs import sample
-from brigade.check.reference import exact_matmuls, has_batchnorm, reference
+from brigade.check.preflight import local_devices, preflight
+from brigade.check.reference import exact_matmuls, reference
 from brigade.config import ParallelConfig
-from brigade.config.fielddoc import MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
-from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
 from brigade.parallel import recompute
 from brigade.parallel.shard import shard_stage
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
-from brigade.pipeline.plans.schedule import build, placement, stages_on
-from brigade.pipeline.stages.partition import check_chain, choose_balance, split
+from brigade.pipeline.plans.schedule import placement, stages_on
+from brigade.pipeline.stages.partition import choose_balance, split
 from brigade.pipeline.stages.ties import TieGroups, find_shared, sum_tied_grads, untie
 from brigade.rendezvous import LaunchSpec
 from brigade.shards import full
 from brigade.train.layout import data_parallel, make_layout, stage_group
-
-Case = tuple  # (schedule, m[, virtual[, recompute]]); virtual 0: the schedule's own V
-
-
-@dataclass
-class CheckConfig:
-    """One case of `brigade check`; each field's sentence is its flag's help (`fielddoc.doc`)."""
-
-    model: str = doc("gpt", "the model to check", choices=MODELS)
-    stages: int = doc(2, "pipeline ranks (pp); the model is cut into stages × V pieces")
-    schedule: str = doc("1f1b", sentence(ParallelConfig, "schedule"), choices=SCHEDULES)
-    microbatches: int = doc(4, "micro-batches the batch is split into")
-    runtime: str = doc("process", "process: one process per stage; local: one thread per device, "
-                                  "all in this process")
-    batch_size: int = doc(8, "samples in the one batch both sides compute, split over the --dp replicas")
-    balance: list[int] | None = doc(None, "blocks per piece, stages × V entries like 3,5; unset: "
-                                          "balance by --balance-by")
-    seed: int = doc(0, "seed of the weights and the batch, the same on both sides")
-    atol: float = doc(1e-5, "largest absolute difference of the loss, a gradient or a parameter "
-                            "that still passes")
-    model_options: dict = doc(help="options for the model's builder (gpt_cfg, image_size), set per "
-                                   "model by the command", factory=dict)
-    balance_by: str = doc("params", "without --balance: balance parameter counts (params) or "
-                                    "measured time (time)")
-    devices: list[str] | None = doc(None, "local runtime: one device per stage, like cpu,cuda:0; "
-                                          "unset: a GPU each when there are enough, else the CPU")
-    virtual: int = doc(0, sentence(ParallelConfig, "virtual"), choices=VIRTUALS)
-    dp: int = doc(1, "data-parallel replicas, each on its slice of the batch (dp × stages processes)")
-    shard: int = doc(1, sentence(ParallelConfig, "shard"))
-    recompute: str = doc("none", sentence(ParallelConfig, "recompute"), choices=RECOMPUTES)
-    reshard: bool = doc(False, sentence(ParallelConfig, "reshard"))
-
-
-@dataclass
-class CheckResult:
-    schedule: str
-    microbatches: int
-    stages: int
-    runtime: str
-    balance: list[int]
-    loss: float
-    max_abs_loss_diff: float
-    max_abs_grad_diff: float
-    max_abs_param_diff: float
-    reference: str
-    ok: bool
-    virtual: int = 1
-    dp: int = 1
-    reference_device: str = "cpu"
-    shard: int = 1
-    recompute: str = "none"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -114,35 +61,6 @@ class Where:
     devices: list | None = None  # local runtime: one per rank
     stage_groups: list | None = None  # local runtime under dp: one group per device
     shard_mesh: object = None  # --shard: fully_shard's mesh (make_layout's)
-
-
-def local_devices(n: int) -> list[str]:
-    """One GPU per stage when there are enough, else every stage on the CPU."""
-    return [f"cuda:{i}" for i in range(n)] if torch.cuda.device_count() >= n else ["cpu"] * n
-
-
-def max_workers(runtime: str = "process") -> int:
-    """How many stage workers (processes or device threads) this machine should run at once.
-
-    A process per GPU; on CPU two per core (at least 4), so 2 stages × 2 replicas fit anywhere.
-    """
-    if runtime == "process" and torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return max(4, 2 * (os.cpu_count() or 1))
-
-
-def _check_devices(devices: list[str], stages: int) -> None:
-    if len(devices) != stages:
-        raise BrigadeError(f"--devices {','.join(devices)} names {len(devices)} devices for {stages} "
-                           "stages: give one per stage, like cpu,cuda:0")
-    for d in devices:
-        try:
-            dev = torch.device(d)
-        except RuntimeError:
-            raise BrigadeError(f"--devices: {d!r} is not a device: use cpu or cuda:N") from None
-        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-            raise BrigadeError(f"--devices: {d} is not visible ({torch.cuda.device_count()} GPUs here): "
-                               "use cpu or a GPU this machine has")
 
 
 def _untie(blocks: list[nn.Module], balance: list[int], ranks: list[int], where: Where):
@@ -216,7 +134,7 @@ def _reference_device(cfg: CheckConfig, where: Where) -> torch.device:
 def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float = 0.1) -> CheckResult:
     """One (schedule, m, V) comparison from this process's place (default: local, dp = 1)."""
     where = where or Where()
-    schedule, m, virtual, mode = _case(cfg, case)
+    schedule, m, virtual, mode = case_of(cfg, case)
     v = placement(schedule, cfg.stages, virtual)[0]
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
@@ -275,75 +193,6 @@ def worker(cfg: CheckConfig, cases: list[Case]) -> list[dict]:
     del where  # its stage groups' last references go inside destroy, after the drain
     groups.destroy()  # a failure leaves it to agent's worker wrapper, with no drain
     return results
-
-
-def _case(cfg: CheckConfig, case: Case) -> tuple[str, int, int, str]:
-    """(schedule, m, virtual, recompute): a case without V or recompute takes the config's."""
-    return (*case, cfg.virtual, cfg.recompute)[:4] if len(case) < 3 else (*case, cfg.recompute)[:4]
-
-
-def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
-    """dp, the workers it starts, and what dp cannot check."""
-    if cfg.dp < 1:
-        raise BrigadeError(f"--dp {cfg.dp}: need at least 1 replica")
-    workers, cap = cfg.dp * cfg.stages, max_workers(cfg.runtime)
-    if workers > cap and (cfg.runtime == "process" or cfg.dp > 1):
-        raise BrigadeError(f"--dp {cfg.dp} × --stages {cfg.stages} = {workers} workers but this machine "
-                           f"should run at most {cap} (one per GPU, two per CPU core): use fewer of either")
-    if cfg.shard < 1 or cfg.dp % cfg.shard:
-        raise BrigadeError(f"--shard {cfg.shard} does not divide --dp {cfg.dp}: give --shard a divisor of "
-                           f"--dp (dp = --shard × replicas; 1: no sharding)")
-    if cfg.shard > 1 and cfg.runtime == "local":
-        raise BrigadeError(f"--shard {cfg.shard} with --runtime local: FSDP2 shards over one device per "
-                           "process, and the local runtime drives every stage from one; use "
-                           "--runtime process")
-    if cfg.batch_size % cfg.dp:
-        raise BrigadeError(f"--batch-size {cfg.batch_size} does not split into --dp {cfg.dp} equal "
-                           f"replica batches: use a multiple of {cfg.dp}")
-    if cfg.dp > 1 and cfg.devices is not None:
-        raise BrigadeError(f"--devices with --dp {cfg.dp}: each replica takes its own devices; "
-                           "drop --devices")
-    if cfg.dp > 1 and has_batchnorm(spec.blocks):
-        raise BrigadeError(f"{cfg.model} has BatchNorm, whose running statistics DDP takes from replica 0 "
-                           "(no single device computes them): check it with --dp 1")
-
-
-def _check_microbatches(cfg: CheckConfig, m: int) -> None:
-    replica = cfg.batch_size // cfg.dp
-    if cfg.dp > 1 and m > replica:
-        raise BrigadeError(f"microbatches={m} is more than a replica's batch ({replica} = --batch-size "
-                           f"{cfg.batch_size} / --dp {cfg.dp}): use at most {replica} or a larger batch")
-    microbatch.check(cfg.batch_size, m)
-
-
-def preflight(cfg: CheckConfig, cases: list[Case]) -> None:
-    """Catch bad input in this process, before any worker starts.
-
-    Raises:
-        BrigadeError: unknown runtime/model/schedule, a V the schedule cannot run, bad sizes,
-            dp or balance, more workers than the machine should run, blocks that do not chain.
-    """
-    if cfg.runtime not in ("process", "local"):
-        raise BrigadeError(f"unknown runtime {cfg.runtime!r}: expected process or local")
-    if cfg.devices is not None:
-        if cfg.runtime != "local":
-            raise BrigadeError("--devices places the stages of --runtime local: add --runtime local")
-        _check_devices(cfg.devices, cfg.stages)
-    if cfg.batch_size < 1:
-        raise BrigadeError(f"batch size {cfg.batch_size}: need at least 1")
-    spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
-    if cfg.balance_by not in ("params", "time"):
-        raise BrigadeError(f"unknown balance method {cfg.balance_by!r}: expected params or time")
-    _check_layout(cfg, spec)
-    for case in cases:
-        schedule, m, virtual, mode = _case(cfg, case)
-        recompute.modes(spec.blocks, mode)
-        build(schedule, cfg.stages, m, virtual)
-        _check_microbatches(cfg, m)
-        choose_balance(spec.blocks, cfg.stages * placement(schedule, cfg.stages, virtual)[0],
-                       balance=cfg.balance)
-    x, _ = spec.make_batch(min(cfg.batch_size, 2), torch.Generator().manual_seed(0))
-    check_chain(spec.blocks, x)
 
 
 def run_check(cfg: CheckConfig, cases: list[Case] | None = None, port: int | None = None) -> list[dict]:

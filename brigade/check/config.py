@@ -1,0 +1,68 @@
+"""What `brigade check` is asked (`CheckConfig`, one field a flag, its sentence the help) and what
+it answers (`CheckResult`); a case of it (`Case`) and the case's full form (`case_of`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from brigade.config import ParallelConfig
+from brigade.config.fielddoc import MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
+
+Case = tuple  # (schedule, m[, virtual[, recompute]]); virtual 0: the schedule's own V
+
+
+@dataclass
+class CheckConfig:
+    """One case of `brigade check`; each field's sentence is its flag's help (`fielddoc.doc`)."""
+
+    model: str = doc("gpt", "the model to check", choices=MODELS)
+    stages: int = doc(2, "pipeline ranks (pp); the model is cut into stages × V pieces")
+    schedule: str = doc("1f1b", sentence(ParallelConfig, "schedule"), choices=SCHEDULES)
+    microbatches: int = doc(4, "micro-batches the batch is split into")
+    runtime: str = doc("process", "process: one process per stage; local: one thread per device, "
+                                  "all in this process")
+    batch_size: int = doc(8, "samples in the one batch both sides compute, split over the --dp replicas")
+    balance: list[int] | None = doc(None, "blocks per piece, stages × V entries like 3,5; unset: "
+                                          "balance by --balance-by")
+    seed: int = doc(0, "seed of the weights and the batch, the same on both sides")
+    atol: float = doc(1e-5, "largest absolute difference of the loss, a gradient or a parameter "
+                            "that still passes")
+    model_options: dict = doc(help="options for the model's builder (gpt_cfg, image_size), set per "
+                                   "model by the command", factory=dict)
+    balance_by: str = doc("params", "without --balance: balance parameter counts (params) or "
+                                    "measured time (time)")
+    devices: list[str] | None = doc(None, "local runtime: one device per stage, like cpu,cuda:0; "
+                                          "unset: a GPU each when there are enough, else the CPU")
+    virtual: int = doc(0, sentence(ParallelConfig, "virtual"), choices=VIRTUALS)
+    dp: int = doc(1, "data-parallel replicas, each on its slice of the batch (dp × stages processes)")
+    shard: int = doc(1, sentence(ParallelConfig, "shard"))
+    recompute: str = doc("none", sentence(ParallelConfig, "recompute"), choices=RECOMPUTES)
+    reshard: bool = doc(False, sentence(ParallelConfig, "reshard"))
+
+
+@dataclass
+class CheckResult:
+    schedule: str
+    microbatches: int
+    stages: int
+    runtime: str
+    balance: list[int]
+    loss: float
+    max_abs_loss_diff: float
+    max_abs_grad_diff: float
+    max_abs_param_diff: float
+    reference: str
+    ok: bool
+    virtual: int = 1
+    dp: int = 1
+    reference_device: str = "cpu"
+    shard: int = 1
+    recompute: str = "none"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def case_of(cfg: CheckConfig, case: Case) -> tuple[str, int, int, str]:
+    """(schedule, m, virtual, recompute): a case without V or recompute takes the config's."""
+    return (*case, cfg.virtual, cfg.recompute)[:4] if len(case) < 3 else (*case, cfg.recompute)[:4]

@@ -1,0 +1,110 @@
+"""`brigade check`'s refusals, in the calling process before any worker starts: every bad size,
+layout, device list, schedule or balance is one line (`BrigadeError`)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from brigade.check.config import Case, CheckConfig, case_of
+from brigade.check.reference import has_batchnorm
+from brigade.errors import BrigadeError
+from brigade.models import ModelSpec, load_model
+from brigade.parallel import recompute
+from brigade.pipeline.batches import microbatch
+from brigade.pipeline.plans.schedule import build, placement
+from brigade.pipeline.stages.partition import check_chain, choose_balance
+
+
+def local_devices(n: int) -> list[str]:
+    """One GPU per stage when there are enough, else every stage on the CPU."""
+    return [f"cuda:{i}" for i in range(n)] if torch.cuda.device_count() >= n else ["cpu"] * n
+
+
+def max_workers(runtime: str = "process") -> int:
+    """How many stage workers (processes or device threads) this machine should run at once.
+
+    A process per GPU; on CPU two per core (at least 4), so 2 stages × 2 replicas fit anywhere.
+    """
+    if runtime == "process" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(4, 2 * (os.cpu_count() or 1))
+
+
+def _check_devices(devices: list[str], stages: int) -> None:
+    if len(devices) != stages:
+        raise BrigadeError(f"--devices {','.join(devices)} names {len(devices)} devices for {stages} "
+                           "stages: give one per stage, like cpu,cuda:0")
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except RuntimeError:
+            raise BrigadeError(f"--devices: {d!r} is not a device: use cpu or cuda:N") from None
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise BrigadeError(f"--devices: {d} is not visible ({torch.cuda.device_count()} GPUs here): "
+                               "use cpu or a GPU this machine has")
+
+
+def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
+    """dp, the workers it starts, and what dp cannot check."""
+    if cfg.dp < 1:
+        raise BrigadeError(f"--dp {cfg.dp}: need at least 1 replica")
+    workers, cap = cfg.dp * cfg.stages, max_workers(cfg.runtime)
+    if workers > cap and (cfg.runtime == "process" or cfg.dp > 1):
+        raise BrigadeError(f"--dp {cfg.dp} × --stages {cfg.stages} = {workers} workers but this machine "
+                           f"should run at most {cap} (one per GPU, two per CPU core): use fewer of either")
+    if cfg.shard < 1 or cfg.dp % cfg.shard:
+        raise BrigadeError(f"--shard {cfg.shard} does not divide --dp {cfg.dp}: give --shard a divisor of "
+                           f"--dp (dp = --shard × replicas; 1: no sharding)")
+    if cfg.shard > 1 and cfg.runtime == "local":
+        raise BrigadeError(f"--shard {cfg.shard} with --runtime local: FSDP2 shards over one device per "
+                           "process, and the local runtime drives every stage from one; use "
+                           "--runtime process")
+    if cfg.batch_size % cfg.dp:
+        raise BrigadeError(f"--batch-size {cfg.batch_size} does not split into --dp {cfg.dp} equal "
+                           f"replica batches: use a multiple of {cfg.dp}")
+    if cfg.dp > 1 and cfg.devices is not None:
+        raise BrigadeError(f"--devices with --dp {cfg.dp}: each replica takes its own devices; "
+                           "drop --devices")
+    if cfg.dp > 1 and has_batchnorm(spec.blocks):
+        raise BrigadeError(f"{cfg.model} has BatchNorm, whose running statistics DDP takes from replica 0 "
+                           "(no single device computes them): check it with --dp 1")
+
+
+def _check_microbatches(cfg: CheckConfig, m: int) -> None:
+    replica = cfg.batch_size // cfg.dp
+    if cfg.dp > 1 and m > replica:
+        raise BrigadeError(f"microbatches={m} is more than a replica's batch ({replica} = --batch-size "
+                           f"{cfg.batch_size} / --dp {cfg.dp}): use at most {replica} or a larger batch")
+    microbatch.check(cfg.batch_size, m)
+
+
+def preflight(cfg: CheckConfig, cases: list[Case]) -> None:
+    """Catch bad input in this process, before any worker starts.
+
+    Raises:
+        BrigadeError: unknown runtime/model/schedule, a V the schedule cannot run, bad sizes,
+            dp or balance, more workers than the machine should run, blocks that do not chain.
+    """
+    if cfg.runtime not in ("process", "local"):
+        raise BrigadeError(f"unknown runtime {cfg.runtime!r}: expected process or local")
+    if cfg.devices is not None:
+        if cfg.runtime != "local":
+            raise BrigadeError("--devices places the stages of --runtime local: add --runtime local")
+        _check_devices(cfg.devices, cfg.stages)
+    if cfg.batch_size < 1:
+        raise BrigadeError(f"batch size {cfg.batch_size}: need at least 1")
+    spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+    if cfg.balance_by not in ("params", "time"):
+        raise BrigadeError(f"unknown balance method {cfg.balance_by!r}: expected params or time")
+    _check_layout(cfg, spec)
+    for case in cases:
+        schedule, m, virtual, mode = case_of(cfg, case)
+        recompute.modes(spec.blocks, mode)
+        build(schedule, cfg.stages, m, virtual)
+        _check_microbatches(cfg, m)
+        choose_balance(spec.blocks, cfg.stages * placement(schedule, cfg.stages, virtual)[0],
+                       balance=cfg.balance)
+    x, _ = spec.make_batch(min(cfg.batch_size, 2), torch.Generator().manual_seed(0))
+    check_chain(spec.blocks, x)
