@@ -14,17 +14,24 @@ as their frame lives.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-_active: list[Held] = []  # the innermost Held of this process (steps do not nest across threads)
+_here = threading.local()  # per thread, as autograd's saved-tensor hooks are: its Helds, innermost last
+
+
+def _active() -> list[Held]:
+    if not hasattr(_here, "held"):
+        _here.held = []
+    return _here.held
 
 
 def current() -> Held | None:
-    """The Held counting now, or None."""
-    return _active[-1] if _active else None
+    """The Held counting in this thread now, or None."""
+    return _active()[-1] if _active() else None
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -96,9 +103,9 @@ class Held:
     def __enter__(self) -> Held:
         self._hooks = contextlib.ExitStack()
         self._hooks.enter_context(saved_tensors_hooks(self._pack, self._unpack))
-        _active.append(self)
+        _active().append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _active.remove(self)
+        _active().remove(self)
         self._hooks.close()
