@@ -128,7 +128,7 @@ class Trainer:
         # The step whose memory is measured and logged: the second (its optimizer state exists at
         # its start, as in every later step), or the first of a one-step run; 0: none.
         self.memory_step = min(2, self.cfg.max_steps)
-        self._memory: list[dict] | None = None  # every rank's report, once measured
+        self.memory_report: list[dict] | None = None  # every rank's memory (StepMemory.report), once measured
         self.is_main = dist.get_rank() == 0
         self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps,
                                tensorboard=self.cfg.tensorboard)
@@ -277,7 +277,7 @@ class Trainer:
         mine = {**mem.report(), "dp_rank": self.layout.dp_rank, "pp_rank": self.layout.pp_rank}
         ranks: list = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
-        self._memory = ranks
+        self.memory_report = ranks
         event = {"step": self.state.step, "event": "memory", "counted": mine["counted"]}
         for r, got in enumerate(ranks):
             event.update({f"rank{r}/{k}": got[k] for k in ("params", "grads", "optimizer", "activations",

@@ -52,7 +52,7 @@ def _reports(shard: int) -> list[dict]:
     trainer = Trainer(blocks, gpt_loss, train, None, parallel=par, optim=OptimConfig(warmup_steps=1),
                       train=TrainConfig(max_steps=2, batch_size=8), metrics=False)
     trainer.fit()
-    got = trainer._memory
+    got = trainer.memory_report
     trainer.close()
     groups.destroy()
     return got
