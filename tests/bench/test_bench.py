@@ -11,6 +11,7 @@ from brigade.bench.experiments import scaled_splits
 from brigade.bench.memory import ActivationMeter
 from brigade.bench.plot import table
 from brigade.bench.predict import interpolate, predict
+from brigade.models import load_model
 from tests.e2e.helpers import brigade
 
 FIELDS = {"name", "schedule", "virtual", "stages", "microbatches", "split_size", "mean_s", "std_s",
@@ -107,6 +108,9 @@ def test_bench_writes_json_plots_and_a_table(tmp_path):
     assert data["best"]["vs_torch_ci"][0] <= data["best"]["vs_torch"] <= data["best"]["vs_torch_ci"][1]
     assert data["ci_coverage"] == 0.5 and "cover 50 %" in result.stdout  # 2 rounds: said, not hidden
     assert all(len(c["peak_activation_bytes"]) == 2 for c in ours)
+    # per stage, its parameters' and gradients' bytes too, in all the toy's fp32 parameters
+    toy = sum(p.numel() * 4 for b in load_model("toy").blocks for p in b.parameters())
+    assert all(sum(c["params_bytes"]) == sum(c["grads_bytes"]) == toy for c in ours)
     assert data["memory_method"] == "saved-tensors" and data["config"]["backend"] == "gloo"  # CPU here
     assert data["freed_memory_kept"] is True  # glibc on Linux, as on CI (see brigade.hostmem)
     for name in ("bench_bars.png", "split_size_tradeoff.png", "timeline.png", "memory.png"):

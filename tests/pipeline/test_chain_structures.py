@@ -177,6 +177,17 @@ def test_check_every_schedule_equals_one_device(model_file, runtime):
     assert _failures(results, CASES) == []
 
 
+@pytest.mark.timeout(300)
+def test_sharded_and_recomputed_structures_equal_one_device(model_file):
+    """shard 2 × pp 2 (4 processes): the dict, the tuple and the skip's gradient cross sharded stages,
+    recomputed fully and selectively."""
+    cases = [("1f1b", 2, 1, "full"), ("zb", 2, 1, "selective"), ("zbv", 2, 2, "full")]
+    results = run_check(CheckConfig(model=model_file, stages=2, runtime="process", batch_size=8, dp=2,
+                                    shard=2), cases)
+    assert _failures(results, [c[:3] for c in cases]) == []
+    assert [(r["shard"], r["recompute"]) for r in results] == [(2, c[3]) for c in cases]
+
+
 def test_brigade_check_command_takes_the_model(cli, model_file):
     got = cli("check", "--model", model_file, "--stages", "2", "--runtime", "local", "--schedule", "zbv",
               "--microbatches", "3", "--balance-by", "time")
