@@ -133,3 +133,15 @@ def test_a_schedule_registered_here_is_accepted_everywhere(monkeypatch, capsys):
         bench_config(build_parser().parse_args(["bench", "--model", "toy", "--schedules", "fast,zb"]))
     assert "gpipe-again: GPipe under another name" in schedule.help_text()
     assert schedule.names()[-1] == "gpipe-again"
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_zero_bubble_holds_one_micro_batch_more_than_1f1b(p):
+    """zb's memory cap: stage s starts a forward while it holds at most p - s micro-batches, each
+    held until its W, so its peak is min(m, p - s + 1), one more than 1F1B's, at every m."""
+    from brigade.pipeline.plans.simulate import peak_held
+
+    for m in range(1, 12):
+        assert peak_held(build("zb", p, m)) == {s: min(m, p - s + 1) for s in range(p)}, f"p {p}, m {m}"
+    # the plan the cap makes at p 3, m 6, with a backward twice a forward (I and W one each)
+    assert simulate(build("zb", 3, 6), 1.0, 2.0).makespan == 21

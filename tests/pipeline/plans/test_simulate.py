@@ -3,7 +3,8 @@
 import pytest
 
 from brigade.pipeline.plans.schedule import build, gpipe
-from brigade.pipeline.plans.simulate import render, simulate
+from brigade.pipeline.plans.simulate import peak_held, render, simulate
+from tests.pipeline.plans.test_validate import parse_plan
 
 
 def test_simulate_uses_per_stage_costs_and_comm():
@@ -29,3 +30,11 @@ def test_render_draws_time_across_ranks_down():
     assert text.splitlines()[1].split() == ["rank", "0", "|", "0F0", "0F1", ".", ".", "0B0", "0B1"]
     assert text.splitlines()[2].split() == ["rank", "1", "|", ".", "1F0", "1F1", "1B0", "1B1", "."]
     assert "bubble 0.333" in text
+
+
+def test_peak_held_releases_a_split_micro_batch_at_its_w_not_its_i():
+    """A split backward keeps a micro-batch's activations until its weight pass: here stage 0 holds
+    both micro-batches between 0I0 and 0W0 (were it released at I, the peak would be 1)."""
+    plan = parse_plan(["0F0 0I0 0F1 0W0 0I1 0W1"])
+    assert peak_held(plan) == {0: 2}
+    assert peak_held(build("zb", 2, 2)) == {0: 2, 1: 2}

@@ -81,6 +81,16 @@ def test_balance_by_params_and_by_time():
         choose_balance(blocks, 2, by="magic")
 
 
+def test_time_costs_are_the_median_of_the_timed_runs(monkeypatch):
+    """Per block: one untimed warm-up, then the median of `repeats` timings (1, 10 and 2 s here:
+    2, where the mean would say 4.33 and the max 10)."""
+    from brigade.pipeline.stages import partition
+
+    clock = iter([0.0, 100.0, 101.0, 200.0, 210.0, 300.0, 302.0] * 2)  # per block: warm-up start, 3 runs
+    monkeypatch.setattr(partition.time, "perf_counter", lambda: next(clock))
+    assert time_costs([nn.Linear(4, 4), nn.Linear(4, 4)], torch.randn(2, 4), repeats=3) == [2.0, 2.0]
+
+
 def test_split_shares_modules_in_order():
     blocks = [nn.Linear(2, 2) for _ in range(5)]
     stages = split(blocks, [2, 3])
