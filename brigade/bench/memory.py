@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from brigade.parallel.held import Held
+from brigade.train.memory import AllocatorPeak
 
 
 def stage_meter(device: torch.device, exclude=()) -> ActivationMeter | AllocatorPeak:
@@ -26,27 +27,6 @@ def stage_meter(device: torch.device, exclude=()) -> ActivationMeter | Allocator
     if device.type == "cuda":
         return AllocatorPeak(device)
     return ActivationMeter(exclude=exclude)
-
-
-class AllocatorPeak:
-    """Context manager: `peak_bytes` the CUDA allocator held above its level at entry."""
-
-    method = "allocator"
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.peak_bytes = 0
-        self._base = 0
-
-    def __enter__(self) -> AllocatorPeak:
-        torch.cuda.synchronize(self.device)  # frees of earlier kernels have happened
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._base = torch.cuda.memory_allocated(self.device)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        torch.cuda.synchronize(self.device)
-        self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
 
 
 class ActivationMeter(Held):

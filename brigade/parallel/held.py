@@ -39,7 +39,8 @@ def is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
-def _key(t: torch.Tensor) -> tuple | None:
+def storage_key(t: torch.Tensor) -> tuple | None:
+    """(device, address) of `t`'s storage, the same for every view of it; None when it is empty."""
     storage = t.untyped_storage()
     return (t.device, storage.data_ptr()) if storage.nbytes() else None
 
@@ -66,11 +67,11 @@ class Held:
     def __init__(self, exclude: list[torch.Tensor] = ()):
         self.refs: dict[tuple, list[int]] = {}  # storage → [bytes, holders]
         self.now = self.peak = 0
-        self._exclude = {_key(t) for t in exclude}
+        self._exclude = {storage_key(t) for t in exclude}
         self._hooks = None
 
     def add(self, t: torch.Tensor) -> tuple | None:
-        key = _key(t)
+        key = storage_key(t)
         if key is None or key in self._exclude:
             return None
         entry = self.refs.setdefault(key, [t.untyped_storage().nbytes(), 0])

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from brigade.parallel.held import Held
+from brigade.parallel.held import Held, storage_key
 from brigade.shards import local
 
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -32,11 +32,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages under `tensors` (a DTensor: its local shard's)."""
     seen: dict[tuple, int] = {}
     for t in tensors:
-        if t is None:
-            continue
-        storage = local(t).untyped_storage()
-        seen[(t.device, storage.data_ptr())] = storage.nbytes()
-    return sum(n for key, n in seen.items() if key[1])
+        key = None if t is None else storage_key(local(t))
+        if key is not None:
+            seen[key] = local(t).untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -54,6 +53,27 @@ def _cpu_peak(prof) -> int:
     return peak
 
 
+class AllocatorPeak:
+    """Context manager: `peak_bytes` the CUDA allocator held above its level at entry."""
+
+    method = "allocator"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_bytes = 0
+        self.base = 0  # allocated at entry
+
+    def __enter__(self) -> AllocatorPeak:
+        torch.cuda.synchronize(self.device)  # frees of earlier kernels have happened
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize(self.device)
+        self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.base
+
+
 class StepMemory:
     """Measures one training step of this rank, as a context around it.
 
@@ -68,14 +88,13 @@ class StepMemory:
         self.params, self.optimizer, self.device = params, optimizer, device
         self.held = Held()
         self.grads = 0
-        self._prof = None
+        self._prof = self._gpu = None
 
     def __enter__(self) -> StepMemory:
         self.before = storage_bytes([*self.params, *(p.grad for p in self.params),
                                      *optimizer_tensors(self.optimizer)])
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._gpu = AllocatorPeak(self.device).__enter__()
         else:
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
@@ -91,8 +110,8 @@ class StepMemory:
             self._prof.__exit__(*exc)
             self.peak = self.before + _cpu_peak(self._prof)
         else:
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
+            self._gpu.__exit__(*exc)
+            self.peak = self._gpu.base + self._gpu.peak_bytes
 
     def report(self) -> dict:
         """{params, grads, optimizer, activations, peak}: bytes (see the module docstring)."""
