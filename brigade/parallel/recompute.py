@@ -140,6 +140,7 @@ class _Frame:
 
     def recompute(self) -> None:
         """Run the forward again as it first ran, keeping each tensor it saves (detached)."""
+        _reruns[0] += 1
         saved: list = []
         inputs = self.inputs
 
@@ -170,6 +171,15 @@ class _Frame:
         if counting:
             self.holders += counting.keep(saved)
         self.outputs = None
+
+
+_reruns = [0]  # forwards run again in this process, for `reruns`
+
+
+def reruns() -> int:
+    """How many block forwards have run again (recomputed) in this process so far: what a
+    benchmark or a test counts, by the difference over what it runs."""
+    return _reruns[0]
 
 
 def _keeps(t: torch.Tensor, inputs: set[int]) -> bool:

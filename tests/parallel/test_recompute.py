@@ -29,32 +29,22 @@ def setup():
     return blocks, blocks[0](x).detach(), y  # from block 1 on: a stage whose input needs a gradient
 
 
-def _grads(setup, mode: str, split: bool, monkeypatch=None) -> tuple[list, int]:
+def _grads(setup, mode: str, split: bool) -> tuple[list, int]:
     """Gradients (the input's last) of blocks 1.. under `mode`, and how many forwards ran again."""
     blocks, h0, y = setup
     stage = nn.Sequential(*copy.deepcopy(blocks[1:]))
     recompute.apply(list(stage), mode)
-    count = [0]
-    real = recompute._Frame.recompute
-
-    def counted(frame):
-        count[0] += 1
-        return real(frame)
-
-    recompute._Frame.recompute = counted
-    try:
-        h = h0.clone().requires_grad_(True)
-        torch.manual_seed(5)  # the dropout masks
-        loss = gpt_loss(stage(h), y)
-        if split:
-            dx, weights = backward_split(loss, None, h, list(stage.parameters()))
-            weights(None)
-        else:
-            loss.backward()
-            dx = h.grad
-    finally:
-        recompute._Frame.recompute = real
-    return [p.grad for p in stage.parameters()] + [dx], count[0]
+    before = recompute.reruns()
+    h = h0.clone().requires_grad_(True)
+    torch.manual_seed(5)  # the dropout masks
+    loss = gpt_loss(stage(h), y)
+    if split:
+        dx, weights = backward_split(loss, None, h, list(stage.parameters()))
+        weights(None)
+    else:
+        loss.backward()
+        dx = h.grad
+    return [p.grad for p in stage.parameters()] + [dx], recompute.reruns() - before
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
