@@ -115,6 +115,7 @@ def _add_check(sub) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from brigade.check import report
     from brigade.check.run import CheckConfig, run_check
     from brigade.models.gpt import GPTConfig
     from brigade.pipeline.stages.partition import parse_balance
@@ -132,22 +133,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         recompute=args.recompute,
     )
     result = run_check(cfg, port=args.port)[0]
-    if args.json:
-        print(json.dumps(result))
-    else:
-        verdict = "OK" if result["ok"] else "MISMATCH"
-        sharded = f" (shard {cfg.shard})" if cfg.shard > 1 else ""
-        sharded += f", recompute {cfg.recompute}" if cfg.recompute != "none" else ""
-        print(f"{verdict}: {args.model} on {cfg.stages} stages ({cfg.runtime}), {cfg.schedule}, "
-              f"V={result['virtual']}, dp={cfg.dp}{sharded}, m={cfg.microbatches}, "
-              f"balance {result['balance']}, "
-              f"reference: {result['reference']} on {result['reference_device']}")
-        print(f"  max |Δloss| {result['max_abs_loss_diff']:.3g}   max |Δgrad| "
-              f"{result['max_abs_grad_diff']:.3g}   max |Δparam| after one SGD step "
-              f"{result['max_abs_param_diff']:.3g}   (tolerance {cfg.atol:g})")
-        if not result["ok"] and len({d.split(":")[0] for d in cfg.devices or []}) > 1:
-            print("  the stages run on a CPU and a GPU, whose fp32 arithmetic rounds differently: check "
-                  "on one kind of device to separate that from the pipeline, or raise --atol")
+    print(json.dumps(result) if args.json else "\n".join(report.lines(cfg, result)))
     return 0 if result["ok"] else 1
 
 
