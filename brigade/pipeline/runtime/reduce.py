@@ -136,7 +136,8 @@ class ShardedReducer:
 
     def __init__(self, module):
         self.module = module
-        self.reshard = any(g._reshard_after_forward for g in self._units())
+        self.units = self._units()  # made by fully_shard, fixed from then on: listed once
+        self.reshard = any(g._reshard_after_forward for g in self.units)
         self.between = False  # reshard after each backward of this step
         self._hold()
 
@@ -165,7 +166,7 @@ class ShardedReducer:
 
     def params(self) -> list:
         """The gathered parameters autograd sees in this step's graphs (not the sharded ones)."""
-        return [fp.unsharded_param for g in self._units() for fp in g.fsdp_params
+        return [fp.unsharded_param for g in self.units for fp in g.fsdp_params
                 if hasattr(fp, "_unsharded_param")]
 
     def reset(self) -> None:
@@ -180,7 +181,7 @@ class ShardedReducer:
         self.module.set_is_last_backward(True)
         self.module.set_reshard_after_backward(True)
         forensics.doing("reduce-scatter sharded gradients", waiting=True)
-        for unit in self._units():
+        for unit in self.units:
             unit.post_backward()
         self._state()._root_post_backward_final_callback()
         self._hold()
