@@ -322,8 +322,10 @@ def build_parser() -> Parser:
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help=_DEBUG)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    from brigade.plan.command import add_plan
+
     for add in (_add_train, _add_generate, _add_plot, _add_inspect, _add_schedule, _add_check,
-                _add_bench, _add_tune, _add_doctor):
+                _add_bench, _add_tune, lambda s: add_plan(s, _option), _add_doctor):
         add(sub)
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG)

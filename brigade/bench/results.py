@@ -150,6 +150,8 @@ JOBS: dict[str, Job] = {
                     "brigade tune --model toy --batch-size 8 --splits 8,4 --repeats 1 --verify"),
     "footprint": Job("python -m brigade.bench.footprint", "footprint/footprint.json",
                      "python -m brigade.bench.footprint --tiny --steps 3 --repeats 1"),
+    "plan": Job("python -m brigade.bench.plan_accuracy", "plan/accuracy.json",
+                "python -m brigade.bench.plan_accuracy --tiny --steps 4"),
     "two-hosts": Job("", "two-hosts/two_hosts.json", needs_root=ROOT),
     "doctor-two-hosts": Job("", "two-hosts/doctor.json", needs_root=ROOT),
 }

@@ -1,0 +1,272 @@
+"""How close `brigade plan` comes: predicted against measured step time and per-rank peak memory
+for layouts this machine runs, each a real `brigade train` of a few steps.
+
+    python -m brigade.bench.plan_accuracy --out results/plan          (about 5 minutes on 2 cores)
+    python -m brigade.bench.plan_accuracy --tiny --out /tmp/p         (tests this script)
+
+The cluster is this machine (the "cpu" device, one node; 4 processes share its cores, which the
+planner models). Costs are measured once per model by the planner itself; each layout is then
+predicted (`plan.predict`) and trained with the predicted cut (`--balance`). Measured: the median
+`step_time_s` of the steps after the second, and each rank's `peak` from the `memory` event
+(step 2). Errors are (predicted − measured) ÷ measured; memory's is the worst rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from brigade.bench.footprint import QUIET
+from brigade.errors import BrigadeError, RunError
+from brigade.train.metrics import events, read_records, training
+
+GPT = {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq_len": 64, "batch_size": 16}
+GPT_TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 32, "batch_size": 8}
+# (model, replicate, shard, pp, schedule, V, m, recompute)
+CASES = [
+    ("gpt", 1, 1, 1, "1f1b", 1, 1, "none"),
+    ("gpt", 2, 1, 1, "1f1b", 1, 1, "none"),
+    ("gpt", 2, 1, 1, "1f1b", 1, 1, "full"),
+    ("gpt", 1, 2, 1, "1f1b", 1, 1, "none"),
+    ("gpt", 1, 1, 2, "1f1b", 1, 4, "none"),
+    ("gpt", 1, 1, 2, "1f1b", 1, 4, "full"),
+    ("gpt", 1, 1, 2, "interleaved", 2, 4, "none"),
+    ("gpt", 1, 1, 2, "zb", 1, 4, "none"),
+    ("gpt", 1, 1, 2, "zbv", 2, 4, "none"),
+    ("gpt", 2, 1, 2, "1f1b", 1, 4, "none"),
+    ("gpt", 2, 2, 1, "1f1b", 1, 1, "none"),
+    ("gpt", 1, 2, 2, "zb", 1, 2, "none"),
+    ("mlp", 2, 1, 1, "1f1b", 1, 1, "none"),
+    ("mlp", 1, 1, 2, "1f1b", 1, 4, "none"),
+    ("mlp", 1, 1, 2, "zb", 1, 4, "full"),
+]
+TINY_CASES = [CASES[1], CASES[4], CASES[12]]
+
+
+def train(args: list[str], steps: int) -> dict:
+    """`brigade train` with `args`: the median step time after step 2 and every rank's peak."""
+    with tempfile.TemporaryDirectory(prefix="brigade-plan-") as tmp:
+        argv = [
+            sys.executable,
+            "-m",
+            "brigade",
+            "train",
+            "--out",
+            tmp,
+            *QUIET,
+            *args,
+            "--max-steps",
+            str(steps),
+        ]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+            raise RunError(f"brigade train {' '.join(args)}: exit {done.returncode}: {tail}")
+        recs = read_records(Path(tmp))
+    (mem,) = events(recs, "memory")
+    ranks = sorted({int(k.split("/")[0][4:]) for k in mem if k.startswith("rank")})
+    return {
+        "step_s": statistics.median(r["step_time_s"] for r in training(recs) if r["step"] > 2),
+        "peak": [mem[f"rank{r}/peak"] for r in ranks],
+    }
+
+
+def _model_args(model: str, sizes: dict) -> list[str]:
+    if model != "gpt":
+        return ["--model", model, "--batch-size", str(sizes["batch_size"])]
+    return [
+        "--model",
+        "gpt",
+        "--n-layer",
+        str(sizes["n_layer"]),
+        "--n-embd",
+        str(sizes["n_embd"]),
+        "--n-head",
+        str(sizes["n_head"]),
+        "--context",
+        str(sizes["seq_len"]),
+        "--block-size",
+        str(sizes["seq_len"]),
+        "--batch-size",
+        str(sizes["batch_size"]),
+    ]
+
+
+def _costs(model: str, sizes: dict, cases: list[tuple]):
+    """The planner's costs of `model` (every micro-batch size and mode the cases need), and the
+    cluster: this machine with as many ranks as the largest case."""
+    from brigade.config import ModelConfig
+    from brigade.plan.cluster import Cluster
+    from brigade.plan.config import PlanConfig
+    from brigade.plan.costs import measure
+    from brigade.plan.devices import cpu
+    from brigade.plan.run import load_spec, model_config, quiet_stderr
+
+    cfg = PlanConfig(model=model, batch_size=sizes["batch_size"], seq_len=sizes.get("seq_len", 0))
+    base = ModelConfig(
+        n_layer=sizes.get("n_layer", 4), n_head=sizes.get("n_head", 4), n_embd=sizes.get("n_embd", 128)
+    )
+    spec = load_spec(cfg, model_config(cfg, base))
+    mbs = sorted({sizes["batch_size"] // (c[1] * c[2] * c[6]) for c in cases})
+    with quiet_stderr():
+        costs = measure(spec, mbs, sorted({c[7] for c in cases}), cpu())
+    return costs, Cluster(1, 4, cpu())
+
+
+def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
+    from dataclasses import replace
+
+    from brigade.plan.predict import predict
+    from brigade.plan.space import Layout
+
+    model, rep, shard, pp, schedule, v, m, mode = case
+    layout = Layout(rep, shard, pp, schedule, v, m, mode)
+    here = replace(where, per_node=layout.world)
+    row = predict(costs, layout, here, sizes["batch_size"], sizes.get("seq_len", 0))
+    args = [
+        *_model_args(model, sizes),
+        "--nproc",
+        str(layout.world),
+        "--pp",
+        str(pp),
+        "--shard",
+        str(shard),
+        "--schedule",
+        schedule,
+        "--virtual",
+        str(v),
+        "--microbatches",
+        str(m),
+        "--recompute",
+        mode,
+    ]
+    if pp > 1:
+        args += ["--balance", ",".join(map(str, row["balance"]))]
+    got = train(args, steps)
+    predicted = [row["memory_per_stage_rank"][r % pp]["peak"] for r in range(layout.world)]
+    mem_err = max((p - g) / g for p, g in zip(predicted, got["peak"]))
+    mem_err = max(mem_err, min((p - g) / g for p, g in zip(predicted, got["peak"])), key=abs)
+    return {
+        "model": model,
+        "layout": layout.to_json(),
+        "label": layout.label(),
+        "balance": row["balance"],
+        "predicted_step_s": row["step_s"],
+        "measured_step_s": got["step_s"],
+        "step_error": (row["step_s"] - got["step_s"]) / got["step_s"],
+        "predicted_peak": predicted,
+        "measured_peak": got["peak"],
+        "memory_error": mem_err,
+        "source": row["source"],
+    }
+
+
+def summary(rows: list[dict]) -> dict:
+    steps = [abs(r["step_error"]) for r in rows]
+    mems = [abs(r["memory_error"]) for r in rows]
+    return {
+        "layouts": len(rows),
+        "median_step_error": statistics.median(steps),
+        "worst_step_error": max(steps),
+        "median_memory_error": statistics.median(mems),
+        "worst_memory_error": max(mems),
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    """Predicted against measured, step time and peak memory, from the JSON's figures only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    pairs = [
+        (
+            [r["measured_step_s"] * 1e3 for r in result["rows"]],
+            [r["predicted_step_s"] * 1e3 for r in result["rows"]],
+            "step time (ms)",
+        ),
+        (
+            [max(r["measured_peak"]) / 2**20 for r in result["rows"]],
+            [max(r["predicted_peak"]) / 2**20 for r in result["rows"]],
+            "peak memory of the busiest rank (MiB)",
+        ),
+    ]
+    for ax, (x, y, what) in zip(axes, pairs):
+        ax.scatter(x, y, color="#4c72b0")
+        hi = max(x + y) * 1.1
+        ax.plot([0, hi], [0, hi], color="gray", lw=1)
+        ax.fill_between([0, hi], [0, 0.9 * hi], [0, 1.1 * hi], color="gray", alpha=0.15, label="±10 %")
+        ax.set_xlabel(f"measured {what}")
+        ax.set_ylabel(f"predicted {what}")
+        ax.legend(fontsize=8)
+    s = result["summary"]
+    fig.suptitle(
+        f"brigade plan on this machine, {s['layouts']} layouts: step time median "
+        f"{100 * s['median_step_error']:.1f} %, worst {100 * s['worst_step_error']:.1f} %; memory worst "
+        f"{100 * s['worst_memory_error']:.1f} %",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m brigade.bench.plan_accuracy", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--out", default="results/plan", help="folder for accuracy.json and accuracy.png")
+    p.add_argument("--steps", type=int, default=8, help="training steps per layout (≥ 4)")
+    p.add_argument(
+        "--tiny", action="store_true", help="tiny sizes and 3 layouts: tests the script, not the planner"
+    )
+    args = p.parse_args(argv)
+    if args.steps < 4:
+        raise BrigadeError(
+            f"--steps {args.steps}: need at least 4 (memory is measured on step 2, times after it)"
+        )
+    cases = TINY_CASES if args.tiny else CASES
+    gpt = GPT_TINY if args.tiny else GPT
+    rows = []
+    for model in dict.fromkeys(c[0] for c in cases):
+        sizes = gpt if model == "gpt" else {"batch_size": 32}
+        mine = [c for c in cases if c[0] == model]
+        costs, where = _costs(model, sizes, mine)
+        for case in mine:
+            rows.append(run_case(case, costs, where, sizes, args.steps))
+            r = rows[-1]
+            print(
+                f"{model:>4} {r['label']:<34} step {r['measured_step_s'] * 1e3:7.1f} ms, predicted "
+                f"{r['predicted_step_s'] * 1e3:7.1f} ({100 * r['step_error']:+.1f} %); peak "
+                f"{max(r['measured_peak']) / 2**20:6.1f} MiB ({100 * r['memory_error']:+.1f} %)",
+                flush=True,
+            )
+    result = {
+        "gpt": gpt,
+        "mlp": {"batch_size": 32},
+        "steps": args.steps,
+        "rows": rows,
+        "summary": summary(rows),
+        "command": "python -m brigade.bench.plan_accuracy" + (" --tiny" if args.tiny else ""),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accuracy.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    plot(result, out / "accuracy.png")
+    print(f"wrote {out / 'accuracy.json'} and {out / 'accuracy.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BrigadeError as exc:
+        print(f"brigade.bench.plan_accuracy: error: {exc}", file=sys.stderr)
+        sys.exit(2)

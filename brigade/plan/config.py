@@ -1,0 +1,44 @@
+"""What `brigade plan` is asked: the model, the batch, the cluster and the layout space. Each
+field's sentence is its flag's help (`config.fielddoc`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from brigade.config.fielddoc import MODELS, RECOMPUTES, SCHEDULES, doc
+
+
+@dataclass
+class PlanConfig:
+    model: str = doc("gpt", "the model to plan for", choices=MODELS)
+    batch_size: int = doc(32, "global batch in sequences (or samples), split across data-parallel replicas")
+    seq_len: int = doc(128, "gpt: sequence length in tokens (its context and block size)")
+    nodes: int = doc(1, "machines in the target cluster")
+    gpus_per_node: int = doc(2, "devices (processes) per machine")
+    device: str = doc(
+        "cpu", "the target device: h100, h200, a100 or cpu (this machine, measured by a short probe)"
+    )
+    cluster: str = doc(
+        "",
+        "a TOML file with nodes, devices_per_node and a [device] table (docs/plan.md); "
+        "empty: --nodes, --gpus-per-node and --device",
+    )
+    precision: str = doc("", "the training precision whose peak counts: empty (fp32) or bf16")
+    schedules: str = doc(
+        "",
+        "pipeline schedules to consider, comma-separated ({choices}); empty: every registered one",
+        choices=SCHEDULES,
+    )
+    microbatches: str = doc(
+        "", "micro-batch counts to consider, like 1,2,4; empty: powers of two up to 4 × pp"
+    )
+    recompute: str = doc(
+        "none,full", "recompute modes to consider, comma-separated ({choices})", choices=RECOMPUTES
+    )
+    dp: int = doc(0, "consider only this data-parallel width; 0: every divisor of the world")
+    pp: int = doc(0, "consider only this pipeline depth; 0: every divisor of the world")
+    shard: int = doc(0, "consider only this shard degree (1: DDP); 0: every divisor of dp")
+    top: int = doc(10, "rows of the ranked table printed")
+    write_config: str = doc(
+        "", "write the best row that fits as a train config TOML here (brigade train --config FILE)"
+    )

@@ -1,0 +1,191 @@
+"""Per-block costs of a model, measured on this machine and scaled to a target device.
+
+Measured here, one process of one thread, for each recompute mode asked:
+
+    times        (forward, backward, weight, input) seconds of every block at a few micro-batch
+                 sizes (`bench.predict.block_costs`, interpolated by `bench.predict.interpolate`)
+    held         bytes each block holds for backward once its forward is done, per sample
+                 (`parallel.held.Held`: under recompute, its input)
+    working      what its backward holds on top of that at its most (a recompute's tensors)
+    transient    the allocator's peak over its forward and backward beyond its parameters, its
+                 gradients and `held` + `working`: temporaries (train.memory.StepMemory)
+
+and, whatever the mode: each block's parameter bytes (by parameter, so a weight tied across
+blocks of one stage counts once there), FLOPs per sample of its forward and backward
+(torch.utils.flop_counter), its output's bytes per sample (what a pipeline sends), and seconds
+per byte of parameters for the optimizer step (AdamW, clipping, zeroing).
+
+Scaled to a target device: compute by the ratio of this machine's probed fp32 peak to the
+target's peak for the run's precision (the same fraction of peak there as here: "scaled";
+"measured" when the target is this machine), the optimizer step by memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from brigade.bench.predict import block_costs, interpolate
+from brigade.models import ModelSpec
+from brigade.parallel import recompute
+from brigade.plan.devices import DeviceSpec
+from brigade.train.memory import StepMemory
+
+MEASURED, SCALED, FORMULA = "measured", "scaled", "formula"
+
+
+@dataclass
+class ModeCosts:
+    """One recompute mode's measurements (module docstring); memory in bytes per sample."""
+
+    times: dict[int, list[tuple[float, ...]]]
+    held: list[float]
+    working: list[float]
+    transient: list[float]
+
+
+@dataclass
+class ModelCosts:
+    """Everything the planner knows of a model, per block (module docstring)."""
+
+    name: str
+    params: list[dict[int, int]]  # per block: parameter id -> bytes
+    flops: list[float]  # per sample, forward + backward
+    out_bytes: list[float]  # per sample
+    modes: dict[str, ModeCosts]
+    optimizer_s_per_byte: float
+    here: DeviceSpec
+    source: str = MEASURED
+    scale: float = 1.0  # target seconds per second here (compute)
+    mem_scale: float = 1.0  # the same for the optimizer's memory-bound step
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.flops)
+
+    def block_times(self, mode: str, size: int) -> list[tuple[float, ...]]:
+        """(forward, backward, weight, input) target seconds of each block at micro-batch `size`."""
+        return [tuple(c * self.scale for c in b) for b in interpolate(self.modes[mode].times, size)]
+
+    def param_bytes(self, blocks: range) -> int:
+        """Bytes of the parameters of these blocks, a shared one once."""
+        seen: dict[int, int] = {}
+        for b in blocks:
+            seen.update(self.params[b])
+        return sum(seen.values())
+
+
+def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpec) -> ModelCosts:
+    """Measure `spec`'s blocks here at micro-batch `sizes` under each recompute mode (one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, y = spec.make_batch(max(sizes), torch.Generator().manual_seed(0))
+        per_mode = {m: _mode(spec, x, y, sizes, m) for m in modes}
+        flops, outs = _flops_and_outputs(spec, x[: min(sizes)], y[: min(sizes)])
+        params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
+        opt = _optimizer_s_per_byte(spec)
+    finally:
+        torch.set_num_threads(threads)
+    return ModelCosts(spec.name, params, flops, outs, per_mode, opt, here)
+
+
+def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str) -> ModeCosts:
+    blocks = copy.deepcopy(spec.blocks)
+    recompute.apply(blocks, mode)
+    times = {s: block_costs(blocks, x[:s], spec.loss_fn, y[:s]) for s in sizes}
+    s = min(sizes)
+    held, working, transient = [], [], []
+    h = x[:s]
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        f, p, t = _block_memory(block, h, spec.loss_fn if last else None, y[:s], first=i == 0)
+        held.append(f / s)
+        working.append(max(0.0, p - f) / s)
+        transient.append(max(0.0, t) / s)
+        with torch.no_grad():
+            h = block(h)
+    return ModeCosts(times, held, working, transient)
+
+
+def _block_memory(block, h, loss_fn, y, first: bool) -> tuple[int, int, int]:
+    """(held after forward, held at most, allocator peak beyond params, grads and held) bytes."""
+    params = list(block.parameters())
+    for _ in range(2):  # the second is measured: the first allocates what stays (lazy buffers)
+        block.zero_grad(set_to_none=True)
+        inp = h.detach().requires_grad_(h.is_floating_point() and not first)
+        with StepMemory(params, types.SimpleNamespace(state={}), h.device) as mem:
+            out = block(inp)
+            after = mem.held.now
+            if loss_fn is not None:
+                out = loss_fn(out, y)
+            torch.autograd.backward(out, None if loss_fn is not None else torch.ones_like(out))
+            mem.grads_ready([p.grad for p in params])
+            del out, inp
+        r = mem.report()
+    block.zero_grad(set_to_none=True)
+    return after, r["activations"], r["peak"] - r["params"] - r["grads"] - r["activations"]
+
+
+def _flops_and_outputs(spec: ModelSpec, x, y) -> tuple[list[float], list[float]]:
+    """FLOPs (forward + backward) and output bytes, per sample, of each block."""
+    flops, outs = [], []
+    h = x
+    n = len(x)
+    for i, block in enumerate(spec.blocks):
+        last = i == len(spec.blocks) - 1
+        inp = h.detach().requires_grad_(h.is_floating_point() and i > 0)
+        with FlopCounterMode(display=False) as counter:
+            out = block(inp)
+            loss = spec.loss_fn(out, y) if last else out
+            torch.autograd.backward(loss, None if last else torch.ones_like(loss))
+        block.zero_grad(set_to_none=True)
+        flops.append(counter.get_total_flops() / n)
+        outs.append(out.numel() * out.element_size() / n if torch.is_tensor(out) else 0.0)
+        h = out.detach()
+    return flops, outs
+
+
+def _optimizer_s_per_byte(spec: ModelSpec, repeats: int = 5) -> float:
+    """Median seconds per parameter byte of AdamW's step, the gradient norm and zeroing."""
+    params = [
+        p.detach().clone().requires_grad_()
+        for p in {id(p): p for b in spec.blocks for p in b.parameters()}.values()
+    ]
+    if not params:
+        return 0.0
+    opt = torch.optim.AdamW(params)
+    times = []
+    for _ in range(repeats + 1):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return statistics.median(times[1:]) / nbytes
+
+
+def scaled(costs: ModelCosts, target: DeviceSpec, precision: str) -> ModelCosts:
+    """`costs` as the target device would run them (module docstring).
+
+    Raises:
+        BrigadeError: the target has no known peak for `precision` (DeviceSpec.peak).
+    """
+    peak = target.peak(precision)
+    if target.measured and target.name == costs.here.name and not precision:
+        return costs
+    here = costs.here.peak("")
+    out = copy.copy(costs)
+    out.scale, out.mem_scale = here / peak, costs.here.mem_bw / target.mem_bw
+    out.source = SCALED if costs.source == MEASURED else costs.source
+    return out

@@ -1,0 +1,240 @@
+"""What a device can do: peak FLOP/s, memory, links. A small built-in table of public figures, and
+"cpu", this machine, measured by a short probe.
+
+    H100 SXM    989 TFLOP/s bf16 dense, 67 fp32 (no TF32), 80 GB HBM3 3.35 TB/s, NVLink 900 GB/s
+    H200 SXM    989 / 67 TFLOP/s, 141 GB HBM3e 4.8 TB/s, NVLink 900 GB/s
+    A100 80 GB  312 TFLOP/s bf16 dense, 19.5 fp32, 80 GB HBM2e 2.04 TB/s, NVLink 600 GB/s
+
+(NVIDIA's H100, H200 and A100 datasheets; NVLink's total is both directions, a ring step moves
+one, so half of it is a link's bandwidth.) Between nodes: one 400 Gb/s NDR InfiniBand adapter per
+GPU (A100: 200 Gb/s HDR), as DGX systems have, 50 (25) GB/s. Latencies are NCCL's usual few
+microseconds. A TOML file (`cluster.py`) gives any other device.
+
+"cpu" is this machine: one thread's fp32 matmul rate, how much slower each thread gets when every
+core runs one (memory bandwidth shared), and gloo's point-to-point bandwidth and latency between
+two processes of this host, over loopback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from dataclasses import dataclass, fields
+
+from brigade.errors import BrigadeError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device (a GPU, or one CPU core running one process).
+
+    Peaks are per device in FLOP/s (0: not known); bandwidths in bytes/s one way, latencies in
+    seconds. `cores`: devices that share one host's compute (a CPU's cores; 0 for a GPU, which
+    has its own); `shared_slowdown`: a device's time when all `cores` compute at once, over its
+    time alone (memory bandwidth is shared; 1 for a GPU).
+    """
+
+    name: str
+    peak_bf16: float
+    peak_fp32: float
+    memory: float
+    intra_bw: float
+    intra_latency: float
+    inter_bw: float
+    inter_latency: float
+    mem_bw: float
+    cores: int = 0
+    shared_slowdown: float = 1.0
+    measured: bool = False  # probed here (cpu), not from a table or a file
+
+    def peak(self, precision: str) -> float:
+        """Peak FLOP/s for `precision` ("" or "fp32", "bf16").
+
+        Raises:
+            BrigadeError: the device has no known peak for it.
+        """
+        value = self.peak_bf16 if precision in ("bf16", "fp16") else self.peak_fp32
+        if value <= 0:
+            field = "peak_bf16" if precision in ("bf16", "fp16") else "peak_fp32"
+            raise BrigadeError(
+                f"device {self.name!r} has no known {precision or 'fp32'} peak: give "
+                f"{field} (FLOP/s) in a --cluster file's [device] table"
+            )
+        return value
+
+
+def _gpu(name: str, bf16: float, fp32: float, mem: float, nvlink: float, ib: float, hbm: float) -> DeviceSpec:
+    return DeviceSpec(
+        name, bf16 * 1e12, fp32 * 1e12, mem * GB, nvlink / 2 * GB, 3e-6, ib * GB, 8e-6, hbm * GB
+    )
+
+
+TABLE = {
+    "h100": _gpu("h100", 989, 67, 80, 900, 50, 3350),
+    "h200": _gpu("h200", 989, 67, 141, 900, 50, 4800),
+    "a100": _gpu("a100", 312, 19.5, 80, 600, 25, 2039),
+}
+NAMES = (*TABLE, "cpu")
+FIELDS = tuple(f.name for f in fields(DeviceSpec) if f.name not in ("name", "measured"))
+
+
+def device(name: str) -> DeviceSpec:
+    """A built-in device by name ("cpu": this machine, probed once per process).
+
+    Raises:
+        BrigadeError: an unknown name.
+    """
+    key = name.lower().replace(" ", "").replace("-", "")
+    key = {"a10080gb": "a100", "h100sxm": "h100"}.get(key, key)
+    if key == "cpu":
+        return cpu()
+    if key not in TABLE:
+        raise BrigadeError(
+            f"--device {name!r}: unknown device: expected {', '.join(NAMES)}, or a "
+            "--cluster FILE.toml with a [device] table"
+        )
+    return TABLE[key]
+
+
+@functools.cache
+def cpu() -> DeviceSpec:
+    """This machine, measured (about 2 s): see the module docstring."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone, fastest = _matmul_seconds(1)
+        together, _ = _matmul_seconds(min(cores, 8))
+        bw, latency = _p2p()
+    finally:
+        torch.set_num_threads(threads)
+    flops = 2 * _N**3 / fastest
+    mem_bw = _copy_rate()
+    return DeviceSpec(
+        "cpu",
+        0.0,
+        flops,
+        _host_memory(),
+        bw,
+        latency,
+        bw,
+        latency,
+        mem_bw,
+        cores,
+        max(1.0, together / alone),
+        measured=True,
+    )
+
+
+_N = 256  # the probe's square matmul: a few milliseconds on one core
+
+
+def _matmul_seconds(n_threads: int, repeats: int = 30) -> tuple[float, float]:
+    """(median, fastest) seconds of one matmul while `n_threads` threads each run them (torch frees
+    the GIL); the fastest gives the peak, medians the slowdown."""
+    import statistics
+
+    import torch
+
+    a = [torch.randn(_N, _N) for _ in range(n_threads)]
+    times: list[list[float]] = [[] for _ in range(n_threads)]
+
+    def run(k: int) -> None:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a[k] @ a[k]
+            times[k].append(time.perf_counter() - t0)
+
+    workers = [threading.Thread(target=run, args=(k,)) for k in range(n_threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    got = [t for ts in times for t in ts[2:]]
+    return statistics.median(got), min(got)
+
+
+def _copy_rate() -> float:
+    """Bytes/s of a large tensor copy (read and write), the optimizer step's kind of work."""
+    import torch
+
+    x = torch.ones(8 * 2**20)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.numel() * 4 / best
+
+
+def _host_memory() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0.0
+
+
+_PROBE = """
+import json, sys, time, torch, torch.distributed as dist
+r, port = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+got = []
+for n in (1, 1 << 22):
+    t = torch.zeros(n)
+    for k in range(10):
+        if k == 2:
+            start = time.perf_counter()
+        for sender in (0, 1):
+            (dist.send if r == sender else dist.recv)(t, 1 - r)
+    got.append((time.perf_counter() - start) / 8 / 2)
+dist.destroy_process_group()
+if r == 0:
+    print(json.dumps(got))
+"""
+
+
+def _p2p() -> tuple[float, float]:
+    """(bytes/s, seconds) of gloo send/recv between two processes of this host (one way): 16 MiB
+    and 4 bytes, each sent back and forth 8 times after 2 warm-ups."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PROBE, str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    if any(p.returncode for p in procs):
+        raise BrigadeError(
+            "the cpu device's gloo probe failed: "
+            f"{(outs[0][1] or outs[1][1]).strip().splitlines()[-1:]}; give the device "
+            "in a --cluster file instead"
+        )
+    small, big = json.loads(outs[0][0])
+    return 4 * (1 << 22) / max(big - small, 1e-9), small
+
+
+def _both(fn) -> None:
+    workers = [threading.Thread(target=fn, args=(r,)) for r in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()

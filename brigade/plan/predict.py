@@ -1,0 +1,118 @@
+"""One layout's predicted step on a cluster: time from `simulate()` over the real plan, the
+data-parallel reduction, the optimizer step, tokens/s, MFU, bubble, communication share and each
+rank's memory (`memory.py`), and whether it fits.
+
+    step = makespan(plan; per-stage F, B, W, I; P2P)   one pipeline's micro-batches, simulated
+         + gradient reduction                           DDP: all-reduce; shard: reduce-scatter and
+                                                        the step's all-gather; HSDP: then an
+                                                        all-reduce of the shard across replicas
+         + optimizer step                               AdamW on this rank's parameters (or shards)
+
+Not overlapped: an upper bound where a GPU overlaps the reduction with the backward; on a CPU
+gloo's collectives take the same cores. Where more processes share a host than it has cores
+(`DeviceSpec.cores`), the work is time-shared: compute runs `shared_slowdown` slower with every
+core busy, and the step takes at least all ranks' compute ÷ the cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+from brigade.pipeline.plans.schedule import build
+from brigade.pipeline.plans.simulate import simulate
+from brigade.pipeline.stages.partition import solve
+from brigade.plan import comm
+from brigade.plan.cluster import Cluster
+from brigade.plan.costs import ModelCosts
+from brigade.plan.memory import rank_memory, worst
+from brigade.plan.space import Layout
+
+
+def predict(
+    costs: ModelCosts, layout: Layout, cluster: Cluster, batch: int, seq_len: int, precision: str = ""
+) -> dict:
+    """The figures of one layout (module docstring); every figure's `source` is the costs'.
+
+    Raises:
+        PlanError: a schedule that cannot run these sizes (the caller leaves the layout out).
+    """
+    mb = math.ceil(batch / (layout.dp * layout.microbatches))
+    times = costs.block_times(layout.recompute, mb)
+    n_stages = layout.pp * layout.virtual
+    balance = solve([f + b for f, b, *_ in times], n_stages) if n_stages > 1 else [costs.n_blocks]
+    bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
+    per = [[sum(c[j] for c in times[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(4)]
+    slow = _shared(cluster, layout.world)
+    per = [[t * slow for t in row] for row in per]
+    groups = comm.groups(layout.replicate, layout.shard, layout.pp)
+    bw, lat = comm.link(cluster, groups["pp"])
+    sent = max((costs.out_bytes[b - 1] for b in bounds[1:-1]), default=0.0) * mb
+    p2p = comm.p2p(sent, bw, lat) if layout.pp > 1 else 0.0
+    plan = _plan(layout, per, p2p)
+    sim = simulate(plan, per[0], per[1], comm=p2p, weight=per[2], input_grad=per[3])
+    alone = simulate(plan, per[0], per[1], weight=per[2], input_grad=per[3]).makespan
+    procs = min(layout.world, cluster.per_node)
+    makespan = (
+        max(
+            sim.makespan,
+            sum(sim.busy.values()) * layout.dp * procs / layout.world / max(cluster.device.cores, 1),
+        )
+        if cluster.device.cores and procs > cluster.device.cores
+        else sim.makespan
+    )
+    memory = [rank_memory(costs, layout, balance, sim.peak_held, mb, r) for r in range(layout.pp)]
+    top = worst(memory)
+    whole_grads = max(m["grads"] for m in memory) * layout.shard
+    reduce_s = _reduction(cluster, layout, groups, whole_grads)
+    opt_s = costs.optimizer_s_per_byte * costs.mem_scale * top["params"]
+    step = makespan + reduce_s + opt_s
+    flops = sum(costs.flops) * batch
+    peak = cluster.device.peak(precision)
+    limit = cluster.device.memory
+    return {
+        "layout": layout.to_json(),
+        "label": layout.label(),
+        "balance": balance,
+        "microbatch_size": mb,
+        "step_s": step,
+        "pipeline_s": makespan,
+        "reduce_s": reduce_s,
+        "optimizer_s": opt_s,
+        "tokens_per_s": batch * max(seq_len, 1) / step,
+        "mfu": flops / (step * peak * layout.world),
+        "bubble": sim.bubble_fraction,
+        "comm_share": (reduce_s + sim.makespan - alone) / step,
+        "memory": top,
+        "memory_per_stage_rank": memory,
+        "fits": top["peak"] <= limit,
+        "over_bytes": max(0.0, top["peak"] - limit),
+        "source": costs.source,
+    }
+
+
+def _shared(cluster: Cluster, world: int) -> float:
+    """How much slower compute runs when `world`'s ranks share a host's cores (1: not shared)."""
+    d = cluster.device
+    busy = min(world, cluster.per_node)
+    if not d.cores or busy <= 1:
+        return 1.0
+    return 1 + (d.shared_slowdown - 1) * (min(busy, d.cores) - 1) / max(d.cores - 1, 1)
+
+
+def _plan(layout: Layout, per: list[list[float]], p2p: float):
+    """The schedule's plan. A costed schedule (`auto`, being added in plans/generate.py) is built
+    on unit costs until that module lands in git; then these per-stage costs should go to it."""
+    return build(layout.schedule, layout.pp, layout.microbatches, layout.virtual)
+
+
+def _reduction(cluster: Cluster, layout: Layout, groups: dict, grads: float) -> float:
+    """Seconds of one step's gradient reduction (and a sharded stage's parameter all-gather)."""
+    if layout.dp == 1:
+        return 0.0
+    if layout.shard == 1:
+        return comm.all_reduce(grads, layout.dp, *comm.link(cluster, groups["dp"]))
+    shard = comm.link(cluster, groups["shard"])
+    t = comm.reduce_scatter(grads, layout.shard, *shard) + comm.all_gather(grads, layout.shard, *shard)
+    return t + comm.all_reduce(
+        grads / layout.shard, layout.replicate, *comm.link(cluster, groups["replicate"])
+    )

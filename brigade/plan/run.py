@@ -1,0 +1,173 @@
+"""`brigade plan`: measure the model here, scale to the target, predict every layout, rank them.
+
+The rows are ranked by step time, those that fit first; `--write-config` writes the best that
+fits as a train config (`to_config`), the way `brigade tune` writes its choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+from brigade.config import ModelConfig, RunConfig
+from brigade.errors import BrigadeError
+from brigade.pipeline.plans.action import PlanError
+from brigade.plan import cluster as clusters
+from brigade.plan.config import PlanConfig
+from brigade.plan.costs import measure, scaled
+from brigade.plan.devices import cpu
+from brigade.plan.predict import predict
+from brigade.plan.space import Layout, enumerate_layouts
+
+
+def model_config(cfg: PlanConfig, base: ModelConfig | None = None) -> ModelConfig:
+    """The train config's model section for this plan (a GPT's context is the sequence length)."""
+    m = ModelConfig(**vars(base)) if base else ModelConfig()
+    m.model, m.context = cfg.model, cfg.seq_len
+    return m
+
+
+def load_spec(cfg: PlanConfig, m: ModelConfig):
+    """The model as `brigade train` builds it (a GPT sized to the default text's vocabulary)."""
+    from brigade.train.data import from_config, load_text_data
+
+    if cfg.model == "gpt":
+        vocab, _, _ = load_text_data("", cfg.seq_len, 0.1)
+        return from_config(m, 0, vocab_size=len(vocab))
+    return from_config(m, 0)
+
+
+def target(cfg: PlanConfig) -> clusters.Cluster:
+    if cfg.cluster:
+        return clusters.load(cfg.cluster)
+    return clusters.from_flags(cfg.nodes, cfg.gpus_per_node, cfg.device)
+
+
+def _names(text: str, flag: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def layouts(cfg: PlanConfig, world: int, n_blocks: int) -> list[Layout]:
+    """The space asked for: every valid layout, narrowed by --dp, --pp, --shard, --schedules, ...
+
+    Raises:
+        BrigadeError: a --dp/--pp/--shard that cannot divide the world or the model, or no layout left.
+    """
+    from brigade.config.recompute import MODES
+    from brigade.pipeline.plans.schedule import check as check_schedule
+
+    modes = _names(cfg.recompute, "--recompute")
+    for mode in modes:
+        if mode not in MODES:
+            raise BrigadeError(f"--recompute {mode!r}: unknown mode: expected {', '.join(MODES)}")
+    schedules = [check_schedule(s, "--schedules") for s in _names(cfg.schedules, "--schedules")]
+    try:
+        ms = [int(x) for x in _names(cfg.microbatches, "--microbatches")]
+    except ValueError:
+        raise BrigadeError(f"--microbatches {cfg.microbatches!r}: expected counts like 1,2,4") from None
+    _fixed(cfg, world, n_blocks)
+    rows = [
+        lay
+        for lay in enumerate_layouts(world, n_blocks, cfg.batch_size, modes, schedules or None, ms or None)
+        if (not cfg.dp or lay.dp == cfg.dp)
+        and (not cfg.pp or lay.pp == cfg.pp)
+        and (not cfg.shard or lay.shard == cfg.shard)
+    ]
+    if not rows:
+        raise BrigadeError(
+            f"no layout of {world} ranks divides batch {cfg.batch_size} and the model's "
+            f"{n_blocks} blocks as asked: change --batch-size, --microbatches or --dp/--pp"
+        )
+    return rows
+
+
+def _fixed(cfg: PlanConfig, world: int, n_blocks: int) -> None:
+    """Refuse a --dp, --pp or --shard that cannot divide the world or the model, one line each."""
+    for flag, v in (("--dp", cfg.dp), ("--pp", cfg.pp)):
+        if v and world % v:
+            raise BrigadeError(
+                f"{flag} {v} does not divide the cluster's {world} ranks: give a divisor of {world}"
+            )
+    if cfg.dp and cfg.pp and cfg.dp * cfg.pp != world:
+        raise BrigadeError(
+            f"--dp {cfg.dp} × --pp {cfg.pp} = {cfg.dp * cfg.pp}, but the cluster has {world} "
+            "ranks: their product must be the world"
+        )
+    if cfg.pp > n_blocks:
+        raise BrigadeError(
+            f"--pp {cfg.pp}: the model has {n_blocks} blocks, fewer than the stages: give --pp ≤ {n_blocks}"
+        )
+    dp = cfg.dp or (world // cfg.pp if cfg.pp else 0)
+    if cfg.shard and dp and dp % cfg.shard:
+        raise BrigadeError(f"--shard {cfg.shard} does not divide dp {dp}: give a divisor of it")
+
+
+def sizes(rows: list[Layout], batch: int) -> list[int]:
+    """Micro-batch sizes to measure at: the smallest, the largest and one between (interpolated)."""
+    got = sorted({math.ceil(batch / (r.dp * r.microbatches)) for r in rows})
+    return sorted({got[0], got[len(got) // 2], got[-1]})
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """The profiler's C++ start/stop lines go to file descriptor 2: hide them while measuring."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
+    """Every layout's prediction, ranked (module docstring), and what they were made from."""
+    where = target(cfg)
+    where.device.peak(cfg.precision)  # no known peak: refused before measuring anything
+    m = model_config(cfg, base)
+    spec = load_spec(cfg, m)
+    rows = layouts(cfg, where.world, len(spec.blocks))
+    modes = sorted({r.recompute for r in rows})
+    with quiet_stderr():
+        costs = scaled(measure(spec, sizes(rows, cfg.batch_size), modes, cpu()), where.device, cfg.precision)
+    out, left = [], []
+    for lay in rows:
+        try:
+            out.append(
+                predict(
+                    costs, lay, where, cfg.batch_size, cfg.seq_len if cfg.model == "gpt" else 0, cfg.precision
+                )
+            )
+        except PlanError as exc:
+            left.append({"label": lay.label(), "reason": str(exc)})
+    out.sort(key=lambda r: (not r["fits"], r["step_s"]))
+    return {
+        "model": cfg.model,
+        "cluster": where.describe(),
+        "nodes": where.nodes,
+        "per_node": where.per_node,
+        "device": vars(where.device),
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "source": costs.source,
+        "rows": out,
+        "left_out": left,
+        "model_config": vars(m),
+    }
+
+
+def to_config(cfg: PlanConfig, row: dict, m: ModelConfig, nodes: int, per_node: int) -> RunConfig:
+    """The train config of one row (`brigade train --config` reads it)."""
+    run = RunConfig(model=m)
+    run.data.block_size = cfg.seq_len
+    lay = row["layout"]
+    p = run.parallel
+    p.nproc, p.nnodes, p.dp, p.pp, p.shard = per_node, nodes, lay["dp"], lay["pp"], lay["shard"]
+    p.schedule, p.virtual, p.microbatches = lay["schedule"], lay["virtual"], lay["microbatches"]
+    p.recompute = lay["recompute"]
+    if lay["pp"] > 1:
+        p.balance = ",".join(map(str, row["balance"]))
+    run.train.batch_size = cfg.batch_size
+    return run
