@@ -142,7 +142,8 @@ def _schedule_virtuals() -> str:
 
     runs: dict[str, list[str]] = {}
     for s in schedule.SCHEDULES.values():
-        v = str(s.virtual) if s.virtual else f"any V, {schedule.DEFAULT_VIRTUAL} unless asked"
+        v = str(s.virtual) if s.virtual else f"any V, {schedule.DEFAULT_VIRTUAL} unless asked" \
+            if not s.most_virtual else f"1 to {s.most_virtual}, {schedule.DEFAULT_VIRTUAL} unless asked"
         runs.setdefault(v, []).append(s.name)
     (first, names), *rest = runs.items()
     verb = "runs" if len(names) == 1 else "run"

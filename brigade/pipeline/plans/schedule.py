@@ -66,20 +66,9 @@ from brigade.pipeline.plans.registry import (  # noqa: F401
     expected,
     help_text,
     names,
+    place,
     register,
 )
-
-
-def place(placement: Placement, n_ranks: int, n_virtual: int) -> list[int]:
-    """The rank of each of the n_ranks · n_virtual stages under `placement`."""
-    p, n = n_ranks, n_ranks * n_virtual
-    if placement == SINGLE or placement == LOOP:
-        return [s % p for s in range(n)]
-    if placement == V_SHAPE:
-        if n_virtual != 2:
-            raise PlanError(f"the V placement holds 2 stages per rank, not {n_virtual}")
-        return [s if s < p else 2 * p - 1 - s for s in range(n)]
-    raise PlanError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
 
 
 def stage_ranks(plan: Plan) -> dict[int, int]:
@@ -106,8 +95,12 @@ def stages_on(schedule: str, n_ranks: int, rank: int, virtual: int = 0) -> list[
     return [s for s, r in enumerate(placement(schedule, n_ranks, virtual)[1]) if r == rank]
 
 
-def build(schedule: str, n_ranks: int, n_microbatches: int, virtual: int = 0) -> Plan:
+def build(schedule: str, n_ranks: int, n_microbatches: int, virtual: int = 0, costs=None) -> Plan:
     """Build a named schedule's plan over `n_ranks` ranks, `virtual` stages each (0: its default).
+
+    Args:
+        costs: what a costed schedule (`auto`) is planned on (`generate.Costs`, per stage; None:
+            unit costs); the other schedules' plans do not depend on costs and ignore it.
 
     Raises:
         PlanError: for an unknown name, sizes below 1, or a V the schedule cannot run.
@@ -115,7 +108,10 @@ def build(schedule: str, n_ranks: int, n_microbatches: int, virtual: int = 0) ->
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
     sched = SCHEDULES[schedule]
-    return whole_first_backward(sched.build(n_ranks, n_microbatches, sched.resolve_virtual(virtual)))
+    v = sched.resolve_virtual(virtual)
+    plan = sched.build(n_ranks, n_microbatches, v, costs=costs) if sched.costed else \
+        sched.build(n_ranks, n_microbatches, v)
+    return whole_first_backward(plan)
 
 
 def whole_first_backward(plan: Plan) -> Plan:
@@ -252,4 +248,6 @@ def compute_only(plan: Plan) -> Plan:
     return {r: [a for a in acts if a.op in COMPUTE_OPS] for r, acts in plan.items()}
 
 
-from brigade.pipeline.plans import virtual as _virtual  # noqa: E402,F401 -- registers interleaved, looped-bfs, zbv, dualpipev
+# The builders register in this order (the order of help texts and of the bench's rows):
+from brigade.pipeline.plans import virtual as _virtual  # noqa: E402,F401,I001 -- interleaved, looped-bfs, zbv, dualpipev
+from brigade.pipeline.plans import generate as _generate  # noqa: E402,F401 -- auto

@@ -121,14 +121,14 @@ def test_a_schedule_registered_here_is_accepted_everywhere(monkeypatch, capsys):
     config.validate(cfg)  # accepted: no error
     cfg.parallel.schedule = "zigzag"
     with pytest.raises(PlanError, match="--schedule 'zigzag': unknown schedule: expected gpipe, 1f1b, zb, "
-                                        "interleaved, looped-bfs, zbv, dualpipev or gpipe-again"):
+                                        "interleaved, looped-bfs, zbv, dualpipev, auto or gpipe-again"):
         config.validate(cfg)
 
     assert main(["schedule", "--schedule", "gpipe-again", "--stages", "2", "--microbatches", "2"]) == 0
     assert "bubble 0.333" in capsys.readouterr().out
     bench = build_parser().parse_args(["bench", "--model", "toy"])
     assert bench_config(bench).schedules == ["gpipe", "1f1b", "zb", "interleaved", "looped-bfs", "zbv",
-                                             "dualpipev", "gpipe-again"]
+                                             "dualpipev", "auto", "gpipe-again"]
     with pytest.raises(PlanError, match="--schedules 'fast': unknown schedule"):
         bench_config(build_parser().parse_args(["bench", "--model", "toy", "--schedules", "fast,zb"]))
     assert "gpipe-again: GPipe under another name" in schedule.help_text()

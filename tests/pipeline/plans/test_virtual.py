@@ -26,8 +26,7 @@ LOOPED = ("interleaved", "looped-bfs")
 
 def grid(name):
     """(p, V, m) for every V the schedule runs."""
-    fixed = SCHEDULES[name].virtual
-    return list(itertools.product(RANKS, (fixed,) if fixed else VIRTUALS, MICROBATCHES))
+    return list(itertools.product(RANKS, SCHEDULES[name].virtuals(max(VIRTUALS)), MICROBATCHES))
 
 
 ALL = [(name, *case) for name in (*LOOPED, "zbv") for case in grid(name)]

@@ -1,0 +1,262 @@
+"""`auto`: a schedule generated from measured costs, under a memory limit (no torch import).
+
+The hand-written schedules fix an order for unit costs; the zero-bubble paper instead *searches*
+an order for the costs the stages really have. This is its heuristic, as a list scheduler: time
+runs forward over every rank at once and, whenever a rank is free, it starts
+
+    1. the gradient pass (I, or B on stage 0) of the oldest micro-batch whose gradient has
+       arrived: it is on the critical path back to stage 0;
+    2. else a forward, if the rank holds fewer micro-batch activations than the limit allows
+       (a forward of its chunk c keeps V-1-c places free for that micro-batch's later chunks
+       on this rank, so a held micro-batch can always finish: no deadlock by memory);
+    3. else a deferred weight pass (W), which frees an activation and fills what would be idle;
+    4. else it waits for whichever of 1. or 2. can start first.
+
+A few variants of the rules (which chunk's forward goes first; whether a W may delay a gradient
+that arrives during it) are scheduled and the shortest makespan kept: the makespan is computed
+exactly as `simulate()` computes it (start = max(rank free, input arrived + link delay)). The
+activations a rank may hold are searched too: the least limit (up to the caller's) at which the
+best variant ends as early as with the most memory, by bisection (more memory never made a plan
+of this scheduler end later in the tests' grid; where it would, bisection may keep more). Every
+stage runs its forwards, gradients and W in micro-batch order, so gradients accumulate in the
+same order whatever the costs: two runs planned on different measurements give the same bits.
+
+    p = 2, m = 4, unit costs, no memory limit (`brigade schedule --schedule auto --stages 2`):
+
+    rank 0 | 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
+    rank 1 | .   1F0 1I0 1F1 1I1 1F2 1I2 1F3 1I3 1W0 ...
+
+Placement is the V (`registry.place`): V = 1 is one stage per rank; V = 2 goes down the ranks and
+back up, as ZB-V and DualPipeV do, so the turn needs no transfer and rank 0, which holds the
+first stage's long-lived activations, also holds the last stage's short-lived ones. (The loop
+placement at V = 2 needs about m activations per rank to reach the same makespan.)
+
+The costs come from `Costs`: unit costs when a caller has measured nothing (the plan is still a
+valid, zero-bubble-shaped one), measured seconds per stage from `brigade bench` and `brigade tune`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
+
+from brigade.pipeline.plans.action import V_SHAPE, Action, B, F, I, Plan, PlanError, W
+from brigade.pipeline.plans.registry import place, register
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a generated schedule is planned on: per stage (p·V entries, stage 0 first) the time of
+    one micro-batch's forward, input-gradient pass and weight pass, in any one unit.
+
+    Args:
+        forward, input_grad, weight: per-stage costs.
+        backward: per-stage whole-backward costs, if measured (stage 0 runs a whole B: it has no
+            gradient to hurry upstream); else I + W.
+        comm: the delay of a transfer between two ranks (none within a rank).
+        limit: the most micro-batch activations a rank may hold at once, counted per stage it
+            holds (a micro-batch held by two of a rank's stages counts twice); 0: no limit.
+    """
+
+    forward: tuple[float, ...]
+    input_grad: tuple[float, ...]
+    weight: tuple[float, ...]
+    backward: tuple[float, ...] | None = None
+    comm: float = 0.0
+    limit: int = 0
+
+    @classmethod
+    def unit(cls, n_stages: int, limit: int = 0) -> Costs:
+        """Every forward, input-gradient and weight pass costs 1 (a whole backward 2)."""
+        return cls((1.0,) * n_stages, (1.0,) * n_stages, (1.0,) * n_stages, limit=limit)
+
+    def whole(self, stage: int) -> float:
+        """A whole backward's cost on `stage`."""
+        if self.backward is not None:
+            return self.backward[stage]
+        return self.input_grad[stage] + self.weight[stage]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One set of the list scheduler's tie rules; `generate` keeps the variant that ends first.
+
+    deep_first: of two forwards ready at once, the later chunk's (it reaches the loss sooner)
+        rather than the earlier chunk's (more warm-up). wait_for_grad: a rank with only a W to
+        do waits instead when a gradient arrives before that W would end.
+    """
+
+    deep_first: bool
+    wait_for_grad: bool
+    forward_first: bool = False
+
+
+VARIANTS = tuple(Variant(d, g, f) for f in (False, True) for d in (True, False) for g in (False, True))
+
+
+@register("auto", "generated from measured F, I and W costs under a memory limit (zero-bubble "
+          "search), 1 or 2 stages per rank (V placement)", placement=V_SHAPE, virtual=None, costed=True,
+          most_virtual=2)
+def auto(n_ranks: int, n_microbatches: int, n_virtual: int = 1, costs: Costs | None = None) -> Plan:
+    """The shortest plan the variants of the list scheduler find for `costs` (unit costs if None),
+    with the least activations per rank that keep it shortest.
+
+    Raises:
+        PlanError: sizes below 1, a V other than 1 or 2, costs for another number of stages, or a
+            memory limit below V (each rank must hold one micro-batch in each of its stages).
+    """
+    plan = _search(n_ranks, n_microbatches, n_virtual, costs)
+    return {r: list(acts) for r, acts in plan.items()}
+
+
+@lru_cache(maxsize=256)  # the same sizes and costs give the same plan: the tests build many
+def _search(p: int, m: int, v: int, costs: Costs | None) -> dict[int, tuple[Action, ...]]:
+    """`auto`'s plan, its lists as tuples (the cache's values are shared)."""
+    if p < 1 or m < 1 or v < 1:
+        raise PlanError(f"auto: ranks={p}, microbatches={m}, virtual={v}: each must be at least 1")
+    where = place(V_SHAPE, p, v)
+    costs = costs or Costs.unit(p * v)
+    for name in ("forward", "input_grad", "weight"):
+        if len(getattr(costs, name)) != p * v:
+            raise PlanError(f"auto: {len(getattr(costs, name))} {name} costs for {p * v} stages "
+                            f"(p={p} × V={v}): give one per stage")
+    if 0 < costs.limit < v:
+        raise PlanError(f"auto: a memory limit of {costs.limit} micro-batch activations per rank is "
+                        f"below the {v} stages each rank holds: allow at least {v}")
+
+    tried: dict[int, tuple[float, Plan]] = {}
+
+    def best(limit: int) -> tuple[float, Plan]:  # the first of equal makespans wins
+        if limit not in tried:
+            tried[limit] = min((_Greedy(where, m, costs, variant, limit).run() for variant in VARIANTS),
+                               key=lambda run: run[0])
+        return tried[limit]
+
+    lo, hi = v, min(costs.limit or m * v, m * v)
+    top = best(hi)
+    while lo < hi:  # the least limit whose best makespan is the most memory's
+        mid = (lo + hi) // 2
+        if best(mid)[0] <= top[0] * (1 + 1e-9):
+            hi = mid
+        else:
+            lo = mid + 1
+    found = best(lo)
+    plan = found[1] if found[0] <= top[0] * (1 + 1e-9) else top[1]
+    return {r: tuple(acts) for r, acts in plan.items()}
+
+
+class _Greedy:
+    """One list-scheduling pass (the module docstring's rules) under one `Variant`."""
+
+    def __init__(self, where: list[int], m: int, costs: Costs, variant: Variant, limit: int):
+        self.where, self.n, self.p, self.m = where, len(where), max(where) + 1, m
+        self.costs, self.variant, self.limit = costs, variant, limit
+        self.mine = [[s for s in range(self.n) if where[s] == r] for r in range(self.p)]  # chunk order
+        self.f_end: dict[tuple[int, int], float] = {}  # (stage, mb) -> when its F ends
+        self.g_end: dict[tuple[int, int], float] = {}  # (stage, mb) -> when its I (or B) ends
+        self.next_f, self.next_g = [0] * self.n, [0] * self.n
+        self.pending_w: list[deque[int]] = [deque() for _ in range(self.n)]
+        self.held, self.clock = [0] * self.p, [0.0] * self.p
+        self.plan: Plan = {r: [] for r in range(self.p)}
+
+    def stages(self, rank: int) -> list[int]:
+        """The rank's stages, in the order a micro-batch reaches them (chunk 0 first)."""
+        return self.mine[rank]
+
+    def arrival(self, stage: int, dep: tuple[int, int], ends: dict) -> float | None:
+        """When `dep`'s result is usable on `stage`'s rank, or None while it is not scheduled."""
+        if dep not in ends:
+            return None
+        return ends[dep] + (self.costs.comm if self.where[dep[0]] != self.where[stage] else 0.0)
+
+    def grad_ready(self, s: int) -> float | None:
+        k = self.next_g[s]
+        if k >= self.next_f[s]:
+            return None
+        own = self.f_end[s, k]
+        if s == self.n - 1:
+            return own
+        back = self.arrival(s, (s + 1, k), self.g_end)
+        return None if back is None else max(own, back)
+
+    def forward_ready(self, s: int, rank: int) -> float | None:
+        k, later = self.next_f[s], len(self.mine[rank]) - 1 - self.mine[rank].index(s)
+        if k >= self.m or self.held[rank] + later >= self.limit:
+            return None
+        return 0.0 if s == 0 else self.arrival(s, (s - 1, k), self.f_end)
+
+    def choice(self, rank: int) -> tuple[float, Action] | None:
+        """(start, action) this rank would run next, or None while it can start nothing."""
+        now = self.clock[rank]
+        grads = [(t, -s, Action(s, I, self.next_g[s])) for s in self.stages(rank)
+                 if s > 0 and (t := self.grad_ready(s)) is not None]
+        order = -1 if self.variant.deep_first else 1
+        fwds = [(t, order * s, Action(s, F, self.next_f[s])) for s in self.stages(rank)
+                if (t := self.forward_ready(s, rank)) is not None]
+        ready_g = min((g for g in grads if g[0] <= now), default=None)
+        ready_f = min((f for f in fwds if f[0] <= now), default=None)
+        first = (ready_f, ready_g) if self.variant.forward_first else (ready_g, ready_f)
+        if first[0] or first[1]:
+            return now, (first[0] or first[1])[2]
+        deferred = self.deferred(rank, now)
+        if deferred:
+            soon = min((g[0] for g in grads), default=None)
+            if not (self.variant.wait_for_grad and soon is not None and soon < now + self.cost(deferred)):
+                return now, deferred
+        last = [(t, 0, Action(0, B, self.next_g[0]))] \
+            if self.where[0] == rank and (t := self.grad_ready(0)) is not None else []
+        later = min(grads + fwds + last, default=None, key=lambda c: (c[0], c in fwds, c[1]))
+        return (later[0], later[2]) if later else None
+
+    def deferred(self, rank: int, now: float) -> Action | None:
+        """What no other stage waits for, ready now: stage 0's whole backward (it sends nothing
+        upstream) before any W, oldest micro-batch first; each frees an activation."""
+        if self.where[0] == rank and (t := self.grad_ready(0)) is not None and t <= now:
+            return Action(0, B, self.next_g[0])
+        return next((Action(s, W, self.pending_w[s][0]) for s in self.stages(rank) if self.pending_w[s]),
+                    None)
+
+    def cost(self, a: Action) -> float:
+        if a.op == F:
+            return self.costs.forward[a.stage]
+        if a.op == B:
+            return self.costs.whole(a.stage)
+        return (self.costs.input_grad if a.op == I else self.costs.weight)[a.stage]
+
+    def commit(self, rank: int, start: float, a: Action) -> None:
+        s, k = a.stage, a.microbatch
+        end = start + self.cost(a)
+        self.clock[rank] = end
+        self.plan[rank].append(a)
+        if a.op == F:
+            self.f_end[s, k], self.next_f[s] = end, k + 1
+            self.held[rank] += 1
+        elif a.op in (B, I):
+            self.g_end[s, k], self.next_g[s] = end, k + 1
+            if a.op == B:
+                self.held[rank] -= 1
+            else:
+                self.pending_w[s].append(k)
+        else:
+            self.pending_w[s].popleft()
+            self.held[rank] -= 1
+
+    def run(self) -> tuple[float, Plan]:
+        """(makespan, plan): commit the earliest-starting choice of any rank until all is done.
+
+        A rank's choice depends on its own state and on its stages' neighbours: after a commit on
+        stage s only the ranks of s - 1, s and s + 1 choose again."""
+        total = self.n * self.m * 3 - self.m  # F, I and W per stage; stage 0 a whole B
+        choices = {r: self.choice(r) for r in range(self.p)}
+        for _ in range(total):
+            ready = [(c[0], r, c[1]) for r, c in choices.items() if c]
+            if not ready:
+                raise PlanError(f"auto: no rank can go on under a limit of {self.limit} "
+                                f"activations per rank: allow more")
+            start, rank, action = min(ready, key=lambda c: (c[0], c[1]))
+            self.commit(rank, max(start, self.clock[rank]), action)
+            s = action.stage
+            for r in {rank, *(self.where[t] for t in (s - 1, s + 1) if 0 <= t < self.n)}:
+                choices[r] = self.choice(r)
+        return max(self.clock), self.plan
