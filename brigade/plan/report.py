@@ -29,7 +29,7 @@ def cells(row: dict) -> list[str]:
     fits = "yes" if row["fits"] else f"no, +{row['over_bytes'] / MIB:.0f} MiB"
     return [
         row["label"],
-        f"{row['step_s'] * 1e3:.1f}",
+        f"{row['step_s'] * 1e3:.3g}",
         f"{row['tokens_per_s']:.0f}",
         f"{100 * row['mfu']:.1f} %",
         f"{row['bubble']:.2f}",

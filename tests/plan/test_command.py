@@ -110,3 +110,28 @@ def test_memory_of_a_pipeline_rank_counts_its_stages_and_what_they_hold():
     assert last["params"] == 200  # block 3's weight is block 0's, but on another rank: its own copy
     shard = rank_memory(costs, Layout(1, 2, 2, "1f1b", 1, 4, "none"), [2, 2], {0: 2, 1: 1}, mb=3, pp_rank=0)
     assert shard["params"] == 100
+
+
+BAD = [
+    ("missing field", ["--cluster", "{tmp}/c.toml"], "no device.mem_bw for device 'mygpu'"),
+    ("pp does not divide", ["--gpus-per-node", "4", "--device", "h100", "--pp", "3"],
+     "--pp 3 does not divide the cluster's 4 ranks"),
+    ("more stages than blocks", ["--gpus-per-node", "8", "--device", "h100", "--pp", "8"],
+     "--pp 8: the model has 4 blocks"),
+    ("unknown device", ["--device", "tpu"], "--device 'tpu': unknown device"),
+    ("no known peak", ["--cluster", "{tmp}/nobf16.toml", "--precision", "bf16"],
+     "device 'h100' has no known bf16 peak"),
+]
+
+
+@pytest.mark.parametrize("case, args, words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_one_line_exit_2_nothing_written(cli, tmp_path, case, args, words):
+    (tmp_path / "c.toml").write_text("nodes = 1\ndevices_per_node = 2\n[device]\nname = 'mygpu'\npeak_fp32 = 1e12\n"
+                                     "peak_bf16 = 0\nmemory = 1e9\nintra_bw = 1e9\nintra_latency = 0\n"
+                                     "inter_bw = 1e9\ninter_latency = 0\n")
+    (tmp_path / "nobf16.toml").write_text("nodes = 1\ndevices_per_node = 2\n[device]\nname = 'h100'\npeak_bf16 = 0\n")
+    out = tmp_path / "out.toml"
+    argv = [*PLAN[:-4], *(a.format(tmp=tmp_path) for a in args), "--write-config", str(out)]
+    done = cli(*argv)
+    assert done.returncode == 2 and not out.exists()
+    assert len(done.stderr.strip().splitlines()) == 1 and words in done.stderr, done.stderr
