@@ -61,6 +61,7 @@ brigade schedule --schedule zbv --stages 2 --microbatches 4 --json
 brigade schedule --schedule dualpipev --stages 2 --microbatches 8
 brigade train --nproc 2 --pp 2 --schedule interleaved --virtual 2 --microbatches 4
 brigade train --nproc 4 --pp 2 --schedule zbv   # dp = 2 × pp = 2, two stages per rank in a V
+brigade train --nproc 2 --pp 2 --schedule auto --auto-limit 3   # generated from the measured costs
 ```
 
 Every schedule composes with data parallel and with `--local-stages`, runs on gloo and NCCL
@@ -68,6 +69,34 @@ Every schedule composes with data parallel and with `--local-stages`, runs on gl
 one schedule and V resumes under any other. From Python, `brigade.Pipeline` takes
 `{stage: module}` for the stages its rank holds (`brigade.pipeline.plans.schedule.stages_on` lists
 them) and `virtual=V`.
+"""
+
+AUTO_NOTE = """\
+## `auto`: a schedule generated from the costs
+
+The schedules above fix an order for equal costs. `auto` (`pipeline/plans/generate.py`) searches
+one for the costs the stages have, as the zero-bubble paper does: a list scheduler runs every
+rank's time forward at once, and a free rank starts the oldest input-gradient pass (I) whose
+gradient has arrived, else a forward if it holds fewer micro-batch activations than the limit,
+else a deferred weight pass (W) or stage 0's whole backward, else waits. A few variants of these
+rules and the least activation limit that keeps the plan shortest (found by bisection) are
+searched, and the plan that `plan.simulate` finds shortest is kept. It is a heuristic search
+(no ILP): with equal costs it meets `plan.lower_bound` wherever m ≥ p + V − 1, and it is never
+longer than the hand-written plans of its placement (both tested for p ≤ 5, m ≤ 11).
+
+Where the costs come from:
+- `brigade train`: the first steps run auto's plan for equal costs; the process's second step
+  (the one after the memory step when that is its second) is timed, action by action, and every
+  process plans again on each stage's median F, I, W and B times, averaged over the processes
+  that ran it (one all-reduce). The costs are logged as a `plan` event in `metrics.jsonl`. Every
+  stage runs its forwards, I and W in micro-batch order in any plan auto makes, so the
+  gradients add up in the same order: the run's losses are the same bits whichever costs were
+  measured (the exact-resume test kills and resumes it like every schedule).
+- `brigade bench` and `brigade tune` measure each stage's costs on the cut they run and plan on
+  those (transfers counted as free, as in the rows' `ideal`).
+- `--auto-limit N` caps the activations a rank holds at once (one per stage it holds, so at
+  least V); 0 lets auto take the least that keeps the plan shortest.
+
 """
 
 SPLIT_NOTE = """\
@@ -79,7 +108,10 @@ no plan ends later, and with uniform costs the bubbles above are unchanged).
 
 
 def _stages_per_rank(s: Schedule) -> str:
-    return str(s.virtual) if s.virtual else f"any V (default {s.resolve_virtual()})"
+    if s.virtual:
+        return str(s.virtual)
+    most = f"1 to {s.most_virtual}" if s.most_virtual else "any V"
+    return f"{most} (default {s.resolve_virtual()})"
 
 
 def _splits(name: str) -> bool:
@@ -145,6 +177,7 @@ def page() -> str:
         "V = the schedule's default:\n",
         costs_table() + "\n",
         SPLIT_NOTE.format(split=", ".join(split) if split else "none registered now"),
+        AUTO_NOTE,
         "## The grids\n\nTime runs across, ranks down; a cell is STAGE OP MICRO-BATCH (`F` forward, `B` "
         "whole backward, `I` and `W` its input- and weight-gradient halves), `~` continues the action "
         "to its left and `.` is idle. One column is the shortest action.\n",

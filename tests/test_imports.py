@@ -115,7 +115,8 @@ def test_the_registry_is_asked_through_schedule_which_loads_every_builder():
     assert direct == [] and tests == [], (direct, tests)
     code = "from brigade.pipeline.plans.schedule import names; print(' '.join(names()))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.stdout.split() == ["gpipe", "1f1b", "zb", "interleaved", "looped-bfs", "zbv", "dualpipev"]
+    assert result.stdout.split() == ["gpipe", "1f1b", "zb", "interleaved", "looped-bfs", "zbv", "dualpipev",
+                                     "auto"]
 
 
 def test_every_plan_module_says_it_imports_no_torch():

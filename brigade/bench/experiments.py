@@ -40,6 +40,7 @@ from brigade.bench.timing import (
 from brigade.errors import BrigadeError
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
+from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import DEFAULT_VIRTUAL, SCHEDULES, names, stages_on
 from brigade.pipeline.stages.partition import choose_balance, solve, split, time_costs
 from brigade.train.memory import storage_bytes
@@ -84,9 +85,12 @@ def scaled_splits(batch: int) -> list[int]:
 
 
 def brigade_virtuals(schedule: str) -> tuple[int, ...]:
-    """The stages per rank (V) the bench runs brigade's `schedule` at: the registry's fixed V,
-    or for a schedule that takes any V (interleaved, looped-bfs) the default, 2 (torch's too)."""
+    """The stages per rank (V) the bench runs brigade's `schedule` at: the registry's fixed V;
+    for a schedule that takes any V (interleaved, looped-bfs) the default, 2 (torch's too); for a
+    costed one (auto) every V it runs up to that (1 and 2: it is measured against all)."""
     sched = SCHEDULES[schedule]
+    if sched.costed:
+        return sched.virtuals(DEFAULT_VIRTUAL)
     return (sched.virtual or DEFAULT_VIRTUAL,)
 
 
@@ -138,6 +142,7 @@ class Worker:
 class _Bench(Worker):
     stages: dict[tuple[int, int], list[nn.Module]]  # (V, m) -> ranks × V stages (shared by rows)
     pipes: dict[Case, tuple[Pipeline, nn.Module]] = field(default_factory=dict)  # brigade's rows
+    plan_costs: dict[tuple[int, int], Costs] = field(default_factory=dict)  # (V, m) -> what auto plans on
 
 
 def _agreed_balances(b: Worker, shapes: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
@@ -170,7 +175,7 @@ def _ours(b: _Bench, case: Case):
     held = stages_on(case.schedule, b.ranks, b.rank, case.virtual)
     modules = {s: b.stages[case.virtual, case.microbatches][s] for s in held}
     pipe = Pipeline(modules, case.schedule, case.microbatches, b.spec.loss_fn, device=b.x.device,
-                    virtual=case.virtual)
+                    virtual=case.virtual, costs=b.plan_costs.get((case.virtual, case.microbatches)))
     mine = nn.ModuleList(modules[s] for s in held)  # what a step's gradients are zeroed on
     b.pipes[case] = pipe, mine
     return pipeline_step(pipe, mine, b.x, b.y)
@@ -191,6 +196,22 @@ def _step(b: _Bench, case: Case):
     mine = {s: stages[s] for s in local_stages(placement, b.rank, b.ranks, case.virtual)}
     peer = TorchPipelining(mine, len(stages), case.schedule, case.microbatches, b.spec.loss_fn, b.x.device)
     return pipeline_step(peer, peer.module, b.x, b.y)
+
+
+def measured_costs(b: _Bench, todo: list[Case]) -> dict[tuple[int, int], Costs]:
+    """(V, m) -> every stage's measured costs, for the costed schedules' rows (auto plans on them):
+    each rank times the stages it holds, all at once (3 repeats, the median), gathered. Transfers
+    are left at 0, as in the rows' `ideal` (`figures`)."""
+    out: dict[tuple[int, int], Costs] = {}
+    for c in todo:
+        v, m = c.virtual, c.microbatches
+        if c.name != OURS or not SCHEDULES[c.schedule].costed or (v, m) in out:
+            continue
+        held = stages_on(c.schedule, b.ranks, b.rank, v)
+        fwd, bwd, wgt, inp = gathered_stage_costs(b.stages[v, m], b.rank, b.x, b.y, b.spec.loss_fn, m,
+                                                  repeats=3, held=held)
+        out[v, m] = Costs(tuple(fwd), tuple(inp), tuple(wgt), backward=tuple(bwd))
+    return out
 
 
 def _probe(b: _Bench, virtual: int, m: int, into: list):
@@ -262,6 +283,7 @@ def _measure(cfg: BenchConfig, info) -> dict:
     shapes = sorted({(c.virtual, c.microbatches) for c in todo if c.name in (MP, OURS, PEER)})
     balances = _agreed_balances(Worker(cfg, spec, x, y, info.rank, info.world_size), shapes)
     b = _Bench(cfg, spec, x, y, info.rank, info.world_size, _cut(spec.blocks, balances))
+    b.plan_costs = measured_costs(b, todo)
     steps = _steps(b, todo, skipped)
     todo = [c for c in todo if c.key in steps]
     costs: dict[tuple[int, int], list] = {vm: [] for vm in sorted({(c.virtual, c.microbatches)
@@ -276,4 +298,4 @@ def _measure(cfg: BenchConfig, info) -> dict:
     return {"cases": [asdict(c) for c in todo], "skipped": skipped, "ranks": info.world_size,
             "times": {c.key: times[c.key] for c in todo}, "balances": balances, "memory": memory,
             "costs": {m: got[-cfg.rounds:] for m, got in costs.items()},  # the warm-up probed too
-            "trace": trace, "freed_memory_kept": hostmem.keep_freed_memory()}
+            "trace": trace, "freed_memory_kept": hostmem.keep_freed_memory(), "plan_costs": b.plan_costs}

@@ -34,15 +34,17 @@ CONFIDENCE = 0.95
 CI_METHOD = "order-statistic (binomial) CI of the median of per-round values, 95 %"
 
 
-def _ideal_rounds(schedule: str, ranks: int, virtual: int, m: int, costs: list) -> list[float]:
-    """Per round, the makespan simulate() gives brigade's `schedule` plan on that round's costs."""
-    plan = build(schedule, ranks, m, virtual)
+def _ideal_rounds(schedule: str, ranks: int, virtual: int, m: int, costs: list,
+                  planned=None) -> list[float]:
+    """Per round, the makespan simulate() gives brigade's `schedule` plan on that round's costs
+    (a costed schedule's plan: the one it ran, planned on `planned`)."""
+    plan = build(schedule, ranks, m, virtual, planned)
     return [simulate(plan, fwd, bwd, weight=wgt, input_grad=ing).makespan for fwd, bwd, wgt, ing in costs]
 
 
-def _bound_rounds(schedule: str, ranks: int, virtual: int, m: int, costs: list) -> dict:
+def _bound_rounds(schedule: str, ranks: int, virtual: int, m: int, costs: list, planned=None) -> dict:
     """Per round, the fastest any plan could be over this cut and placement, and over any cut."""
-    plan = build(schedule, ranks, m, virtual)
+    plan = build(schedule, ranks, m, virtual, planned)
     return {f"{bound.__name__}_s": statistics.median(bound(plan, f, b, weight=w, input_grad=i)
                                                      for f, b, w, i in costs)
             for bound in (lower_bound, balanced_bound)}
@@ -78,7 +80,8 @@ def _ideal(case: Case, raw: dict) -> tuple[str | None, list[float] | None]:
     costs = raw["costs"].get((case.virtual, case.microbatches))
     if schedule not in names() or not costs:
         return None, None  # a torch-only schedule: brigade has no plan to simulate
-    return schedule, _ideal_rounds(schedule, raw["ranks"], case.virtual, case.microbatches, costs)
+    planned = raw.get("plan_costs", {}).get((case.virtual, case.microbatches))
+    return schedule, _ideal_rounds(schedule, raw["ranks"], case.virtual, case.microbatches, costs, planned)
 
 
 def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
@@ -102,7 +105,9 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
         costs = raw["costs"][(case.virtual, case.microbatches)]
         for k, what in enumerate(("forward", "backward", "weight", "input")):
             row[f"stage_{what}_s"] = [statistics.median(c[k][s] for c in costs) for s in range(row["stages"])]
-        row.update(_bound_rounds(case.schedule, raw["ranks"], case.virtual, case.microbatches, costs))
+        planned = raw.get("plan_costs", {}).get((case.virtual, case.microbatches))
+        row.update(_bound_rounds(case.schedule, raw["ranks"], case.virtual, case.microbatches, costs,
+                                 planned))
     if case.key in raw["memory"]:
         activations, row["memory_method"], params, grads = raw["memory"][case.key]
         row.update(peak_activation_bytes=activations, params_bytes=params, grads_bytes=grads)

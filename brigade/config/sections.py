@@ -61,6 +61,9 @@ class ParallelConfig:
     schedule: str = doc("1f1b", "the pipeline schedule (brigade schedule draws one)", choices=SCHEDULES)
     virtual: int = doc(0, "stages per pipeline rank; 0: the schedule's own ({choices})", choices=VIRTUALS)
     microbatches: int = doc(4, "micro-batches each replica's batch is split into for the pipeline")
+    auto_limit: int = doc(0, "--schedule auto: the most micro-batch activations a pipeline rank holds "
+                             "at once, one per stage it holds (at least V); 0: the least that keeps "
+                             "the plan shortest")
     balance: str = doc("", "blocks per stage, like 3,3 (pp × V entries, stage 0's first); empty: "
                            "balance the parameter counts")
     backend: str = doc("auto", "the collective backend: auto, gloo or nccl; auto: nccl when GPUs "

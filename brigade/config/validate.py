@@ -43,7 +43,9 @@ def validate(cfg: RunConfig) -> None:
     if m.n_embd % m.n_head:
         raise BrigadeError(f"--n-embd {m.n_embd} is not a multiple of --n-head {m.n_head}")
     from brigade.pipeline.plans import schedule  # the registry owns the names and each one's V
-    schedule.SCHEDULES[schedule.check(p.schedule)].resolve_virtual(p.virtual)
+    sched = schedule.SCHEDULES[schedule.check(p.schedule)]
+    v = sched.resolve_virtual(p.virtual)
+    _auto_limit(p.auto_limit, sched, v)
     from brigade.config.precision import autocast_dtype  # owns the names; raises on an unknown one
     autocast_dtype(t.precision, t.bf16, "cpu")
     _positive("nnodes", p.nnodes)
@@ -62,6 +64,18 @@ def validate(cfg: RunConfig) -> None:
         _fsdp_available(p.shard)
     if p.pp > 1 and p.local_stages > 1:
         raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")
+
+
+def _auto_limit(limit: int, sched, v: int) -> None:
+    """--auto-limit: for a costed schedule only, and room for one micro-batch in each stage of a rank."""
+    if limit == 0:
+        return
+    if not sched.costed:
+        raise BrigadeError(f"--auto-limit {limit}: only a generated schedule (--schedule auto) takes a "
+                           f"memory limit; {sched.name}'s is fixed by its plan: drop --auto-limit")
+    if limit < v:
+        raise BrigadeError(f"--auto-limit {limit}: below the {v} stages each pipeline rank holds (--virtual "
+                           f"{v}); allow at least {v}, or 0 for no limit")
 
 
 def _fsdp_available(shard: int) -> None:

@@ -24,6 +24,8 @@ from torch import nn
 
 from brigade.errors import BrigadeError
 from brigade.pipeline.batches import feed, microbatch
+from brigade.pipeline.plans.action import Op
+from brigade.pipeline.plans.generate import median_durations
 from brigade.pipeline.plans.schedule import build, forward_only, placement
 from brigade.pipeline.plans.validate import validate
 from brigade.pipeline.runtime.interpreter import StageRunner, StepResult
@@ -56,6 +58,8 @@ class Pipeline:
             zbv, dualpipev).
         side_inputs: every side input the model's blocks declare → the block, as messages name it
             (`feed.declarations` over all stages); None: gathered from the ranks here, once.
+        costs: what a costed schedule (`auto`) is planned on (`generate.Costs`), the same on
+            every rank; None: unit costs. Other schedules ignore it.
 
     Raises:
         BrigadeError: another autocast dtype, or modules for other stages than this rank's.
@@ -65,7 +69,7 @@ class Pipeline:
     def __init__(self, module: nn.Module | dict[int, nn.Module], schedule: str, n_microbatches: int,
                  loss_fn, group=None, device: torch.device | str = "cpu",
                  autocast: torch.dtype | None = None, virtual: int = 0,
-                 side_inputs: Mapping[str, str] | None = None):
+                 side_inputs: Mapping[str, str] | None = None, costs=None):
         check_autocast(autocast)
         self.group = group
         self.device = torch.device(device)
@@ -76,12 +80,13 @@ class Pipeline:
         self.stages = [s for s, r in enumerate(ranks) if r == self.rank]
         modules = _modules_for(module, self.stages, self.rank, schedule, self.virtual)
         self.n_microbatches = n_microbatches
+        self.schedule, self.n_ranks = schedule, n_ranks
         self.peers = [dist.get_global_rank(group, r) if group else r for r in ranks]
-        plans = validate(build(schedule, n_ranks, n_microbatches, self.virtual)), \
+        plans = validate(build(schedule, n_ranks, n_microbatches, self.virtual, costs)), \
             validate(forward_only(self.n_stages, n_microbatches, ranks))
         self.plan, self.inference_plan = (p[self.rank] for p in plans)
-        transport = P2PTransport(self.peers, self.device, group, plans=plans)
-        self.runner = StageRunner(modules, self.n_stages, transport, loss_fn, autocast)
+        self.transport = P2PTransport(self.peers, self.device, group, plans=plans)
+        self.runner = StageRunner(modules, self.n_stages, self.transport, loss_fn, autocast)
         declared = dict(side_inputs) if side_inputs is not None else self._gather(modules, n_ranks)
         self.feed = feed.Feed(modules, declared, feed.first_label(modules.get(0)))
         self.last_result: StepResult | None = None
@@ -96,6 +101,18 @@ class Pipeline:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             dist.all_gather_object(parts, own, group=self.group)
         return feed.merge(parts)
+
+    def replan(self, costs) -> None:
+        """Plan the schedule again on `costs` (`generate.Costs`, the same on every rank); the next
+        steps run the new plan. Only a costed schedule's plan changes."""
+        plan = validate(build(self.schedule, self.n_ranks, self.n_microbatches, self.virtual, costs))
+        self.transport.also_run(plan)
+        self.plan = plan[self.rank]
+
+    def timings(self) -> dict[tuple[int, Op], float]:
+        """(stage, op) -> seconds of each compute action kind of this rank's stages, the median
+        over the micro-batches of the last step run with `trace=True`."""
+        return median_durations(self.last_result.trace if self.last_result else [])
 
     @property
     def stage(self) -> int:
@@ -175,7 +192,7 @@ class LocalPipeline:
     Args:
         stages: one module per stage, len(devices) × V of them (moved to their devices here).
         devices: one device per rank; "cpu" may repeat (each still gets a thread).
-        schedule, n_microbatches, loss_fn, autocast, virtual: as for `Pipeline`.
+        schedule, n_microbatches, loss_fn, autocast, virtual, costs: as for `Pipeline`.
         wrap: `wrap(stage, module)` may return a wrapper (DistributedDataParallel for dp × local).
 
     Raises:
@@ -184,7 +201,7 @@ class LocalPipeline:
 
     def __init__(self, stages: list[nn.Module], devices: list[torch.device | str], schedule: str,
                  n_microbatches: int, loss_fn, timeout_s: float = 300.0, wrap=None,
-                 autocast: torch.dtype | None = None, virtual: int = 0):
+                 autocast: torch.dtype | None = None, virtual: int = 0, costs=None):
         check_autocast(autocast)
         self.virtual, ranks = placement(schedule, len(devices), virtual)
         if len(ranks) != len(stages):
@@ -196,8 +213,9 @@ class LocalPipeline:
         self.n_stages = len(stages)
         self.n_ranks = len(devices)
         self.n_microbatches = n_microbatches
+        self.schedule = schedule
         self.transport = LocalTransport(self.stage_devices, timeout_s)
-        self.plan = validate(build(schedule, self.n_ranks, n_microbatches, self.virtual))
+        self.plan = validate(build(schedule, self.n_ranks, n_microbatches, self.virtual, costs))
         self.inference_plan = validate(forward_only(self.n_stages, n_microbatches, ranks))
         modules = [wrap(i, s) if wrap else s for i, s in enumerate(self.stages)]
         self.random = StageRandom(self.devices)  # threads that share a generator draw apart
@@ -264,6 +282,14 @@ class LocalPipeline:
         xs, sides, ys, ws = self._feed(inputs, targets, loss_scale)
         self.last_results = self._run_all(self.plan, xs, ys, ws, False, trace, sync, sides)
         return (self.last_results[self.last].loss / loss_scale).detach().float().reshape(())
+
+    def replan(self, costs) -> None:
+        """Plan the schedule again on `costs` (see Pipeline.replan)."""
+        self.plan = validate(build(self.schedule, self.n_ranks, self.n_microbatches, self.virtual, costs))
+
+    def timings(self) -> dict[tuple[int, Op], float]:
+        """(stage, op) -> median seconds over the last traced step, every stage (see Pipeline.timings)."""
+        return median_durations([e for result in self.last_results for e in result.trace])
 
     @torch.no_grad()
     def evaluate(self, inputs, targets) -> torch.Tensor:

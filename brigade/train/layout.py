@@ -35,7 +35,9 @@ from brigade.errors import BrigadeError
 from brigade.parallel import recompute
 from brigade.parallel.shard import shard_stage
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
-from brigade.pipeline.plans.schedule import placement
+from brigade.pipeline.plans.action import B, F, I, W
+from brigade.pipeline.plans.generate import Costs
+from brigade.pipeline.plans.schedule import SCHEDULES, placement
 from brigade.pipeline.stages.partition import choose_balance, parse_balance, split
 from brigade.pipeline.stages.ties import aliases, find_shared
 from brigade.shards import local
@@ -174,12 +176,16 @@ class ProcessModel:
         self.owned = OwnedBlocks(blocks, indices, self.ties.aliases).to(layout.device)
         self.held = {i: blocks[i] for i in indices}
         m = cfg.microbatches if n_ranks > 1 else 1
+        # A costed schedule (auto) plans on unit costs until `replan` gives it measured ones.
+        self.costed = SCHEDULES[schedule].costed
+        self.limit, self.n_stages = cfg.auto_limit, len(ranks)
+        costs = Costs.unit(len(ranks), cfg.auto_limit) if self.costed else None
         if self.local:
-            self.pipe = self._local_pipeline(stages, ranks, cfg, loss_fn, m, autocast)
+            self.pipe = self._local_pipeline(stages, ranks, cfg, loss_fn, m, autocast, costs)
         else:
             modules = {s: self._replicated(stages[s]) for s in mine}
             self.pipe = Pipeline(modules, schedule, m, loss_fn, group=layout.pp_group, device=layout.device,
-                                 autocast=autocast, virtual=virtual)
+                                 autocast=autocast, virtual=virtual, costs=costs)
 
     def _replicated(self, module: nn.Module) -> nn.Module:
         """`module` under FSDP2 over the layout's shard mesh (--shard), else under DDP over this
@@ -191,7 +197,8 @@ class ProcessModel:
         device = self.layout.device
         return data_parallel(module, self.layout.dp_group, [device] if device.type == "cuda" else None)
 
-    def _local_pipeline(self, stages, ranks: list[int], cfg: ParallelConfig, loss_fn, m: int, autocast):
+    def _local_pipeline(self, stages, ranks: list[int], cfg: ParallelConfig, loss_fn, m: int, autocast,
+                        costs: Costs | None):
         layout = self.layout
         n = cfg.local_stages
         devices = groups.local_devices(layout.device.type, int(os.environ.get("LOCAL_RANK", 0)), n)
@@ -212,15 +219,15 @@ class ProcessModel:
                 return data_parallel(module, stage_groups[s], [device])
 
         return LocalPipeline(stages, devices, cfg.schedule, m, loss_fn, wrap=wrap, autocast=autocast,
-                             virtual=len(ranks) // n)
+                             virtual=len(ranks) // n, costs=costs)
 
-    def forward_backward(self, x, y, loss_scale: float, sync: bool) -> torch.Tensor:
+    def forward_backward(self, x, y, loss_scale: float, sync: bool, trace: bool = False) -> torch.Tensor:
         """This batch's mean loss, averaged over data-parallel replicas, on every process.
 
         With `sync` (the step's last chunk) the copies of a shared parameter then hold the sum
-        of their gradients.
+        of their gradients. `trace`: time every action (what `replan` reads).
         """
-        loss = self.pipe.step(x, y, loss_scale=loss_scale, sync=sync)
+        loss = self.pipe.step(x, y, loss_scale=loss_scale, sync=sync, trace=trace)
         if sync:
             self.ties.sum_grads(self.held)
         return self._dp_mean(loss)
@@ -236,6 +243,23 @@ class ProcessModel:
             dist.all_reduce(loss, group=self.layout.dp_group)
             loss = loss / self.layout.dp
         return loss
+
+    def replan(self) -> Costs:
+        """Plan a costed schedule again on the seconds its last traced step took, every stage's
+        median over micro-batches and over the processes that ran it, agreed by every process
+        (one all-reduce). Each stage keeps its micro-batch order: the new plan sums the same
+        gradients in the same order, so the run's numbers do not change, only its speed."""
+        kinds = (F, I, W, B)
+        table = torch.zeros(2, self.n_stages, len(kinds), dtype=torch.float64, device=self.layout.device)
+        for (s, op), seconds in self.pipe.timings().items():
+            table[:, s, kinds.index(op)] = torch.tensor([seconds, 1.0], dtype=torch.float64)
+        forensics.doing("allreduce the stages' timings", waiting=True)
+        dist.all_reduce(table)
+        mean = (table[0] / table[1].clamp(min=1)).tolist()
+        costs = Costs.measured({(s, op): mean[s][k] for s in range(self.n_stages)
+                                for k, op in enumerate(kinds)}, self.n_stages, self.limit)
+        self.pipe.replan(costs)
+        return costs
 
     def grads(self) -> list[torch.Tensor]:
         """Every gradient held here, each copy of a shared parameter included (to scale them alike)."""

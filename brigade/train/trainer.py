@@ -129,6 +129,10 @@ class Trainer:
         # its start, as in every later step), or the first of a one-step run; 0: none.
         self.memory_step = min(2, self.cfg.max_steps)
         self.memory_report: list[dict] | None = None  # every rank's memory (StepMemory.report), once measured
+        # A costed schedule (auto) is planned again on the times of this process's second step
+        # (its first warms up), or of the first after the memory step (that one runs slower).
+        self.replan_pending = self.engine.costed
+        self.steps_here = 0
         self.is_main = dist.get_rank() == 0
         self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps,
                                tensorboard=self.cfg.tensorboard)
@@ -153,10 +157,11 @@ class Trainer:
         """This replica's part of a global batch, split further for gradient accumulation."""
         return Sampler.shard(indices, self.layout.dp_rank, self.layout.dp)
 
-    def train_step(self, memory: StepMemory | None = None) -> dict:
+    def train_step(self, memory: StepMemory | None = None, trace: bool = False) -> dict:
         """One optimizer step: one global batch in `grad_accum` chunks per replica; returns a record.
 
         With `memory` (entered around the call), it is told when the gradients are reduced.
+        `trace`: the last chunk's actions are timed (what `ProcessModel.replan` reads).
         """
         start = time.perf_counter()
         k = self.optim_cfg.grad_accum
@@ -169,7 +174,8 @@ class Trainer:
         total = None  # stays on the device: no host synchronisation until the one read below
         for j, chunk in enumerate(chunks):
             x, y = _batch(self.train_data, chunk)
-            loss = self.engine.forward_backward(x, y, loss_scale=scale / k, sync=j == k - 1) / k
+            loss = self.engine.forward_backward(x, y, loss_scale=scale / k, sync=j == k - 1,
+                                                trace=trace and j == k - 1) / k
             total = loss if total is None else total + loss
         norm = self.engine.grad_norm() / scale
         loss_v, norm_v = torch.stack([total.float(), norm.to(total.device)]).tolist()  # the step's one read
@@ -260,7 +266,12 @@ class Trainer:
             forensics.doing(f"step {self.state.step + 1} begins")
             for hook in self.before_step:
                 hook(self.state.step + 1)
-            record = self._measured_step() if self.state.step + 1 == self.memory_step else self.train_step()
+            replan = self.replan_pending and self.steps_here >= 1 and self.state.step + 1 != self.memory_step
+            record = self._measured_step() if self.state.step + 1 == self.memory_step else \
+                self.train_step(trace=replan)
+            self.steps_here += 1
+            if replan:
+                self._replan()
             if self.watchdog:
                 self.watchdog.arm()  # warm-up is over: from now on the plain --hang-timeout
             self._log(record)
@@ -284,6 +295,17 @@ class Trainer:
                                                             "peak")})
         self._log(event)
         return record
+
+    def _replan(self) -> None:
+        """Plan the costed schedule again on the step just timed; log the costs as a `plan` event
+        (`stage{s}/{forward,input,weight,backward}_s`)."""
+        costs = self.engine.replan()
+        self.replan_pending = False
+        event = {"step": self.state.step, "event": "plan", "schedule": self.parallel.schedule}
+        for s in range(len(costs.forward)):
+            event.update({f"stage{s}/forward_s": costs.forward[s], f"stage{s}/input_s": costs.input_grad[s],
+                          f"stage{s}/weight_s": costs.weight[s], f"stage{s}/backward_s": costs.whole(s)})
+        self._log(event)
 
     def _log(self, record: dict) -> None:
         self.state.history.append(record)

@@ -1,9 +1,9 @@
 """The layout, directly: rank → (dp, pp) place, owned blocks and their names, the one-process engine.
 
 Most cases run in this process in a one-rank gloo group; one 2-process launch checks the
-rank mapping, the groups and the owned blocks' names of both dp × pp shapes of a world of 2
-(a 4-process dp 2 × pp 2 case would also pin row- against column-major order, at twice the
-cost; the trainer's dp2xpp2 equivalence test covers that layout end to end).
+rank mapping, the groups and the owned blocks' names of both dp × pp shapes of a world of 2,
+and `replan` under auto (a 4-process dp 2 × pp 2 case would also pin row- against column-major
+order, at twice the cost; the trainer's dp2xpp2 equivalence test covers that layout end to end).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 from brigade import agent, groups
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
+from brigade.pipeline.plans.generate import Costs
 from brigade.train.layout import OwnedBlocks, ProcessModel, by_device, make_layout
 
 CPU = torch.device("cpu")
@@ -200,13 +201,46 @@ def layouts_worker() -> dict:
         make_layout(ParallelConfig(dp=2, pp=2), info.device)
     except BrigadeError as exc:
         out["error"] = str(exc)
+    out["replan"] = _replan_case(info.device)
     groups.destroy()
     return out
 
 
+def _replan_case(device) -> dict:
+    """pp 2 under auto: a traced step, `replan` on its times, a plan of skewed costs; the same
+    batch's loss and gradients after each (bit for bit: each stage keeps micro-batch order)."""
+    cfg = ParallelConfig(dp=1, pp=2, microbatches=4, schedule="auto", virtual=1)
+    engine = ProcessModel(make_blocks(), nn.functional.mse_loss, cfg, make_layout(cfg, device))
+
+    def step(trace: bool = False) -> list[torch.Tensor]:
+        loss = engine.forward_backward(*batch(8), loss_scale=1.0, sync=True, trace=trace)
+        got = [loss.detach().clone(), *(p.grad.clone() for p in engine.owned.parameters())]
+        engine.owned.zero_grad(set_to_none=True)
+        return got
+
+    first, plans = step(trace=True), [list(engine.pipe.plan)]
+    costs = engine.replan()
+    plans.append(list(engine.pipe.plan))
+    measured = step()
+    engine.pipe.replan(Costs((1.0, 1.0), (1.0, 1.0), (1.0, 9.0)))  # stage 1's W 9x: W all at the end
+    plans.append(list(engine.pipe.plan))
+    skewed = step()
+    engine.close()
+    return {"costs": [costs.forward, costs.input_grad, costs.weight, costs.whole(0)],
+            "same": [all(torch.equal(a, b) for a, b in zip(first, other)) for other in (measured, skewed)],
+            "plans": [[str(a) for a in plan] for plan in plans]}
+
+
+@pytest.fixture(scope="module")
+def launched() -> dict:
+    """One 2-process launch for every case below (`layouts_worker`)."""
+    return agent.launch(layouts_worker, 2)
+
+
+@pytest.mark.xdist_group("layout-2proc")
 @pytest.mark.timeout(300)
-def test_layouts_over_two_processes():
-    results = agent.launch(layouts_worker, 2)
+def test_layouts_over_two_processes(launched):
+    results = launched
     assert sorted(results) == [0, 1]
     for dp, pp in SHAPES:
         owners: dict[int, list[int]] = {}
@@ -222,3 +256,14 @@ def test_layouts_over_two_processes():
         assert [i for s in range(pp) for i in owners[s]] == list(range(N_BLOCKS))
     for got in results.values():
         assert got["error"].startswith("dp 2 × pp 2 = 4 but the world size is 2")
+
+
+@pytest.mark.xdist_group("layout-2proc")
+@pytest.mark.timeout(300)
+def test_auto_plans_again_on_measured_costs_and_the_numbers_stay_the_same(launched):
+    zero, one = (launched[r]["replan"] for r in (0, 1))
+    assert zero["costs"] == one["costs"]  # agreed by every process
+    forward, input_grad, weight, whole0 = zero["costs"]
+    assert min(forward) > 0 and min(input_grad[1:]) > 0 and min(weight[1:]) > 0 and whole0 > 0
+    assert zero["same"] == one["same"] == [True, True]  # the same bits under every plan
+    assert one["plans"][2] != one["plans"][0]  # the skewed costs moved stage 1's W

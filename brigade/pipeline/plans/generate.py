@@ -21,10 +21,12 @@ of this scheduler end later in the tests' grid; where it would, bisection may ke
 stage runs its forwards, gradients and W in micro-batch order, so gradients accumulate in the
 same order whatever the costs: two runs planned on different measurements give the same bits.
 
-    p = 2, m = 4, unit costs, no memory limit (`brigade schedule --schedule auto --stages 2`):
+    p = 2, V = 1, m = 4, unit costs (F = B = 1, I = W = ½), no memory limit, `plan.render`:
 
-    rank 0 | 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
-    rank 1 | .   1F0 1I0 1F1 1I1 1F2 1I2 1F3 1I3 1W0 ...
+    t      | 0   1   2   3   4   5   6   7   8   9   10  11  12  13  14  15  16  17
+    rank 0 | 0F0 ~   0F1 ~   .   0B0 ~   0F2 ~   0B1 ~   0F3 ~   0B2 ~   .   0B3 ~
+    rank 1 | .   .   1F0 ~   1I0 1F1 ~   1I1 1W0 1F2 ~   1I2 1W1 1F3 ~   1I3 1W2 1W3
+    bubble 0.111  makespan 9  (zb: the same; 1f1b: 10)
 
 Placement is the V (`registry.place`): V = 1 is one stage per rank; V = 2 goes down the ranks and
 back up, as ZB-V and DualPipeV do, so the turn needs no transfer and rank 0, which holds the
@@ -37,11 +39,12 @@ valid, zero-bubble-shaped one), measured seconds per stage from `brigade bench` 
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
-from brigade.pipeline.plans.action import V_SHAPE, Action, B, F, I, Plan, PlanError, W
+from brigade.pipeline.plans.action import V_SHAPE, Action, B, F, I, Op, Plan, PlanError, W
 from brigade.pipeline.plans.registry import place, register
 
 
@@ -68,14 +71,35 @@ class Costs:
 
     @classmethod
     def unit(cls, n_stages: int, limit: int = 0) -> Costs:
-        """Every forward, input-gradient and weight pass costs 1 (a whole backward 2)."""
-        return cls((1.0,) * n_stages, (1.0,) * n_stages, (1.0,) * n_stages, limit=limit)
+        """`simulate`'s unit costs: a forward and a whole backward 1 each, I = W = ½."""
+        return cls((1.0,) * n_stages, (0.5,) * n_stages, (0.5,) * n_stages, limit=limit)
+
+    @classmethod
+    def measured(cls, seconds: dict[tuple[int, Op], float], n_stages: int, limit: int = 0) -> Costs:
+        """Costs from measured seconds per (stage, op): F, I, W on split stages, F and B on
+        stage 0 (a whole backward; its halves are taken as half of it each)."""
+        def got(s: int, op: Op) -> float:
+            return seconds.get((s, op), 0.0)
+        whole = tuple(got(s, B) or got(s, I) + got(s, W) for s in range(n_stages))
+        inp = tuple(got(s, I) or whole[s] / 2 for s in range(n_stages))
+        wgt = tuple(got(s, W) or whole[s] / 2 for s in range(n_stages))
+        return cls(tuple(got(s, F) for s in range(n_stages)), inp, wgt, backward=whole, limit=limit)
 
     def whole(self, stage: int) -> float:
         """A whole backward's cost on `stage`."""
         if self.backward is not None:
             return self.backward[stage]
         return self.input_grad[stage] + self.weight[stage]
+
+
+def median_durations(events) -> dict[tuple[int, Op], float]:
+    """(stage, op) -> the median duration of its compute actions among `events`, a step's
+    (action, start, end) as the runtime traces them."""
+    spans: dict[tuple[int, Op], list[float]] = {}
+    for a, start, end in events:
+        if a.op in (F, B, I, W):
+            spans.setdefault((a.stage, a.op), []).append(end - start)
+    return {k: statistics.median(v) for k, v in spans.items()}
 
 
 @dataclass(frozen=True)

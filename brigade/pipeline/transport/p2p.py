@@ -120,6 +120,10 @@ class P2PTransport:
         self._issues: dict[int, list[tuple[Action, ...]]] = {}
         self._next = 0
 
+    def also_run(self, plan: Plan) -> None:
+        """Know `plan` (all ranks, with comms) too: a pipeline planned again (`Pipeline.replan`)."""
+        self.plans.append(plan)
+
     def begin_step(self, actions: list[Action], inputs: object = None) -> None:
         """Take this rank's actions (with comms) for the step; issue what comes first.
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from brigade.pipeline.plans.action import B, F, I, PlanError, W
+from brigade.pipeline.plans.action import SEND_F, B, F, I, PlanError, W
 from brigade.pipeline.plans.bounds import lower_bound
 from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, V_SHAPE, build, names
@@ -57,10 +57,10 @@ def test_auto_is_registered_as_a_costed_schedule_of_one_or_two_stages_per_rank()
 def test_auto_plans_are_valid_and_never_longer_than_the_hand_written_ones(p, m, v):
     plan = build("auto", p, m, v)
     validate(plan)
-    ours = simulate(plan, 1.0, 2.0).makespan
-    assert ours <= min(simulate(build(n, p, m, v), 1.0, 2.0).makespan for n in _same_placement(v))
+    ours = simulate(plan, 1.0, 1.0).makespan
+    assert ours <= min(simulate(build(n, p, m, v), 1.0, 1.0).makespan for n in _same_placement(v))
     if m >= p + v - 1:  # the bound is met: no rank idles but for the first forward's fill and drain
-        assert ours == lower_bound(plan, 1.0, 2.0)  # at m = p, V = 2: 1 to 3 above (zbv: 2 to 6)
+        assert ours == lower_bound(plan, 1.0, 1.0)  # at m = p, V = 2: 1 to 3 above (zbv: 2 to 6)
 
 
 def test_auto_beats_zb_where_the_costs_are_not_the_units_zb_was_written_for():
@@ -103,15 +103,16 @@ def test_a_rank_never_holds_more_activations_than_the_limit(limit):
 
 
 def test_more_memory_gives_a_shorter_plan_down_to_the_bound():
-    spans = [simulate(build("auto", 4, 8, 1, costs=Costs.unit(4, limit=k)), 1.0, 2.0).makespan
-             for k in (1, 2, 3, 4)]
-    assert spans == sorted(spans, reverse=True) and spans[0] > spans[-1] == 27.0
+    spans = [simulate(build("auto", 4, 8, 1, costs=Costs.unit(4, limit=k)), 1.0, 1.0).makespan
+             for k in (1, 2, 3, 4, 5, 6)]
+    assert spans == [52.0, 29.0, 23.0, 19.5, 19.0, 19.0]  # 19: the bound (zb: 20 holding 5 on stage 0)
 
 
 def test_the_least_memory_that_keeps_the_plan_shortest_is_kept():
-    # Unlimited, auto still holds only 4 per rank at p 4, m 16: what the bound needs, not m.
+    # Unlimited, auto still holds only 5 per rank at p 4, m 16: what the bound needs, not m.
     plan = build("auto", 4, 16, 1)
-    assert simulate(plan, 1.0, 2.0).makespan == 51.0 and max(_held_at_once(plan).values()) == 4
+    assert simulate(plan, 1.0, 1.0).makespan == 35.0 == lower_bound(plan, 1.0, 1.0)
+    assert max(_held_at_once(plan).values()) == 5
 
 
 @pytest.mark.parametrize("costs, match", [
@@ -121,3 +122,17 @@ def test_the_least_memory_that_keeps_the_plan_shortest_is_kept():
 def test_costs_that_do_not_fit_the_plan_are_refused_in_one_line(costs, match):
     with pytest.raises(PlanError, match=match):
         build("auto", 2, 4, 2, costs=costs)
+
+
+def test_measured_costs_take_each_kind_per_stage_and_halve_a_whole_backward():
+    from brigade.pipeline.plans.action import Action
+    from brigade.pipeline.plans.generate import median_durations
+
+    events = [(Action(0, F, 0), 0.0, 1.0), (Action(0, F, 1), 1.0, 4.0), (Action(0, F, 2), 4.0, 6.0),
+              (Action(0, B, 0), 6.0, 10.0), (Action(1, I, 0), 0.0, 0.5), (Action(1, W, 0), 0.5, 2.0),
+              (Action(1, F, 0), 2.0, 3.0), (Action(1, SEND_F, 0), 3.0, 9.0)]
+    seconds = median_durations(events)
+    assert seconds == {(0, F): 2.0, (0, B): 4.0, (1, I): 0.5, (1, W): 1.5, (1, F): 1.0}  # no comm
+    c = Costs.measured(seconds, 2, limit=3)
+    assert (c.forward, c.input_grad, c.weight, c.backward, c.limit) == \
+        ((2.0, 1.0), (2.0, 0.5), (2.0, 1.5), (4.0, 2.0), 3)
