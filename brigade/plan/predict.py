@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 
-from brigade.pipeline.plans.schedule import build
+from brigade.pipeline.plans.generate import Costs
+from brigade.pipeline.plans.schedule import SCHEDULES, build
 from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.stages.partition import solve
 from brigade.plan import comm
@@ -100,9 +101,11 @@ def _shared(cluster: Cluster, world: int) -> float:
 
 
 def _plan(layout: Layout, per: list[list[float]], p2p: float):
-    """The schedule's plan. A costed schedule (`auto`, being added in plans/generate.py) is built
-    on unit costs until that module lands in git; then these per-stage costs should go to it."""
-    return build(layout.schedule, layout.pp, layout.microbatches, layout.virtual)
+    """The schedule's plan; a costed one (`auto`) planned on these per-stage costs and transfer."""
+    costs = None
+    if SCHEDULES[layout.schedule].costed:
+        costs = Costs(tuple(per[0]), tuple(per[3]), tuple(per[2]), backward=tuple(per[1]), comm=p2p)
+    return build(layout.schedule, layout.pp, layout.microbatches, layout.virtual, costs)
 
 
 def _reduction(cluster: Cluster, layout: Layout, groups: dict, grads: float) -> float:
