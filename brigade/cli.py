@@ -11,7 +11,7 @@ import sys
 import typing
 from pathlib import Path
 
-from brigade.config.fielddoc import MODELS, default_of, field_of, flag_help
+from brigade.config.fielddoc import default_of, field_of, flag_help
 from brigade.errors import BrigadeError
 
 DESCRIPTION = """\
@@ -49,11 +49,6 @@ def _option(p: argparse.ArgumentParser, cls: type, name: str, **kw) -> None:
     else:
         kw.setdefault("type", kind if kind in (int, float) else None)
     p.add_argument("--" + name.replace("_", "-"), help=flag_help(f, kw["default"]), **kw)
-
-
-def _model_arg(p: argparse.ArgumentParser, default: str) -> None:
-    p.add_argument("--model", default=default,
-                   help=f"the model to time: {MODELS.long()} (default: %(default)s)")
 
 
 def _json_arg(p: argparse.ArgumentParser) -> None:
@@ -231,64 +226,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="time single device, model parallel, pipelines, torch's pipelining, DDP")
-    _model_arg(p, "resnet50")
-    p.add_argument("--out", default="results/bench",
-                   help="folder for the results' JSON and plots (default: %(default)s)")
-    _sweep_args(p)
-    p.add_argument("--malloc-defaults", action="store_true",
-                   help="on CPU, leave malloc as it is (freed memory goes back to the OS), to see what "
-                        "keeping it saves (brigade.hostmem)")
-    p.set_defaults(func=cmd_bench)
-
-
-def _sweep_args(p: argparse.ArgumentParser) -> None:
-    """What `bench` and `tune` both sweep over."""
-    from brigade.pipeline.plans import schedule
-
-    p.add_argument("--quick", action="store_true",
-                   help="one split size (fewer configurations), the same number of timed rounds")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="samples per step (default: 32; resnet50 on 2 or more GPUs: 120)")
-    p.add_argument("--image-size", type=int, default=None,
-                   help="resnet50: side of the square images in pixels (default: 64; on 2 or more GPUs: 128)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="bench: timed rounds, each timing every configuration once (default 10); "
-                        "tune: interleaved rounds in which its trials are timed together")
-    p.add_argument("--splits", default=None,
-                   help="split sizes (samples per micro-batch) to try, like 1,4,16 (default: the "
-                        "tutorial's, scaled to the batch)")
-    p.add_argument("--schedules", default=",".join(schedule.names()),
-                   help=f"pipeline schedules to time, comma-separated, from {schedule.expected()} "
-                        "(default: %(default)s)")
-    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from brigade.bench.run import run_bench
-
-    return run_bench(args)
-
-
-def _add_tune(sub) -> None:
-    p = sub.add_parser("tune", help="choose split size, schedule and balance; write a train config")
-    _model_arg(p, "resnet50")
-    p.add_argument("--out", default="results/tune",
-                   help="folder for the choice, its measurements and the train config it writes "
-                        "(default: %(default)s)")
-    p.add_argument("--verify", action="store_true", help="also time the full sweep, to compare")
-    _json_arg(p)
-    _sweep_args(p)
-    p.set_defaults(func=cmd_tune)
-
-
-def cmd_tune(args: argparse.Namespace) -> int:
-    from brigade.bench.run import run_tune
-
-    return run_tune(args)
-
-
 def _add_doctor(sub) -> None:
     from brigade.doctor import Setup
 
@@ -322,10 +259,12 @@ def build_parser() -> Parser:
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help=_DEBUG)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    from brigade.bench.command import add_bench, add_tune
     from brigade.plan.command import add_plan
 
     for add in (_add_train, _add_generate, _add_plot, _add_inspect, _add_schedule, _add_check,
-                _add_bench, _add_tune, lambda s: add_plan(s, _option), _add_doctor):
+                lambda s: add_bench(s, _json_arg), lambda s: add_tune(s, _json_arg),
+                lambda s: add_plan(s, _option), _add_doctor):
         add(sub)
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG)

@@ -105,7 +105,8 @@ def _costs(model: str, sizes: dict, cases: list[tuple]):
     from brigade.plan.config import PlanConfig
     from brigade.plan.costs import measure
     from brigade.plan.devices import cpu
-    from brigade.plan.run import load_spec, model_config, quiet_stderr
+    from brigade.plan.run import load_spec, model_config
+    from brigade.train.memory import quiet_stderr
 
     cfg = PlanConfig(model=model, batch_size=sizes["batch_size"], seq_len=sizes.get("seq_len", 0))
     base = ModelConfig(

@@ -7,11 +7,13 @@ Measuring is `block_costs`; the rest is arithmetic on its figures.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import torch
 from torch import nn
 
 from brigade.bench.timing import stage_costs
+from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build
 from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.stages.partition import solve
@@ -68,13 +70,15 @@ def search_space(schedules: list[str], ms: list[int], ranks: int,
 
 
 def predict(samples: dict[int, list], batch: int, m: int, schedule: str, ranks: int,
-            comm_per_sample: float, virtual: int = 1) -> tuple[float, list[int]]:
+            comm_per_sample: float, virtual: int = 1, row: dict | None = None) -> tuple[float, list[int]]:
     """Predicted step seconds and the balance of p·V stages that minimises the slowest one.
 
     Args:
         samples: micro-batch size -> per-block (forward, backward, weight, input) seconds.
         ranks: pipeline ranks p; virtual: stages per rank V (the plan has p·V stages).
         comm_per_sample: seconds to move one sample's activation between ranks.
+        row: where a costed schedule's (auto's) costs are kept as `costs`, for `plan_costs`: the
+            step that is timed must run the plan that was predicted.
 
     Returns:
         (simulated makespan, blocks per stage: p·V entries).
@@ -85,9 +89,24 @@ def predict(samples: dict[int, list], batch: int, m: int, schedule: str, ranks: 
     balance = solve([f + b for f, b, *_ in costs], n_stages)
     bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
     per = [[sum(c[j] for c in costs[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(4)]
-    sim = simulate(build(schedule, ranks, m, virtual), per[0], per[1], comm=comm_per_sample * size,
+    planned = None
+    if SCHEDULES[schedule].costed:
+        planned = Costs(tuple(per[0]), tuple(per[3]), tuple(per[2]), backward=tuple(per[1]),
+                        comm=comm_per_sample * size)
+        if row is not None:
+            row["costs"] = asdict(planned)
+    sim = simulate(build(schedule, ranks, m, virtual, planned), per[0], per[1], comm=comm_per_sample * size,
                    weight=per[2], input_grad=per[3])
     return sim.makespan, balance
+
+
+def plan_costs(row: dict) -> Costs | None:
+    """The costs a costed row was predicted on (`predict(row=...)`), as the plan takes them; None
+    for the other schedules."""
+    kept = row.get("costs")
+    if kept is None:
+        return None
+    return Costs(**{k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in kept.items()})
 
 
 def predict_ddp(samples: dict[int, list], batch: int, dp: int, allreduce_s: float) -> float:

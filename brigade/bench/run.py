@@ -157,12 +157,14 @@ def _bound_clause(best: dict) -> str:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    from brigade.bench.fit import parse_bytes, size_text
     from brigade.bench.tune import label
     from brigade.bench.tune import worker as tune_worker
     from brigade.config import to_toml
     from brigade.fsutil import write_atomic
 
     cfg = bench_config(args)
+    cfg.memory_per_device = parse_bytes(args.memory_per_device)
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     check_timeable(spec, "tune")
     out = Path(args.out)
@@ -185,6 +187,9 @@ def run_tune(args: argparse.Namespace) -> int:
           f"(the full sweep has {result['sweep_trials']}: schedule × V × m, and data parallel)")
     for gone in result["left_out"]:
         print(f"left out: {gone['schedule']}, V={gone['virtual']}: {gone['reason']}")
+    if result["too_big"]:
+        print(f"left out, predicted above --memory-per-device {size_text(cfg.memory_per_device)}: " +
+              "; ".join(f"{label(r)} {size_text(r['predicted_peak_bytes'])}" for r in result["too_big"]))
     cut = "" if chosen["balance"] is None else \
         f" (split size {math.ceil(cfg.batch_size / chosen['microbatches'])}), balance {chosen['balance']}"
     print(f"chosen: {label(chosen)}{cut}: {chosen['mean_s'] * 1e3:.1f} ms/step "

@@ -36,7 +36,8 @@ from brigade import groups
 from brigade.bench.choose import pick_trials, scores
 from brigade.bench.device import ddp, place_model
 from brigade.bench.experiments import BenchConfig, Worker, scaled_splits
-from brigade.bench.predict import block_costs, ddp_row, predict, search_space
+from brigade.bench.fit import keep_fitting, shared_costs
+from brigade.bench.predict import block_costs, ddp_row, plan_costs, predict, search_space
 from brigade.bench.timing import (
     interleaved_rounds,
     measure,
@@ -86,7 +87,7 @@ def _step(t: _Tuner, row: dict):
     held = stages_on(row["schedule"], t.ranks, t.rank, row["virtual"])
     modules = {s: t.stages[cut][s] for s in held}
     pipe = Pipeline(modules, row["schedule"], row["microbatches"], t.spec.loss_fn, device=t.x.device,
-                    virtual=row["virtual"])
+                    virtual=row["virtual"], costs=plan_costs(row))
     return pipeline_step(pipe, nn.ModuleList(modules[s] for s in held), t.x, t.y)
 
 
@@ -247,16 +248,21 @@ def _tune(cfg: BenchConfig, info, verify: bool) -> dict:
     allreduce = _allreduce_s(spec.blocks, x.device)
     for r in rows:
         r["predicted_s"], r["balance"] = predict(samples, cfg.batch_size, r["microbatches"], r["schedule"],
-                                                 t.ranks, comm, r["virtual"])
+                                                 t.ranks, comm, r["virtual"], row=r)
     predictions = sorted([*rows, ddp_row(samples, cfg.batch_size, t.ranks, allreduce)],
                          key=lambda r: r["predicted_s"])
-    budget = max(1, min(3, len(predictions) // 3))
-    trials = pick_trials(predictions, budget)
+    candidates, too_big = predictions, []
+    if cfg.memory_per_device:  # what would not fit is never timed nor chosen
+        memory = shared_costs(t.spec, min(sizes), t.rank)
+        candidates, too_big = keep_fitting(predictions, memory, cfg.batch_size, cfg.memory_per_device)
+    budget = max(1, min(3, len(candidates) // 3))
+    trials = pick_trials(candidates, budget)
     chosen = search(trials, _timer(t, cfg.rounds))
     result = {"trials": budget, "finalists": sum("final_rounds_s" in r for r in trials),
               "sweep_trials": len(predictions), "chosen": chosen, "chosen_label": label(chosen),
               "chosen_mean_s": chosen["mean_s"], "predictions": predictions,
-              "left_out": left_out, "measured_sizes": sizes, "comm_s_per_sample": comm,
+              "left_out": left_out, "too_big": too_big, "memory_per_device": cfg.memory_per_device,
+              "measured_sizes": sizes, "comm_s_per_sample": comm,
               "allreduce_s": allreduce, "rounds": cfg.rounds}
     if verify:
         result.update(verify_sweep(predictions, chosen, _timer(t, cfg.rounds)))

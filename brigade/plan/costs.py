@@ -60,7 +60,7 @@ class ModelCosts:
     out_bytes: list[float]  # per sample
     modes: dict[str, ModeCosts]
     optimizer_s_per_byte: float
-    here: DeviceSpec
+    here: DeviceSpec | None  # None: memory only (`measure_memory`)
     source: str = MEASURED
     scale: float = 1.0  # target seconds per second here (compute)
     mem_scale: float = 1.0  # the same for the optimizer's memory-bound step
@@ -97,22 +97,43 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
     return ModelCosts(spec.name, params, flops, outs, per_mode, opt, here)
 
 
+def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
+    """Only what the memory model reads (`plan.memory.rank_memory`): parameter bytes and, per
+    recompute mode, the held, working and transient bytes per sample at micro-batch `size`; no
+    times, FLOPs or device (the tuner's memory limit, which times on its own)."""
+    x, y = spec.make_batch(size, torch.Generator().manual_seed(0))
+    per_mode = {}
+    for mode in modes:
+        blocks = copy.deepcopy(spec.blocks)
+        recompute.apply(blocks, mode)
+        per_mode[mode] = ModeCosts({}, *_memory(spec, blocks, x, y))
+    params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
+    n = len(spec.blocks)
+    return ModelCosts(spec.name, params, [0.0] * n, [0.0] * n, per_mode, 0.0, here=None)
+
+
 def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str) -> ModeCosts:
     blocks = copy.deepcopy(spec.blocks)
     recompute.apply(blocks, mode)
     times = {s: block_costs(blocks, x[:s], spec.loss_fn, y[:s]) for s in sizes}
     s = min(sizes)
+    return ModeCosts(times, *_memory(spec, blocks, x[:s], y[:s]))
+
+
+def _memory(spec: ModelSpec, blocks, x, y) -> tuple[list[float], list[float], list[float]]:
+    """Per block, bytes per sample: (held, working, transient) on batch x (`_block_memory`)."""
+    s = len(x)
     held, working, transient = [], [], []
-    h = x[:s]
+    h = x
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
-        f, p, t = _block_memory(block, h, spec.loss_fn if last else None, y[:s], first=i == 0)
+        f, p, t = _block_memory(block, h, spec.loss_fn if last else None, y, first=i == 0)
         held.append(f / s)
         working.append(max(0.0, p - f) / s)
         transient.append(max(0.0, t) / s)
         with torch.no_grad():
             h = block(h)
-    return ModeCosts(times, held, working, transient)
+    return held, working, transient
 
 
 def _block_memory(block, h, loss_fn, y, first: bool) -> tuple[int, int, int]:

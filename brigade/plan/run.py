@@ -6,9 +6,7 @@ fits as a train config (`to_config`), the way `brigade tune` writes its choice.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 
 from brigade.config import ModelConfig, RunConfig
 from brigade.errors import BrigadeError
@@ -19,6 +17,7 @@ from brigade.plan.costs import measure, scaled
 from brigade.plan.devices import cpu
 from brigade.plan.predict import predict
 from brigade.plan.space import Layout, enumerate_layouts
+from brigade.train.memory import quiet_stderr
 
 
 def model_config(cfg: PlanConfig, base: ModelConfig | None = None) -> ModelConfig:
@@ -107,19 +106,6 @@ def sizes(rows: list[Layout], batch: int) -> list[int]:
     """Micro-batch sizes to measure at: the smallest, the largest and one between (interpolated)."""
     got = sorted({math.ceil(batch / (r.dp * r.microbatches)) for r in rows})
     return sorted({got[0], got[len(got) // 2], got[-1]})
-
-
-@contextlib.contextmanager
-def quiet_stderr():
-    """The profiler's C++ start/stop lines go to file descriptor 2: hide them while measuring."""
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:

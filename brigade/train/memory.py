@@ -17,6 +17,8 @@ records them (profile_memory); on a GPU from the caching allocator's peak
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterable
 
 import torch
@@ -119,3 +121,16 @@ class StepMemory:
                 "optimizer": storage_bytes(optimizer_tensors(self.optimizer)),
                 "activations": self.held.peak, "peak": self.peak,
                 "counted": "allocator" if self.device.type == "cuda" else "storages"}
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """The profiler's C++ start/stop lines go to file descriptor 2: hide them while measuring."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
