@@ -90,8 +90,11 @@ Where the costs come from:
   process plans again on each stage's median F, I, W and B times, averaged over the processes
   that ran it (one all-reduce). The costs are logged as a `plan` event in `metrics.jsonl`. Every
   stage runs its forwards, I and W in micro-batch order in any plan auto makes, so the
-  gradients add up in the same order: the run's losses are the same bits whichever costs were
-  measured (the exact-resume test kills and resumes it like every schedule).
+  gradients add up in the same order; and a rank holding two stages, whose forwards the plans
+  order differently, draws each forward's dropout from a stream of (step, stage, micro-batch),
+  as local stages do. So the run's losses are the same bits whichever costs were measured: a
+  resumed run, which measures again, ends where the run that never stopped ends (the
+  exact-resume test kills and resumes auto like every schedule).
 - `brigade bench` and `brigade tune` measure each stage's costs on the cut they run and plan on
   those (transfers counted as free, as in the rows' `ideal`).
 - `--auto-limit N` caps the activations a rank holds at once (one per stage it holds, so at

@@ -26,7 +26,7 @@ from brigade.errors import BrigadeError
 from brigade.pipeline.batches import feed, microbatch
 from brigade.pipeline.plans.action import Op
 from brigade.pipeline.plans.generate import median_durations
-from brigade.pipeline.plans.schedule import build, forward_only, placement
+from brigade.pipeline.plans.schedule import SCHEDULES, build, forward_only, placement
 from brigade.pipeline.plans.validate import validate
 from brigade.pipeline.runtime.interpreter import StageRunner, StepResult
 from brigade.pipeline.runtime.randomness import StageRandom
@@ -86,7 +86,13 @@ class Pipeline:
             validate(forward_only(self.n_stages, n_microbatches, ranks))
         self.plan, self.inference_plan = (p[self.rank] for p in plans)
         self.transport = P2PTransport(self.peers, self.device, group, plans=plans)
-        self.runner = StageRunner(modules, self.n_stages, self.transport, loss_fn, autocast)
+        # A costed schedule's plan changes with the costs, and with it the order in which a rank's
+        # stages run their forwards: each forward then draws from a stream of its own (`randomness`),
+        # so a run's dropout masks do not depend on which plan it had when.
+        self.random = StageRandom([self.device], order_free=True) \
+            if SCHEDULES[schedule].costed and len(self.stages) > 1 else None
+        self.runner = StageRunner(modules, self.n_stages, self.transport, loss_fn, autocast,
+                                  draws=self.random.forward if self.random else None)
         declared = dict(side_inputs) if side_inputs is not None else self._gather(modules, n_ranks)
         self.feed = feed.Feed(modules, declared, feed.first_label(modules.get(0)))
         self.last_result: StepResult | None = None
@@ -153,7 +159,11 @@ class Pipeline:
         m = self.n_microbatches
         xs = self.feed.inputs(inputs, m, self.device) if self.is_first else None
         side = self.feed.side(inputs, m, self.stages, self.device)
+        if self.random:
+            self.random.begin(training=False)
         result = self.runner.run(self.inference_plan, xs, keep_outputs=self.is_last, side=side)
+        if self.random:
+            self.random.end()
         return microbatch.merge_structure(result.outputs) if self.is_last else None
 
     def _run(self, plan, inputs, targets, trace, loss_scale, sync) -> StepResult:
@@ -161,7 +171,12 @@ class Pipeline:
         xs = self.feed.inputs(inputs, m, self.device) if self.is_first else None
         side = self.feed.side(inputs, m, self.stages, self.device)
         ys, ws = self.feed.targets(targets, m, self.device, loss_scale) if self.is_last else (None, None)
-        return self.runner.run(plan, xs, ys, ws, trace=trace, sync=sync, side=side)
+        if self.random:
+            self.random.begin(training=plan is self.plan)
+        result = self.runner.run(plan, xs, ys, ws, trace=trace, sync=sync, side=side)
+        if self.random:
+            self.random.end()
+        return result
 
     def _share_loss(self, result: StepResult, loss_scale: float) -> torch.Tensor:
         loss = result.loss / loss_scale if self.is_last else torch.zeros((), device=self.device)

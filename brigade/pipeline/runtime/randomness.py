@@ -72,6 +72,15 @@ def shared_generators(devices: list[torch.device]) -> list[torch.Generator]:
     return gens
 
 
+def own_generators(device: torch.device) -> list[torch.Generator]:
+    """The generators a process's forwards draw from on `device`: the CPU's, and its GPU's."""
+    if device.type != "cuda":
+        return [torch.default_generator]
+    torch.cuda.init()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return [torch.default_generator, torch.cuda.default_generators[index]]
+
+
 def _mix(*parts) -> int:
     """A 63-bit seed from `parts`, mixed into its low 32 bits too (the CPU's mt19937 keeps those)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
@@ -89,10 +98,13 @@ class StageRandom:
 
     Args:
         devices: each rank's (thread's) device, in rank order.
+        order_free: one thread runs several stages in an order that may change from step to step
+            (a plan generated from measured costs): its draws are taken per forward as well, from
+            the CPU's generator and its device's.
     """
 
-    def __init__(self, devices: list[torch.device]):
-        self.generators = shared_generators(devices)
+    def __init__(self, devices: list[torch.device], order_free: bool = False):
+        self.generators = shared_generators(devices) if not order_free else own_generators(devices[0])
         self.lock = threading.Lock()  # held by one seeded operation at a time, never by a forward
         self.watch_all = False  # a call drew outside the modules found: watch every forward whole
         # (stage, its modules' training flags) -> the modules that drew (None: outside any, the loss)
