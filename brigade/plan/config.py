@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from brigade.config.fielddoc import MODELS, RECOMPUTES, SCHEDULES, doc
+from brigade.config.fielddoc import MODELS, RECOMPUTES, SCHEDULES, Choices, doc
+
+COST_SOURCES = Choices(lambda: ("auto", "measured", "formula"))
 
 
 @dataclass
@@ -24,6 +26,13 @@ class PlanConfig:
         "empty: --nodes, --gpus-per-node and --device",
     )
     precision: str = doc("", "the training precision whose peak counts: empty (fp32) or bf16")
+    costs: str = doc(
+        "auto",
+        "where the blocks' costs come from ({choices}): measured here (then scaled), formula (from "
+        "the model's shapes on the meta device, FLOPs at an assumed share of peak), auto: formula "
+        "when the model would not fit this machine, else measured",
+        choices=COST_SOURCES,
+    )
     schedules: str = doc(
         "",
         "pipeline schedules to consider, comma-separated ({choices}); empty: every registered one",

@@ -120,7 +120,7 @@ def cpu() -> DeviceSpec:
         "cpu",
         0.0,
         flops,
-        _host_memory(),
+        host_memory(),
         bw,
         latency,
         bw,
@@ -174,7 +174,7 @@ def _copy_rate() -> float:
     return 2 * x.numel() * 4 / best
 
 
-def _host_memory() -> float:
+def host_memory() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):

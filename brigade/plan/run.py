@@ -1,4 +1,5 @@
-"""`brigade plan`: measure the model here, scale to the target, predict every layout, rank them.
+"""`brigade plan`: measure the model here and scale to the target (or cost it from its shapes,
+`plan.formula`, when it is too large to run here), predict every layout, rank them.
 
 The rows are ranked by step time, those that fit first; `--write-config` writes the best that
 fits as a train config (`to_config`), the way `brigade tune` writes its choice.
@@ -8,13 +9,17 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from brigade.config import ModelConfig, RunConfig
 from brigade.errors import BrigadeError
 from brigade.pipeline.plans.action import PlanError
+from brigade.pipeline.plans.schedule import SCHEDULES
 from brigade.plan import cluster as clusters
 from brigade.plan.config import PlanConfig
-from brigade.plan.costs import measure, scaled
-from brigade.plan.devices import cpu
+from brigade.plan.costs import FORMULA, MEASURED, measure, scaled
+from brigade.plan.devices import cpu, host_memory
+from brigade.plan.formula import from_shapes
 from brigade.plan.predict import predict
 from brigade.plan.space import Layout, enumerate_layouts
 from brigade.train.memory import quiet_stderr
@@ -108,27 +113,37 @@ def sizes(rows: list[Layout], batch: int) -> list[int]:
     return sorted({got[0], got[len(got) // 2], got[-1]})
 
 
+def source(asked: str, shape) -> str:
+    """measured or formula: `asked`, or for auto formula when training the model here (parameters,
+    gradients and AdamW's two moments) would take more than half this machine's memory.
+
+    Raises:
+        BrigadeError: an unknown source.
+    """
+    if asked not in ("auto", MEASURED, FORMULA):
+        raise BrigadeError(f"--costs {asked!r}: expected auto, measured or formula")
+    if asked != "auto":
+        return asked
+    states = 4 * sum(p.numel() * p.element_size() for b in shape.blocks for p in b.parameters())
+    return FORMULA if states > host_memory() / 2 else MEASURED
+
+
 def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
     """Every layout's prediction, ranked (module docstring), and what they were made from."""
     where = target(cfg)
     where.device.peak(cfg.precision)  # no known peak: refused before measuring anything
     m = model_config(cfg, base)
-    spec = load_spec(cfg, m)
-    rows = layouts(cfg, where.world, len(spec.blocks))
+    with torch.device("meta"):  # shapes only: a model of any size costs nothing to build
+        shape = load_spec(cfg, m)
+    rows = layouts(cfg, where.world, len(shape.blocks))
     modes = sorted({r.recompute for r in rows})
+    at = sizes(rows, cfg.batch_size)
     with quiet_stderr():
-        costs = scaled(measure(spec, sizes(rows, cfg.batch_size), modes, cpu()), where.device, cfg.precision)
-    out, left = [], []
-    for lay in rows:
-        try:
-            out.append(
-                predict(
-                    costs, lay, where, cfg.batch_size, cfg.seq_len if cfg.model == "gpt" else 0, cfg.precision
-                )
-            )
-        except PlanError as exc:
-            left.append({"label": lay.label(), "reason": str(exc)})
-    out.sort(key=lambda r: (not r["fits"], r["step_s"]))
+        if source(cfg.costs, shape) == FORMULA:
+            costs = from_shapes(shape, min(at), modes, where.device, cfg.precision)
+        else:
+            costs = scaled(measure(load_spec(cfg, m), at, modes, cpu()), where.device, cfg.precision)
+    out, left = _predict_all(cfg, costs, where, rows)
     return {
         "model": cfg.model,
         "cluster": where.describe(),
@@ -142,6 +157,40 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
         "left_out": left,
         "model_config": vars(m),
     }
+
+
+COSTED_SHAPES = 16  # a costed schedule (auto) is predicted on the shapes of this many best rows
+
+
+def _predict_all(cfg: PlanConfig, costs, where, rows: list[Layout]) -> tuple[list[dict], list[dict]]:
+    """Every layout's prediction, ranked, and the layouts left out with why.
+
+    A costed schedule's search takes seconds per layout at pp 16, so it is predicted only in the
+    shapes (data parallel, pp, V, m, recompute) of the best `COSTED_SHAPES` rows of the others:
+    where it could rank first. Without other schedules in the space, in every shape.
+    """
+    seq = cfg.seq_len if cfg.model == "gpt" else 0
+    out, left = [], []
+
+    def run(lays: list[Layout]) -> None:
+        for lay in lays:
+            try:
+                out.append(predict(costs, lay, where, cfg.batch_size, seq, cfg.precision))
+            except PlanError as exc:
+                left.append({"label": lay.label(), "reason": str(exc)})
+
+    costed = [r for r in rows if SCHEDULES[r.schedule].costed and r.pp > 1]
+    run([r for r in rows if r not in costed])
+    out.sort(key=lambda r: (not r["fits"], r["step_s"]))
+    best = {_shape(Layout(**{k: v for k, v in r["layout"].items() if k != "dp"}))
+            for r in out[:COSTED_SHAPES]}
+    run([r for r in costed if not out or _shape(r) in best])
+    out.sort(key=lambda r: (not r["fits"], r["step_s"]))
+    return out, left
+
+
+def _shape(lay: Layout) -> tuple:
+    return lay.replicate, lay.shard, lay.pp, lay.virtual, lay.microbatches, lay.recompute
 
 
 def to_config(cfg: PlanConfig, row: dict, m: ModelConfig, nodes: int, per_node: int) -> RunConfig:

@@ -103,8 +103,13 @@ def test_bench_writes_json_plots_and_a_table(tmp_path):
     assert {(s["schedule"], s["virtual"]) for s in data["skipped"]} >= {("interleaved", 2), ("zbv", 2)}
     assert all("blocks" in s["reason"] or "DualPipeV" in s["reason"] for s in data["skipped"])
     ours = [c for c in data["configs"] if c["name"] == "brigade"]
-    assert len(ours) == 6 and all(c["efficiency"] > 0 and c["ideal_speedup"] > 0 for c in ours)
-    assert all(c["torch_twin"] == c["schedule"] and "vs_torch_ranked" in c for c in ours)
+    # gpipe, 1f1b, zb and auto (V = 1: it runs at every V it takes), at m = 2 and 4
+    assert {(c["schedule"], c["virtual"], c["microbatches"]) for c in ours} == {
+        (s, 1, m) for s in ("gpipe", "1f1b", "zb", "auto") for m in (2, 4)}
+    assert all(c["efficiency"] > 0 and c["ideal_speedup"] > 0 for c in ours)
+    assert all(c["torch_twin"] == c["schedule"] and "vs_torch_ranked" in c
+               for c in ours if c["schedule"] != "auto")
+    assert all("torch_twin" not in c for c in ours if c["schedule"] == "auto")  # torch has no twin
     assert data["best"]["vs_torch_ci"][0] <= data["best"]["vs_torch"] <= data["best"]["vs_torch_ci"][1]
     assert data["ci_coverage"] == 0.5 and "cover 50 %" in result.stdout  # 2 rounds: said, not hidden
     assert all(len(c["peak_activation_bytes"]) == 2 for c in ours)

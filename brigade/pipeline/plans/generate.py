@@ -13,13 +13,15 @@ runs forward over every rank at once and, whenever a rank is free, it starts
     4. else it waits for whichever of 1. or 2. can start first.
 
 A few variants of the rules (which chunk's forward goes first; whether a W may delay a gradient
-that arrives during it) are scheduled and the shortest makespan kept: the makespan is computed
-exactly as `simulate()` computes it (start = max(rank free, input arrived + link delay)). The
-activations a rank may hold are searched too: the least limit (up to the caller's) at which the
-best variant ends as early as with the most memory, by bisection (more memory never made a plan
-of this scheduler end later in the tests' grid; where it would, bisection may keep more). Every
-stage runs its forwards, gradients and W in micro-batch order, so gradients accumulate in the
-same order whatever the costs: two runs planned on different measurements give the same bits.
+that arrives during it; a ready forward before a ready gradient) are scheduled with the most
+memory allowed and the shortest makespan kept: the makespan is computed exactly as `simulate()`
+computes it (start = max(rank free, input arrived + link delay)). The activations a rank may hold
+are searched next: the least limit (up to the caller's) at which a variant ends as early as with
+the most memory, by bisection (each limit tries first the variants best with the most memory;
+more memory never made a plan of this scheduler end later in the tests' grid; where it would,
+bisection may keep more). Every stage runs its forwards, gradients and W in micro-batch order,
+so gradients accumulate in the same order whatever the costs: two runs planned on different
+measurements give the same bits.
 
     p = 2, V = 1, m = 4, unit costs (F = B = 1, I = W = ½), no memory limit, `plan.render`:
 
@@ -130,8 +132,19 @@ def auto(n_ranks: int, n_microbatches: int, n_virtual: int = 1, costs: Costs | N
         PlanError: sizes below 1, a V other than 1 or 2, costs for another number of stages, or a
             memory limit below V (each rank must hold one micro-batch in each of its stages).
     """
-    plan = _search(n_ranks, n_microbatches, n_virtual, costs)
+    plan = _search(n_ranks, n_microbatches, n_virtual, _relative(costs) if costs else None)
     return {r: list(acts) for r, acts in plan.items()}
+
+
+def _relative(costs: Costs) -> Costs:
+    """`costs` over the largest forward, to 3 decimals: the plan depends on ratios only, and
+    costs that differ by a factor (a micro-batch twice the size) share one search in the cache."""
+    unit = max((*costs.forward, *costs.input_grad, *costs.weight), default=1.0) or 1.0
+
+    def rel(values):
+        return None if values is None else tuple(round(c / unit, 3) for c in values)
+    return Costs(rel(costs.forward), rel(costs.input_grad), rel(costs.weight), rel(costs.backward),
+                 round(costs.comm / unit, 3), costs.limit)
 
 
 @lru_cache(maxsize=256)  # the same sizes and costs give the same plan: the tests build many
@@ -149,17 +162,25 @@ def _search(p: int, m: int, v: int, costs: Costs | None) -> dict[int, tuple[Acti
         raise PlanError(f"auto: a memory limit of {costs.limit} micro-batch activations per rank is "
                         f"below the {v} stages each rank holds: allow at least {v}")
 
-    tried: dict[int, tuple[float, Plan]] = {}
+    most = min(costs.limit or m * v, m * v)
+    runs = [_Greedy(where, m, costs, variant, most).run() for variant in VARIANTS]
+    top = min(runs, key=lambda run: run[0])  # the first of equal makespans wins
+    # the rules that did best with the most memory first: the bisection tries them before others
+    order = sorted(VARIANTS, key=lambda var: runs[VARIANTS.index(var)][0])
 
-    def best(limit: int) -> tuple[float, Plan]:  # the first of equal makespans wins
-        if limit not in tried:
-            tried[limit] = min((_Greedy(where, m, costs, variant, limit).run() for variant in VARIANTS),
-                               key=lambda run: run[0])
-        return tried[limit]
+    def best(limit: int) -> tuple[float, Plan]:
+        """The first variant's run that ends as early as `top` under `limit`, else the shortest."""
+        if limit == most:
+            return top
+        tried = []
+        for variant in order:
+            tried.append(_Greedy(where, m, costs, variant, limit).run())
+            if tried[-1][0] <= top[0] * (1 + 1e-9):
+                break
+        return min(tried, key=lambda run: run[0])
 
-    lo, hi = v, min(costs.limit or m * v, m * v)
-    top = best(hi)
-    while lo < hi:  # the least limit whose best makespan is the most memory's
+    lo, hi = v, most
+    while lo < hi:  # the least limit at which some variant ends as early as with the most memory
         mid = (lo + hi) // 2
         if best(mid)[0] <= top[0] * (1 + 1e-9):
             hi = mid
