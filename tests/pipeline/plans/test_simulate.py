@@ -38,3 +38,66 @@ def test_peak_held_releases_a_split_micro_batch_at_its_w_not_its_i():
     plan = parse_plan(["0F0 0I0 0F1 0W0 0I1 0W1"])
     assert peak_held(plan) == {0: 2}
     assert peak_held(build("zb", 2, 2)) == {0: 2, 1: 2}
+
+
+def test_render_draws_a_longer_action_across_its_columns():
+    """A backward twice a forward fills two columns: its name, then `~`; the header numbers every
+    column and each cell is as wide as the widest action, plus one space."""
+    assert render(gpipe(2, 2), 1.0, 2.0) == (
+        "t      | 0   1   2   3   4   5   6   7   8\n"
+        "rank 0 | 0F0 0F1 .   .   .   0B0 ~   0B1 ~\n"
+        "rank 1 | .   1F0 1F1 1B0 ~   1B1 ~   .   .\n"
+        "bubble 0.333  makespan 9")
+
+
+def test_render_leaves_out_what_takes_no_time():
+    """Free forwards take no column (the column is the shortest action that takes any time); with
+    nothing taking time there is no column at all."""
+    assert render(gpipe(1, 2), 0.0, 1.0) == "t      | 0   1\nrank 0 | 0B0 0B1\nbubble 0.000  makespan 2"
+    assert render(gpipe(1, 1), 0.0, 0.0) == "t      |\nrank 0 |\nbubble 0.000  makespan 0"
+
+
+def test_a_transfer_is_paid_between_ranks_only():
+    """ZB-V hands stage p-1's output to stage p on the same rank by reference: no link delay there.
+    p = 1: both stages on rank 0, the link costs nothing; p = 2: four crossings of 0.5 each."""
+    one = build("zbv", 1, 1)
+    assert simulate(one, 1.0, 2.0, comm=5.0).makespan == simulate(one, 1.0, 2.0).makespan == 6.0
+    two = build("zbv", 2, 1)
+    assert simulate(two, 1.0, 2.0).makespan == 10.0
+    assert simulate(two, 1.0, 2.0, comm=0.5).makespan == 12.0
+
+
+def test_execute_asks_the_link_delay_of_the_stage_that_receives():
+    from brigade.pipeline.plans.timeline import execute
+
+    timeline = execute(gpipe(3, 1), lambda stage, op: float(stage) if op == "comm" else 1.0)
+    assert {r: [(str(a), s, e) for a, s, e in tl] for r, tl in timeline.items()} == {
+        0: [("0F0", 0.0, 1.0), ("0B0", 9.0, 10.0)],
+        1: [("1F0", 2.0, 3.0), ("1B0", 8.0, 9.0)],  # 1F0: 0F0's end + stage 1's delay (1)
+        2: [("2F0", 5.0, 6.0), ("2B0", 6.0, 7.0)],
+    }
+
+
+def test_simulate_defaults_the_backward_to_the_forward_and_free_actions_to_no_bubble():
+    assert simulate(gpipe(2, 2), 1.5).makespan == simulate(gpipe(2, 2), 1.5, 1.5).makespan == 9.0
+    free = simulate(gpipe(2, 2), 0.0, 0.0)
+    assert free.makespan == 0.0 and free.bubble_fraction == 0.0 and free.idle == {0: 0.0, 1: 0.0}
+
+
+def test_a_plan_with_no_action_sends_nothing_and_takes_no_time():
+    """The pure passes take a plan whose ranks have no action (validate accepts it: no micro-batch
+    is missing) and give back as little: nothing to send, nothing run, a makespan of 0."""
+    from brigade.pipeline.plans.schedule import with_comms
+    from brigade.pipeline.plans.timeline import execute
+
+    assert with_comms({0: []}) == {0: []}
+    assert execute({0: []}, lambda stage, op: 1.0) == {0: []}
+    sim = simulate({0: []}, 1.0)
+    assert (sim.makespan, sim.bubble_fraction, sim.idle, sim.peak_held) == (0.0, 0.0, {0: 0.0}, {})
+
+
+def test_peak_held_counts_down_one_micro_batch_at_each_backward():
+    """After 0B0 stage 0 holds nothing; then two forwards: a peak of 2 (not 1, nor 3)."""
+    assert peak_held(parse_plan(["0F0 0B0 0F1 0F2 0B1 0B2"])) == {0: 2}
+    assert peak_held(build("1f1b", 3, 4)) == {0: 3, 1: 2, 2: 1}
+    assert peak_held(gpipe(2, 3)) == {0: 3, 1: 3}

@@ -310,3 +310,12 @@ def test_dualpipev_reports_every_stage_ready_once_its_gradients_are_final(monkey
         assert len(red.at_ready) == len(red.params), f"stage {s}: not every parameter reported"
         for q in red.params:
             torch.testing.assert_close(red.at_ready[id(q)], q.grad, rtol=0, atol=0)
+
+
+def test_zbv_with_fewer_microbatches_than_the_v_holds_is_built_for_2p_minus_1_and_cut_back():
+    """m = 2 < 2p - 1 = 3: the plan is the m = 3 one without micro-batch 2's actions."""
+    assert plan_str(zbv(2, 2)) == {
+        0: "0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1",
+        1: "1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1",
+    }
+    assert {r: [a for a in acts if a.microbatch < 2] for r, acts in zbv(2, 3).items()} == zbv(2, 2)
