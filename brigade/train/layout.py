@@ -198,7 +198,7 @@ class ProcessModel:
         return data_parallel(module, self.layout.dp_group, [device] if device.type == "cuda" else None)
 
     def _local_pipeline(self, stages, ranks: list[int], cfg: ParallelConfig, loss_fn, m: int, autocast,
-                        costs: Costs | None):
+                        costs: Costs | None = None):
         layout = self.layout
         n = cfg.local_stages
         devices = groups.local_devices(layout.device.type, int(os.environ.get("LOCAL_RANK", 0)), n)
