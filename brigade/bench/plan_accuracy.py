@@ -41,11 +41,12 @@ CASES = [
     ("gpt", 2, 1, 2, "1f1b", 1, 4, "none"),
     ("gpt", 2, 2, 1, "1f1b", 1, 1, "none"),
     ("gpt", 1, 2, 2, "zb", 1, 2, "none"),
+    ("gpt", 1, 1, 2, "auto", 2, 4, "none"),
     ("mlp", 2, 1, 1, "1f1b", 1, 1, "none"),
     ("mlp", 1, 1, 2, "1f1b", 1, 4, "none"),
     ("mlp", 1, 1, 2, "zb", 1, 4, "full"),
 ]
-TINY_CASES = [CASES[1], CASES[4], CASES[12]]
+TINY_CASES = [CASES[1], CASES[4], CASES[13]]  # dp 2; pp 2 1f1b; the MLP under dp 2
 
 
 def train(args: list[str], steps: int) -> dict:
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m brigade.bench.plan_accuracy", description=__doc__.split("\n")[0]
     )
     p.add_argument("--out", default="results/plan", help="folder for accuracy.json and accuracy.png")
-    p.add_argument("--steps", type=int, default=8, help="training steps per layout (≥ 4)")
+    p.add_argument("--steps", type=int, default=16, help="training steps per layout (≥ 4)")
     p.add_argument(
         "--tiny", action="store_true", help="tiny sizes and 3 layouts: tests the script, not the planner"
     )

@@ -38,6 +38,7 @@ from brigade.plan.devices import DeviceSpec
 from brigade.train.memory import StepMemory
 
 MEASURED, SCALED, FORMULA = "measured", "scaled", "formula"
+REPEATS = 9  # timings per block and size, their median kept: on 2 shared cores 3 swung by a fifth
 
 
 @dataclass
@@ -115,7 +116,7 @@ def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
 def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str) -> ModeCosts:
     blocks = copy.deepcopy(spec.blocks)
     recompute.apply(blocks, mode)
-    times = {s: block_costs(blocks, x[:s], spec.loss_fn, y[:s]) for s in sizes}
+    times = {s: block_costs(blocks, x[:s], spec.loss_fn, y[:s], repeats=REPEATS) for s in sizes}
     s = min(sizes)
     return ModeCosts(times, *_memory(spec, blocks, x[:s], y[:s]))
 

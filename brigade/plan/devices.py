@@ -109,8 +109,8 @@ def cpu() -> DeviceSpec:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        alone, fastest = _matmul_seconds(1)
-        together, _ = _matmul_seconds(min(cores, 8))
+        _, fastest = _matmul_seconds(1)
+        alone, together = _shared_slowdown(min(cores, 8))
         bw, latency = _p2p()
     finally:
         torch.set_num_threads(threads)
@@ -158,6 +158,34 @@ def _matmul_seconds(n_threads: int, repeats: int = 30) -> tuple[float, float]:
         w.join()
     got = [t for ts in times for t in ts[2:]]
     return statistics.median(got), min(got)
+
+
+_MATMULS = """
+import statistics, sys, time, torch
+torch.set_num_threads(1)
+a = torch.randn(512, 512)
+times = []
+for _ in range(300):
+    t0 = time.perf_counter()
+    a @ a
+    times.append(time.perf_counter() - t0)
+print(statistics.median(times[20:]))
+"""
+
+
+def _shared_slowdown(n: int) -> tuple[float, float]:
+    """(median seconds of a 512² matmul in one process alone, the slowest process's median while
+    `n` processes run them at once): processes, as a run's ranks are, each with its own
+    interpreter (threads of one process would also contend for its interpreter's lock)."""
+    import subprocess
+    import sys
+
+    def run(k: int) -> list[float]:
+        procs = [subprocess.Popen([sys.executable, "-c", _MATMULS], stdout=subprocess.PIPE, text=True)
+                 for _ in range(k)]
+        return [float(p.communicate(timeout=120)[0]) for p in procs]
+
+    return run(1)[0], max(run(n))
 
 
 def _copy_rate() -> float:
