@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from brigade.bench.plot import headline, typical
+from brigade.bench.timing import ratio_ci
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,34 @@ for _model, _source in (("GPT", _GPT), ("ResNet-50", _RESNET), ("MLP", _MLP)):
     row(f"{_model}, schedule for schedule: brigade ÷ torch (per-round median)", *_source)(_per_schedule)
 
 
+def _auto(d: dict) -> str:
+    """At each m: auto's faster row (V 1 or 2) against the fastest hand-written row there
+    (brigade's or torch's, by median), as the median per-round ratio with its CI (× > 1: auto
+    faster), and auto's median step over its balanced bound (any cut, any schedule, transfers
+    free: 1.000 would be at it)."""
+    rows = [r for r in d["configs"] if r["name"] in ("brigade", "torch.distributed.pipelining")]
+    parts = []
+    for m in sorted({r["microbatches"] for r in rows}):
+        here = [r for r in rows if r["microbatches"] == m]
+        autos = [r for r in here if r["name"] == "brigade" and r["schedule"] == "auto"]
+        hand = [r for r in here if r not in autos]
+        if not autos or not hand:
+            continue
+        a, h = (min(side, key=lambda r: r["median_s"]) for side in (autos, hand))
+        ratio, lo, hi = ratio_ci(h["rounds_s"], a["rounds_s"])
+        who = "torch's " if h["name"] != "brigade" else ""
+        bound = f", {a['median_s'] / a['balanced_bound_s']:.3f} × its balanced bound" \
+            if a.get("balanced_bound_s") else ""
+        parts.append(f"m = {m}: auto V = {a['virtual']} ×{ratio:.3f} ({lo:.2f}–{hi:.2f}) vs {who}"
+                     f"{_name(h)}{bound}")
+    return "; ".join(parts) or "no auto row"
+
+
+for _model, _source in (("GPT", _GPT), ("ResNet-50", _RESNET), ("MLP", _MLP)):
+    row(f"{_model}, --schedule auto against the fastest hand-written schedule at each m (brigade's or "
+        "torch's; per-round median, 95 % CI; × > 1: auto faster)", *_source)(_auto)
+
+
 @row("snapshot at the default interval (every 100 steps), main job", "train/snapshot.json",
      "`brigade train --max-steps 300`")
 def _snapshot(d: dict) -> str:
@@ -274,6 +303,16 @@ def _footprint_split(d: dict) -> str:
     return "; ".join(f"{mode}: F {s['forward_ms']:.1f} ms, I {s['input_ms']:.1f} ms, W {s['weight_ms']:.1f} "
                      f"ms, forwards run again per block {s['recomputes_per_block']:.0f}"
                      for mode, s in d["split_backward"].items())
+
+
+@row("brigade plan against brigade train on this machine: GPT 4×256 (context 64, batch 16) and the MLP, "
+     "dp, shard, HSDP, pp (1f1b, interleaved V = 2, zb, zbv, auto), dp × pp, recompute none and full",
+     "plan/accuracy.json", "`python -m brigade.bench.plan_accuracy`")
+def _plan_accuracy(d: dict) -> str:
+    s = d["summary"]
+    return (f"{s['layouts']} layouts: step time median error {100 * s['median_step_error']:.1f} %, worst "
+            f"{100 * s['worst_step_error']:.1f} %; per-rank peak memory median "
+            f"{100 * s['median_memory_error']:.1f} %, worst {100 * s['worst_memory_error']:.1f} %")
 
 
 def table(results: str | Path = "results") -> str:

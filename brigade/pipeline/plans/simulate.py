@@ -41,7 +41,7 @@ def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None,
         weight: for split backwards, the W part of `backward` (I costs the rest);
             defaults to half of it.
         input_grad: the I part of a split backward, when measured: splitting a backward in two
-            passes costs more than one (on CPU, the benches' last stages: I + W = 1.01-1.10 × B),
+            passes costs more than one (on CPU, the benches' last stages: I + W = 1.00-1.15 × B),
             so measured costs give both halves; without it I = `backward` − `weight`.
 
     Returns:
