@@ -126,10 +126,11 @@ BAD = [
 
 @pytest.mark.parametrize("case, args, words", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_one_line_exit_2_nothing_written(cli, tmp_path, case, args, words):
-    (tmp_path / "c.toml").write_text("nodes = 1\ndevices_per_node = 2\n[device]\nname = 'mygpu'\npeak_fp32 = 1e12\n"
-                                     "peak_bf16 = 0\nmemory = 1e9\nintra_bw = 1e9\nintra_latency = 0\n"
-                                     "inter_bw = 1e9\ninter_latency = 0\n")
-    (tmp_path / "nobf16.toml").write_text("nodes = 1\ndevices_per_node = 2\n[device]\nname = 'h100'\npeak_bf16 = 0\n")
+    (tmp_path / "c.toml").write_text("nodes = 1\ndevices_per_node = 2\n[device]\nname = 'mygpu'\n"
+                                     "peak_fp32 = 1e12\npeak_bf16 = 0\nmemory = 1e9\nintra_bw = 1e9\n"
+                                     "intra_latency = 0\ninter_bw = 1e9\ninter_latency = 0\n")
+    (tmp_path / "nobf16.toml").write_text("nodes = 1\ndevices_per_node = 2\n[device]\nname = 'h100'\n"
+                                          "peak_bf16 = 0\n")
     out = tmp_path / "out.toml"
     argv = [*PLAN[:-4], *(a.format(tmp=tmp_path) for a in args), "--write-config", str(out)]
     done = cli(*argv)
