@@ -110,7 +110,8 @@ class Variant:
 
     deep_first: of two forwards ready at once, the later chunk's (it reaches the loss sooner)
         rather than the earlier chunk's (more warm-up). wait_for_grad: a rank with only a W to
-        do waits instead when a gradient arrives before that W would end.
+        do waits instead when a gradient arrives before that W would end. forward_first: a
+        ready forward goes before a ready input-gradient pass (rule 1 and 2 swapped).
     """
 
     deep_first: bool
