@@ -64,8 +64,8 @@ def test_auto_plans_are_valid_and_never_longer_than_the_hand_written_ones(p, m, 
 
 
 def test_auto_beats_zb_where_the_costs_are_not_the_units_zb_was_written_for():
-    # The last stage's weight pass 3x the others': zb's order leaves the earlier ranks waiting;
-    # auto's, planned on these costs, ends at the bound. With a link delay it still ends first.
+    # The last stage's weight pass 3x the others': auto, planned on these costs, ends at the bound
+    # (43; 1f1b 49). Slow last stage and a link delay: auto ends before zb's fixed order.
     c = Costs((1.0,) * 4, (1.0,) * 4, (1.0, 1.0, 1.0, 3.0))
     assert _simulate(build("auto", 4, 8, 1, costs=c), c) == 43.0
     slow = Costs((1.0, 1.0, 1.0, 2.0), (1.0, 1.0, 1.0, 2.0), (1.0, 1.0, 1.0, 2.0), comm=0.3)
