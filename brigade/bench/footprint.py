@@ -21,7 +21,6 @@ each block ran again; recompute happens in I and W reuses it (`parallel.recomput
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from brigade.bench import script
 from brigade.config.recompute import MODES
 from brigade.errors import BrigadeError, RunError
 from brigade.train.memory import KINDS
@@ -214,17 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": "GPT " + " ".join(model), "steps": args.steps, "runs": runs, "split_backward": split,
               "targets": targets,
               "command": "python -m brigade.bench.footprint" + (" --tiny" if args.tiny else "")}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "footprint.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    plot(result, out / "footprint.png")
-    print(f"wrote {out / 'footprint.json'} and {out / 'footprint.png'}")
+    script.save(result, args.out, "footprint", plot)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrigadeError as exc:
-        print(f"brigade.bench.footprint: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    script.run(main, "brigade.bench.footprint")

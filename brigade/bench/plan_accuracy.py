@@ -14,13 +14,13 @@ predicted (`plan.predict`) and trained with the predicted cut (`--balance`). Mea
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from brigade.bench import script
 from brigade.bench.footprint import QUIET
 from brigade.errors import BrigadeError, RunError
 from brigade.train.metrics import events, read_records, training
@@ -77,25 +77,17 @@ def train(args: list[str], steps: int) -> dict:
     }
 
 
+def _flags(pairs: dict) -> list[str]:
+    """``{"n_layer": 2}`` → ``["--n-layer", "2"]``."""
+    return [x for k, v in pairs.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
 def _model_args(model: str, sizes: dict) -> list[str]:
     if model != "gpt":
-        return ["--model", model, "--batch-size", str(sizes["batch_size"])]
-    return [
-        "--model",
-        "gpt",
-        "--n-layer",
-        str(sizes["n_layer"]),
-        "--n-embd",
-        str(sizes["n_embd"]),
-        "--n-head",
-        str(sizes["n_head"]),
-        "--context",
-        str(sizes["seq_len"]),
-        "--block-size",
-        str(sizes["seq_len"]),
-        "--batch-size",
-        str(sizes["batch_size"]),
-    ]
+        return _flags({"model": model, "batch_size": sizes["batch_size"]})
+    return _flags({"model": "gpt", "n_layer": sizes["n_layer"], "n_embd": sizes["n_embd"],
+                   "n_head": sizes["n_head"], "context": sizes["seq_len"], "block_size": sizes["seq_len"],
+                   "batch_size": sizes["batch_size"]})
 
 
 def _costs(model: str, sizes: dict, cases: list[tuple]):
@@ -130,23 +122,9 @@ def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
     layout = Layout(rep, shard, pp, schedule, v, m, mode)
     here = replace(where, per_node=layout.world)
     row = predict(costs, layout, here, sizes["batch_size"], sizes.get("seq_len", 0))
-    args = [
-        *_model_args(model, sizes),
-        "--nproc",
-        str(layout.world),
-        "--pp",
-        str(pp),
-        "--shard",
-        str(shard),
-        "--schedule",
-        schedule,
-        "--virtual",
-        str(v),
-        "--microbatches",
-        str(m),
-        "--recompute",
-        mode,
-    ]
+    args = [*_model_args(model, sizes), *_flags({"nproc": layout.world, "pp": pp, "shard": shard,
+                                                  "schedule": schedule, "virtual": v, "microbatches": m,
+                                                  "recompute": mode})]
     if pp > 1:
         args += ["--balance", ",".join(map(str, row["balance"]))]
     got = train(args, steps)
@@ -258,17 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary(rows),
         "command": "python -m brigade.bench.plan_accuracy" + (" --tiny" if args.tiny else ""),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "accuracy.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    plot(result, out / "accuracy.png")
-    print(f"wrote {out / 'accuracy.json'} and {out / 'accuracy.png'}")
+    script.save(result, args.out, "accuracy", plot)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrigadeError as exc:
-        print(f"brigade.bench.plan_accuracy: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    script.run(main, "brigade.bench.plan_accuracy")
