@@ -101,7 +101,7 @@ def _add_check(sub) -> None:
     from brigade.config.recompute import MODES
 
     closed = {"runtime": ["process", "local"], "balance_by": ["params", "time"], "recompute": list(MODES)}
-    for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "reshard",
+    for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "tp", "reshard",
                  "recompute", "runtime", "devices", "batch_size", "balance", "balance_by", "seed", "atol"):
         _option(p, CheckConfig, name, **({"choices": closed[name]} if name in closed else {}))
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
@@ -125,7 +125,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         atol=args.atol, model_options=options, balance_by=args.balance_by,
         devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
         virtual=args.virtual, dp=args.dp, shard=args.shard, reshard=args.reshard,
-        recompute=args.recompute,
+        recompute=args.recompute, tp=args.tp,
     )
     result = run_check(cfg, port=args.port)[0]
     print(json.dumps(result) if args.json else "\n".join(report.lines(cfg, result)))
@@ -154,7 +154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config.build(args, world=launcher_world())  # under torchrun or srun, their world
     p = cfg.parallel
-    fault = parse_fault(args.inject_fault, world=p.dp * p.pp or p.nproc * p.nnodes,
+    fault = parse_fault(args.inject_fault, world=p.dp * p.pp * p.tp or p.nproc * p.nnodes,
                         max_steps=cfg.train.max_steps) if args.inject_fault else None
     try:
         run(cfg, fault, port=args.port)

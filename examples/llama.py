@@ -5,7 +5,10 @@ SwiGLU, a causal mask built from a padding mask (a side input), and a head tied 
 
 Shapes: B batch, T time, C n_embd, H n_head, K n_kv_head, D head size, V vocab_size.
 Nothing here knows about parallelism: the blocks declare the side input they take, and the
-head shares the embedding's weight; brigade delivers the mask and keeps the copies equal.
+head shares the embedding's weight; brigade delivers the mask and keeps the copies equal. Each
+block also declares how tensor parallel (--tp) may split it (`tp_plan`): q, the fused k/v and
+the SwiGLU's gate and up column-wise, by whole heads; the attention output and down row-wise.
+Attention reads how many heads it holds from the tensor's shape.
 """
 
 import torch
@@ -31,6 +34,8 @@ def rotate(x, cos, sin):  # (B, H, T, D), (T, D/2) -> (B, H, T, D): rotate pairs
 
 
 class Embed(nn.Module):
+    tp_plan: dict = {}  # whole on every tensor-parallel process
+
     def __init__(self, vocab_size: int, n_embd: int):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, n_embd)
@@ -52,6 +57,8 @@ class Decoder(nn.Module):
         hidden = 64 * ((8 * n_embd // 3 + 63) // 64)
         self.gate, self.up = nn.Linear(n_embd, hidden, bias=False), nn.Linear(n_embd, hidden, bias=False)
         self.down = nn.Linear(hidden, n_embd, bias=False)
+        self.tp_plan = {"q": ("colwise", n_head), "kv": ("colwise", n_kv_head), "o": ("rowwise", n_head),
+                        "gate": "colwise", "up": "colwise", "down": "rowwise"}
         angles = torch.outer(torch.arange(block_size), theta ** (-torch.arange(0, self.d, 2) / self.d))
         self.register_buffer("cos", angles.cos(), persistent=False)  # (block_size, D/2)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -59,9 +66,10 @@ class Decoder(nn.Module):
     def forward(self, x, *, padding_mask):  # (B, T, C), (B, T) bool -> (B, T, C)
         b, t, _ = x.shape
         h = self.attn_norm(x)
-        q = self.q(h).view(b, t, self.n_head, self.d).transpose(1, 2)  # (B, H, T, D)
-        kv = self.kv(h).view(b, t, 2 * self.n_kv_head, self.d).transpose(1, 2)  # (B, 2K, T, D)
-        k, v = kv.chunk(2, dim=1)  # (B, K, T, D) each
+        q = self.q(h).view(b, t, -1, self.d).transpose(1, 2)  # (B, H, T, D); H: the heads held here
+        # Rows of kv are head-major, each head's k and v adjacent: a split hands out whole heads.
+        kv = self.kv(h).view(b, t, -1, 2, self.d)  # (B, T, K, 2, D)
+        k, v = (kv[..., i, :].transpose(1, 2) for i in range(2))  # (B, K, T, D) each
         q, k = rotate(q, self.cos[:t], self.sin[:t]), rotate(k, self.cos[:t], self.sin[:t])
         k, v = (z.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for z in (k, v))  # (B, H, T, D)
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
@@ -74,6 +82,8 @@ class Decoder(nn.Module):
 
 
 class Head(nn.Module):
+    tp_plan: dict = {}  # whole on every tensor-parallel process: the loss sees whole logits
+
     def __init__(self, embed: Embed):
         super().__init__()
         self.norm = RMSNorm(embed.tok.embedding_dim)

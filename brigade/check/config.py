@@ -36,6 +36,7 @@ class CheckConfig:
     virtual: int = doc(0, sentence(ParallelConfig, "virtual"), choices=VIRTUALS)
     dp: int = doc(1, "data-parallel replicas, each on its slice of the batch (dp × stages processes)")
     shard: int = doc(1, sentence(ParallelConfig, "shard"))
+    tp: int = doc(1, sentence(ParallelConfig, "tp") + " (dp × stages × tp processes)")
     recompute: str = doc("none", sentence(ParallelConfig, "recompute"), choices=RECOMPUTES)
     reshard: bool = doc(False, sentence(ParallelConfig, "reshard"))
 
@@ -58,6 +59,7 @@ class CheckResult:
     reference_device: str = "cpu"
     shard: int = 1
     recompute: str = "none"
+    tp: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)

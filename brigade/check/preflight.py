@@ -11,7 +11,7 @@ from brigade.check.config import Case, CheckConfig, case_of
 from brigade.check.reference import has_batchnorm
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
-from brigade.parallel import recompute
+from brigade.parallel import recompute, tensor
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.plans.schedule import build, placement
 from brigade.pipeline.stages.partition import check_chain, choose_balance
@@ -25,11 +25,12 @@ def local_devices(n: int) -> list[str]:
 def max_workers(runtime: str = "process") -> int:
     """How many stage workers (processes or device threads) this machine should run at once.
 
-    A process per GPU; on CPU two per core (at least 4), so 2 stages × 2 replicas fit anywhere.
+    A process per GPU; on CPU four per core (at least 8), so 2 stages × 2 replicas × tp 2 of a
+    tiny model fit anywhere (a check computes one batch: slow, not wrong, when oversubscribed).
     """
     if runtime == "process" and torch.cuda.is_available():
         return torch.cuda.device_count()
-    return max(4, 2 * (os.cpu_count() or 1))
+    return max(8, 4 * (os.cpu_count() or 1))
 
 
 def _check_devices(devices: list[str], stages: int) -> None:
@@ -50,10 +51,12 @@ def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
     """dp, the workers it starts, and what dp cannot check."""
     if cfg.dp < 1:
         raise BrigadeError(f"--dp {cfg.dp}: need at least 1 replica")
-    workers, cap = cfg.dp * cfg.stages, max_workers(cfg.runtime)
+    workers, cap = cfg.dp * cfg.stages * cfg.tp, max_workers(cfg.runtime)
     if workers > cap and (cfg.runtime == "process" or cfg.dp > 1):
-        raise BrigadeError(f"--dp {cfg.dp} × --stages {cfg.stages} = {workers} workers but this machine "
-                           f"should run at most {cap} (one per GPU, two per CPU core): use fewer of either")
+        tp = f" × --tp {cfg.tp}" if cfg.tp > 1 else ""
+        raise BrigadeError(f"--dp {cfg.dp} × --stages {cfg.stages}{tp} = {workers} workers but this machine "
+                           f"should run at most {cap} (one per GPU, four per CPU core): use fewer of either")
+    _check_tensor_parallel(cfg, spec)
     if cfg.shard < 1 or cfg.dp % cfg.shard:
         raise BrigadeError(f"--shard {cfg.shard} does not divide --dp {cfg.dp}: give --shard a divisor of "
                            f"--dp (dp = --shard × replicas; 1: no sharding)")
@@ -70,6 +73,17 @@ def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
     if cfg.dp > 1 and has_batchnorm(spec.blocks):
         raise BrigadeError(f"{cfg.model} has BatchNorm, whose running statistics DDP takes from replica 0 "
                            "(no single device computes them): check it with --dp 1")
+
+
+def _check_tensor_parallel(cfg: CheckConfig, spec: ModelSpec) -> None:
+    """--tp: at least 1, across processes, and a plan for every block that `tp` divides."""
+    if cfg.tp < 1:
+        raise BrigadeError(f"--tp {cfg.tp}: must be ≥ 1")
+    if cfg.tp > 1 and cfg.runtime == "local":
+        raise BrigadeError(f"--tp {cfg.tp} with --runtime local: tensor parallel splits each block over "
+                           "processes of a DeviceMesh, and the local runtime drives every stage from one "
+                           "process; use --runtime process")
+    tensor.check_plans(spec.blocks, cfg.tp, cfg.model)
 
 
 def _check_microbatches(cfg: CheckConfig, m: int) -> None:

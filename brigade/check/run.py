@@ -11,7 +11,9 @@ them (FSDP2, `parallel.shard`); the reference is still one device on the whole b
 replicas' mean loss and averaged gradients must equal it). What a check is asked is config.py's;
 its refusals, before any worker starts, preflight.py's.
 
-    process runtime   dp × stages processes over a DeviceMesh (dp, pp)
+    process runtime   dp × stages processes over a DeviceMesh (dp, pp), × tp with --tp: each
+                      stage's blocks split over tp processes (parallel.tensor), gradients
+                      gathered from their DTensor shards to be compared
     local runtime     one process (dp = 1) or dp processes, each a LocalPipeline whose
                       device i DDPs with device i of the other processes
 
@@ -36,7 +38,7 @@ from brigade.check.preflight import local_devices, preflight
 from brigade.check.reference import exact_matmuls, reference
 from brigade.config import ParallelConfig
 from brigade.models import ModelSpec, load_model
-from brigade.parallel import recompute
+from brigade.parallel import recompute, tensor
 from brigade.parallel.shard import shard_stage
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
@@ -60,7 +62,9 @@ class Where:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     devices: list | None = None  # local runtime: one per rank
     stage_groups: list | None = None  # local runtime under dp: one group per device
-    shard_mesh: object = None  # --shard: fully_shard's mesh (make_layout's)
+    shard_mesh: object = None  # --shard (or dp under --tp): fully_shard's mesh (make_layout's)
+    tp: int = 1
+    tp_mesh: object = None  # --tp: parallelize_module's mesh (make_layout's)
 
 
 def _untie(blocks: list[nn.Module], balance: list[int], ranks: list[int], where: Where):
@@ -71,9 +75,9 @@ def _untie(blocks: list[nn.Module], balance: list[int], ranks: list[int], where:
     untie(blocks, ties)
     if not ties or where.pp_rank is None:
         return ties, None  # local runtime: every copy is in this process
-    pp = len(set(ranks))  # global rank = dp row · pp + pp rank (make_layout)
-    return ties, TieGroups(ties, [{b: row * pp + ranks[stage[b]] for b in range(len(blocks))}
-                                  for row in range(where.dp)])
+    pp = len(set(ranks))  # global rank = (dp row · pp + pp rank) · tp + tp rank (make_layout)
+    return ties, TieGroups(ties, [{b: (row * pp + ranks[stage[b]]) * where.tp + t for b in range(len(blocks))}
+                                  for row in range(where.dp) for t in range(where.tp)])
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -106,6 +110,8 @@ def _step(cfg: CheckConfig, spec: ModelSpec, stages: list[nn.Module], schedule: 
     mine = stages_on(schedule, cfg.stages, where.pp_rank, v)
     ids = [where.device] if where.device.type == "cuda" else None
     modules = {s: stages[s].to(where.device) for s in mine}
+    if where.tp > 1:  # tensor parallel first, then the data-parallel wrapper (torchtitan's order)
+        tensor.parallelize([b for s in mine for b in modules[s].children()], where.tp_mesh)
     if where.shard_mesh is not None:
         modules = {s: shard_stage(mod, where.shard_mesh, cfg.reshard) for s, mod in modules.items()}
     elif where.dp > 1:
@@ -169,15 +175,15 @@ def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float
     d = diffs.tolist()
     return CheckResult(schedule, m, cfg.stages, cfg.runtime, balance, loss, d[0], d[1], d[2], ref_kind,
                        ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp, reference_device=str(ref_device),
-                       shard=cfg.shard, recompute=mode)
+                       shard=cfg.shard, recompute=mode, tp=cfg.tp)
 
 
 def _where(cfg: CheckConfig, info: groups.DistInfo) -> Where:
     """This worker's place: a DeviceMesh (dp, pp) cell, or one replica of a local pipeline."""
     if cfg.runtime == "process":
-        lay = make_layout(ParallelConfig(dp=cfg.dp, pp=cfg.stages, shard=cfg.shard), info.device)
+        lay = make_layout(ParallelConfig(dp=cfg.dp, pp=cfg.stages, shard=cfg.shard, tp=cfg.tp), info.device)
         return Where(lay.pp_rank, lay.dp, lay.dp_rank, lay.pp_group, lay.dp_group, lay.device,
-                     shard_mesh=lay.shard_mesh)
+                     shard_mesh=lay.shard_mesh, tp=lay.tp, tp_mesh=lay.tp_mesh)
     devices = groups.local_devices(info.device.type, info.local_rank, cfg.stages)
     # One group per device: each device's thread issues its own all-reduces.
     return Where(None, cfg.dp, info.rank, None, None, devices[0], devices,
@@ -209,6 +215,6 @@ def run_check(cfg: CheckConfig, cases: list[Case] | None = None, port: int | Non
     if cfg.runtime == "local" and cfg.dp == 1:
         with exact_matmuls():
             return [run_case(cfg, c).to_dict() for c in cases]
-    nproc = cfg.dp * (cfg.stages if cfg.runtime == "process" else 1)
+    nproc = cfg.dp * (cfg.stages * cfg.tp if cfg.runtime == "process" else 1)
     results = agent.launch(worker, LaunchSpec(nproc, port=port), cfg, cases)
     return results[0]

@@ -27,7 +27,7 @@ def pipeline_shape(p: ParallelConfig) -> tuple[int, int]:
 
 
 def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection[str] = ()) -> RunConfig:
-    """The one place the layout is derived: dp = world ÷ pp when --dp is 0. Pure.
+    """The one place the layout is derived: dp = world ÷ (pp × tp) when --dp is 0. Pure.
 
     Local stages live inside one process, so they do not divide the world. Under a launcher
     the world is the launcher's; `--nproc` and `--nnodes` then only need to agree with it if
@@ -48,16 +48,22 @@ def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection
     if world is not None:
         (nproc, nnodes), size = _launcher_nodes(p, world, given), world.size
         where = f"set by {world.launcher}"
-    dp = p.dp
+    dp, cells = p.dp, p.pp * p.tp  # the processes of one replica
+    if size % p.tp:
+        raise BrigadeError(f"--tp {p.tp} does not divide the world size {size} ({where}): make the world "
+                           "a multiple of --tp")
     if dp == 0:
-        if size % p.pp:
-            raise BrigadeError(f"world size {size} ({where}) is not divisible by --pp {p.pp}: make it a "
-                               "multiple of the pipeline stages")
-        dp = size // p.pp
-    if dp * p.pp != size:
-        fix = "" if world is None else f", or leave --dp out to derive it ({size} ÷ --pp)"
-        raise BrigadeError(f"--dp {dp} × --pp {p.pp} = {dp * p.pp} but the world size is {size} ({where}): "
-                           f"the world size must equal dp × pp{fix}")
+        if size % cells:
+            by = f"--pp {p.pp} × --tp {p.tp} = {cells}" if p.tp > 1 else f"--pp {p.pp}"
+            raise BrigadeError(f"world size {size} ({where}) is not divisible by {by}: make it a "
+                               "multiple of the pipeline stages" + (" × --tp" if p.tp > 1 else ""))
+        dp = size // cells
+    if dp * cells != size:
+        by = " ÷ --tp" if p.tp > 1 else ""
+        fix = "" if world is None else f", or leave --dp out to derive it ({size} ÷ --pp{by})"
+        tp = f" × --tp {p.tp}" if p.tp > 1 else ""
+        raise BrigadeError(f"--dp {dp} × --pp {p.pp}{tp} = {dp * cells} but the world size is {size} "
+                           f"({where}): the world size must equal dp × pp{' × tp' * (p.tp > 1)}{fix}")
     out = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp, nproc=nproc, nnodes=nnodes))
     if p.min_nodes:  # every node count the range can reach
         elastic.check_range(out.parallel, given, world is not None, lambda n, d: _check_batch(out, d, n))

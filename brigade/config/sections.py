@@ -52,6 +52,9 @@ class ParallelConfig:
     shard: int = doc(1, "of each stage's --dp data-parallel processes, how many shard its parameters, "
                         "gradients and optimizer state between them (FSDP2); the others replicate "
                         "those shards (HSDP when both are > 1); 1: no sharding (DDP)")
+    tp: int = doc(1, "tensor-parallel processes each block's matmuls are split over (DTensor), the "
+                     "innermost mesh dimension, so on the fastest links; the model's blocks say how "
+                     "(a tp_plan); 1: none")
     reshard: bool = doc(False, "with --shard: free a stage's gathered parameters after each forward "
                                "(less memory; an all-gather per micro-batch, not per step)")
     recompute: str = doc("none", "activation recomputation of every block ({choices}); a model file's "

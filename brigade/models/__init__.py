@@ -7,7 +7,9 @@ A user's file may define, beside its factory:
     batch(batch_size: int, generator: torch.Generator) -> (inputs, targets)
     loss(output, targets) -> scalar mean over the batch
     recompute = {block index: "none" | "full" | "selective"}   per block, over --recompute
-(the last is the same as giving those blocks a `recompute` attribute of that mode)
+    tp_plan = {block index: {submodule: "colwise" | "rowwise"}}  how --tp splits each block
+(the last two are the same as giving those blocks a `recompute` / `tp_plan` attribute; see
+brigade.parallel.tensor for plans)
 Without them, brigade infers an input from the first Linear / Conv2d / Embedding
 and uses mean-squared error against random targets (as the tutorial does).
 """
@@ -134,6 +136,8 @@ def _from_file(spec_text: str, **text) -> ModelSpec:
         raise BrigadeError(f"factory {spec_text} raised {type(exc).__name__}: {exc}") from None
     blocks = as_blocks(made, spec_text)
     _declare_recompute(blocks, getattr(module, "recompute", None), path)
+    _declare(blocks, getattr(module, "tp_plan", None), path, "tp_plan", "{1: {'fc': 'colwise'}}",
+             "plan")
     loss_fn = getattr(module, "loss", _mse)
     make_batch = getattr(module, "batch", None) or _infer_batch(blocks)
     return ModelSpec(spec_text, blocks, loss_fn, make_batch, getattr(module, "text_inputs", None))
@@ -141,21 +145,27 @@ def _from_file(spec_text: str, **text) -> ModelSpec:
 
 def _declare_recompute(blocks: list[nn.Module], plan: object, path: Path) -> None:
     """A model file's `recompute = {index: mode}`: each named block declares its mode (the modes
-    themselves are checked where recompute is applied, `brigade.parallel.recompute`).
+    themselves are checked where recompute is applied, `brigade.parallel.recompute`)."""
+    _declare(blocks, plan, path, "recompute", "{0: 'none', 3: 'full'}", "mode")
+
+
+def _declare(blocks: list[nn.Module], table: object, path: Path, name: str, example: str, what: str) -> None:
+    """A model file's per-block table `name = {index: value}`: each named block gets the attribute
+    `name` (checked where it is used: recompute's modes, tensor parallel's plans).
 
     Raises:
         BrigadeError: not a dict, or it names a block the model does not have.
     """
-    if plan is None:
+    if table is None:
         return
-    if not isinstance(plan, dict):
-        raise BrigadeError(f"{path}: recompute is a {type(plan).__name__}: expected a dict like "
-                           "{0: 'none', 3: 'full'} from block index to mode")
-    for i, mode in plan.items():
+    if not isinstance(table, dict):
+        raise BrigadeError(f"{path}: {name} is a {type(table).__name__}: expected a dict like "
+                           f"{example} from block index to {what}")
+    for i, value in table.items():
         if not isinstance(i, int) or not 0 <= i < len(blocks):
-            raise BrigadeError(f"{path}: recompute names block {i!r} but the model has {len(blocks)} "
+            raise BrigadeError(f"{path}: {name} names block {i!r} but the model has {len(blocks)} "
                                f"blocks (0 to {len(blocks) - 1}): name blocks by their index")
-        blocks[i].recompute = mode
+        setattr(blocks[i], name, value)
 
 
 def as_blocks(made: object, where: str = "model") -> list[nn.Module]:

@@ -4,6 +4,11 @@ Shapes: B batch, T time (≤ block_size), C n_embd, V vocab_size.
 With `tie_embeddings` (the default) the head's output weight is the token embedding's: one
 parameter on the first and last block, which brigade keeps as one copy per stage with summed
 gradients (brigade.pipeline.stages.ties, brigade.train.ties).
+
+Each block declares how tensor parallel splits it (`tp_plan`, read by brigade.parallel.tensor):
+attention's fused q/k/v column-wise and its output row-wise, by whole heads; the MLP's up
+column-wise and its down row-wise. The embedding and head declare an empty plan: whole on every
+tensor-parallel process.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class GPTConfig:
 
 
 class Embedding(nn.Module):
+    tp_plan: dict = {}  # whole on every tensor-parallel process
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.block_size = cfg.block_size
@@ -45,19 +52,21 @@ class Embedding(nn.Module):
 class SelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.d = cfg.n_embd // cfg.n_head  # head size
+        # Rows of qkv are head-major, each head's q, k and v adjacent (Megatron-LM's layout for a
+        # fused projection): a split of the rows hands each tensor-parallel process whole heads.
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, -1, 3, self.d)  # (B, T, H, 3, D); H: the heads held here
+        q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))  # (B, H, T, D) each
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
-        return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class Block(nn.Module):
@@ -72,6 +81,8 @@ class Block(nn.Module):
             nn.Linear(4 * cfg.n_embd, cfg.n_embd),
             nn.Dropout(cfg.dropout),
         )
+        self.tp_plan = {"attn.qkv": ("colwise", cfg.n_head), "attn.proj": ("rowwise", cfg.n_head),
+                        "mlp.0": "colwise", "mlp.2": "rowwise"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         x = x + self.attn(self.ln1(x))
@@ -79,6 +90,8 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
+    tp_plan: dict = {}  # whole on every tensor-parallel process: the loss sees whole logits
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln = nn.LayerNorm(cfg.n_embd)

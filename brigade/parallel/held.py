@@ -19,6 +19,7 @@ import threading
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
 
 _here = threading.local()  # per thread, as autograd's saved-tensor hooks are: its Helds, innermost last
 
@@ -40,7 +41,10 @@ def is_parameter(t: torch.Tensor) -> bool:
 
 
 def storage_key(t: torch.Tensor) -> tuple | None:
-    """(device, address) of `t`'s storage, the same for every view of it; None when it is empty."""
+    """(device, address) of `t`'s storage, the same for every view of it; None when it is empty.
+    A DTensor (tensor parallel saves some) has no storage of its own: its local part's counts."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor  # the attribute, not to_local(): no autograd op inside a saved-tensor hook
     storage = t.untyped_storage()
     return (t.device, storage.data_ptr()) if storage.nbytes() else None
 
@@ -74,7 +78,8 @@ class Held:
         key = storage_key(t)
         if key is None or key in self._exclude:
             return None
-        entry = self.refs.setdefault(key, [t.untyped_storage().nbytes(), 0])
+        entry = self.refs.setdefault(key, [(t._local_tensor if isinstance(t, DTensor) else t)
+                                           .untyped_storage().nbytes(), 0])
         entry[1] += 1
         if entry[1] == 1:
             self.now += entry[0]

@@ -6,6 +6,10 @@
     dp × pp       a DeviceMesh (dp, pp): a pipeline per dp row, each stage DDP'd down its column
     dp × local-pp each process drives a LocalPipeline over `local_stages` devices; stage i of
                   every process forms its own DDP group (the tutorial's DDP with model parallel)
+    × tp          a DeviceMesh (dp, pp, tp), tp innermost: each stage's blocks split over its tp
+                  processes (parallel.tensor), which run the same schedule on the same inputs;
+                  replicas then go through FSDP2 over (replicate, shard) of the same mesh, at
+                  --shard 1 too (DDP takes no DTensor parameters)
 
 Gradients are averaged over replicas once per step: by DDP's reducer on the last backward,
 or, under zb/zbv/dualpipev (split I/W backward, which DDP cannot see) and whenever a rank holds several
@@ -32,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from brigade import forensics, groups
 from brigade.config import ParallelConfig, pipeline_shape
 from brigade.errors import BrigadeError
-from brigade.parallel import recompute
+from brigade.parallel import recompute, tensor
 from brigade.parallel.shard import shard_stage
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
 from brigade.pipeline.plans.action import B, F, I, W
@@ -40,14 +44,24 @@ from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, placement
 from brigade.pipeline.stages.partition import choose_balance, parse_balance, split
 from brigade.pipeline.stages.ties import aliases, find_shared
-from brigade.shards import local
+from brigade.shards import local, mesh_of
 from brigade.train.ties import StageTies
 
 
+def _squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ of the tensors' squared norms, on `device` (one fused pass per device, as clip_grad_norm_ does)."""
+    sq = torch.zeros((), device=device)
+    for group in by_device(tensors):  # local-pp stages may sit on several GPUs
+        sq = sq + torch.stack(torch._foreach_norm(group)).float().pow(2).sum().to(device)
+    return sq
+
+
 def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped for one fused (`_foreach`) call each: by device, and by kind
+    (`shards.mesh_of`: plain tensors, or DTensors of one mesh), which a fused op may not mix."""
     found: dict = {}
     for t in tensors:
-        found.setdefault(t.device, []).append(t)
+        found.setdefault((t.device, mesh_of(t)), []).append(t)
     return list(found.values())
 
 
@@ -79,10 +93,14 @@ class Layout:
     shard: int = 1  # of the dp processes of a stage, how many shard it (1: DDP, or no dp)
     shard_mesh: object = None  # fully_shard's mesh: (shard), or (replicate, shard) under HSDP
     shard_group: object = None  # the processes holding the other shards of this one's copy
+    tp: int = 1  # tensor-parallel processes per stage (1: none)
+    tp_rank: int = 0
+    tp_group: object = None
+    tp_mesh: object = None  # parallelize_module's mesh, the "tp" dimension of the run's mesh
 
 
 def make_layout(cfg: ParallelConfig, device: torch.device) -> Layout:
-    """Process groups for dp × pp over the current world (rank = dp_rank · pp + pp_rank).
+    """Process groups for dp × pp (× tp) over the current world (rank = dp_rank · pp + pp_rank).
 
     With --shard S the data-parallel rank is itself replicate · S + shard: a second mesh
     (replicate, shard, pp) over the same ranks gives fully_shard its data-parallel part.
@@ -90,13 +108,16 @@ def make_layout(cfg: ParallelConfig, device: torch.device) -> Layout:
         dp 4, shard 2, pp 2:  rank = (replicate · 2 + shard) · 2 + pp_rank
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    if cfg.dp * cfg.pp != world:
+    if cfg.dp * cfg.pp * cfg.tp != world:
+        tp = f" × tp {cfg.tp}" if cfg.tp > 1 else ""
         raise BrigadeError(
-            f"dp {cfg.dp} × pp {cfg.pp} = {cfg.dp * cfg.pp} but the world size is {world}: "
-            "the world size must equal dp × pp"
+            f"dp {cfg.dp} × pp {cfg.pp}{tp} = {cfg.dp * cfg.pp * cfg.tp} but the world size is {world}: "
+            f"the world size must equal dp × pp{' × tp' if cfg.tp > 1 else ''}"
         )
     from torch.distributed.device_mesh import init_device_mesh
 
+    if cfg.tp > 1:
+        return _tensor_parallel_layout(cfg, device)
     mesh = init_device_mesh(device.type, (cfg.dp, cfg.pp), mesh_dim_names=("dp", "pp"))
     layout = Layout(cfg.dp, cfg.pp, rank // cfg.pp, rank % cfg.pp, mesh["dp"].get_group(),
                     mesh["pp"].get_group(), device)
@@ -107,6 +128,33 @@ def make_layout(cfg: ParallelConfig, device: torch.device) -> Layout:
         layout.shard = cfg.shard
         layout.shard_mesh = full["shard"] if replicas == 1 else full["replicate", "shard"]
         layout.shard_group = full["shard"].get_group()
+    return layout
+
+
+def _tensor_parallel_layout(cfg: ParallelConfig, device: torch.device) -> Layout:
+    """`make_layout` under --tp: one mesh (replicate, shard, pp, tp), tp innermost.
+
+        dp 2, pp 2, tp 2:  rank = (dp_rank · 2 + pp_rank) · 2 + tp_rank
+
+    Tensor parallel and FSDP2 must take their meshes from one root for a parameter to become a
+    DTensor over both; so the data-parallel part is (replicate, shard) of that root even at
+    --shard 1, where FSDP2 only replicates (DDP takes no DTensor parameters). The (dp, pp, tp)
+    mesh gives the groups the rest of the layout uses (the loss's mean, the pipeline's sends).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, tp, pp = dist.get_rank(), cfg.tp, cfg.pp
+    replicas = cfg.dp // cfg.shard
+    root = init_device_mesh(device.type, (replicas, cfg.shard, pp, tp),
+                            mesh_dim_names=("replicate", "shard", "pp", "tp"))
+    mesh = init_device_mesh(device.type, (cfg.dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    layout = Layout(cfg.dp, pp, rank // (pp * tp), rank // tp % pp, mesh["dp"].get_group(),
+                    mesh["pp"].get_group(), device, tp=tp, tp_rank=rank % tp,
+                    tp_group=root["tp"].get_group(), tp_mesh=root["tp"])
+    if cfg.dp > 1:
+        layout.shard = cfg.shard
+        layout.shard_mesh = root["shard"] if replicas == 1 else root["replicate", "shard"]
+        layout.shard_group = root["shard"].get_group()
     return layout
 
 
@@ -168,12 +216,14 @@ class ProcessModel:
                                  else None)
         self.balance = balance
         self.local = cfg.local_stages > 1
-        self.ties = StageTies(blocks, balance, ranks, layout.dp, layout.pp, self.local)
+        self.ties = StageTies(blocks, balance, ranks, layout.dp, layout.pp, self.local, layout.tp)
         stages = split(blocks, balance)
         starts = [sum(balance[:i]) for i in range(len(ranks))]
         mine = [s for s, r in enumerate(ranks) if self.local or r == layout.pp_rank]
         indices = [starts[s] + k for s in mine for k in range(balance[s])]
         self.owned = OwnedBlocks(blocks, indices, self.ties.aliases).to(layout.device)
+        if layout.tp > 1:  # before any data-parallel wrapper (torchtitan's order)
+            tensor.parallelize([blocks[i] for i in indices], layout.tp_mesh)
         self.held = {i: blocks[i] for i in indices}
         m = cfg.microbatches if n_ranks > 1 else 1
         # A costed schedule (auto) plans on unit costs until `replan` gives it measured ones.
@@ -267,12 +317,15 @@ class ProcessModel:
 
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (all stages, a shared parameter once), on every process."""
-        sq = torch.zeros((), device=self.layout.device)
-        once = [local(p.grad) for name, p in self.owned.named_parameters()
+        once = [p.grad for name, p in self.owned.named_parameters()
                 if p.grad is not None and name not in self.owned.aliases]
-        for group in by_device(once):  # local-pp stages may sit on several GPUs
-            norms = torch._foreach_norm(group)  # one fused pass, as clip_grad_norm_ does
-            sq = sq + torch.stack(norms).float().pow(2).sum().to(sq.device)
+        split = [g for g in once if tensor.is_tp_sharded(g)]  # a part on each tp process
+        sq = _squares([local(g) for g in once if not tensor.is_tp_sharded(g)], self.layout.device)
+        if self.layout.tp_group is not None:
+            parts = _squares([local(g) for g in split], self.layout.device)
+            forensics.doing("allreduce gradient norm over tensor-parallel processes", waiting=True)
+            dist.all_reduce(parts, group=self.layout.tp_group)
+            sq = sq + parts
         if self.layout.shard_group is not None:  # each shard of a copy once (not per replica)
             forensics.doing("allreduce gradient norm over shards", waiting=True)
             dist.all_reduce(sq, group=self.layout.shard_group)

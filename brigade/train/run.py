@@ -20,6 +20,7 @@ from brigade import agent, forensics, groups
 from brigade.config import RunConfig, pipeline_shape, resolve_layout
 from brigade.errors import BrigadeError, RunError
 from brigade.launchenv import launcher_env, launcher_world, under_launcher
+from brigade.parallel import tensor
 from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
 from brigade.snapshot import collective
 from brigade.snapshot.compat import check_compatible, run_facts
@@ -66,6 +67,7 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     blocks, _, train, _, _ = build(cfg)  # the model the workers build: data read, vocabulary real
     if cfg.model.model != "gpt":  # a user's blocks may not fit each other: say so before any launch
         check_chain(blocks, train.batch(torch.arange(2))[0])
+    tensor.check_plans(blocks, p.tp, cfg.model.model)
     ranks, virtual = pipeline_shape(p)
     choose_balance(blocks, ranks * virtual, balance=parse_balance(p.balance) if p.balance else None)
     if p.nnodes > 1 and not launched:

@@ -35,12 +35,13 @@ class StageTies:
         blocks: the whole model's blocks (identical on every rank); changed in place.
         balance: blocks per stage.
         ranks: stage → pipeline rank (`pipe.placement`).
-        dp, pp: the layout's replicas and pipeline ranks (global rank = dp row · pp + pp rank).
+        dp, pp: the layout's replicas and pipeline ranks; tp: its tensor-parallel width (global
+            rank = (dp row · pp + pp rank) · tp + tp rank: one tie group per dp row and tp rank).
         local: every stage runs in this process (local stages): copies are summed here.
     """
 
     def __init__(self, blocks: list[nn.Module], balance: Sequence[int], ranks: Sequence[int],
-                 dp: int, pp: int, local: bool):
+                 dp: int, pp: int, local: bool, tp: int = 1):
         found = find_shared(blocks)
         stage = stage_of_blocks(balance)
         self.ties: list[Tie] = [t for t in found if len({stage[b] for b in t.blocks}) > 1]
@@ -49,8 +50,9 @@ class StageTies:
         self.aliases: dict[str, str] = aliases(found)
         self.groups: TieGroups | None = None
         if self.ties and not local and pp > 1:
-            self.groups = TieGroups(self.ties, [{b: row * pp + ranks[stage[b]] for b in range(len(blocks))}
-                                                for row in range(dp)])
+            self.groups = TieGroups(self.ties, [{b: (row * pp + ranks[stage[b]]) * tp + t
+                                                 for b in range(len(blocks))}
+                                                for row in range(dp) for t in range(tp)])
 
     def sum_grads(self, held: Mapping[int, nn.Module]) -> None:
         """After the step's last backward: every copy's gradient := the sum over all copies.

@@ -30,6 +30,7 @@ from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, 
 from brigade.config.precision import autocast_dtype
 from brigade.errors import RunError
 from brigade.pipeline.stages import structure
+from brigade.shards import mesh_of
 from brigade.train.data import Sampler
 from brigade.train.layout import ProcessModel, by_device, make_layout
 from brigade.train.memory import StepMemory
@@ -47,13 +48,18 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
 
 
 def adamw(cfg: OptimConfig) -> Callable[[nn.Module], torch.optim.Optimizer]:
-    """AdamW with weight decay on matrices only (not biases, norms, or embeddings' gains)."""
+    """AdamW with weight decay on matrices only (not biases, norms, or embeddings' gains).
+
+    Under tensor parallel some parameters are DTensors, on one mesh or two, and some plain
+    tensors; AdamW's fused (foreach) update may not mix kinds in one group (`shards.mesh_of`),
+    so each kind has its own groups."""
 
     def make(model: nn.Module) -> torch.optim.Optimizer:
-        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-        rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": rest, "weight_decay": 0.0}]
+        params = [p for p in model.parameters() if p.requires_grad]
+        kinds = list(dict.fromkeys(mesh_of(p) for p in params))
+        groups = [{"params": [p for p in params if (p.dim() >= 2) == matrix and mesh_of(p) == kind],
+                   "weight_decay": cfg.weight_decay if matrix else 0.0}
+                  for matrix in (True, False) for kind in kinds]
         # No empty groups: a snapshot maps groups to parameter names, and an empty one has none.
         groups = [g for g in groups if g["params"]]
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
@@ -108,7 +114,9 @@ class Trainer:
         self.info = groups.info(self.parallel.backend, self.parallel.local_stages)
         self._resolve_layout()
         # Every random stream is seeded, per rank: dropout (torch), and Python's / numpy's for user code.
-        stream = self.cfg.seed + 1000 * dist.get_rank()
+        # The tp processes of one stage share a stream: the activations they hold whole must get
+        # the same dropout masks on each (rank = cell · tp + tp rank, make_layout's order).
+        stream = self.cfg.seed + 1000 * (dist.get_rank() // self.parallel.tp)
         torch.manual_seed(stream)
         random.seed(stream)
         if "numpy" in sys.modules:
@@ -137,7 +145,8 @@ class Trainer:
         self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps,
                                tensorboard=self.cfg.tensorboard)
         self.watchdog = forensics.start(self.parallel.hang_timeout, self.cfg.out,
-                                        f"dp{self.layout.dp_rank} pp{self.layout.pp_rank}")
+                                        f"dp{self.layout.dp_rank} pp{self.layout.pp_rank}"
+                                        + (f" tp{self.layout.tp_rank}" if self.layout.tp > 1 else ""))
 
     def _resolve_layout(self) -> None:
         """dp = 0: derived from the process group's world by `config.resolve_layout`, the one owner;
@@ -285,7 +294,8 @@ class Trainer:
         to rank 0, which logs it as one `memory` event, `rank{r}/{kind}` in bytes."""
         with StepMemory(list(self.model.parameters()), self.optimizer, self.info.device) as mem:
             record = self.train_step(mem)
-        mine = {**mem.report(), "dp_rank": self.layout.dp_rank, "pp_rank": self.layout.pp_rank}
+        mine = {**mem.report(), "dp_rank": self.layout.dp_rank, "pp_rank": self.layout.pp_rank,
+                "tp_rank": self.layout.tp_rank}
         ranks: list = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
         self.memory_report = ranks

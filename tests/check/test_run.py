@@ -179,6 +179,46 @@ def test_llama_sharded_with_selective_recompute():
     assert _failures(run_check(cfg, cases), cases) == []
 
 
+# Tensor parallel: every schedule and V of the registry at m = 3, and each under full recompute.
+TP_GRID = [case for case in GRID if case[1] == 3] + [c for c in RECOMPUTE if c[3] == "full"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_tensor_parallel_2_by_pipeline_2_on_every_schedule(model):
+    """tp 2 × pp 2 (4 processes): each stage's blocks split over 2 processes (attention by heads,
+    the llama's grouped key/value heads too), the tied embedding and head whole on both; loss,
+    every gradient gathered from its DTensor shards and every parameter after a step equal one
+    device, on every registered schedule and V, with and without recompute."""
+    cfg = grid_config("gpt", 1) if model == "gpt" else CheckConfig(model=LLAMA, stages=2, batch_size=8)
+    cfg.tp = 2
+    cases = TP_GRID if model == "gpt" else [c for c in TP_GRID if 2 * c[2] <= 6]
+    results = run_check(cfg, cases)
+    assert _failures(results, cases) == [] and {r["tp"] for r in results} == {2}
+
+
+@pytest.mark.timeout(400)
+def test_tensor_parallel_with_sharding_and_pipeline_on_8_processes():
+    """tp 2 × shard 2 × pp 2 (8 processes on this machine's 2 cores: slow, not wrong): FSDP2 over
+    the shard dimension of the same mesh makes each planned parameter a 2-D DTensor; every
+    registered schedule and V."""
+    cases = [(name, 2, v) for name, s in SCHEDULES.items() for v in ([s.virtual] if s.virtual else [1, 2])]
+    cfg = grid_config("gpt", 2, shard=2)
+    cfg.tp = 2
+    results = run_check(cfg, cases)
+    assert _failures(results, cases) == [] and {(r["tp"], r["shard"]) for r in results} == {(2, 2)}
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_with_replicas_and_no_pipeline():
+    """dp 2 × tp 2, one stage (4 processes): the replicas go through FSDP2 at shard 1 (DDP takes no
+    DTensor parameters); a whole and a split backward."""
+    cases = [("1f1b", 2, 1), ("zb", 2, 1)]
+    cfg = grid_config("gpt", 2, stages=1)
+    cfg.tp = 2
+    assert _failures(run_check(cfg, cases), cases) == []
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--schedule", "1f1b", "--virtual", "2"], "--virtual 2: schedule 1f1b runs exactly 1 stage(s) per rank"),
     (["--schedule", "zbv", "--virtual", "3"], "--virtual 3: schedule zbv runs exactly 2"),
@@ -191,6 +231,12 @@ def test_llama_sharded_with_selective_recompute():
     (["--dp", "2", "--runtime", "local", "--devices", "cpu,cpu"], "--devices with --dp 2"),
     (["--model", "resnet50", "--dp", "2", "--microbatches", "2"], "resnet50 has BatchNorm"),
     (["--model", "toy", "--schedule", "zbv"], "stages=4 but the model has only 3 blocks"),
+    (["--tp", "2"], "block 0 (Linear) of toy has no tensor-parallel plan, so --tp 2 cannot split it"),
+    (["--model", "gpt", "--tp", "3"], "block 1 (Block) of gpt: attn.qkv splits into 4 heads (or groups), "
+                                      "which --tp 3 does not divide: use a --tp that divides 4"),
+    (["--model", "gpt", "--tp", "2", "--runtime", "local"], "--tp 2 with --runtime local"),
+    (["--model", "gpt", "--tp", "0"], "--tp 0: must be ≥ 1"),
+    (["--model", "gpt", "--tp", "2", "--dp", "4"], "--dp 4 × --stages 2 × --tp 2 = 16 workers"),
 ])
 def test_bad_virtual_and_dp_get_one_line(cli, flags, message):
     base = [] if "--model" in flags else ["--model", "toy"]

@@ -2,7 +2,8 @@
 
 A tied GPT trains 3 steps under shard 2 × pp 2 (FSDP2 on each stage), snapshots, and goes on to
 step 6; the snapshot then resumes under dp 2 (DDP), under pp 2 and under shard 4, and each
-resumed step's loss equals the run that never stopped.
+resumed step's loss equals the run that never stopped. The same from tp 2 × pp 2 (tensor
+parallel: DTensors split over the tp dimension) to dp 2, pp 2 and tp 2 alone.
 """
 
 import pytest
@@ -16,7 +17,9 @@ from tests.snapshot.test_ties import _resume, _save, _steps, _trainer
 LAYOUTS = {"shard2xpp2": ParallelConfig(nproc=4, pp=2, dp=2, shard=2, microbatches=2),
            "dp2": ParallelConfig(nproc=2, dp=2),
            "pp2": ParallelConfig(nproc=2, pp=2, dp=1, microbatches=2),
-           "shard4": ParallelConfig(nproc=4, dp=4, shard=4)}
+           "shard4": ParallelConfig(nproc=4, dp=4, shard=4),
+           "tp2xpp2": ParallelConfig(nproc=4, pp=2, dp=1, tp=2, microbatches=2),
+           "tp2": ParallelConfig(nproc=2, dp=1, tp=2)}
 
 
 def _leg(layout: str, root: str, save: bool) -> list[float]:
@@ -41,5 +44,15 @@ def test_a_sharded_snapshot_resumes_under_ddp_pp_and_another_shard(tmp_path):
     want = agent.launch(_leg, 4, "shard2xpp2", root, True)[0]
     assert len(want) == 3 and find_latest(root).manifest.step == 3
     for layout in ("dp2", "pp2", "shard4"):
+        got = agent.launch(_leg, LAYOUTS[layout].nproc, layout, root, False)[0]
+        assert got == pytest.approx(want, abs=1e-5), layout
+
+
+@pytest.mark.timeout(300)
+def test_a_tensor_parallel_snapshot_resumes_under_dp_pp_and_tp_alone(tmp_path):
+    root = str(tmp_path / "snap")
+    want = agent.launch(_leg, 4, "tp2xpp2", root, True)[0]
+    assert len(want) == 3 and find_latest(root).manifest.step == 3
+    for layout in ("dp2", "pp2", "tp2"):
         got = agent.launch(_leg, LAYOUTS[layout].nproc, layout, root, False)[0]
         assert got == pytest.approx(want, abs=1e-5), layout

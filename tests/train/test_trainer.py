@@ -18,16 +18,17 @@ STEPS = 20
 
 
 def losses(pp: int = 1, local_stages: int = 1, grad_accum: int = 1, schedule: str = "1f1b",
-           batch_size: int = 8, shard: int = 1, recompute: str = "none") -> dict[str, list[float]]:
+           batch_size: int = 8, shard: int = 1, recompute: str = "none",
+           tp: int = 1) -> dict[str, list[float]]:
     """Run 20 steps of a tiny GPT in the current process group; per-step losses and gradient
     norms (a tied weight counted once, and clipped at 1.0 the same in every layout)."""
     vocab, train, val = load_text_data("", 32, 0.1)
     torch.manual_seed(0)
     blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
     info = groups.init(threads=1)
-    par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // pp,
+    par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // (pp * tp),
                          local_stages=local_stages, microbatches=2, schedule=schedule, shard=shard,
-                         recompute=recompute)
+                         recompute=recompute, tp=tp)
     trainer = Trainer(blocks, gpt_loss, train, None, parallel=par,
                       optim=OptimConfig(warmup_steps=5, grad_accum=grad_accum),
                       train=TrainConfig(max_steps=STEPS, batch_size=batch_size), metrics=False)
@@ -85,14 +86,19 @@ def reference():
     dict(nproc=4, shard=2),             # HSDP: 2 replicas × shard 2
     dict(nproc=2, pp=2, schedule="zb", recompute="full"),  # I and W share one recompute
     dict(nproc=4, pp=2, shard=2, recompute="selective"),  # shard = 2 × pp = 2, selective recompute
+    dict(nproc=2, tp=2),                # tp = 2: every block's matmuls split over both
+    dict(nproc=4, pp=2, tp=2),          # tp = 2 × pp = 2
+    dict(nproc=4, pp=2, tp=2, schedule="zbv"),  # tp = 2 × pp = 2, split backward, the tie on rank 0
+    dict(nproc=4, tp=2),                # dp = 2 × tp = 2 (FSDP2 replicating, shard 1)
 ], ids=["dp2", "pp2", "dp2xlocal2", "pp2-zb", "dp2xpp2", "dp2xpp2-zb", "dp2xlocal2-zb", "pp2-zbv",
         "dp2xpp2-interleaved", "dp2xlocal2-looped-bfs", "pp2-interleaved", "shard2xpp2", "shard2xpp2-zb",
-        "shard2xpp2-zbv", "hsdp2x2", "pp2-zb-full", "shard2xpp2-selective"])
+        "shard2xpp2-zbv", "hsdp2x2", "pp2-zb-full", "shard2xpp2-selective", "tp2", "tp2xpp2",
+        "tp2xpp2-zbv", "dp2xtp2"])
 def test_layouts_match_a_single_device(reference, layout):
     nproc = layout.pop("nproc")
     results = agent.launch(losses, nproc, layout.get("pp", 1), layout.get("local_stages", 1), 1,
                            layout.get("schedule", "1f1b"), 8, layout.get("shard", 1),
-                           layout.get("recompute", "none"))
+                           layout.get("recompute", "none"), layout.get("tp", 1))
     assert len(reference["loss"]) == STEPS
     for rank, got in results.items():
         _assert_same(got, reference, rank)

@@ -1,0 +1,128 @@
+"""Tensor parallel: each block's matmuls split over the `tp` processes of a DeviceMesh (DTensor).
+
+A block says how it splits with a plan, a dict from its submodules' names to a style:
+
+    "colwise"            nn.Linear: each process holds a slice of the output features (weight
+                         rows); nn.Embedding: a slice of the embedding dimension
+    "rowwise"            nn.Linear: a slice of the input features (weight columns), the partial
+                         outputs summed; nn.Embedding: a slice of the vocabulary
+    (style, units)       the same, where the split dimension is `units` equal groups that must
+                         stay whole (attention heads): tp has to divide `units`
+
+torch's `ColwiseParallel` / `RowwiseParallel` do the work (`parallelize_module`): their
+parameters become DTensors sharded over the tp mesh, every block's input and output stays a
+plain tensor, whole on every tp process. So nothing between blocks changes: the pipeline sends
+what it sent, the loss sees whole logits, a shared parameter outside the plan (a tied embedding
+and head) is an ordinary tensor equal on every tp process. A colwise layer followed by a rowwise
+one (attention's q/k/v then output, an MLP's up then down) needs one all-reduce in the forward
+and one in the backward, the Megatron-LM pattern.
+
+    block input (whole) ─► colwise: local heads / hidden slice ─► rowwise ─► all-reduce ─► whole
+
+An empty plan `{}` keeps a block whole on every tp process (the replicated path: the built-in
+GPT's embedding and head, which are small next to its blocks at the sizes brigade trains). A
+block without a plan is refused under tp > 1, rather than silently computed tp times over.
+Plans come from the block (`block.tp_plan`) or from a model file's `tp_plan = {index: plan}`
+(`brigade.models`). Models know nothing else of it: a block whose attention splits its heads
+reads the number it holds from the tensor's shape, not from its configuration.
+
+Order, as torchtitan composes it: tensor parallel first, then recompute, then FSDP2 over the
+data-parallel dimensions of the same DeviceMesh (which makes each parameter a 2-D DTensor).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from brigade.errors import BrigadeError
+
+STYLES = ("colwise", "rowwise")
+
+
+def plan_of(block: nn.Module) -> dict | None:
+    """The block's tensor-parallel plan (`tp_plan`), or None when it has none."""
+    plan = getattr(block, "tp_plan", None)
+    return None if plan is None else dict(plan)
+
+
+def _entry(entry) -> tuple[str, int | None]:
+    """(style, units) of one plan entry: "colwise" or ("colwise", 4)."""
+    if isinstance(entry, str):
+        return entry, None
+    if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], int):
+        return entry[0], entry[1]
+    return repr(entry), None
+
+
+def _split_size(module: nn.Module, style: str) -> int | None:
+    """The size of the dimension `style` splits in `module` (None: a kind it cannot split)."""
+    if isinstance(module, nn.Linear):
+        return module.out_features if style == "colwise" else module.in_features
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim if style == "colwise" else module.num_embeddings
+    return None
+
+
+def _check_entry(where: str, block: nn.Module, name: str, entry, tp: int) -> None:
+    style, units = _entry(entry)
+    if style not in STYLES:
+        raise BrigadeError(f"{where}'s tp_plan gives {name} the style {style}: expected "
+                           f"'colwise' or 'rowwise', or (style, units) like ('colwise', 4)")
+    module = dict(block.named_modules()).get(name)
+    if module is None:
+        raise BrigadeError(f"{where}'s tp_plan names {name!r}, which the block does not have: name "
+                           "its submodules as named_modules() does, like 'attn.qkv'")
+    size = _split_size(module, style)
+    if size is None:
+        raise BrigadeError(f"{where}'s tp_plan splits {name}, a {type(module).__name__}: tensor "
+                           "parallel splits nn.Linear and nn.Embedding only; leave it out of the plan")
+    if units is not None and units % tp:
+        raise BrigadeError(f"{where}: {name} splits into {units} heads (or groups), which --tp {tp} "
+                           f"does not divide: use a --tp that divides {units}")
+    if size % tp:
+        raise BrigadeError(f"{where}: {name}'s {size} {'output' if style == 'colwise' else 'input'} "
+                           f"features do not split evenly over --tp {tp}: use a --tp that divides {size}")
+
+
+def check_plans(blocks: list[nn.Module], tp: int, model: str = "the model") -> None:
+    """Every block has a plan, and every plan splits evenly over `tp` (nothing to check at tp 1).
+
+    Raises:
+        BrigadeError: a block without a plan, an unknown style or submodule, a module kind that
+            cannot be split, or heads / features that `tp` does not divide.
+    """
+    if tp == 1:
+        return
+    for i, block in enumerate(blocks):
+        where = f"block {i} ({type(block).__name__}) of {model}"
+        plan = plan_of(block)
+        if plan is None:
+            raise BrigadeError(f"{where} has no tensor-parallel plan, so --tp {tp} cannot split it: give "
+                               "the block a tp_plan ({submodule: 'colwise' | 'rowwise'}; {} keeps it "
+                               "whole on every tp process), or the model file tp_plan = {index: plan}, "
+                               "or use --tp 1")
+        for name, entry in plan.items():
+            _check_entry(where, block, name, entry, tp)
+
+
+def parallelize(blocks: list[nn.Module], mesh) -> None:
+    """Split each block's planned submodules over the 1-D tp `mesh`, in place (see the module
+    docstring); blocks with an empty plan stay as they are. Call `check_plans` first."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for block in blocks:
+        plan = plan_of(block) or {}
+        if plan:
+            parallelize_module(block, mesh, {name: styles[_entry(e)[0]]() for name, e in plan.items()})
+
+
+def is_tp_sharded(t) -> bool:
+    """Whether `t` (a parameter or gradient) is split over a mesh dimension named "tp": its
+    squared norm is then a sum over the tp processes, not the same on each."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor):
+        return False
+    names = t.device_mesh.mesh_dim_names or ()
+    return "tp" in names and not isinstance(t.placements[names.index("tp")], Replicate)
