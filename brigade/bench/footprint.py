@@ -6,7 +6,8 @@ recompute mode; and what recompute costs the split backward's two passes.
 
 Layouts, 4 processes of one thread each: DDP dp 4, shard 4 (FSDP2), shard 2 × pp 2 (parameters
 gathered once a step, and with --reshard once a micro-batch), HSDP 2 × 2; each under --recompute
-none, full and selective. Each is `brigade train` as a user runs it: its
+none, full and selective. Tensor parallel at the same world size: tp 2 × pp 2, tp 2 × dp 2 and
+tp 2 × shard 2, each held against the layout without tp that has the same pipeline (`TENSOR`). Each is `brigade train` as a user runs it: its
 `memory` event (train/memory.py: parameters, gradients, optimizer state, activations and peak,
 per rank, measured on step 2) and the median step time of the steps after the second. The GPT
 is one whose states (16 bytes a parameter under AdamW) outweigh its activations, so sharding
@@ -41,10 +42,15 @@ LAYOUTS = {"DDP dp 4": ["--nproc", "4"], "shard 4": ["--nproc", "4", "--shard", 
            "DDP dp 2 × pp 2": ["--nproc", "4", "--pp", "2"],
            "shard 2 × pp 2": ["--nproc", "4", "--pp", "2", "--shard", "2"],
            "shard 2 × pp 2, reshard": ["--nproc", "4", "--pp", "2", "--shard", "2", "--reshard"],
-           "HSDP 2 × 2": ["--nproc", "4", "--shard", "2"]}
+           "HSDP 2 × 2": ["--nproc", "4", "--shard", "2"],
+           "tp 2 × pp 2": ["--nproc", "4", "--pp", "2", "--tp", "2"],
+           "tp 2 × dp 2": ["--nproc", "4", "--tp", "2"],
+           "tp 2 × shard 2": ["--nproc", "4", "--tp", "2", "--shard", "2"]}
 # Each sharded layout, its shard degree and the DDP layout of the same pipeline it is held against.
 SHARDED = {"shard 4": (4, "DDP dp 4"), "shard 2 × pp 2": (2, "DDP dp 2 × pp 2"),
            "shard 2 × pp 2, reshard": (2, "DDP dp 2 × pp 2"), "HSDP 2 × 2": (2, "DDP dp 4")}
+# Each tensor-parallel layout and the layout of 4 processes without tp it is held against.
+TENSOR = {"tp 2 × pp 2": "DDP dp 2 × pp 2", "tp 2 × dp 2": "DDP dp 4", "tp 2 × shard 2": "shard 4"}
 RUNS = [(layout, mode) for layout in LAYOUTS for mode in MODES if mode == "none" or layout in SHARDED]
 GPT = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--context", "64", "--block-size", "64",
        "--batch-size", "8", "--microbatches", "2"]
@@ -125,6 +131,26 @@ def states_target(runs: list[dict], tiny: bool) -> list[dict]:
             out.append({"layout": layout, "recompute": mode, "rank": rank, "states": states,
                         "ddp_states": theirs, "shard": s, "one_block_states": block, "bound": bound,
                         "within": states <= bound})
+    return out
+
+
+def tensor_comparison(runs: list[dict]) -> list[dict]:
+    """Per tensor-parallel run (no recompute): its largest rank's states (parameters, gradients,
+    optimizer), activations and peak, and its step time, each as a ratio to the same figure of
+    the layout without tp it is held against (`TENSOR`). The planned matmuls' states halve under
+    tp 2; the embedding, head and norms stay whole, and so do the activations between blocks."""
+    at = {(r["layout"], r["recompute"]): r for r in runs}
+    out = []
+    for layout, base in TENSOR.items():
+        mine, theirs = at[(layout, "none")], at[(base, "none")]
+        row = {"layout": layout, "against": base}
+        for name, kinds in (("states", ("params", "grads", "optimizer")), ("activations", ("activations",)),
+                            ("peak", ("peak",))):
+            a, b = (max(sum(r[k] for k in kinds) for r in run["ranks"]) for run in (mine, theirs))
+            row.update({name: a, f"{name}_against": b, f"{name}_ratio": a / b if b else float("nan")})
+        row.update(step_s=mine["step_s"], step_s_against=theirs["step_s"],
+                   step_ratio=mine["step_s"] / theirs["step_s"])
+        out.append(row)
     return out
 
 
@@ -210,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(one_run(layout, mode, model, args.steps))
         print(f"{layout:>24}, recompute {mode:<9}  step {runs[-1]['step_s'] * 1e3:6.1f} ms", flush=True)
     split = {mode: split_passes(mode, args.tiny, args.repeats) for mode in MODES}
-    targets = {"states": states_target(runs, args.tiny), "activations_full": activations_target(args.tiny)}
+    targets = {"states": states_target(runs, args.tiny), "activations_full": activations_target(args.tiny),
+               "tensor": tensor_comparison(runs)}
     result = {"model": "GPT " + " ".join(model), "steps": args.steps, "runs": runs, "split_backward": split,
               "targets": targets,
               "command": "python -m brigade.bench.footprint" + (" --tiny" if args.tiny else "")}

@@ -297,6 +297,18 @@ def _footprint_recompute(d: dict) -> str:
     return "; ".join(parts) + "; " + bound
 
 
+@row("tensor parallel at equal world size (4 processes, no recompute): the largest rank's parameters + "
+     "gradients + AdamW state, activations, peak and step time, against the same layout without tp",
+     *_FOOTPRINT)
+def _footprint_tensor(d: dict) -> str:
+    return "; ".join(f"{t['layout']} vs {t['against']}: states {t['states'] / _MIB:.1f} vs "
+                     f"{t['states_against'] / _MIB:.1f} MiB (×{t['states_ratio']:.2f}), activations "
+                     f"{t['activations'] / _MIB:.2f} vs {t['activations_against'] / _MIB:.2f} MiB, peak "
+                     f"{t['peak'] / _MIB:.1f} vs {t['peak_against'] / _MIB:.1f} MiB, step "
+                     f"{t['step_s'] * 1e3:.0f} vs {t['step_s_against'] * 1e3:.0f} ms"
+                     for t in d["targets"]["tensor"])
+
+
 @row("split backward (one stage of 4 GPT blocks, batch 8): forward, input pass I, weight pass W",
      *_FOOTPRINT)
 def _footprint_split(d: dict) -> str:

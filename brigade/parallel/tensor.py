@@ -26,8 +26,10 @@ Plans come from the block (`block.tp_plan`) or from a model file's `tp_plan = {i
 (`brigade.models`). Models know nothing else of it: a block whose attention splits its heads
 reads the number it holds from the tensor's shape, not from its configuration.
 
-Order, as torchtitan composes it: tensor parallel first, then recompute, then FSDP2 over the
-data-parallel dimensions of the same DeviceMesh (which makes each parameter a 2-D DTensor).
+Order: tensor parallel before FSDP2 (as torchtitan composes them), which shards over the
+data-parallel dimensions of the same DeviceMesh and so makes each split parameter a 2-D DTensor.
+Recompute wraps a block's forward and runs its split submodules again, collectives included:
+the order of the two does not matter.
 """
 
 from __future__ import annotations
