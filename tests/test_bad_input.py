@@ -54,7 +54,8 @@ CASES = [
     ("dp x pp != world", ["train", "--nproc", "2", "--dp", "2", "--pp", "2"],
      "the world size must equal dp × pp", 2),
     ("tp does not divide the world", ["train", "--nproc", "3", "--tp", "2"],
-     "--tp 2 does not divide the world size 3 (--nproc 3 × --nnodes 1): make the world a multiple of --tp", 2),
+     "--tp 2 does not divide the world size 3 (--nproc 3 × --nnodes 1): make the world a multiple of "
+     "--tp", 2),
     ("dp x pp x tp != world", ["train", "--nproc", "4", "--dp", "1", "--pp", "2", "--tp", "1"],
      "the world size must equal dp × pp", 2),
     ("dp x pp x tp != world, tp 2", ["train", "--nproc", "4", "--dp", "2", "--pp", "2", "--tp", "2"],

@@ -20,7 +20,7 @@ from brigade.errors import BrigadeError
 from brigade.pipeline.plans.schedule import build
 from brigade.pipeline.plans.simulate import simulate
 from brigade.plan.costs import ModelCosts, measure_memory
-from brigade.plan.memory import rank_memory, worst
+from brigade.plan.memory import moments, rank_memory, worst
 from brigade.plan.space import Layout
 from brigade.train.memory import quiet_stderr
 
@@ -71,9 +71,10 @@ def peak_bytes(costs: ModelCosts, row: dict, batch: int) -> float:
         return rank_memory(costs, layout, [costs.n_blocks], {0: 1}, math.ceil(batch / row["dp"]), 0)["peak"]
     layout = Layout(1, 1, row["pp"], row["schedule"], row["virtual"], row["microbatches"], "none")
     plan = build(row["schedule"], row["pp"], row["microbatches"], row["virtual"], plan_costs(row))
-    held = simulate(plan, 1.0).peak_held
+    held, when = simulate(plan, 1.0).peak_held, moments(plan)  # moments: what a split backward keeps
     mb = math.ceil(batch / row["microbatches"])
-    return worst([rank_memory(costs, layout, row["balance"], held, mb, r) for r in range(row["pp"])])["peak"]
+    return worst([rank_memory(costs, layout, row["balance"], held, mb, r, when)
+                  for r in range(row["pp"])])["peak"]
 
 
 def keep_fitting(rows: list[dict], costs: ModelCosts, batch: int,

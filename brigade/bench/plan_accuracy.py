@@ -115,13 +115,19 @@ def _costs(model: str, sizes: dict, cases: list[tuple]):
 def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
     from dataclasses import replace
 
+    from brigade.pipeline.plans.generate import Costs
+    from brigade.pipeline.plans.schedule import SCHEDULES, build
     from brigade.plan.predict import predict
     from brigade.plan.space import Layout
 
     model, rep, shard, pp, schedule, v, m, mode = case
     layout = Layout(rep, shard, pp, schedule, v, m, mode)
     here = replace(where, per_node=layout.world)
-    row = predict(costs, layout, here, sizes["batch_size"], sizes.get("seq_len", 0))
+    # train measures memory on step 2, before a costed schedule (auto) plans again on its times:
+    # on the plan of unit costs it starts with, which is the one to predict the memory of.
+    unit = (build(schedule, pp, m, v, Costs.unit(pp * v)) if SCHEDULES[schedule].costed and pp > 1
+            else None)
+    row = predict(costs, layout, here, sizes["batch_size"], sizes.get("seq_len", 0), memory_plan=unit)
     args = [*_model_args(model, sizes), *_flags({"nproc": layout.world, "pp": pp, "shard": shard,
                                                   "schedule": schedule, "virtual": v, "microbatches": m,
                                                   "recompute": mode})]

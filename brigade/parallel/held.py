@@ -50,12 +50,18 @@ def storage_key(t: torch.Tensor) -> tuple | None:
 
 
 class _Holder:
-    """A saved tensor while autograd keeps it; counted off when autograd drops it."""
+    """A saved tensor while autograd keeps it; counted off when autograd drops it.
+
+    It keeps `t.detach()`: the same storage, without the autograd node that made it. A node that
+    saves its own output (attention does) would otherwise hold a holder that holds the output
+    that holds the node: a cycle through C++ that nothing collects. A whole backward frees saved
+    tensors as it goes and so broke it; a split backward's weight pass never runs the input
+    path's nodes, and their graph outlived the step while it was measured."""
 
     __slots__ = ("t", "held", "key")
 
     def __init__(self, t: torch.Tensor, held: Held):
-        self.t, self.held, self.key = t, held, held.add(t)
+        self.t, self.held, self.key = t.detach(), held, held.add(t)
 
     def __del__(self):
         self.held.remove(self.key)

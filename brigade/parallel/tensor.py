@@ -47,7 +47,7 @@ def plan_of(block: nn.Module) -> dict | None:
     return None if plan is None else dict(plan)
 
 
-def _entry(entry) -> tuple[str, int | None]:
+def style_of(entry) -> tuple[str, int | None]:
     """(style, units) of one plan entry: "colwise" or ("colwise", 4)."""
     if isinstance(entry, str):
         return entry, None
@@ -66,7 +66,7 @@ def _split_size(module: nn.Module, style: str) -> int | None:
 
 
 def _check_entry(where: str, block: nn.Module, name: str, entry, tp: int) -> None:
-    style, units = _entry(entry)
+    style, units = style_of(entry)
     if style not in STYLES:
         raise BrigadeError(f"{where}'s tp_plan gives {name} the style {style}: expected "
                            f"'colwise' or 'rowwise', or (style, units) like ('colwise', 4)")
@@ -116,7 +116,7 @@ def parallelize(blocks: list[nn.Module], mesh) -> None:
     for block in blocks:
         plan = plan_of(block) or {}
         if plan:
-            parallelize_module(block, mesh, {name: styles[_entry(e)[0]]() for name, e in plan.items()})
+            parallelize_module(block, mesh, {name: styles[style_of(e)[0]]() for name, e in plan.items()})
 
 
 def is_tp_sharded(t) -> bool:

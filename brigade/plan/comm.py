@@ -8,8 +8,8 @@ The usual bandwidth-optimal ring formulas over n ranks, each sending `bytes` of 
     point to point               bytes / bw  +          latency
 
 A group's link is the slowest among its ranks: inter-node when they sit on more than one node.
-Ranks are placed as brigade's DeviceMesh orders them, (replicate, shard, pp) with pp innermost
-(train/layout.py): rank = (replica · shard + shard_rank) · pp + stage.
+Ranks are placed as brigade's DeviceMesh orders them, (replicate, shard, pp, tp) with tp innermost
+(train/layout.py): rank = ((replica · shard + shard_rank) · pp + stage) · tp + tp_rank.
 """
 
 from __future__ import annotations
@@ -41,17 +41,22 @@ def p2p(nbytes: float, bw: float, latency: float) -> float:
     return nbytes / bw + latency
 
 
-def rank_of(replica: int, shard_rank: int, stage: int, shard: int, pp: int) -> int:
-    """The global rank of a (replica, shard rank, pipeline stage) position of the mesh."""
-    return (replica * shard + shard_rank) * pp + stage
+def rank_of(replica: int, shard_rank: int, stage: int, shard: int, pp: int, tp_rank: int = 0,
+            tp: int = 1) -> int:
+    """The global rank of a (replica, shard rank, pipeline stage, tp rank) position of the mesh."""
+    return ((replica * shard + shard_rank) * pp + stage) * tp + tp_rank
 
 
-def groups(replicate: int, shard: int, pp: int) -> dict[str, list[int]]:
+def groups(replicate: int, shard: int, pp: int, tp: int = 1) -> dict[str, list[int]]:
     """Rank 0's groups (the slowest are alike by symmetry): its pipeline, its shard group, its
-    replicas, and its whole data-parallel group (all of stage 0's ranks)."""
+    replicas, its whole data-parallel group (all of stage 0's ranks) and its tp group."""
+    def at(r: int, k: int, s: int, t: int = 0) -> int:
+        return rank_of(r, k, s, shard, pp, t, tp)
+
     return {
-        "pp": [rank_of(0, 0, s, shard, pp) for s in range(pp)],
-        "shard": [rank_of(0, k, 0, shard, pp) for k in range(shard)],
-        "replicate": [rank_of(r, 0, 0, shard, pp) for r in range(replicate)],
-        "dp": [rank_of(r, k, 0, shard, pp) for r in range(replicate) for k in range(shard)],
+        "pp": [at(0, 0, s) for s in range(pp)],
+        "shard": [at(0, k, 0) for k in range(shard)],
+        "replicate": [at(r, 0, 0) for r in range(replicate)],
+        "dp": [at(r, k, 0) for r in range(replicate) for k in range(shard)],
+        "tp": [at(0, 0, 0, t) for t in range(tp)],
     }

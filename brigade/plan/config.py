@@ -47,6 +47,8 @@ class PlanConfig:
     dp: int = doc(0, "consider only this data-parallel width; 0: every divisor of the world")
     pp: int = doc(0, "consider only this pipeline depth; 0: every divisor of the world")
     shard: int = doc(0, "consider only this shard degree (1: DDP); 0: every divisor of dp")
+    tp: int = doc(0, "consider only this tensor-parallel degree (1: none); 0: every one the model's "
+                     "tp plans allow that divides a node's devices")
     top: int = doc(10, "rows of the ranked table printed")
     write_config: str = doc(
         "", "write the best row that fits as a train config TOML here (brigade train --config FILE)"

@@ -9,6 +9,14 @@ Measured here, one process of one thread, for each recompute mode asked:
     working      what its backward holds on top of that at its most (a recompute's tensors)
     transient    the allocator's peak over its forward and backward beyond its parameters, its
                  gradients and `held` + `working`: temporaries (train.memory.StepMemory)
+    kept         what a split backward keeps from a micro-batch's input pass (I) to its weight
+                 pass (W) beyond `held`: the gradient at each weight's output (the grad_output
+                 a Linear's, a LayerNorm's, a Conv's weight gradient needs; `pipeline.runtime.
+                 backward` keeps it on the frontier nodes), and under recompute the tensors the
+                 input pass made again (kept until W frees the graph). Measured by running the
+                 runtime's own `backward_split` on the block, its input taking a gradient, as
+                 the allocator's net bytes over the input pass (its input gradient, sent on,
+                 and any weight gradient it made, counted as grads, aside)
 
 and, whatever the mode: each block's parameter bytes (by parameter, so a weight tied across
 blocks of one stage counts once there), FLOPs per sample of its forward and backward
@@ -29,13 +37,16 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.bench.predict import block_costs, interpolate
 from brigade.models import ModelSpec
 from brigade.parallel import recompute
+from brigade.pipeline.runtime.backward import backward_split
 from brigade.plan.devices import DeviceSpec
-from brigade.train.memory import StepMemory
+from brigade.plan.tensor import TensorFacts
+from brigade.train.memory import StepMemory, storage_bytes
 
 MEASURED, SCALED, FORMULA = "measured", "scaled", "formula"
 REPEATS = 9  # timings per block and size, their median kept: on 2 shared cores 3 swung by a fifth
@@ -49,6 +60,7 @@ class ModeCosts:
     held: list[float]
     working: list[float]
     transient: list[float]
+    kept: list[float]
 
 
 @dataclass
@@ -66,6 +78,7 @@ class ModelCosts:
     scale: float = 1.0  # target seconds per second here (compute)
     mem_scale: float = 1.0  # the same for the optimizer's memory-bound step
     notes: list[str] = field(default_factory=list)
+    tensor: TensorFacts | None = None  # what tensor parallel does to the blocks (`plan.tensor`)
 
     @property
     def n_blocks(self) -> int:
@@ -75,12 +88,18 @@ class ModelCosts:
         """(forward, backward, weight, input) target seconds of each block at micro-batch `size`."""
         return [tuple(c * self.scale for c in b) for b in interpolate(self.modes[mode].times, size)]
 
-    def param_bytes(self, blocks: range) -> int:
-        """Bytes of the parameters of these blocks, a shared one once."""
-        seen: dict[int, int] = {}
+    def param_bytes(self, blocks: range, tp: int = 1) -> float:
+        """Bytes of the parameters of these blocks, a shared one once; on one of `tp` processes,
+        each block's split share divided by `tp`."""
+        seen: dict[int, float] = {}
         for b in blocks:
-            seen.update(self.params[b])
+            f = self.tp_factor(b, tp)
+            seen.update({pid: n * f for pid, n in self.params[b].items()})
         return sum(seen.values())
+
+    def tp_factor(self, block: int, tp: int) -> float:
+        """A block's split work and parameters at degree `tp`, as a share of its whole (1 at tp 1)."""
+        return self.tensor.factor(block, tp) if self.tensor is not None and tp > 1 else 1.0
 
 
 def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpec) -> ModelCosts:
@@ -99,9 +118,10 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
 
 
 def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
-    """Only what the memory model reads (`plan.memory.rank_memory`): parameter bytes and, per
-    recompute mode, the held, working and transient bytes per sample at micro-batch `size`; no
-    times, FLOPs or device (the tuner's memory limit, which times on its own)."""
+    """Only what the memory model reads (`plan.memory.rank_memory`): parameter bytes, output
+    bytes and, per recompute mode, the held, working, transient and kept bytes per sample at
+    micro-batch `size`; no times, FLOPs or device (the tuner's memory limit, which times on its
+    own)."""
     x, y = spec.make_batch(size, torch.Generator().manual_seed(0))
     per_mode = {}
     for mode in modes:
@@ -109,8 +129,8 @@ def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
         recompute.apply(blocks, mode)
         per_mode[mode] = ModeCosts({}, *_memory(spec, blocks, x, y))
     params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
-    n = len(spec.blocks)
-    return ModelCosts(spec.name, params, [0.0] * n, [0.0] * n, per_mode, 0.0, here=None)
+    return ModelCosts(spec.name, params, [0.0] * len(spec.blocks), _out_bytes(spec, x), per_mode, 0.0,
+                      here=None)
 
 
 def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str) -> ModeCosts:
@@ -121,20 +141,22 @@ def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str) -> ModeCosts:
     return ModeCosts(times, *_memory(spec, blocks, x[:s], y[:s]))
 
 
-def _memory(spec: ModelSpec, blocks, x, y) -> tuple[list[float], list[float], list[float]]:
-    """Per block, bytes per sample: (held, working, transient) on batch x (`_block_memory`)."""
+def _memory(spec: ModelSpec, blocks, x, y) -> tuple[list[float], ...]:
+    """Per block, bytes per sample: (held, working, transient, kept) on batch x (`_block_memory`,
+    `_kept`)."""
     s = len(x)
-    held, working, transient = [], [], []
+    held, working, transient, kept = [], [], [], []
     h = x
     for i, block in enumerate(blocks):
-        last = i == len(blocks) - 1
-        f, p, t = _block_memory(block, h, spec.loss_fn if last else None, y, first=i == 0)
+        loss_fn = spec.loss_fn if i == len(blocks) - 1 else None
+        f, p, t = _block_memory(block, h, loss_fn, y, first=i == 0)
         held.append(f / s)
         working.append(max(0.0, p - f) / s)
         transient.append(max(0.0, t) / s)
+        kept.append(max(0, _kept(block, h, loss_fn, y, first=i == 0)) / s)
         with torch.no_grad():
             h = block(h)
-    return held, working, transient
+    return held, working, transient, kept
 
 
 def _block_memory(block, h, loss_fn, y, first: bool) -> tuple[int, int, int]:
@@ -154,6 +176,47 @@ def _block_memory(block, h, loss_fn, y, first: bool) -> tuple[int, int, int]:
         r = mem.report()
     block.zero_grad(set_to_none=True)
     return after, r["activations"], r["peak"] - r["params"] - r["grads"] - r["activations"]
+
+
+def _kept(block, h, loss_fn, y, first: bool) -> int:
+    """Bytes a split backward keeps from the input pass to the weight pass (module docstring).
+
+    What the runtime's `backward_split` leaves allocated when it returns, counted from the
+    allocator's events (as `train.memory` counts a CPU step's peak): the forward ran before, so
+    its tensors are not counted, and the gradient that comes back (made inside, as a received one
+    is) counts only where the input pass keeps it. Block 0's input takes no gradient, so its
+    figure is its output's gradient, which the runtime keeps whole until W (`_whole`).
+    """
+    params = [p for p in block.parameters() if p.requires_grad]
+    for _ in range(2):  # the second is measured: the first allocates what stays (lazy buffers)
+        block.zero_grad(set_to_none=True)
+        inp = h.detach().requires_grad_(h.is_floating_point() and not first)
+        out = block(inp)
+        top = loss_fn(out, y) if loss_fn is not None else out
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            grad = None if loss_fn is not None else torch.ones_like(out)
+            dx, weight_step = backward_split([top], [grad], [inp], params)
+            del dx, grad
+        made = storage_bytes(p.grad for p in params)  # a tied weight's, added in the input pass
+        del weight_step, top, out, inp  # W never runs: dropping the graph frees what it kept
+    block.zero_grad(set_to_none=True)
+    return _net_bytes(prof) - made
+
+
+def _net_bytes(prof) -> int:
+    """Bytes allocated and not freed while the profiler ran (its CPU memory events' sum)."""
+    return sum(e.nbytes() for e in prof.profiler.kineto_results.events()
+               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+
+
+def _out_bytes(spec: ModelSpec, x) -> list[float]:
+    """Each block's output bytes per sample (what a pipeline sends; a first stage's kept)."""
+    outs, h = [], x
+    with torch.no_grad():
+        for block in spec.blocks:
+            h = block(h)
+            outs.append(h.numel() * h.element_size() / len(x) if torch.is_tensor(h) else 0.0)
+    return outs
 
 
 def _flops_and_outputs(spec: ModelSpec, x, y) -> tuple[list[float], list[float]]:

@@ -2,7 +2,9 @@
 data-parallel reduction, the optimizer step, tokens/s, MFU, bubble, communication share and each
 rank's memory (`memory.py`), and whether it fits.
 
-    step = makespan(plan; per-stage F, B, W, I; P2P)   one pipeline's micro-batches, simulated
+    step = makespan(plan; per-stage F, B, W, I; P2P)   one pipeline's micro-batches, simulated;
+                                                        under tp each block's split share ÷ tp,
+                                                        plus its all-reduces on the tp link
          + gradient reduction                           DDP: all-reduce; shard: reduce-scatter and
                                                         the step's all-gather; HSDP: then an
                                                         all-reduce of the shard across replicas
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from brigade.pipeline.plans.action import Plan
 from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build
 from brigade.pipeline.plans.simulate import simulate
@@ -25,27 +28,31 @@ from brigade.pipeline.stages.partition import solve
 from brigade.plan import comm
 from brigade.plan.cluster import Cluster
 from brigade.plan.costs import ModelCosts
-from brigade.plan.memory import rank_memory, worst
+from brigade.plan.memory import moments, rank_memory, worst
 from brigade.plan.space import Layout
 
 
 def predict(
-    costs: ModelCosts, layout: Layout, cluster: Cluster, batch: int, seq_len: int, precision: str = ""
+    costs: ModelCosts, layout: Layout, cluster: Cluster, batch: int, seq_len: int, precision: str = "",
+    memory_plan: Plan | None = None,
 ) -> dict:
     """The figures of one layout (module docstring); every figure's `source` is the costs'.
+    `memory_plan`: the plan whose memory to predict, when a run holds memory on another plan than
+    the one it is timed on (`auto` before it replans; the accuracy benchmark's case).
 
     Raises:
         PlanError: a schedule that cannot run these sizes (the caller leaves the layout out).
     """
     mb = math.ceil(batch / (layout.dp * layout.microbatches))
-    times = costs.block_times(layout.recompute, mb)
+    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
+    times = _tensor_parallel(costs, costs.block_times(layout.recompute, mb), layout.tp, mb,
+                             comm.link(cluster, groups["tp"]))
     n_stages = layout.pp * layout.virtual
     balance = solve([f + b for f, b, *_ in times], n_stages) if n_stages > 1 else [costs.n_blocks]
     bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
     per = [[sum(c[j] for c in times[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(4)]
     slow = _shared(cluster, layout.world)
     per = [[t * slow for t in row] for row in per]
-    groups = comm.groups(layout.replicate, layout.shard, layout.pp)
     bw, lat = comm.link(cluster, groups["pp"])
     sent = max((costs.out_bytes[b - 1] for b in bounds[1:-1]), default=0.0) * mb
     p2p = comm.p2p(sent, bw, lat) if layout.pp > 1 else 0.0
@@ -56,12 +63,15 @@ def predict(
     makespan = (
         max(
             sim.makespan,
-            sum(sim.busy.values()) * layout.dp * procs / layout.world / max(cluster.device.cores, 1),
+            sum(sim.busy.values()) * layout.dp * layout.tp * procs / layout.world
+            / max(cluster.device.cores, 1),
         )
         if cluster.device.cores and procs > cluster.device.cores
         else sim.makespan
     )
-    memory = [rank_memory(costs, layout, balance, sim.peak_held, mb, r) for r in range(layout.pp)]
+    held = sim.peak_held if memory_plan is None else simulate(memory_plan, 1.0).peak_held
+    at = moments(memory_plan or plan)  # under a split backward, what each stage keeps from I to W too
+    memory = [rank_memory(costs, layout, balance, held, mb, r, at) for r in range(layout.pp)]
     top = worst(memory)
     whole_grads = max(m["grads"] for m in memory) * layout.shard
     reduce_s = _reduction(cluster, layout, groups, whole_grads)
@@ -89,6 +99,22 @@ def predict(
         "over_bytes": max(0.0, top["peak"] - limit),
         "source": costs.source,
     }
+
+
+def _tensor_parallel(costs: ModelCosts, times: list[tuple[float, ...]], tp: int, mb: int,
+                     link: tuple[float, float]) -> list[tuple[float, ...]]:
+    """Each block's (forward, backward, weight, input) seconds on one of `tp` processes: its split
+    share ÷ tp, and per row-wise layer one all-reduce of its output in the forward and one of its
+    input gradient in the backward (B and I; W sends nothing). Unchanged at tp 1."""
+    if tp == 1:
+        return times
+    out = []
+    for b, (f, back, w, i) in enumerate(times):
+        k = costs.tp_factor(b, tp)
+        pairs = costs.tensor.pairs[b] if costs.tensor is not None else 0
+        reduce = pairs * comm.all_reduce(costs.out_bytes[b] * mb, tp, *link)
+        out.append((f * k + reduce, back * k + reduce, w * k, i * k + reduce))
+    return out
 
 
 def _shared(cluster: Cluster, world: int) -> float:

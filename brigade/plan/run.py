@@ -22,6 +22,7 @@ from brigade.plan.devices import cpu, host_memory
 from brigade.plan.formula import from_shapes
 from brigade.plan.predict import predict
 from brigade.plan.space import Layout, enumerate_layouts
+from brigade.plan.tensor import TensorFacts, facts
 from brigade.train.memory import quiet_stderr
 
 
@@ -52,11 +53,14 @@ def _names(text: str, flag: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
-def layouts(cfg: PlanConfig, world: int, n_blocks: int) -> list[Layout]:
-    """The space asked for: every valid layout, narrowed by --dp, --pp, --shard, --schedules, ...
+def layouts(cfg: PlanConfig, world: int, n_blocks: int, tensor: TensorFacts | None = None,
+            per_node: int = 0) -> list[Layout]:
+    """The space asked for: every valid layout, narrowed by --dp, --pp, --shard, --tp, --schedules, ...
+    `tensor`: what tp does to the model (None: no tp); tp degrees divide `per_node` (0: any).
 
     Raises:
-        BrigadeError: a --dp/--pp/--shard that cannot divide the world or the model, or no layout left.
+        BrigadeError: a --dp/--pp/--shard/--tp that cannot divide the world or the model, or no
+            layout left.
     """
     from brigade.config.recompute import MODES
     from brigade.pipeline.plans.schedule import check as check_schedule
@@ -71,12 +75,15 @@ def layouts(cfg: PlanConfig, world: int, n_blocks: int) -> list[Layout]:
     except ValueError:
         raise BrigadeError(f"--microbatches {cfg.microbatches!r}: expected counts like 1,2,4") from None
     _fixed(cfg, world, n_blocks)
+    sizes = _tp_sizes(cfg, tensor, per_node)
     rows = [
         lay
-        for lay in enumerate_layouts(world, n_blocks, cfg.batch_size, modes, schedules or None, ms or None)
+        for lay in enumerate_layouts(world, n_blocks, cfg.batch_size, modes, schedules or None, ms or None,
+                                     sizes, per_node)
         if (not cfg.dp or lay.dp == cfg.dp)
         and (not cfg.pp or lay.pp == cfg.pp)
         and (not cfg.shard or lay.shard == cfg.shard)
+        and (not cfg.tp or lay.tp == cfg.tp)
     ]
     if not rows:
         raise BrigadeError(
@@ -84,6 +91,19 @@ def layouts(cfg: PlanConfig, world: int, n_blocks: int) -> list[Layout]:
             f"{n_blocks} blocks as asked: change --batch-size, --microbatches or --dp/--pp"
         )
     return rows
+
+
+def _tp_sizes(cfg: PlanConfig, tensor: TensorFacts | None, per_node: int) -> tuple[int, ...]:
+    """The tp degrees to consider: the model's (`plan.tensor`); a --tp it cannot take, one line."""
+    sizes = tensor.sizes if tensor is not None else (1,)
+    if cfg.tp > 1 and cfg.tp not in sizes:
+        allowed = ", ".join(map(str, sizes[1:])) or "none: a block has no tp_plan"
+        raise BrigadeError(f"--tp {cfg.tp}: the model's tensor-parallel plans allow {allowed}; give one "
+                           "of them, or --tp 1")
+    if cfg.tp > 1 and per_node and per_node % cfg.tp:
+        raise BrigadeError(f"--tp {cfg.tp} does not divide a node's {per_node} devices: tensor parallel "
+                           f"stays inside a node; give a divisor of {per_node}")
+    return sizes
 
 
 def _fixed(cfg: PlanConfig, world: int, n_blocks: int) -> None:
@@ -135,7 +155,8 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
     m = model_config(cfg, base)
     with torch.device("meta"):  # shapes only: a model of any size costs nothing to build
         shape = load_spec(cfg, m)
-    rows = layouts(cfg, where.world, len(shape.blocks))
+    tensor = facts(shape.blocks)
+    rows = layouts(cfg, where.world, len(shape.blocks), tensor, where.per_node)
     modes = sorted({r.recompute for r in rows})
     at = sizes(rows, cfg.batch_size)
     with quiet_stderr():
@@ -143,6 +164,7 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
             costs = from_shapes(shape, min(at), modes, where.device, cfg.precision)
         else:
             costs = scaled(measure(load_spec(cfg, m), at, modes, cpu()), where.device, cfg.precision)
+    costs.tensor = tensor
     out, left = _predict_all(cfg, costs, where, rows)
     return {
         "model": cfg.model,
@@ -190,7 +212,7 @@ def _predict_all(cfg: PlanConfig, costs, where, rows: list[Layout]) -> tuple[lis
 
 
 def _shape(lay: Layout) -> tuple:
-    return lay.replicate, lay.shard, lay.pp, lay.virtual, lay.microbatches, lay.recompute
+    return lay.replicate, lay.shard, lay.pp, lay.virtual, lay.microbatches, lay.recompute, lay.tp
 
 
 def to_config(cfg: PlanConfig, row: dict, m: ModelConfig, nodes: int, per_node: int) -> RunConfig:
@@ -201,7 +223,7 @@ def to_config(cfg: PlanConfig, row: dict, m: ModelConfig, nodes: int, per_node: 
     p = run.parallel
     p.nproc, p.nnodes, p.dp, p.pp, p.shard = per_node, nodes, lay["dp"], lay["pp"], lay["shard"]
     p.schedule, p.virtual, p.microbatches = lay["schedule"], lay["virtual"], lay["microbatches"]
-    p.recompute = lay["recompute"]
+    p.recompute, p.tp = lay["recompute"], lay.get("tp", 1)
     if lay["pp"] > 1:
         p.balance = ",".join(map(str, row["balance"]))
     run.train.batch_size = cfg.batch_size

@@ -1,8 +1,10 @@
-"""The layouts a cluster can run a model in: dp = replicate × shard, pp, V and schedule (every
+"""The layouts a cluster can run a model in: dp = replicate × shard, pp, tp, V and schedule (every
 schedule of the registry, so one added later is covered), micro-batches and recompute.
 
-A layout is valid when dp × pp is the world, shard divides dp, the model has the p·V stages'
-blocks, and each replica's share of the batch divides into its micro-batches.
+A layout is valid when dp × pp × tp is the world, shard divides dp, tp is a degree the model's
+plans allow and divides a node's devices (tp innermost: its all-reduces stay inside a node), the
+model has the p·V stages' blocks, and each replica's share of the batch divides into its
+micro-batches.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ ANY_VIRTUAL = (1, DEFAULT_VIRTUAL)  # V tried for a schedule that takes any
 @dataclass(frozen=True)
 class Layout:
     """One way to run: `replicate` × `shard` data-parallel ranks (dp), each a pipeline of `pp`
-    ranks holding `virtual` stages each, `microbatches` per replica's batch, `recompute` mode."""
+    ranks holding `virtual` stages each, each stage split over `tp` processes, `microbatches` per
+    replica's batch, `recompute` mode."""
 
     replicate: int
     shard: int
@@ -27,6 +30,7 @@ class Layout:
     virtual: int
     microbatches: int
     recompute: str
+    tp: int = 1
 
     @property
     def dp(self) -> int:
@@ -34,7 +38,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.pp * self.tp
 
     def label(self) -> str:
         dp = (
@@ -49,7 +53,8 @@ class Layout:
             else ""
         )
         rc = f", recompute {self.recompute}" if self.recompute != "none" else ""
-        return f"{dp}{pipe}, m {self.microbatches}{rc}"
+        tp = f"{' × ' if dp or pipe else ''}tp {self.tp}" if self.tp > 1 else ""
+        return f"{dp}{pipe}{tp}, m {self.microbatches}{rc}"
 
     def to_json(self) -> dict:
         return {**asdict(self), "dp": self.dp}
@@ -62,9 +67,10 @@ def check(layout: Layout, world: int, n_blocks: int, batch: int) -> None:
         BrigadeError: one line naming what does not divide and how to fix it.
     """
     if layout.world != world:
+        tp = f" × tp {layout.tp}" if layout.tp > 1 else ""
         raise BrigadeError(
-            f"dp {layout.dp} × pp {layout.pp} = {layout.world} ranks, but the cluster has "
-            f"{world}: choose dp × pp = {world}"
+            f"dp {layout.dp} × pp {layout.pp}{tp} = {layout.world} ranks, but the cluster has "
+            f"{world}: choose dp × pp{' × tp' if tp else ''} = {world}"
         )
     if layout.dp % layout.shard:
         raise BrigadeError(f"--shard {layout.shard} does not divide dp {layout.dp}: give a divisor of it")
@@ -93,13 +99,27 @@ def enumerate_layouts(
     recompute: list[str],
     schedules: list[str] | None = None,
     microbatches: list[int] | None = None,
+    tp_sizes: tuple[int, ...] = (1,),
+    per_node: int = 0,
 ) -> list[Layout]:
     """Every valid layout (module docstring) for `world` ranks; `schedules` default: the registry's,
-    `microbatches` default: powers of two up to 4 · pp (never more than a replica's batch). Without
+    `microbatches` default: powers of two up to 4 · pp (never more than a replica's batch), `tp_sizes`:
+    the degrees the model's plans allow, each kept to those that divide `per_node` (0: any). Without
     a pipeline the schedule is the default one: it does not matter."""
     out = []
-    for pp in divisors(world):
-        dp = world // pp
+    for tp in tp_sizes:
+        if world % tp or (per_node and per_node % tp):
+            continue
+        out += _layouts(world // tp, n_blocks, batch, recompute, schedules, microbatches, tp)
+    return out
+
+
+def _layouts(cells: int, n_blocks: int, batch: int, recompute: list[str], schedules: list[str] | None,
+             microbatches: list[int] | None, tp: int) -> list[Layout]:
+    """`enumerate_layouts` at one tp degree, over the `cells` = world ÷ tp (dp × pp) positions."""
+    out = []
+    for pp in divisors(cells):
+        dp = cells // pp
         for shard in divisors(dp):
             for name in (schedules or list(SCHEDULES)) if pp > 1 else [DEFAULT]:
                 fixed = SCHEDULES[name].virtual
@@ -108,7 +128,7 @@ def enumerate_layouts(
                         continue
                     for m in microbatches or _powers(4 * pp):
                         for mode in recompute:
-                            layout = Layout(dp // shard, shard, pp, name, v, m, mode)
+                            layout = Layout(dp // shard, shard, pp, name, v, m, mode, tp)
                             if batch % dp == 0 and (batch // dp) % m == 0:
                                 out.append(layout)
     return out

@@ -184,7 +184,7 @@ TP_GRID = [case for case in GRID if case[1] == 3] + [c for c in RECOMPUTE if c[3
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])  # llama: 40 s
 def test_tensor_parallel_2_by_pipeline_2_on_every_schedule(model):
     """tp 2 × pp 2 (4 processes): each stage's blocks split over 2 processes (attention by heads,
     the llama's grouped key/value heads too), the tied embedding and head whole on both; loss,

@@ -129,3 +129,69 @@ def test_the_check_fails_when_heads_are_split_across_q_k_and_v(monkeypatch):
     (result,) = run_check(cfg, [("1f1b", 1, 1)])
     assert not result["ok"] and result["max_abs_loss_diff"] > 1e-4, result
     assert result["tp"] == 2
+
+
+STRUCTURED = '''
+import torch
+from torch import nn
+
+
+class Split(nn.Module):  # (B, 6) -> {"h": (B, 8), "skip": (B, 8)}
+    tp_plan = {"up": "colwise", "down": "rowwise"}
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.down(torch.tanh(self.up(x)))
+        return {"h": torch.tanh(h), "skip": 2 * h}
+
+
+class Pair(nn.Module):  # dict -> (h, skip): the skip passes through
+    tp_plan = {"up": "colwise", "down": "rowwise"}
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.down(torch.relu(self.up(x["h"])))), x["skip"]
+
+
+class Join(nn.Module):  # (h, skip) -> (B, 3), whole on every tp process
+    tp_plan = {}
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h, skip = x
+        return self.lin(h * skip)
+
+
+def model():
+    return [Split(), Pair(), Join(), nn.Linear(3, 3)]
+
+
+tp_plan = {3: {}}  # the last block, a bare Linear, is given its (empty) plan by the file
+'''
+
+
+@pytest.mark.timeout(200)
+def test_structures_cross_tensor_parallel_stages_and_recompute(tmp_path):
+    """tp 2 × pp 2 (4 processes): a dict and a tuple cross the stages between split blocks, a skip's
+    gradient crosses two, under a whole and a split backward, full and selective recompute, and
+    a V schedule; each equals one device."""
+    from brigade.check.run import CheckConfig, run_check
+
+    f = tmp_path / "chain.py"
+    f.write_text(STRUCTURED)
+    cases = [("1f1b", 2, 1, "none"), ("zb", 2, 1, "selective"), ("zbv", 2, 2, "full")]
+    results = run_check(CheckConfig(model=f"{f}:model", stages=2, batch_size=8, tp=2), cases)
+    for r, (schedule, m, v, mode) in zip(results, cases, strict=True):
+        got = (r["schedule"], r["microbatches"], r["virtual"], r["recompute"], r["tp"])
+        assert got == (schedule, m, v, mode, 2)
+        worst = max(r["max_abs_loss_diff"], r["max_abs_grad_diff"], r["max_abs_param_diff"])
+        assert r["ok"] and worst < 1e-5, r

@@ -64,7 +64,7 @@ def test_json_then_write_config_that_train_runs_within_the_predicted_memory(cli,
     row = result["rows"][0]
     assert row["label"] == "dp 2, m 1" and row["source"] == "measured" and row["fits"]
     assert {"step_s", "tokens_per_s", "mfu", "bubble", "comm_share", "memory", "over_bytes"} <= set(row)
-    assert set(row["memory"]) == {"params", "grads", "optimizer", "activations", "peak"}
+    assert set(row["memory"]) == {"params", "grads", "optimizer", "activations", "split", "peak"}
     assert "dp = 2" in toml.read_text() and "batch_size = 8" in toml.read_text()
     run = tmp_path / "run"
     trained = brigade("train", "--config", toml, "--out", run, *QUIET, "--max-steps", "3")
@@ -91,7 +91,8 @@ def test_memory_of_a_pipeline_rank_counts_its_stages_and_what_they_hold():
     from brigade.plan.space import Layout
 
     mode = ModeCosts(
-        {1: [(1.0,) * 4] * 4}, held=[10.0] * 4, working=[0.0, 5.0, 0.0, 0.0], transient=[1.0] * 4
+        {1: [(1.0,) * 4] * 4}, held=[10.0] * 4, working=[0.0, 5.0, 0.0, 0.0], transient=[1.0] * 4,
+        kept=[0.0] * 4,
     )
     costs = ModelCosts(
         "m",

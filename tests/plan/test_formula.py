@@ -41,6 +41,16 @@ def test_shapes_give_the_flops_and_at_least_the_bytes_a_real_run_measures():
     assert w == i == pytest.approx(bwd / 2)
 
 
+def test_shapes_give_what_a_split_backward_keeps_from_i_to_w():
+    costs = from_shapes(_meta(SMALL), 4, ["none", "full"], device("h100"))
+    measured = measure_memory(load_model("gpt", seed=0, gpt_cfg=SMALL), 4, ["none", "full"])
+    # block 0's figure is never read (a first stage keeps its output's gradient: plan.memory)
+    for b in range(1, costs.n_blocks):  # the output bytes of every weight: the kept gradients' exactly
+        assert costs.modes["none"].kept[b] == measured.modes["none"].kept[b]
+        # recomputed, the forward's tensors too, as autograd saves them (twice where it does): high
+        assert 1.0 <= costs.modes["full"].kept[b] / measured.modes["full"].kept[b] <= 1.3
+
+
 def test_a_model_too_large_for_this_machine_is_costed_from_shapes_in_seconds():
     big = GPTConfig(vocab_size=32000, block_size=2048, n_layer=4, n_head=32, n_embd=8192)
     start = time.perf_counter()

@@ -1,0 +1,68 @@
+"""What tensor parallel does to a model's blocks, as the planner needs it: the share of each
+block's parameter bytes a tp split divides, the all-reduces it adds, and the degrees it allows.
+
+Read from the blocks' plans (`brigade.parallel.tensor`), on the meta device or real weights alike:
+
+    split    per block: bytes of the planned weights (and a column-wise layer's bias) ÷ all its
+             parameter bytes; the rest (norms, a row-wise layer's bias, an empty plan's block)
+             stays whole on every tp process
+    pairs    per block: its row-wise layers, each one all-reduce of the block's output in the
+             forward and one of its input gradient in the backward (the Megatron-LM pattern)
+    sizes    the tp degrees every block's plan divides (powers of two); (1,) without plans
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from brigade.errors import BrigadeError
+from brigade.parallel.tensor import check_plans, plan_of, style_of
+
+MOST = 64  # the largest degree tried: a node's devices
+
+
+@dataclass(frozen=True)
+class TensorFacts:
+    split: tuple[float, ...]
+    pairs: tuple[int, ...]
+    sizes: tuple[int, ...] = (1,)
+
+    def factor(self, block: int, tp: int) -> float:
+        """What a block's split work and parameters become at degree `tp`, as a share of tp 1's."""
+        s = self.split[block] if tp > 1 else 0.0
+        return 1 - s + s / tp
+
+
+def _split_bytes(block: nn.Module, plan: dict) -> float:
+    modules = dict(block.named_modules())
+    total = 0
+    for name, entry in plan.items():
+        module, style = modules[name], style_of(entry)[0]
+        for pname, p in module.named_parameters(recurse=False):
+            if style == "colwise" or pname == "weight":
+                total += p.numel() * p.element_size()
+    return total
+
+
+def facts(blocks: list[nn.Module]) -> TensorFacts:
+    """The model's `TensorFacts` (module docstring)."""
+    if any(plan_of(b) is None for b in blocks):
+        return TensorFacts(tuple(0.0 for _ in blocks), tuple(0 for _ in blocks))
+    split, pairs = [], []
+    for b in blocks:
+        plan = plan_of(b)
+        whole = sum(p.numel() * p.element_size() for p in b.parameters())
+        split.append(_split_bytes(b, plan) / whole if whole else 0.0)
+        pairs.append(sum(style_of(e)[0] == "rowwise" for e in plan.values()))
+    sizes = [1]
+    t = 2
+    while t <= MOST:
+        try:
+            check_plans(blocks, t)
+        except BrigadeError:
+            break
+        sizes.append(t)
+        t *= 2
+    return TensorFacts(tuple(split), tuple(pairs), tuple(sizes))
