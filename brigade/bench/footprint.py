@@ -7,9 +7,10 @@ recompute mode; and what recompute costs the split backward's two passes.
 Layouts, 4 processes of one thread each: DDP dp 4, shard 4 (FSDP2), shard 2 × pp 2 (parameters
 gathered once a step, and with --reshard once a micro-batch), HSDP 2 × 2; each under --recompute
 none, full and selective. Tensor parallel at the same world size: tp 2 × pp 2, tp 2 × dp 2 and
-tp 2 × shard 2, each held against the layout without tp that has the same pipeline (`TENSOR`). Each is `brigade train` as a user runs it: its
-`memory` event (train/memory.py: parameters, gradients, optimizer state, activations and peak,
-per rank, measured on step 2) and the median step time of the steps after the second. The GPT
+tp 2 × shard 2, each held against the layout without tp that has the same pipeline (`TENSOR`).
+Each is `brigade train` as a user runs it: its `memory` event (train/memory.py: parameters,
+gradients, optimizer state, activations and peak, per rank, measured on step 2) and the median
+step time of the steps after the second. The GPT
 is one whose states (16 bytes a parameter under AdamW) outweigh its activations, so sharding
 shows. On 2 cores 4 processes share them: step times compare layouts with each other, not with
 a machine that has a core per process.

@@ -59,16 +59,7 @@ def predict(
     plan = _plan(layout, per, p2p)
     sim = simulate(plan, per[0], per[1], comm=p2p, weight=per[2], input_grad=per[3])
     alone = simulate(plan, per[0], per[1], weight=per[2], input_grad=per[3]).makespan
-    procs = min(layout.world, cluster.per_node)
-    makespan = (
-        max(
-            sim.makespan,
-            sum(sim.busy.values()) * layout.dp * layout.tp * procs / layout.world
-            / max(cluster.device.cores, 1),
-        )
-        if cluster.device.cores and procs > cluster.device.cores
-        else sim.makespan
-    )
+    makespan = _time_shared(sim, layout, cluster)
     held = sim.peak_held if memory_plan is None else simulate(memory_plan, 1.0).peak_held
     at = moments(memory_plan or plan)  # under a split backward, what each stage keeps from I to W too
     memory = [rank_memory(costs, layout, balance, held, mb, r, at) for r in range(layout.pp)]
@@ -115,6 +106,16 @@ def _tensor_parallel(costs: ModelCosts, times: list[tuple[float, ...]], tp: int,
         reduce = pairs * comm.all_reduce(costs.out_bytes[b] * mb, tp, *link)
         out.append((f * k + reduce, back * k + reduce, w * k, i * k + reduce))
     return out
+
+
+def _time_shared(sim, layout: Layout, cluster: Cluster) -> float:
+    """The pipeline's makespan, or, where a host has more ranks than cores, at least every rank's
+    work on it ÷ its cores (each tp process does its share of the busy time `sim` counts)."""
+    procs = min(layout.world, cluster.per_node)
+    if not cluster.device.cores or procs <= cluster.device.cores:
+        return sim.makespan
+    work = sum(sim.busy.values()) * layout.dp * layout.tp * procs / layout.world
+    return max(sim.makespan, work / max(cluster.device.cores, 1))
 
 
 def _shared(cluster: Cluster, world: int) -> float:
