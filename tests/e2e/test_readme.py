@@ -41,6 +41,7 @@ SHORT = {
     "tune": _SMALL_SWEEP,
     "brigade.bench.speed": ["--repeats", "1"],
     "brigade.bench.overhead": ["--tiny", "", "--steps", "2", "--rounds", "1", "--warmup", "1"],
+    "brigade.bench.plan_accuracy": ["--tiny", ""],
 }
 # What a command is meant to do when it does not succeed (its page says so beside it).
 # The GPU smoke test on a machine without one: its first check fails and it stops (exit 1).
@@ -100,7 +101,7 @@ def readme_commands() -> list[str]:
 def _optional_groups(cmd: str) -> str:
     """`[--json]` is part of the command; a group naming placeholders is left out."""
     def keep(m: re.Match) -> str:
-        return "" if re.search(r"\b(K|HOST|PORT|DIR|V|D|S|MODE)\b", m[1]) else m[1]
+        return "" if re.search(r"\b(K|HOST|PORT|DIR|V|D|S|T|MODE)\b", m[1]) else m[1]
     return re.sub(r"\[([^\]]*)\]", keep, cmd)
 
 
@@ -192,7 +193,8 @@ COMMANDS = readme_commands()
 # benchmarks' and the tuner's commands, which measure (10-20 s each); and the commands that
 # start several processes through another launcher (torchrun, srun) or on two nodes (K), 20-35 s
 # each, which tests/e2e/test_train.py also runs in the default tier, each way once, checking more.
-BENCHMARKS = ("bench", "tune", "brigade.bench.overhead", "brigade.bench.speed", "brigade.bench.footprint")
+BENCHMARKS = ("bench", "tune", "brigade.bench.overhead", "brigade.bench.speed", "brigade.bench.footprint",
+              "brigade.bench.plan_accuracy")
 LAUNCHERS = ("torchrun", "srun")
 
 
