@@ -22,7 +22,7 @@ def run_facts(cfg: RunConfig, cursor: int, epoch: int, vocab: str | None) -> dic
     p = cfg.parallel
     return {"cursor": cursor, "epoch": epoch,
             "layout": {"dp": p.dp, "pp": p.pp, "local_stages": p.local_stages,
-                       "virtual": pipeline_shape(p)[1]},
+                       "virtual": pipeline_shape(p)[1], "tp": p.tp},
             "config_hash": config_hash(cfg), "config": config_subset(cfg),
             "model": cfg.model.model, "vocab": vocab}
 
