@@ -40,12 +40,15 @@ def is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
+def _storage(t: torch.Tensor):
+    """`t`'s storage. A DTensor (tensor parallel saves some) has none of its own: its local part's
+    counts (the attribute, not to_local(): no autograd op inside a saved-tensor hook)."""
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+
+
 def storage_key(t: torch.Tensor) -> tuple | None:
-    """(device, address) of `t`'s storage, the same for every view of it; None when it is empty.
-    A DTensor (tensor parallel saves some) has no storage of its own: its local part's counts."""
-    if isinstance(t, DTensor):
-        t = t._local_tensor  # the attribute, not to_local(): no autograd op inside a saved-tensor hook
-    storage = t.untyped_storage()
+    """(device, address) of `t`'s storage, the same for every view of it; None when it is empty."""
+    storage = _storage(t)
     return (t.device, storage.data_ptr()) if storage.nbytes() else None
 
 
@@ -84,8 +87,7 @@ class Held:
         key = storage_key(t)
         if key is None or key in self._exclude:
             return None
-        entry = self.refs.setdefault(key, [(t._local_tensor if isinstance(t, DTensor) else t)
-                                           .untyped_storage().nbytes(), 0])
+        entry = self.refs.setdefault(key, [_storage(t).nbytes(), 0])
         entry[1] += 1
         if entry[1] == 1:
             self.now += entry[0]
