@@ -187,6 +187,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return main_generate(args.source, args.prompt, args.tokens, args.seed, args.temperature)
 
 
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a run's weights back as a Hugging Face directory")
+    p.add_argument("--hf", required=True, metavar="OUT",
+                   help="the directory to write (new): config and tokenizer of the run's hf:DIR, "
+                        "the trained weights as model.safetensors")
+    p.add_argument("--from", dest="source", required=True,
+                   help="a run folder (train's --out), for its newest good snapshot, or a snapshot folder")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from brigade.models.hf.export import export
+
+    print(f"brigade export: wrote {export(args.source, args.hf)}")
+    return 0
+
+
 def _add_plot(sub) -> None:
     p = sub.add_parser("plot", help="write loss.png for a run folder, finished or not")
     p.add_argument("run", help="a run folder (train's --out), finished or still running")
@@ -262,7 +279,7 @@ def build_parser() -> Parser:
     from brigade.bench.command import add_bench, add_tune
     from brigade.plan.command import add_plan
 
-    for add in (_add_train, _add_generate, _add_plot, _add_inspect, _add_schedule, _add_check,
+    for add in (_add_train, _add_generate, _add_export, _add_plot, _add_inspect, _add_schedule, _add_check,
                 lambda s: add_bench(s, _json_arg), lambda s: add_tune(s, _json_arg),
                 lambda s: add_plan(s, _option), _add_doctor):
         add(sub)

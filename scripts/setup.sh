@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install brigade and its test tools into the current Python environment, at the exact
+# Install brigade, its test tools and the optional Hugging Face extra into the current Python environment, at the exact
 # versions the suite last passed with (constraints.txt; moved forward by scripts/update-pins.sh).
 # torch comes first, and only if missing: a CPU-only machine then takes the CPU wheel
 # instead of letting a plain "torch" requirement pull a CUDA build, and a GPU machine
@@ -10,4 +10,4 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet "torch==${BRIGADE_TORCH_VERSION:-2.13.0}"
 fi
-"$PY" -m pip install --quiet -c constraints.txt -e ".[dev]"
+"$PY" -m pip install --quiet -c constraints.txt -e ".[dev,hf]"   # hf: the tests build tiny HF models

@@ -49,7 +49,7 @@ def measure(steps: int) -> dict:
     cfg = RunConfig()
     cfg.parallel.nproc, cfg.parallel.dp, cfg.train.max_steps = 1, 1, steps
     cfg.train.eval_every, cfg.train.out = steps + 1, ""
-    blocks, loss_fn, train, val, _ = build(cfg)
+    blocks, loss_fn, train, val, *_ = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, None, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train, metrics=False)
     torch.cuda.reset_peak_memory_stats()

@@ -45,7 +45,7 @@ def raw_worker(cfg: RunConfig) -> list[float]:
 
 def _raw_loop(cfg: RunConfig, info) -> list[float]:
     world, device = info.world_size, info.device
-    blocks, loss_fn, train, _, _ = build(cfg)
+    blocks, loss_fn, train, *_ = build(cfg)
     model = ddp(torch.nn.Sequential(*blocks), device)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),

@@ -41,6 +41,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         cfg.batch_size = args.batch_size or 32
     else:
         cfg.batch_size = args.batch_size or 32
+    if args.model.startswith("hf:"):  # torch's pipelining hands a stage one tensor: no side inputs
+        cfg.model_options = {"standalone": True, "block_size": 128}
     cfg.repeats = args.repeats or (10 if gpu else 2 if args.quick else 5)  # the tuner's
     # bench: as many interleaved rounds with --quick (fewer configurations instead, below); 10
     # gives a 95 % CI of the median from the 2nd to the 9th value.

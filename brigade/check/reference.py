@@ -25,7 +25,12 @@ def has_batchnorm(blocks: list[nn.Module]) -> bool:
 
 def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device):
     """Single device: loss, and per block its gradients and post-SGD state, of a deep copy that
-    keeps ties (one device sums their uses: the gradient every stage's copy must hold)."""
+    keeps ties (one device sums their uses: the gradient every stage's copy must hold).
+
+    A Hugging Face directory's model (`spec.hf`) is compared with the unmodified transformers
+    model instead, its tensors matched to the blocks' by their directory names."""
+    if spec.hf is not None:
+        return _transformers_reference(spec, x, y, lr, device)
     blocks = copy.deepcopy(spec.blocks)  # one deepcopy of the list keeps ties between blocks
     model = whole(blocks).to(device)  # side inputs, where blocks declare them, taken out of the batch
     x, y = feed.to(x, device), feed.to(y, device)
@@ -45,6 +50,21 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device):
     torch.optim.SGD(model.parameters(), lr=lr).step()
     state = [[t.detach().clone() for t in b.state_dict().values()] for b in blocks]
     return float(loss.detach()), grads, state, ("micro-batched (BatchNorm)" if per_mb else "full batch")
+
+
+def _transformers_reference(spec: ModelSpec, x, y, lr: float, device: torch.device):
+    """`reference` for `hf:DIR`: transformers' own model on the batch's token ids."""
+    model = spec.hf.original().to(device)
+    loss = spec.loss_fn(model(input_ids=x["input_ids"].to(device)).logits, y.to(device))
+    loss.backward()
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied head's name too
+    names = [b.hf_names() for b in spec.blocks]
+    grads = [[params[names[i][n]].grad.clone() for n, _ in b.named_parameters()]
+             for i, b in enumerate(spec.blocks)]
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    state = model.state_dict()
+    after = [[state[names[i][n]].detach().clone() for n in b.state_dict()] for i, b in enumerate(spec.blocks)]
+    return float(loss.detach()), grads, after, "transformers"
 
 
 @contextlib.contextmanager

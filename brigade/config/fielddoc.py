@@ -181,6 +181,6 @@ def _precision_names() -> list[str]:
 
 SCHEDULES = Choices(_schedule_names, _schedule_help)
 VIRTUALS = Choices(described=_schedule_virtuals)
-MODELS = Choices(_model_names, more="path/to/file.py:factory")
+MODELS = Choices(_model_names, more="path/to/file.py:factory, hf:DIR (a Hugging Face directory)")
 PRECISIONS = Choices(_precision_names)
 RECOMPUTES = Choices(_recompute_names, _recompute_help)

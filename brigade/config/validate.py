@@ -35,7 +35,7 @@ def validate(cfg: RunConfig) -> None:
         raise BrigadeError(f"--dropout {m.dropout}: must be in [0, 1)")
     if not 0 < d.val_fraction < 1:
         raise BrigadeError(f"--val-fraction {d.val_fraction}: must be between 0 and 1")
-    if d.block_size > m.context:
+    if d.block_size > m.context and not m.model.startswith("hf:"):  # hf: its config's positions
         raise BrigadeError(
             f"--block-size {d.block_size} is larger than the model's context {m.context}: "
             f"use --block-size ≤ {m.context} or raise --context"

@@ -45,6 +45,9 @@ class ModelSpec:
     # Trained on a text (--data): a batch of token ids (B, T) → the model's inputs (a model
     # file's `text_inputs`, e.g. adding a padding mask); None: the ids are the inputs.
     text_inputs: Callable[[torch.Tensor], object] | None = None
+    # A Hugging Face directory's model (`models.hf.model.HFModel`): its config, weights and
+    # tokenizer, for the commands that read or write them; None for every other model.
+    hf: object | None = None
 
 
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -87,18 +90,24 @@ def _mlp(width: int = 1024, depth: int = 8, **_) -> ModelSpec:
 def load_model(name: str, seed: int = 0, **options) -> ModelSpec:
     """Build a model by built-in name or ``FILE:FACTORY``, with weights drawn from `seed`.
 
-    Options: gpt_cfg (GPTConfig) for gpt, image_size for resnet50, width/depth for mlp.
+    Options: gpt_cfg (GPTConfig) for gpt, image_size for resnet50, width/depth for mlp; for
+    hf:DIR, those of `models.hf.model.load_hf` (meta, dropout, block_size).
 
     Raises:
         BrigadeError: unknown name, missing file or factory, factory failure, or a non-block result.
     """
     torch.manual_seed(seed)
+    if name.startswith("hf:"):
+        from brigade.models.hf.model import load_hf  # the optional extra, only when named
+
+        return load_hf(name, seed=seed, **options)
     builders = {"gpt": _gpt, "resnet50": _resnet, "toy": _toy, "mlp": _mlp}
     if name in builders:
         return builders[name](**options)
     if ":" not in name:
         raise BrigadeError(
-            f"unknown model {name!r}: expected one of {', '.join(BUILTIN)} or path/to/file.py:factory"
+            f"unknown model {name!r}: expected one of {', '.join(BUILTIN)}, path/to/file.py:factory "
+            "or hf:DIR (a Hugging Face directory)"
         )
     return _from_file(name, **options)
 

@@ -40,6 +40,8 @@ def load_spec(cfg: PlanConfig, m: ModelConfig):
     if cfg.model == "gpt":
         vocab, _, _ = load_text_data("", cfg.seq_len, 0.1)
         return from_config(m, 0, vocab_size=len(vocab))
+    if cfg.model.startswith("hf:"):  # the token ids alone, at the planned sequence length
+        return from_config(m, 0, block_size=cfg.seq_len, standalone=True)
     return from_config(m, 0)
 
 

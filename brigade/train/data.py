@@ -12,9 +12,10 @@ whatever dp is, and a run can resume under another layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -170,24 +171,66 @@ class SyntheticData:
         return self.spec.make_batch(len(indices), g)
 
 
-def build(cfg: RunConfig) -> tuple[list, object, object, object, Vocab | None]:
-    """Blocks, loss, train and validation data, and vocabulary (GPT; else None) for a run.
+class Built(NamedTuple):
+    """What a run trains: the model's blocks and loss, its data, and how its blocks get weights."""
+
+    blocks: list
+    loss_fn: object
+    train: object
+    val: object
+    vocab: Vocab | None  # the GPT's characters; None for every other model
+    # Fills a rank's own blocks after they are placed ({index: block}, device): a Hugging
+    # Face directory's tensors, the blocks having been built without memory; None: the blocks
+    # come with their weights.
+    weights: Callable | None = None
+
+
+def build(cfg: RunConfig) -> Built:
+    """Blocks, loss, train and validation data, vocabulary (GPT; else None) and weights for a run.
 
     The model comes from the registry (`from_config`), a GPT sized to the text's real
     vocabulary. A model file trains on `--data`'s characters when given one (its factory gets
-    `vocab_size` and `block_size`, its `text_inputs` makes its inputs from the ids), else on `SyntheticData`.
+    `vocab_size` and `block_size`, its `text_inputs` makes its inputs from the ids), else on
+    `SyntheticData`. An `hf:DIR` model trains on `--data` (or the built-in corpus) tokenized
+    by DIR's tokenizer (`tokens`), its blocks without memory until each rank fills its own.
 
     Raises:
         BrigadeError: unreadable data, or a model the registry cannot build.
     """
+    if cfg.model.model.startswith("hf:"):
+        return _build_hf(cfg)
     if cfg.model.model == "gpt" or cfg.data.data:
         vocab, train, val = load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
         spec = from_config(cfg.model, cfg.train.seed, vocab_size=len(vocab), block_size=cfg.data.block_size)
         if spec.text_inputs is not None:
             train, val = TextInputs(train, spec.text_inputs), TextInputs(val, spec.text_inputs)
-        return spec.blocks, spec.loss_fn, train, val, vocab
+        return Built(spec.blocks, spec.loss_fn, train, val, vocab)
     spec = from_config(cfg.model, cfg.train.seed)
-    return spec.blocks, spec.loss_fn, SyntheticData(spec), SyntheticData(spec, 4096), None
+    return Built(spec.blocks, spec.loss_fn, SyntheticData(spec), SyntheticData(spec, 4096), None)
+
+
+def _build_hf(cfg: RunConfig) -> Built:
+    """`build` for `hf:DIR`: token data from DIR's tokenizer, blocks on the meta device.
+
+    Raises:
+        BrigadeError: as `load_hf` and `tokens.load_token_data`; a sequence longer than the
+            model's positions; a token id the model's vocabulary does not have.
+    """
+    from brigade.train.tokens import load_token_data
+
+    spec = from_config(cfg.model, cfg.train.seed, meta=True)
+    config, d = spec.hf.config, cfg.data
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions and d.block_size > positions:
+        raise BrigadeError(f"--block-size {d.block_size} is longer than the {positions} positions "
+                           f"{cfg.model.model} knows: use --block-size ≤ {positions}")
+    _, train, val = load_token_data(d.data, str(spec.hf.directory), d.block_size, d.val_fraction)
+    top = int(max(train.ids.max(), val.ids.max()))
+    if top >= config.vocab_size:
+        raise BrigadeError(f"the tokenizer of {spec.hf.directory} gives id {top} but the model has "
+                           f"{config.vocab_size} embeddings: use the tokenizer the model was trained with")
+    return Built(spec.blocks, spec.loss_fn, TextInputs(train, spec.text_inputs),
+                 TextInputs(val, spec.text_inputs), None, spec.hf.load)
 
 
 class TextInputs:
@@ -206,7 +249,7 @@ class TextInputs:
 
 
 def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None,
-                block_size: int | None = None) -> ModelSpec:
+                block_size: int | None = None, meta: bool = False, standalone: bool = False) -> ModelSpec:
     """The model a run's configuration names: the one builder for training and its checks.
 
     Args:
@@ -215,11 +258,17 @@ def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None,
         vocab_size: the text's characters: required for "gpt"; a model file trained on text
             (`--data`) gets it as its factory's `vocab_size` argument, if it takes one.
         block_size: the training sequence length, likewise for a model file's `block_size`.
+        meta: an `hf:DIR` model's blocks without memory (a training rank fills its own); its
+            dropout probabilities are set from `m.dropout`.
+        standalone: an `hf:DIR` model's blocks without side inputs (`models.hf.model.load_hf`).
 
     Raises:
         BrigadeError: as `load_model`.
         ValueError: a GPT without `vocab_size`.
     """
+    if m.model.startswith("hf:"):
+        return load_model(m.model, seed=seed, meta=meta, dropout=m.dropout, standalone=standalone,
+                          **({"block_size": block_size} if block_size else {}))
     if m.model != "gpt":
         text = {"vocab_size": vocab_size, "block_size": block_size} if ":" in m.model else {}
         return load_model(m.model, seed=seed, **{k: v for k, v in text.items() if v is not None})

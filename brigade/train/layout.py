@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from brigade import forensics, groups
 from brigade.config import ParallelConfig, pipeline_shape
 from brigade.errors import BrigadeError
+from brigade.models.hf.weights import materialize
 from brigade.parallel import recompute, tensor
 from brigade.parallel.shard import shard_stage
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
@@ -202,10 +203,14 @@ class ProcessModel:
         blocks: the whole model as blocks (identical on every process).
         loss_fn: (output, target) -> mean loss.
         cfg: the parallel configuration; layout: process groups from `make_layout`.
+        weights: `(held blocks, device) -> None`, called once every wrapper is in place, for
+            blocks built on the meta device (an `hf:DIR` model): they get memory here, and
+            `weights` fills them, a DTensor with only its own part.
     """
 
     def __init__(self, blocks: list[nn.Module], loss_fn, cfg: ParallelConfig, layout: Layout,
-                 sample: torch.Tensor | None = None, autocast: torch.dtype | None = None):
+                 sample: torch.Tensor | None = None, autocast: torch.dtype | None = None,
+                 weights=None):
         self.layout = layout
         self.reshard = cfg.reshard
         self.recompute = recompute.apply(blocks, cfg.recompute)  # before any wrapper (torchtitan's order)
@@ -221,7 +226,9 @@ class ProcessModel:
         starts = [sum(balance[:i]) for i in range(len(ranks))]
         mine = [s for s, r in enumerate(ranks) if self.local or r == layout.pp_rank]
         indices = [starts[s] + k for s in mine for k in range(balance[s])]
-        self.owned = OwnedBlocks(blocks, indices, self.ties.aliases).to(layout.device)
+        self.owned = OwnedBlocks(blocks, indices, self.ties.aliases)
+        materialize(self.owned, layout.device)  # blocks built without memory: only those held here
+        self.owned.to(layout.device)
         if layout.tp > 1:  # before any data-parallel wrapper (torchtitan's order)
             tensor.parallelize([blocks[i] for i in indices], layout.tp_mesh)
         self.held = {i: blocks[i] for i in indices}
@@ -236,6 +243,8 @@ class ProcessModel:
             modules = {s: self._replicated(stages[s]) for s in mine}
             self.pipe = Pipeline(modules, schedule, m, loss_fn, group=layout.pp_group, device=layout.device,
                                  autocast=autocast, virtual=virtual, costs=costs)
+        if weights is not None:  # after tensor parallel and sharding: each reads only its part
+            weights(self.held, layout.device)
 
     def _replicated(self, module: nn.Module) -> nn.Module:
         """`module` under FSDP2 over the layout's shard mesh (--shard), else under DDP over this

@@ -44,7 +44,7 @@ def finish(cfg: RunConfig, summary: dict) -> None:
         print(f"brigade: stopped at step {summary['step']}; newest snapshot: {summary['snapshot']}. "
               "Run the same command to resume.", flush=True)
         return
-    if cfg.model.model == "gpt" and cfg.train.sample_tokens:
+    if (cfg.model.model == "gpt" or cfg.model.model.startswith("hf:")) and cfg.train.sample_tokens:
         text = sample_from_run(out, prompt="\n", tokens=cfg.train.sample_tokens, seed=cfg.train.seed)
         write_atomic(out / "sample.txt", text)
         print("\n--- sample ---\n" + text + "\n--------------", flush=True)

@@ -64,8 +64,10 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     if device == "cuda" and (gpus := torch.cuda.device_count()) < (need := p.nproc * p.local_stages):
         raise BrigadeError(f"--nproc {p.nproc} × --local-stages {p.local_stages} on {p.backend} needs {need} "
                            f"GPUs on this node but {gpus} are visible: use fewer, or --backend gloo")
-    blocks, _, train, _, _ = build(cfg)  # the model the workers build: data read, vocabulary real
-    if cfg.model.model != "gpt":  # a user's blocks may not fit each other: say so before any launch
+    blocks, _, train, _, _, weights = build(cfg)  # the model the workers build: data read, vocabulary real
+    # A user's blocks may not fit each other: say so before any launch. (An hf:DIR model's
+    # blocks, the family's own modules, have no memory here to run on: `brigade check` proves them.)
+    if cfg.model.model != "gpt" and weights is None:
         check_chain(blocks, train.batch(torch.arange(2))[0])
     tensor.check_plans(blocks, p.tp, cfg.model.model)
     ranks, virtual = pipeline_shape(p)
@@ -138,9 +140,9 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
 
 def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
     """Build, resume, fit and snapshot; the summary of this rank's run."""
-    blocks, loss_fn, train, val, vocab = build(cfg)
+    blocks, loss_fn, train, val, vocab, weights = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
-                      train=cfg.train)
+                      train=cfg.train, weights=weights)
     injector = FaultInjector(fault, info.rank)
     agent.watch_signals()  # SIGTERM: finish this step, snapshot, leave
     injector.should_stop = agent.stop_requested

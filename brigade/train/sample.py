@@ -18,9 +18,9 @@ from brigade.train.layout import OwnedBlocks
 
 
 @torch.no_grad()
-def generate(model: nn.Module, idx: torch.Tensor, tokens: int, context: int,
+def generate(model, idx: torch.Tensor, tokens: int, context: int,
              temperature: float = 0.8, top_k: int | None = 20, generator=None) -> torch.Tensor:
-    """Append `tokens` sampled tokens to idx (1, T)."""
+    """Append `tokens` sampled tokens to idx (1, T); `model`: ids (1, T) → logits (1, T, V)."""
     for _ in range(tokens):
         logits = model(idx[:, -context:])[:, -1, :] / max(temperature, 1e-6)
         if top_k:
@@ -46,6 +46,8 @@ def sample_from_snapshot(found: Snapshot, prompt: str, tokens: int, seed: int = 
     """Continue `prompt` with the GPT of the verified snapshot `found` (see `sample_from_run`)."""
     path = found.path
     manifest = found.manifest
+    if tokens >= 1 and manifest.model.startswith("hf:"):
+        return _sample_hf(found, prompt, tokens, seed, temperature)
     if manifest.model != "gpt" or not manifest.vocab:
         raise BrigadeError(f"{path} is a {manifest.model} run: generate needs a GPT trained on text")
     if tokens < 1:
@@ -64,6 +66,23 @@ def sample_from_snapshot(found: Snapshot, prompt: str, tokens: int, seed: int = 
     g = torch.Generator().manual_seed(seed)
     out = generate(model, idx, tokens, m.context, temperature, generator=g)
     return vocab.decode(out[0].tolist())
+
+
+def _sample_hf(found: Snapshot, prompt: str, tokens: int, seed: int, temperature: float) -> str:
+    """`sample_from_snapshot` for an `hf:DIR` run: its blocks, the directory's tokenizer."""
+    from brigade.models.hf.export import trained_blocks
+    from brigade.pipeline.stages.side_inputs import whole
+    from brigade.train.tokens import load_tokenizer
+
+    blocks, hf = trained_blocks(found)
+    tokenizer = load_tokenizer(str(hf.directory))
+    model = whole(blocks).eval()
+    ids = tokenizer.encode(prompt or "\n", add_special_tokens=False).ids or [0]
+    context = found.manifest.config.get("data", {}).get("block_size", 128)
+    g = torch.Generator().manual_seed(seed)
+    out = generate(lambda idx: model(hf.inputs(idx)), torch.tensor([ids]), tokens, context, temperature,
+                   generator=g)
+    return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
 
 
 def main_generate(path: str, prompt: str, tokens: int, seed: int, temperature: float) -> int:

@@ -100,11 +100,14 @@ class Trainer:
         parallel, optim, train: configuration (defaults if omitted).
         optimizer: factory `model -> Optimizer` (default AdamW from `optim`).
         callbacks: functions called as `cb(trainer, record)` after each step and evaluation.
+        weights: fills this process's blocks once placed (`data.Built.weights`: a Hugging Face
+            directory's tensors into blocks built without memory); None: the blocks have theirs.
     """
 
     def __init__(self, blocks: list[nn.Module], loss_fn, train_data, val_data=None,
                  parallel: ParallelConfig | None = None, optim: OptimConfig | None = None,
-                 train: TrainConfig | None = None, optimizer=None, callbacks=(), metrics: bool = True):
+                 train: TrainConfig | None = None, optimizer=None, callbacks=(), metrics: bool = True,
+                 weights=None):
         self.parallel = parallel or ParallelConfig(nproc=1)
         self.optim_cfg = optim or OptimConfig()
         self.cfg = train or TrainConfig()
@@ -124,7 +127,8 @@ class Trainer:
         self.layout = make_layout(self.parallel, self.info.device)
         autocast = autocast_dtype(self.cfg.precision, self.cfg.bf16, self.info.device.type)
         self.scaler = LossScaler() if autocast == torch.float16 else None
-        self.engine = ProcessModel(blocks, loss_fn, self.parallel, self.layout, autocast=autocast)
+        self.engine = ProcessModel(blocks, loss_fn, self.parallel, self.layout, autocast=autocast,
+                                   weights=weights)
         self.model = self.engine.owned
         self.optimizer = (optimizer or adamw(self.optim_cfg))(self.model)
         self.train_data, self.val_data = train_data, val_data

@@ -258,13 +258,46 @@ def trained(tmp_path_factory, tiny_run) -> Path:
     return out
 
 
+HF_DIR, HF_RUN = "runs/tiny-llama", "runs/hf"  # docs/hf.md's directory and its fine-tune
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory) -> Path:
+    """A finished fine-tune of docs/hf.md's directory, made as that page makes it (relative
+    paths, from its own folder), for the commands that read one (generate, export)."""
+    from tests.e2e.helpers import brigade
+    from tests.models.hf.dirs import tiny_dir
+
+    where = tmp_path_factory.mktemp("hf")
+    (where / "runs").mkdir()
+    (where / HF_DIR).symlink_to(tiny_dir("llama"))
+    done = brigade("train", "--model", f"hf:{HF_DIR}", "--data", README, *TINY, "--max-steps", "4",
+                   "--out", HF_RUN, cwd=where)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return where / HF_RUN
+
+
+def _hf_directories(cmd: str, cwd: Path, request) -> None:
+    """docs/hf.md's directory in `cwd` for a command that names it (but the one that writes
+    it), and its fine-tune for one that reads it."""
+    if (HF_DIR not in cmd and HF_RUN not in cmd) or "brigade.models.hf.tiny" in cmd:
+        return
+    from tests.models.hf.dirs import tiny_dir
+
+    (cwd / "runs").mkdir(exist_ok=True)
+    (cwd / HF_DIR).symlink_to(tiny_dir("llama"))
+    if f"--from {HF_RUN}" in cmd:
+        shutil.copytree(request.getfixturevalue("hf_run"), cwd / HF_RUN)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("cmd", [_param(c) for c in COMMANDS])
-def test_readme_command_runs(cmd, tmp_path, trained, capfd, monkeypatch):
+def test_readme_command_runs(cmd, tmp_path, trained, capfd, monkeypatch, request):
     reads_run = re.search(r"(runs/latest|\bOUT\b|--from)", cmd) and " train" not in cmd
     out = trained if reads_run else tmp_path / "out"
     for name in ("examples", "README.md", "docs"):  # the pages' commands run from the checkout
         (tmp_path / name).symlink_to(README.parent / name)
+    _hf_directories(cmd, tmp_path, request)
     procs = processes(cmd, out)
     if len(procs) == 1 and not procs[0][1] and in_this_process(procs[0][0], cmd):
         results = [run_here(procs[0][0], tmp_path, capfd, monkeypatch)]

@@ -277,7 +277,7 @@ def _api_losses(config_toml: str, out: str) -> dict[str, list[float]]:
             "local stages": ParallelConfig(nproc=1, local_stages=2, schedule="dualpipev", microbatches=2)}
     got = {}
     for name, parallel in runs.items():
-        blocks, loss_fn, train, _, _ = build(cfg)
+        blocks, loss_fn, train, *_ = build(cfg)
         trainer = Trainer(blocks, loss_fn, train, None, parallel=parallel, optim=cfg.optim,
                           train=replace(cfg.train, out=f"{out}/{len(got)}"), metrics=False)
         got[name] = [r["loss"] for r in trainer.fit() if "loss" in r]

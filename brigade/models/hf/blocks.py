@@ -1,0 +1,158 @@
+"""A Hugging Face causal LM cut into brigade blocks: embedding, each decoder layer, norm + head.
+
+Each block holds the family's own modules from `transformers` (a `LlamaDecoderLayer`, a
+`GPT2Block`, ...) unchanged; the blocks only say what passes between them.
+
+    Llama-like:  Embed(embed_tokens)  →  Decoder(layer) × L  →  Head(norm, lm_head)
+                 tokens (B, T) → (B, T, C)    (B, T, C) → (B, T, C)    (B, T, C) → (B, T, V)
+    GPT-2:       Embed(wte, wpe, drop) →  Decoder(block) × L →  Head(ln_f, lm_head)
+
+Side inputs (brigade delivers them to every stage from the batch, see pipeline.stages.side_inputs):
+    attention_mask       (B, T) bool, True on real tokens: each decoder builds the causal mask
+                         (with the layer's sliding window, if it has one) from it
+    position_embeddings  Llama-like only: the rotary (cos, sin), each (B, T, D), computed once per
+                         batch by the family's own rotary module
+
+`standalone` blocks (what `brigade bench`, `tune` and `plan` time: torch.distributed.pipelining,
+their yardstick, hands each stage one tensor) take no side inputs: each decoder makes its
+rotary (cos, sin) with its own copy of the rotary module and its mask for a batch of real
+tokens. The layers, and so what is timed, are the same.
+
+Every block knows the name each of its tensors has in the directory (`hf_names`), so a rank
+reads only its own blocks' tensors and an export writes them back under the same names.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def causal_mask(padding: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(B, T) bool, True on real tokens → (B, 1, T, T) bool, True where a query may attend.
+
+    A query attends to earlier real keys (and within `window` positions, as transformers' sliding
+    window: query − key < window), and always to itself, so that a padded row has a key.
+    """
+    t = padding.shape[1]
+    q = torch.arange(t, device=padding.device)[:, None]
+    k = torch.arange(t, device=padding.device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    return (allowed & padding[:, None, None, :]) | (q == k)
+
+
+class Renamed(nn.Module):
+    """A block whose tensors are named in the directory by prefix: `hf_prefixes` maps the
+    block's own prefix ("layer.") to the directory's ("model.layers.3.")."""
+
+    hf_prefixes: dict[str, str]
+
+    def hf_names(self) -> dict[str, str]:
+        """Every parameter and persistent buffer of the block → its name in the directory."""
+        return {name: hf_name(self.hf_prefixes, name) for name in self.state_dict()}
+
+
+def hf_name(prefixes: dict[str, str], name: str) -> str:
+    """`name` inside a block → its directory name, by the block's `hf_prefixes`."""
+    for ours, theirs in prefixes.items():
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
+    raise KeyError(f"{name} has no directory name (prefixes {sorted(prefixes)})")
+
+
+class Embed(Renamed):
+    """Llama-like: token ids (B, T) → embeddings (B, T, C)."""
+
+    tp_plan: dict = {}  # whole on every tensor-parallel process
+
+    def __init__(self, embed_tokens: nn.Embedding, prefix: str):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.hf_prefixes = {"embed_tokens.": f"{prefix}embed_tokens."}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class GPT2Embed(Renamed):
+    """GPT-2: token ids (B, T) → token + position embeddings (B, T, C), then dropout."""
+
+    tp_plan: dict = {}
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module, prefix: str):
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+        self.hf_prefixes = {"wte.": f"{prefix}wte.", "wpe.": f"{prefix}wpe."}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+class Decoder(Renamed):
+    """Llama-like: one decoder layer, (B, T, C) → (B, T, C), given the rotary (cos, sin) and
+    the padding mask as side inputs."""
+
+    side_inputs = ("position_embeddings", "attention_mask")
+
+    def __init__(self, layer: nn.Module, prefix: str, heads: int, kv_heads: int, window: int | None,
+                 rotary: nn.Module | None = None):
+        super().__init__()
+        self.layer, self.window = layer, window
+        if rotary is not None:  # standalone: no side inputs, the rotary made here
+            self.rotary, self.side_inputs = rotary, ()
+        self.hf_prefixes = {"layer.": prefix}
+        # How --tp splits it: q, k, v by whole (key/value) heads, o row-wise; the MLP's gate and
+        # up column-wise, down row-wise. The attention reads its heads from the tensor's shape.
+        self.tp_plan = {"layer.self_attn.q_proj": ("colwise", heads),
+                        "layer.self_attn.k_proj": ("colwise", kv_heads),
+                        "layer.self_attn.v_proj": ("colwise", kv_heads),
+                        "layer.self_attn.o_proj": ("rowwise", heads),
+                        "layer.mlp.gate_proj": "colwise", "layer.mlp.up_proj": "colwise",
+                        "layer.mlp.down_proj": "rowwise"}
+
+    def forward(self, x: torch.Tensor, *, position_embeddings=None, attention_mask=None) -> torch.Tensor:
+        if attention_mask is None:  # standalone
+            b, t = x.shape[:2]
+            positions = torch.arange(t, device=x.device)[None, :].expand(b, -1)
+            position_embeddings = self.rotary(x, positions)
+            attention_mask = torch.ones(b, t, dtype=torch.bool, device=x.device)
+        mask = causal_mask(attention_mask, self.window)
+        return self.layer(x, attention_mask=mask, position_embeddings=tuple(position_embeddings))
+
+
+class GPT2Decoder(Renamed):
+    """GPT-2: one block, (B, T, C) → (B, T, C), given the padding mask as a side input.
+
+    Its attention and MLP are `Conv1D`s (weights stored transposed), which tensor parallel's
+    plans do not split: it declares no plan, so --tp refuses GPT-2 in one line."""
+
+    side_inputs = ("attention_mask",)
+
+    def __init__(self, block: nn.Module, prefix: str, standalone: bool = False):
+        super().__init__()
+        self.layer = block
+        self.hf_prefixes = {"layer.": prefix}
+        if standalone:
+            self.side_inputs = ()
+
+    def forward(self, x: torch.Tensor, *, attention_mask=None) -> torch.Tensor:
+        if attention_mask is None:  # standalone: a batch of real tokens
+            attention_mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+        return self.layer(x, attention_mask=causal_mask(attention_mask))
+
+
+class Head(Renamed):
+    """The final norm and the output head: (B, T, C) → logits (B, T, V)."""
+
+    tp_plan: dict = {}  # whole on every tensor-parallel process: the loss sees whole logits
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, norm_name: str, prefix: str):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+        self.hf_prefixes = {"norm.": f"{prefix}{norm_name}.", "lm_head.": "lm_head."}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,89 @@
+"""Which Hugging Face families brigade cuts into blocks, and what of a config it refuses.
+
+    Llama-like   llama, mistral, qwen2, qwen3: model.embed_tokens, model.layers[i] (taking the
+                 rotary (cos, sin) and a mask), model.norm, lm_head
+    GPT-2        gpt2: transformer.wte + wpe, transformer.h[i], transformer.ln_f, lm_head
+
+A family is supported when its layers keep that shape; a config field that changes what passes
+between them in a way the blocks do not carry is refused by name (`check_config`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from brigade.errors import BrigadeError
+
+
+@dataclass(frozen=True)
+class Family:
+    kind: str  # "llama" (Llama-like decoder) or "gpt2"
+    base: str  # the attribute of the causal LM holding the decoder ("model", "transformer")
+    embed: str  # the embedding's directory name, which a tied head shares
+    dropouts: tuple[str, ...]  # config fields that are dropout probabilities (set from --dropout)
+
+
+LLAMA = Family("llama", "model", "model.embed_tokens.weight", ("attention_dropout",))
+GPT2 = Family("gpt2", "transformer", "transformer.wte.weight", ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
+FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gpt2": GPT2}
+
+# Config fields whose meaning the blocks do not carry: field → what it is.
+REFUSED = {"quantization_config": "quantized weights", "add_cross_attention": "cross-attention",
+           "is_encoder_decoder": "an encoder-decoder", "attn_logit_softcapping": "attention soft-capping",
+           "attention_chunk_size": "chunked attention"}
+
+
+def read_config(directory: Path) -> dict:
+    """config.json of `directory`, as a dict, checked for a supported family.
+
+    Raises:
+        BrigadeError: no directory, no or unreadable config.json, an unsupported family.
+    """
+    if not directory.is_dir():
+        raise BrigadeError(f"--model hf:{directory}: no such directory: give a directory written by "
+                           "save_pretrained (config.json, model.safetensors, tokenizer.json)")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise BrigadeError(f"{directory} has no config.json: give a directory written by save_pretrained")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BrigadeError(f"{path} is not readable JSON ({exc}): write it again with save_pretrained") \
+            from None
+    family = raw.get("model_type")
+    if family not in FAMILIES:
+        raise BrigadeError(f"{path}: model_type {family!r} is not a family brigade cuts into blocks: "
+                           f"supported are {', '.join(sorted(FAMILIES))}")
+    return raw
+
+
+def check_config(config, directory: Path) -> Family:
+    """The family of a transformers config, after refusing what the blocks cannot carry.
+
+    Raises:
+        BrigadeError: a field of `REFUSED` is set.
+    """
+    for key, what in REFUSED.items():
+        if getattr(config, key, None):
+            raise BrigadeError(f"{directory}/config.json sets {key} ({what}), which brigade's blocks "
+                               f"for {config.model_type} do not carry: use a config without it")
+    return FAMILIES[config.model_type]
+
+
+def windows(config) -> list[int | None]:
+    """Each decoder layer's sliding attention window (None: attends to every earlier token)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if kind == "sliding_attention" else None for kind in types[:n]]
+    if config.model_type == "mistral":
+        return [window] * n
+    return [None] * n
+
+
+def tied(config, family: Family) -> dict[str, str]:
+    """The names a directory may leave out because they share another's values."""
+    return {"lm_head.weight": family.embed} if getattr(config, "tie_word_embeddings", False) else {}

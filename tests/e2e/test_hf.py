@@ -1,0 +1,110 @@
+"""A user's fine-tune of a Hugging Face directory, through the CLI: `brigade train --model hf:DIR
+--data FILE` starts from the directory's weights (its first validation loss is transformers'),
+lowers the validation loss, resumes bit for bit after a kill, samples with the directory's
+tokenizer, and `brigade export --hf` writes a directory transformers loads with the same logits.
+The slow tier does the same under tensor parallel and sharding, where each rank reads only
+its part of each tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.helpers import brigade, final_hash
+from tests.models.hf.dirs import hf, tiny_dir
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("hf-e2e")]
+RUN = ["--block-size", "32", "--batch-size", "8", "--microbatches", "2", "--max-steps", "8",
+       "--snapshot-every", "2", "--eval-every", "4", "--eval-batches", "2", "--lr", "3e-3",
+       "--warmup-steps", "2", "--sample-tokens", "0", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    from brigade.train.data import default_corpus
+
+    path = tmp_path_factory.mktemp("text") / "notes.txt"
+    path.write_text(default_corpus()[:40_000])
+    return path
+
+
+def _val_losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+
+
+def _transformers_val_loss(directory: str, text: Path, batch_size=8, eval_batches=2) -> float:
+    """The run's first validation loss as transformers computes it on the same batches
+    (Trainer.evaluate's: a fixed generator, `eval_batches` global batches)."""
+    from brigade.train.tokens import load_token_data
+
+    _, _, val = load_token_data(str(text), directory, 32, 0.1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    g, total = torch.Generator().manual_seed(12345), 0.0
+    for _ in range(eval_batches):
+        x, y = val.batch(torch.randint(len(val), (batch_size,), generator=g))
+        with torch.no_grad():
+            total += float(torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1),
+                                                             y.flatten()))
+    return total / eval_batches
+
+
+def _train(out, model, text, *layout):
+    done = brigade("train", "--out", out, "--model", model, "--data", text, *RUN, *layout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _logits_equal_after_export(run: Path, out: Path) -> None:
+    from brigade.models.hf.export import trained_blocks
+    from brigade.pipeline.stages.side_inputs import whole
+    from brigade.snapshot.format import resolve
+
+    done = brigade("export", "--hf", out, "--from", run)
+    assert done.returncode == 0, done.stderr[-2000:]
+    blocks, model = trained_blocks(resolve(run))
+    ids = torch.randint(model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(whole(blocks).eval()(model.inputs(ids)), loaded(input_ids=ids).logits,
+                                   atol=1e-5, rtol=0)
+    assert transformers.AutoTokenizer.from_pretrained(out)("x = 1").input_ids
+
+
+def test_fine_tune_resume_sample_and_export(tmp_path, text):
+    directory = tiny_dir("llama")
+    never = tmp_path / "never"
+    _train(never, hf("llama"), text, "--nproc", "2", "--pp", "2", "--schedule", "zb")
+    val = _val_losses(never)
+    assert abs(val[0] - _transformers_val_loss(directory, text)) < 1e-4  # the directory's weights
+    assert val[8] < val[0] - 0.1, val
+    killed = tmp_path / "killed"
+    _train(killed, hf("llama"), text, "--nproc", "2", "--pp", "2", "--schedule", "zb",
+           "--max-restarts", "1", "--inject-fault", "kill:rank=1:step=5")
+    assert final_hash(killed) == final_hash(never)
+    sample = brigade("generate", "--from", never, "--prompt", "The ", "--tokens", "12")
+    assert sample.returncode == 0 and sample.stdout.startswith("The ") and len(sample.stdout) > 6
+    _logits_equal_after_export(never, tmp_path / "exported")
+    again = brigade("export", "--hf", tmp_path / "exported", "--from", never)
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--nproc", "4", "--pp", "2", "--tp", "2", "--schedule", "1f1b"],
+                                    ["--nproc", "2", "--shard", "2"]], ids=["tp2xpp2", "shard2"])
+def test_every_rank_reads_its_part_and_exports_whole(tmp_path, text, layout):
+    run = tmp_path / "run"
+    _train(run, hf("llama"), text, *layout)
+    assert abs(_val_losses(run)[0] - _transformers_val_loss(tiny_dir("llama"), text)) < 1e-4
+    _logits_equal_after_export(run, tmp_path / "exported")
+
+
+def test_gpt2_fine_tunes_under_dp_and_pp(tmp_path, text):
+    run = tmp_path / "run"
+    _train(run, hf("gpt2"), text, "--nproc", "2", "--pp", "2", "--schedule", "1f1b")
+    val = _val_losses(run)
+    assert abs(val[0] - _transformers_val_loss(tiny_dir("gpt2"), text)) < 1e-4 and val[8] < val[0]
