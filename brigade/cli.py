@@ -198,7 +198,7 @@ def _add_export(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from brigade.models.hf.export import export
+    from brigade.train.export import export
 
     print(f"brigade export: wrote {export(args.source, args.hf)}")
     return 0

@@ -463,3 +463,55 @@ def test_plausible_command_lines_reach_preflight_and_fail_cleanly(tmp, flags):
         assert "\n" not in str(exc) and str(exc)
         return
     _preflight_is_clean(cfg)
+
+
+def _hf_copy(tmp_path: Path, family: str = "llama") -> Path:
+    from tests.models.hf.dirs import tiny_dir
+
+    copy = tmp_path / f"{family}-copy"
+    shutil.copytree(tiny_dir(family), copy)
+    return copy
+
+
+def _no_tokenizer(d: Path, tmp_path: Path) -> list:
+    (d / "tokenizer.json").unlink()
+    return []
+
+
+def _bad_json_line(d: Path, tmp_path: Path) -> list:
+    return ["--data", make(tmp_path, "notes.jsonl", '{"text": "fine"}\n{"txt": "oops"}\n')]
+
+
+def _wrong_tokenizer(d: Path, tmp_path: Path) -> list:
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "vocab_size": 64}))
+    return []
+
+
+# (case, how the directory or the command is spoiled → extra flags, the error, exit code)
+HF_CASES = [
+    ("no tokenizer", _no_tokenizer, "tokenizer.json' not found: the directory needs the tokenizer.json", 2),
+    ("json line without text", _bad_json_line, "line 2 has no string field 'text'", 2),
+    ("tokenizer of another model", _wrong_tokenizer, "but the model has 64 embeddings", 2),
+    ("longer than the positions", lambda d, t: ["--block-size", "256"],
+     "--block-size 256 is longer than the 128 positions", 2),
+    ("gpt2 under tp", lambda d, t: ["--nproc", "2", "--tp", "2"], "has no tensor-parallel plan", 2),
+]
+
+
+@pytest.mark.parametrize("case,spoil,message,code", HF_CASES, ids=[c[0] for c in HF_CASES])
+def test_hf_training_refused_in_one_line(cli, tmp_path, case, spoil, message, code):
+    pytest.importorskip("transformers")
+    directory = _hf_copy(tmp_path, "gpt2" if "gpt2" in case else "llama")
+    flags = spoil(directory, tmp_path)
+    out = tmp_path / "out"
+    assert_clean(cli("train", "--model", f"hf:{directory}", "--out", out, *flags), message, code)
+    assert not out.exists(), "nothing may be written for a rejected run"
+
+
+def test_hf_missing_directory_and_export_of_another_model(cli, run, tmp_path):
+    pytest.importorskip("transformers")
+    assert_clean(cli("check", "--model", f"hf:{tmp_path / 'nowhere'}"), "no such directory", 2)
+    assert_clean(cli("export", "--hf", tmp_path / "out", "--from", run),
+                 "is a gpt run: export --hf needs a run of an hf:DIR model", 2)
+    assert not (tmp_path / "out").exists()

@@ -20,7 +20,6 @@ import importlib.util
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,24 +29,10 @@ from torch import nn
 from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.models.resnet import resnet50
+from brigade.models.spec import Batch, ModelSpec
 from brigade.models.toy import mlp, toy
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 BUILTIN = ("gpt", "resnet50", "toy", "mlp")
-
-
-@dataclass
-class ModelSpec:
-    name: str
-    blocks: list[nn.Module]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    make_batch: Callable[[int, torch.Generator], Batch]
-    # Trained on a text (--data): a batch of token ids (B, T) → the model's inputs (a model
-    # file's `text_inputs`, e.g. adding a padding mask); None: the ids are the inputs.
-    text_inputs: Callable[[torch.Tensor], object] | None = None
-    # A Hugging Face directory's model (`models.hf.model.HFModel`): its config, weights and
-    # tokenizer, for the commands that read or write them; None for every other model.
-    hf: object | None = None
 
 
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

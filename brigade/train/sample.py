@@ -70,8 +70,8 @@ def sample_from_snapshot(found: Snapshot, prompt: str, tokens: int, seed: int = 
 
 def _sample_hf(found: Snapshot, prompt: str, tokens: int, seed: int, temperature: float) -> str:
     """`sample_from_snapshot` for an `hf:DIR` run: its blocks, the directory's tokenizer."""
-    from brigade.models.hf.export import trained_blocks
     from brigade.pipeline.stages.side_inputs import whole
+    from brigade.train.export import trained_blocks
     from brigade.train.tokens import load_tokenizer
 
     blocks, hf = trained_blocks(found)

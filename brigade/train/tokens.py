@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from brigade.errors import BrigadeError
-from brigade.train.data import read_text
+from brigade.train.text import read_text
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

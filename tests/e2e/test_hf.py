@@ -60,9 +60,9 @@ def _train(out, model, text, *layout):
 
 
 def _logits_equal_after_export(run: Path, out: Path) -> None:
-    from brigade.models.hf.export import trained_blocks
     from brigade.pipeline.stages.side_inputs import whole
     from brigade.snapshot.format import resolve
+    from brigade.train.export import trained_blocks
 
     done = brigade("export", "--hf", out, "--from", run)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -103,6 +103,7 @@ def test_every_rank_reads_its_part_and_exports_whole(tmp_path, text, layout):
     _logits_equal_after_export(run, tmp_path / "exported")
 
 
+@pytest.mark.slow
 def test_gpt2_fine_tunes_under_dp_and_pp(tmp_path, text):
     run = tmp_path / "run"
     _train(run, hf("gpt2"), text, "--nproc", "2", "--pp", "2", "--schedule", "1f1b")

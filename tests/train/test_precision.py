@@ -159,7 +159,7 @@ def fp16_resumed(out: str, stop_at: int | None) -> dict:
     groups.init(threads=1)
 
     def trainer(scale: float | None) -> Trainer:
-        blocks, loss_fn, train, _, vocab = build(cfg)
+        blocks, loss_fn, train, _, vocab, _ = build(cfg)
         t = Trainer(blocks, loss_fn, train, None, parallel=cfg.parallel, optim=cfg.optim, train=cfg.train,
                     metrics=False)
         t.scaler.growth_interval, t.vocab = 2, vocab

@@ -3,7 +3,10 @@
     model.py     the directory → a ModelSpec (blocks, batch, loss; `spec.hf` the rest)
     blocks.py    the family's own modules cut into blocks, with their side inputs
     weights.py   safetensors read tensor by tensor into the blocks a rank holds
-    export.py    a run's snapshot back into a directory transformers loads
+    tiny.py      a tiny random directory with a tokenizer (tests, docs)
+
+A run's snapshot goes back into a directory by `brigade.train.export` (it reads snapshots,
+which models do not), and `--data` is tokenized by `brigade.train.tokens`.
 
 Needs the optional extra (`pip install -e '.[hf]'`); brigade without it still works.
 """

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from brigade.errors import BrigadeError
-from brigade.models import ModelSpec
 from brigade.models.hf import blocks as hb
 from brigade.models.hf import families
 from brigade.models.hf.deps import require
 from brigade.models.hf.weights import Checkpoint, load_blocks, materialize
+from brigade.models.spec import ModelSpec
 
 PREFIX = "hf:"
 IGNORE = -100  # a target transformers' loss skips

@@ -37,7 +37,7 @@ def config(family: str, vocab_size: int, layers: int = 4, tie: bool = True, **ex
 def tokenizer(vocab_size: int = 256):
     """A byte-level BPE trained on the built-in corpus, "<|endoftext|>" its end of text."""
     tokenizers = require("tokenizers")
-    from brigade.train.data import default_corpus
+    from pydoc_data.topics import topics  # brigade's built-in corpus (train.data reads the same)
 
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -45,7 +45,7 @@ def tokenizer(vocab_size: int = 256):
     trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([default_corpus()], trainer)
+    tok.train_from_iterator([topics[k] for k in sorted(topics)], trainer)
     return tok
 
 

@@ -20,7 +20,6 @@ from torch import nn
 
 from brigade.errors import BrigadeError
 from brigade.models.hf.deps import require
-from brigade.shards import local
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
@@ -99,8 +98,8 @@ def _part(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return local(t), tuple(slice(o, o + n) for o, n in zip(offset, shape))
-    return local(t), ()
+        return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return t.to_local(), ()
 
 
 def _strided_part(t, whole: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,12 @@ import torch
 from torch import nn
 
 from brigade.errors import BrigadeError
+from brigade.models import load_model
 from brigade.models.hf.deps import require
 from brigade.models.hf.weights import INDEX, materialize
+from brigade.snapshot.collective import load_model_only
+from brigade.snapshot.format import resolve
+from brigade.train.layout import OwnedBlocks
 
 WEIGHTS = ("*.safetensors", INDEX, "*.bin", "*.bin.index.json")
 
@@ -33,10 +37,6 @@ def trained_blocks(found) -> tuple[list[nn.Module], object]:
     Raises:
         BrigadeError: not an hf: run, or its directory is gone.
     """
-    from brigade.models import load_model
-    from brigade.snapshot.collective import load_model_only
-    from brigade.train.layout import OwnedBlocks
-
     name = found.manifest.model
     if not name.startswith("hf:"):
         raise BrigadeError(f"{found.path} is a {name} run: export --hf needs a run of an hf:DIR model")
@@ -72,8 +72,6 @@ def export(source: str | Path, out: str | Path) -> Path:
     Raises:
         BrigadeError: `out` exists, `source` holds no snapshot or not an hf: run.
     """
-    from brigade.snapshot.format import resolve
-
     out = Path(out)
     if out.exists():
         raise BrigadeError(f"--hf {out} already exists: give a new directory (nothing was written)")
