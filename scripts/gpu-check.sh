@@ -73,6 +73,20 @@ rows = [json.loads(l) for l in open('$OUT/straight/metrics.jsonl')]
 val = [r['val_loss'] for r in rows if 'val_loss' in r]
 assert val[-1] < val[0], f'validation loss {val[0]:.3f} -> {val[-1]:.3f} did not fall'
 print(f'validation loss {val[0]:.3f} -> {val[-1]:.3f}')"
+# A Hugging Face directory (a tiny random Llama, written here) fine-tuned in bf16 on the GPU, its
+# validation loss falling, and exported back (needs the hf extra, which scripts/setup.sh installs).
+check hf-bf16-finetune "$PY" -c "
+import json, subprocess, sys
+run = lambda *a: subprocess.run([sys.executable, '-m', *a], check=True)
+run('brigade.models.hf.tiny', '$OUT/tiny-llama')
+run('brigade', 'train', '--model', 'hf:$OUT/tiny-llama', '--nproc', '1', '--block-size', '64',
+    '--batch-size', '16', '--max-steps', '60', '--eval-every', '30', '--sample-tokens', '20',
+    '--out', '$OUT/hf')
+rows = [json.loads(l) for l in open('$OUT/hf/metrics.jsonl')]
+val = [r['val_loss'] for r in rows if 'val_loss' in r]
+assert val[-1] < val[0], f'validation loss {val[0]:.3f} -> {val[-1]:.3f} did not fall'
+run('brigade', 'export', '--hf', '$OUT/hf-exported', '--from', '$OUT/hf')
+print(f'validation loss {val[0]:.3f} -> {val[-1]:.3f}, exported')"
 # Across processes: NCCL with one GPU per rank where there are two or more; with one GPU, the
 # one-line refusal of two processes on it. GPU_CHECK_ON_CPU=1 runs the first branch on gloo.
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")

@@ -483,8 +483,18 @@ def _bad_json_line(d: Path, tmp_path: Path) -> list:
 
 
 def _wrong_tokenizer(d: Path, tmp_path: Path) -> list:
-    config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**config, "vocab_size": 64}))
+    from brigade.models.hf import tiny
+
+    tiny.tokenizer(1024).save(str(d / "tokenizer.json"))  # ids past the model's 257 embeddings
+    return []
+
+
+def _drop_tensor(d: Path) -> list:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(d / "model.safetensors"))
+    del state["model.norm.weight"]
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
     return []
 
 
@@ -492,10 +502,11 @@ def _wrong_tokenizer(d: Path, tmp_path: Path) -> list:
 HF_CASES = [
     ("no tokenizer", _no_tokenizer, "tokenizer.json' not found: the directory needs the tokenizer.json", 2),
     ("json line without text", _bad_json_line, "line 2 has no string field 'text'", 2),
-    ("tokenizer of another model", _wrong_tokenizer, "but the model has 64 embeddings", 2),
+    ("tokenizer of another model", _wrong_tokenizer, "but the model has 257 embeddings", 2),
     ("longer than the positions", lambda d, t: ["--block-size", "256"],
      "--block-size 256 is longer than the 128 positions", 2),
     ("gpt2 under tp", lambda d, t: ["--nproc", "2", "--tp", "2"], "has no tensor-parallel plan", 2),
+    ("a tensor missing", lambda d, t: _drop_tensor(d), "the weights have no tensor 'model.norm.weight'", 2),
 ]
 
 

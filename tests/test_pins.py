@@ -29,7 +29,8 @@ def _pins() -> dict[str, str]:
 
 def test_every_requirement_but_torch_is_pinned_exactly():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = {_name(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]
+    extras = project["optional-dependencies"]
+    wanted = {_name(r) for r in project["dependencies"] + extras["dev"] + extras["hf"]
               if "python_version < '3.11'" not in r}
     pins = _pins()
     assert wanted - {"torch"} <= set(pins), f"not pinned: {sorted(wanted - {'torch'} - set(pins))}"
@@ -44,7 +45,8 @@ def test_pyproject_keeps_loose_lower_bounds_for_library_users():
 
 def test_setup_and_ci_install_with_the_constraints():
     setup = (ROOT / "scripts" / "setup.sh").read_text()
-    assert re.search(r"pip install .*-c constraints\.txt .*-e \"\.\[dev\]\"", setup)
+    # the hf extra too: the tests build tiny Hugging Face models
+    assert re.search(r"pip install .*-c constraints\.txt .*-e \"\.\[dev,hf\]\"", setup)
     assert "torch==${BRIGADE_TORCH_VERSION:-2.13.0}" in setup
     assert "scripts/setup.sh" in (ROOT / ".ci" / "run").read_text()
     update = (ROOT / "scripts" / "update-pins.sh").read_text()

@@ -95,7 +95,9 @@ def test_fine_tune_resume_sample_and_export(tmp_path, text):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--nproc", "4", "--pp", "2", "--tp", "2", "--schedule", "1f1b"],
-                                    ["--nproc", "2", "--shard", "2"]], ids=["tp2xpp2", "shard2"])
+                                    ["--nproc", "2", "--shard", "2"],
+                                    ["--nproc", "4", "--tp", "2", "--shard", "2"]],
+                         ids=["tp2xpp2", "shard2", "tp2xshard2"])
 def test_every_rank_reads_its_part_and_exports_whole(tmp_path, text, layout):
     run = tmp_path / "run"
     _train(run, hf("llama"), text, *layout)

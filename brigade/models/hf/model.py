@@ -23,7 +23,7 @@ from brigade.errors import BrigadeError
 from brigade.models.hf import blocks as hb
 from brigade.models.hf import families
 from brigade.models.hf.deps import require
-from brigade.models.hf.weights import Checkpoint, load_blocks, materialize
+from brigade.models.hf.weights import Checkpoint, check_blocks, load_blocks, materialize
 from brigade.models.spec import ModelSpec
 
 PREFIX = "hf:"
@@ -146,6 +146,7 @@ def load_hf(name: str, seed: int = 0, meta: bool = False, dropout: float = 0.0,
     if family.kind == "llama" and not standalone:
         rotary = _rotary(getattr(model, family.base), config)  # real: (cos, sin) per batch
     hf = HFModel(directory, config, family, checkpoint, rotary, dropout)
+    check_blocks(blocks, checkpoint)  # every tensor there, of its shape: from the headers alone
     if not meta:
         hf.load(dict(enumerate(blocks)), "cpu")
     vocab = config.vocab_size

@@ -108,6 +108,28 @@ def _strided_part(t, whole: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local()
 
 
+def check_blocks(blocks: list[nn.Module], ckpt: Checkpoint) -> None:
+    """Every tensor the blocks need is in the directory with the blocks' shape, read from the
+    files' headers alone (before any process starts: a run that cannot load is refused whole).
+
+    Raises:
+        BrigadeError: as `fill`.
+    """
+    for block in blocks:
+        tensors = dict(block.named_parameters())
+        tensors.update(block.named_buffers())
+        for name, hf in block.hf_names().items():
+            _same_shape(ckpt, hf, tuple(tensors[name].shape))
+
+
+def _same_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> None:
+    stored = ckpt.shape(name)
+    if stored != shape:
+        raise BrigadeError(f"{ckpt.directory}: tensor {name!r} is stored with shape {list(stored)} but "
+                           f"config.json makes it {list(shape)}: the weights and config.json do "
+                           "not match")
+
+
 @torch.no_grad()
 def fill(t: torch.Tensor, ckpt: Checkpoint, name: str) -> None:
     """Copy the directory's `name` into `t` (this process's part of it, for a DTensor).
@@ -115,11 +137,7 @@ def fill(t: torch.Tensor, ckpt: Checkpoint, name: str) -> None:
     Raises:
         BrigadeError: the tensor is missing, or its stored shape is not the model's.
     """
-    stored = ckpt.shape(name)
-    if stored != tuple(t.shape):
-        raise BrigadeError(f"{ckpt.directory}: tensor {name!r} is stored with shape {list(stored)} but "
-                           f"config.json makes it {list(t.shape)}: the weights and config.json do "
-                           "not match")
+    _same_shape(ckpt, name, tuple(t.shape))
     dst, index = _part(t)
     if index == ():
         dst.copy_(_strided_part(t, ckpt.read(name)))
