@@ -12,7 +12,8 @@ from tests.e2e.helpers import brigade
 from tests.models.hf.dirs import hf
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.timeout(300)
+# They measure (10-20 s each): the slow tier, with the other benchmarks' and the tuner's commands.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def test_plan_ranks_layouts_of_a_directory(cli):
