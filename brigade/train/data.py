@@ -21,7 +21,7 @@ import torch
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
 from brigade.models.gpt import GPTConfig
-from brigade.train.text import default_corpus, read_text  # noqa: F401 (default_corpus: others ask here)
+from brigade.train.text import CharDataset, default_corpus, read_text  # noqa: F401 (others ask here)
 
 if TYPE_CHECKING:
     from brigade.config import ModelConfig, RunConfig
@@ -47,27 +47,6 @@ class Vocab:
 
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)
-
-
-class CharDataset:
-    """Windows of `block_size` + 1 characters: input and next-character targets."""
-
-    def __init__(self, ids: torch.Tensor, block_size: int, what: str = "corpus"):
-        if len(ids) < block_size + 1:
-            raise BrigadeError(
-                f"the {what} has {len(ids)} characters, fewer than one block of {block_size} + 1: "
-                "use more text or a smaller --block-size"
-            )
-        self.ids = ids
-        self.block_size = block_size
-
-    def __len__(self) -> int:
-        return len(self.ids) - self.block_size
-
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        offsets = torch.arange(self.block_size + 1)
-        windows = self.ids[indices[:, None] + offsets]  # (B, T + 1)
-        return windows[:, :-1], windows[:, 1:]
 
 
 def load_text_data(path: str, block_size: int, val_fraction: float) -> tuple[Vocab, CharDataset,

@@ -1,9 +1,11 @@
-"""Text as a run reads it: a UTF-8 file, checked, or the built-in corpus (`data` cuts it into
-characters, `tokens` into a tokenizer's ids)."""
+"""Text as a run reads it: a UTF-8 file, checked, or the built-in corpus, and the windows of ids
+cut from it (`data` makes its ids characters, `tokens` a tokenizer's)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
 
 from brigade.errors import BrigadeError
 
@@ -38,3 +40,32 @@ def read_text(path: str) -> str:
     except UnicodeDecodeError as exc:
         raise BrigadeError(f"--data {path!r} is not UTF-8 text (byte {exc.start}): convert it to UTF-8") \
             from None
+
+
+class CharDataset:
+    """Windows of `block_size` + 1 characters: input and next-character targets.
+
+    Example k starts at `stride` · k: every position here; `tokens.TokenDataset` tiles the
+    text instead (stride = block_size)."""
+
+    unit, piece, stride = "characters", "block", 1
+
+    def __init__(self, ids: torch.Tensor, block_size: int, what: str = "corpus"):
+        if len(ids) < block_size + 1:
+            raise BrigadeError(
+                f"the {what} has {len(ids)} {self.unit}, fewer than one {self.piece} of {block_size} + 1: "
+                "use more text or a smaller --block-size"
+            )
+        self.ids = ids
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return (len(self.ids) - 1 - self.block_size) // self._stride() + 1
+
+    def _stride(self) -> int:
+        return self.block_size if self.stride is None else self.stride
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = torch.arange(self.block_size + 1)
+        windows = self.ids[indices[:, None] * self._stride() + offsets]  # (B, T + 1)
+        return windows[:, :-1], windows[:, 1:]

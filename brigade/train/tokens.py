@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from brigade.errors import BrigadeError
-from brigade.train.text import read_text
+from brigade.train.text import CharDataset, read_text
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -150,28 +150,17 @@ def pack(docs: list[list[int]], eos: int | None) -> torch.Tensor:
     return torch.tensor(stream, dtype=torch.long)
 
 
-class TokenDataset:
+class TokenDataset(CharDataset):
     """Packed sequences: example k is ids[k*T : k*T + T + 1], inputs and next-token targets.
 
-    Works wherever `data.CharDataset` does (`len`, `batch(indices) -> (inputs, targets)`).
+    Works wherever `data.CharDataset` does (`len`, `batch(indices) -> (inputs, targets)`); its
+    windows tile the stream (stride None: the block size) instead of starting everywhere.
     """
 
+    unit, piece, stride = "tokens", "sequence", None
+
     def __init__(self, ids: torch.Tensor, block_size: int, what: str = "--data"):
-        if len(ids) < block_size + 1:
-            raise BrigadeError(
-                f"the {what} has {len(ids)} tokens, fewer than one sequence of {block_size} + 1: "
-                "use more text or a smaller --block-size"
-            )
-        self.ids = ids
-        self.block_size = block_size
-
-    def __len__(self) -> int:
-        return (len(self.ids) - 1) // self.block_size
-
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        offsets = torch.arange(self.block_size + 1)
-        windows = self.ids[indices[:, None] * self.block_size + offsets]  # (B, T + 1)
-        return windows[:, :-1], windows[:, 1:]
+        super().__init__(ids, block_size, what)
 
 
 def load_token_data(path: str, directory: str, block_size: int,
