@@ -43,15 +43,18 @@ def sample_from_run(path: str | Path, prompt: str, tokens: int, seed: int = 0,
 
 def sample_from_snapshot(found: Snapshot, prompt: str, tokens: int, seed: int = 0,
                          temperature: float = 0.8) -> str:
-    """Continue `prompt` with the GPT of the verified snapshot `found` (see `sample_from_run`)."""
+    """Continue `prompt` with the GPT (or hf:DIR model) of the verified snapshot `found` (see
+    `sample_from_run`)."""
     path = found.path
     manifest = found.manifest
-    if tokens >= 1 and manifest.model.startswith("hf:"):
-        return _sample_hf(found, prompt, tokens, seed, temperature)
-    if manifest.model != "gpt" or not manifest.vocab:
-        raise BrigadeError(f"{path} is a {manifest.model} run: generate needs a GPT trained on text")
+    is_hf = manifest.model.startswith("hf:")
+    if not is_hf and (manifest.model != "gpt" or not manifest.vocab):
+        raise BrigadeError(f"{path} is a {manifest.model} run: generate needs a GPT trained on text "
+                           "or an hf:DIR model")
     if tokens < 1:
         raise BrigadeError(f"--tokens {tokens}: must be ≥ 1")
+    if is_hf:
+        return _sample_hf(found, prompt, tokens, seed, temperature)
     try:
         m = ModelConfig(**manifest.config.get("model", {}))
     except TypeError:
