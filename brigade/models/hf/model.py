@@ -12,7 +12,7 @@ next-token cross-entropy, as transformers' causal LM loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +48,6 @@ class HFModel:
     checkpoint: Checkpoint
     rotary: nn.Module | None = None
     dropout: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     def load(self, blocks: dict[int, nn.Module], device: torch.device | str) -> None:
         """Materialize `blocks` ({index: block}) on `device` where they have no memory yet, and

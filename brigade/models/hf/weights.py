@@ -116,10 +116,14 @@ def check_blocks(blocks: list[nn.Module], ckpt: Checkpoint) -> None:
         BrigadeError: as `fill`.
     """
     for block in blocks:
-        tensors = dict(block.named_parameters())
-        tensors.update(block.named_buffers())
+        tensors = _tensors(block)
         for name, hf in block.hf_names().items():
             _same_shape(ckpt, hf, tuple(tensors[name].shape))
+
+
+def _tensors(block: nn.Module) -> dict[str, torch.Tensor]:
+    """A block's parameters and buffers by name (what its `hf_names` name)."""
+    return {**dict(block.named_parameters()), **dict(block.named_buffers())}
 
 
 def _same_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> None:
@@ -153,8 +157,7 @@ def load_blocks(blocks: dict[int, nn.Module], ckpt: Checkpoint) -> None:
         BrigadeError: as `fill`.
     """
     for block in blocks.values():
-        tensors = dict(block.named_parameters())
-        tensors.update(block.named_buffers())
+        tensors = _tensors(block)
         for name, hf in block.hf_names().items():
             fill(tensors[name], ckpt, hf)
 
