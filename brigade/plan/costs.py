@@ -46,7 +46,7 @@ from brigade.parallel import recompute
 from brigade.pipeline.runtime.backward import backward_split
 from brigade.plan.devices import DeviceSpec
 from brigade.plan.tensor import TensorFacts
-from brigade.train.memory import StepMemory, storage_bytes
+from brigade.train.memory import StepMemory, cpu_peak, storage_bytes
 
 MEASURED, SCALED, FORMULA = "measured", "scaled", "formula"
 REPEATS = 9  # timings per block and size, their median kept: on 2 shared cores 3 swung by a fifth
@@ -79,6 +79,11 @@ class ModelCosts:
     mem_scale: float = 1.0  # the same for the optimizer's memory-bound step
     notes: list[str] = field(default_factory=list)
     tensor: TensorFacts | None = None  # what tensor parallel does to the blocks (`plan.tensor`)
+    # per block, the bytes AdamW's step allocates beyond its state when it steps that block alone;
+    # `opt_foreach`: a step over several blocks allocates their sum (a foreach update), not the
+    # largest (one tensor at a time)
+    opt_transient: list[float] = field(default_factory=list)
+    opt_foreach: bool = False
 
     @property
     def n_blocks(self) -> int:
@@ -97,6 +102,12 @@ class ModelCosts:
             seen.update({pid: n * f for pid, n in self.params[b].items()})
         return sum(seen.values())
 
+    def opt_transient_bytes(self, blocks: list[int]) -> float:
+        """What AdamW's step over these blocks' parameters allocates beyond its state (0: not
+        measured)."""
+        got = [self.opt_transient[b] for b in blocks if b < len(self.opt_transient)]
+        return (sum(got) if self.opt_foreach else max(got)) if got else 0.0
+
     def tp_factor(self, block: int, tp: int) -> float:
         """A block's split work and parameters at degree `tp`, as a share of its whole (1 at tp 1)."""
         return self.tensor.factor(block, tp) if self.tensor is not None and tp > 1 else 1.0
@@ -112,9 +123,11 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
         flops, outs = _flops_and_outputs(spec, x[: min(sizes)], y[: min(sizes)])
         params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
         opt = _optimizer_s_per_byte(spec)
+        stepping, foreach = optimizer_transient(spec.blocks)
     finally:
         torch.set_num_threads(threads)
-    return ModelCosts(spec.name, params, flops, outs, per_mode, opt, here)
+    return ModelCosts(spec.name, params, flops, outs, per_mode, opt, here, opt_transient=stepping,
+                      opt_foreach=foreach)
 
 
 def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
@@ -129,8 +142,9 @@ def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
         recompute.apply(blocks, mode)
         per_mode[mode] = ModeCosts({}, *_memory(spec, blocks, x, y))
     params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
+    stepping, foreach = optimizer_transient(spec.blocks)
     return ModelCosts(spec.name, params, [0.0] * len(spec.blocks), _out_bytes(spec, x), per_mode, 0.0,
-                      here=None)
+                      here=None, opt_transient=stepping, opt_foreach=foreach)
 
 
 def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str) -> ModeCosts:
@@ -260,6 +274,34 @@ def _optimizer_s_per_byte(spec: ModelSpec, repeats: int = 5) -> float:
     return statistics.median(times[1:]) / nbytes
 
 
+def optimizer_transient(blocks) -> tuple[list[float], bool]:
+    """(per block, the bytes AdamW's second step allocates beyond its state, gradients and
+    parameters, clipping included; whether a step over several blocks allocates their sum).
+
+    The second step, because the first creates the state. Which of the two it is depends on
+    the update torch picks here (one tensor at a time on a CPU: about twice the largest
+    parameter; foreach: a copy of them all), so it is read from the whole model's step: the
+    sum when that step allocates more than half again the largest block's."""
+    per = [_step_bytes([p for p in b.parameters()]) for b in blocks]
+    whole = _step_bytes([p for p in {id(p): p for b in blocks for p in b.parameters()}.values()])
+    return per, sum(1 for x in per if x) > 1 and whole > 1.5 * max(per)
+
+
+def _step_bytes(owned: list[torch.Tensor]) -> float:
+    """What one AdamW step (with clipping, as the trainer runs it) allocates on `owned`'s copies."""
+    params = [p.detach().clone().requires_grad_() for p in owned if p.requires_grad]
+    if not params:
+        return 0.0
+    opt = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    return float(cpu_peak(prof))
+
+
 def scaled(costs: ModelCosts, target: DeviceSpec, precision: str) -> ModelCosts:
     """`costs` as the target device would run them (module docstring).
 
@@ -273,4 +315,6 @@ def scaled(costs: ModelCosts, target: DeviceSpec, precision: str) -> ModelCosts:
     out = copy.copy(costs)
     out.scale, out.mem_scale = here / peak, costs.here.mem_bw / target.mem_bw
     out.source = SCALED if costs.source == MEASURED else costs.source
+    if not target.cores:  # a GPU: AdamW's foreach update there allocates about a copy of the parameters
+        out.opt_transient, out.opt_foreach = [float(sum(b.values())) for b in costs.params], True
     return out

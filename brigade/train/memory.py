@@ -44,7 +44,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
-def _cpu_peak(prof) -> int:
+def cpu_peak(prof) -> int:
     """The most bytes allocated at once since the profiler started, from its memory events."""
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
@@ -110,7 +110,7 @@ class StepMemory:
         self.held.__exit__(*exc)
         if self._prof is not None:
             self._prof.__exit__(*exc)
-            self.peak = self.before + _cpu_peak(self._prof)
+            self.peak = self.before + cpu_peak(self._prof)
         else:
             self._gpu.__exit__(*exc)
             self.peak = self._gpu.base + self._gpu.peak_bytes
