@@ -1,14 +1,20 @@
 """How close `brigade plan` comes: predicted against measured step time and per-rank peak memory
 for layouts this machine runs, each a real `brigade train` of a few steps.
 
-    python -m brigade.bench.plan_accuracy --out results/plan          (about 5 minutes on 2 cores)
-    python -m brigade.bench.plan_accuracy --tiny --out /tmp/p         (tests this script)
+    python -m brigade.bench.plan_accuracy --out results/plan          (about 13 minutes on 2 cores)
+    python -m brigade.bench.plan_accuracy --tiny --rounds 1 --out /tmp/p   (tests this script)
 
 The cluster is this machine (the "cpu" device, one node; 4 processes share its cores, which the
-planner models). Costs are measured once per model by the planner itself; each layout is then
-predicted (`plan.predict`) and trained with the predicted cut (`--balance`). Measured: the median
-`step_time_s` of the steps after the second, and each rank's `peak` from the `memory` event
-(step 2). Errors are (predicted − measured) ÷ measured; memory's is the worst rank's.
+planner models). Each layout is predicted (`plan.predict`) on costs the planner itself measures
+and trained with the predicted cut (`--balance`). Measured: the median `step_time_s` of the steps
+after the second, and each rank's `peak` from the `memory` event (step 2). Errors are
+(predicted − measured) ÷ measured; memory's is the worst rank's.
+
+In rounds: each round measures the costs again and trains every layout, in an order turned by one
+each round, and a layout's figures are the medians of its rounds'. On this machine both sides
+drift: the same layout's step moved by 13-29 % between runs minutes apart, and the costs measured
+in one run predicted the pipelines 40 % slower than those of the next, so one round compares one
+moment's costs with another moment's steps.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ CASES = [
     ("mlp", 1, 1, 2, "1f1b", 1, 4, "none"),
     ("mlp", 1, 1, 2, "zb", 1, 4, "full"),
 ]
-TINY_CASES = [CASES[1], CASES[4], CASES[13]]  # dp 2; pp 2 1f1b; the MLP under dp 2
+TINY_CASES = [CASES[1], CASES[4], CASES[13]]
+ROUNDS = 3  # dp 2; pp 2 1f1b; the MLP under dp 2
 
 
 def train(args: list[str], steps: int) -> dict:
@@ -113,6 +120,7 @@ def _costs(model: str, sizes: dict, cases: list[tuple]):
 
 
 def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
+    """One round of one layout: its prediction on `costs` and one `brigade train` of it."""
     from dataclasses import replace
 
     from brigade.pipeline.plans.generate import Costs
@@ -150,6 +158,17 @@ def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
         "memory_error": mem_err,
         "source": row["source"],
     }
+
+
+def medians(runs: list[dict]) -> dict:
+    """One layout's row from its rounds: the median predicted and measured step (and the error
+    between them), each round's figures kept; memory, which does not drift, from the first."""
+    row = dict(runs[0])
+    row["predicted_step_s"] = statistics.median(r["predicted_step_s"] for r in runs)
+    row["measured_step_s"] = statistics.median(r["measured_step_s"] for r in runs)
+    row["step_error"] = (row["predicted_step_s"] - row["measured_step_s"]) / row["measured_step_s"]
+    row["rounds"] = [{k: r[k] for k in ("predicted_step_s", "measured_step_s", "memory_error")} for r in runs]
+    return row
 
 
 def summary(rows: list[dict]) -> dict:
@@ -210,37 +229,45 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", default="results/plan", help="folder for accuracy.json and accuracy.png")
     p.add_argument("--steps", type=int, default=16, help="training steps per layout (≥ 4)")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="rounds: costs measured again and every layout trained once in each (≥ 1)")
     p.add_argument(
         "--tiny", action="store_true", help="tiny sizes and 3 layouts: tests the script, not the planner"
     )
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        raise BrigadeError(f"--rounds {args.rounds}: need at least 1")
     if args.steps < 4:
         raise BrigadeError(
             f"--steps {args.steps}: need at least 4 (memory is measured on step 2, times after it)"
         )
     cases = TINY_CASES if args.tiny else CASES
     gpt = GPT_TINY if args.tiny else GPT
-    rows = []
-    for model in dict.fromkeys(c[0] for c in cases):
-        sizes = gpt if model == "gpt" else {"batch_size": 32}
-        mine = [c for c in cases if c[0] == model]
-        costs, where = _costs(model, sizes, mine)
-        for case in mine:
-            rows.append(run_case(case, costs, where, sizes, args.steps))
-            r = rows[-1]
-            print(
-                f"{model:>4} {r['label']:<34} step {r['measured_step_s'] * 1e3:7.1f} ms, predicted "
-                f"{r['predicted_step_s'] * 1e3:7.1f} ({100 * r['step_error']:+.1f} %); peak "
-                f"{max(r['measured_peak']) / 2**20:6.1f} MiB ({100 * r['memory_error']:+.1f} %)",
-                flush=True,
-            )
+    runs: dict[tuple, list[dict]] = {c: [] for c in cases}
+    for k in range(args.rounds):
+        for model in dict.fromkeys(c[0] for c in cases):
+            sizes = gpt if model == "gpt" else {"batch_size": 32}
+            mine = [c for c in cases if c[0] == model]
+            costs, where = _costs(model, sizes, mine)
+            for case in mine[k % len(mine):] + mine[: k % len(mine)]:
+                runs[case].append(run_case(case, costs, where, sizes, args.steps))
+                r = runs[case][-1]
+                print(
+                    f"round {k + 1}: {model:>4} {r['label']:<34} step {r['measured_step_s'] * 1e3:7.1f} ms, "
+                    f"predicted {r['predicted_step_s'] * 1e3:7.1f} ({100 * r['step_error']:+.1f} %); peak "
+                    f"{max(r['measured_peak']) / 2**20:6.1f} MiB ({100 * r['memory_error']:+.1f} %)",
+                    flush=True,
+                )
+    rows = [medians(runs[c]) for c in cases]
     result = {
         "gpt": gpt,
         "mlp": {"batch_size": 32},
         "steps": args.steps,
+        "rounds": args.rounds,
         "rows": rows,
         "summary": summary(rows),
-        "command": "python -m brigade.bench.plan_accuracy" + (" --tiny" if args.tiny else ""),
+        "command": "python -m brigade.bench.plan_accuracy" + (" --tiny" if args.tiny else "")
+        + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else ""),
     }
     script.save(result, args.out, "accuracy", plot)
     return 0

@@ -41,7 +41,7 @@ SHORT = {
     "tune": _SMALL_SWEEP,
     "brigade.bench.speed": ["--repeats", "1"],
     "brigade.bench.overhead": ["--tiny", "", "--steps", "2", "--rounds", "1", "--warmup", "1"],
-    "brigade.bench.plan_accuracy": ["--tiny", ""],
+    "brigade.bench.plan_accuracy": ["--tiny", "", "--rounds", "1"],
 }
 # What a command is meant to do when it does not succeed (its page says so beside it).
 # The GPU smoke test on a machine without one: its first check fails and it stops (exit 1).
