@@ -23,6 +23,11 @@ bisection may keep more). Every stage runs its forwards, gradients and W in micr
 so gradients accumulate in the same order whatever the costs: two runs planned on different
 measurements give the same bits.
 
+Last, the hand-written schedules of the same placement are candidates too (`handwritten`): the
+list scheduler is greedy, and on some measured costs DualPipeV's order ends sooner; auto runs
+whichever `simulate()` finds shortest, so it is never longer in simulation than a schedule it
+could run as.
+
     p = 2, V = 1, m = 4, unit costs (F = B = 1, I = W = ½), no memory limit, `plan.render`:
 
     t      | 0   1   2   3   4   5   6   7   8   9   10  11  12  13  14  15  16  17
@@ -47,6 +52,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from brigade.pipeline.plans.action import V_SHAPE, Action, B, F, I, Op, Plan, PlanError, W
+from brigade.pipeline.plans.handwritten import or_handwritten
 from brigade.pipeline.plans.registry import place, register
 
 
@@ -189,6 +195,7 @@ def _search(p: int, m: int, v: int, costs: Costs | None) -> dict[int, tuple[Acti
             lo = mid + 1
     found = best(lo)
     plan = found[1] if found[0] <= top[0] * (1 + 1e-9) else top[1]
+    plan = or_handwritten(plan, p, m, v, costs)
     return {r: tuple(acts) for r, acts in plan.items()}
 
 

@@ -247,7 +247,3 @@ def compute_only(plan: Plan) -> Plan:
     """The plan without its sends and receives."""
     return {r: [a for a in acts if a.op in COMPUTE_OPS] for r, acts in plan.items()}
 
-
-# The builders register in this order (the order of help texts and of the bench's rows):
-from brigade.pipeline.plans import virtual as _virtual  # noqa: E402,F401,I001 -- interleaved, looped-bfs, zbv, dualpipev
-from brigade.pipeline.plans import generate as _generate  # noqa: E402,F401 -- auto
