@@ -69,7 +69,8 @@ def peak_bytes(costs: ModelCosts, row: dict, batch: int) -> float:
     if row["dp"] > 1:  # data parallel: the whole model on each process, its share of the batch
         layout = Layout(row["dp"], 1, 1, "gpipe", 1, 1, "none")
         one = moments(build("gpipe", 1, 1))  # one micro-batch: its activations, then its gradients
-        return rank_memory(costs, layout, [costs.n_blocks], {0: 1}, math.ceil(batch / row["dp"]), 0, one)["peak"]
+        mb = math.ceil(batch / row["dp"])
+        return rank_memory(costs, layout, [costs.n_blocks], {0: 1}, mb, 0, one)["peak"]
     layout = Layout(1, 1, row["pp"], row["schedule"], row["virtual"], row["microbatches"], "none")
     plan = build(row["schedule"], row["pp"], row["microbatches"], row["virtual"], plan_costs(row))
     held, when = simulate(plan, 1.0).peak_held, moments(plan)  # moments: what a split backward keeps

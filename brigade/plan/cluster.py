@@ -19,7 +19,7 @@ from pathlib import Path
 import tomllib
 
 from brigade.errors import BrigadeError
-from brigade.plan.devices import FIELDS, NAMES, TABLE, DeviceSpec, device
+from brigade.plan.devices import FIELDS, NAMES, OPTIONAL, TABLE, DeviceSpec, device
 
 TOP = ("nodes", "devices_per_node", "device")
 
@@ -114,7 +114,7 @@ def _device(table, path) -> DeviceSpec:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise BrigadeError(f"--cluster {path}: device.{key} = {v!r}: expected a number ≥ 0")
             values[key] = hints[key](v)
-        elif base is None and key not in ("cores", "shared_slowdown"):
+        elif base is None and key not in OPTIONAL:
             raise BrigadeError(
                 f"--cluster {path}: no device.{key} for device {name!r}, which is not "
                 f"built in ({', '.join(TABLE)}, cpu): give {key} ({_UNITS[key]})"
@@ -135,4 +135,9 @@ _UNITS = {
     "mem_bw": "bytes/s",
     "cores": "devices sharing a host's compute",
     "shared_slowdown": "a number ≥ 1",
+    "all_reduce_bw": "bytes/s a ring all-reduce inside a node achieves, 0: intra_bw",
+    "all_gather_bw": "bytes/s a ring all-gather inside a node achieves, 0: intra_bw",
+    "reduce_scatter_bw": "bytes/s a ring reduce-scatter inside a node achieves, 0: intra_bw",
+    "coll_latency": "seconds per ring step of a collective inside a node, 0: intra_latency",
+    "dtensor_step_s": "seconds AdamW's step adds per DTensor parameter, 0: not counted",
 }

@@ -17,11 +17,16 @@ from __future__ import annotations
 from brigade.plan.cluster import Cluster
 
 
-def link(cluster: Cluster, ranks: list[int]) -> tuple[float, float]:
-    """(bytes/s, latency) of the slowest link inside a group of ranks."""
+def link(cluster: Cluster, ranks: list[int], kind: str = "") -> tuple[float, float]:
+    """(bytes/s, latency) of the slowest link inside a group of ranks; for a collective `kind`
+    ("all_reduce", "all_gather", "reduce_scatter") inside one node, what the device says that
+    collective achieves where it says so (`DeviceSpec.all_reduce_bw`, ...: gloo on a CPU)."""
     d = cluster.device
     if len({cluster.node_of(r) for r in ranks}) > 1:
         return d.inter_bw, d.inter_latency
+    achieved = getattr(d, f"{kind}_bw") if kind else 0.0
+    if achieved > 0:
+        return achieved, d.coll_latency or d.intra_latency
     return d.intra_bw, d.intra_latency
 
 

@@ -11,8 +11,9 @@ GPU (A100: 200 Gb/s HDR), as DGX systems have, 50 (25) GB/s. Latencies are NCCL'
 microseconds. A TOML file (`cluster.py`) gives any other device.
 
 "cpu" is this machine: one thread's fp32 matmul rate, how much slower each thread gets when every
-core runs one (memory bandwidth shared), and gloo's point-to-point bandwidth and latency between
-two processes of this host, over loopback.
+core runs one (memory bandwidth shared), and gloo between two processes of this host, over
+loopback (`gloo_probe`): point to point, each collective, and what a DTensor parameter adds to
+the optimizer's step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from dataclasses import dataclass, fields
 
 from brigade.errors import BrigadeError
+from brigade.plan import gloo_probe
 
 GB = 1e9
 
@@ -35,7 +37,10 @@ class DeviceSpec:
     Peaks are per device in FLOP/s (0: not known); bandwidths in bytes/s one way, latencies in
     seconds. `cores`: devices that share one host's compute (a CPU's cores; 0 for a GPU, which
     has its own); `shared_slowdown`: a device's time when all `cores` compute at once, over its
-    time alone (memory bandwidth is shared; 1 for a GPU).
+    time alone (memory bandwidth is shared; 1 for a GPU). Optional, 0 where not known:
+    `all_reduce_bw`, `all_gather_bw`, `reduce_scatter_bw` and `coll_latency`, what a collective
+    inside a node achieves in the ring formulas (0: the intra-node link's bandwidth and latency,
+    as NCCL comes close to); `dtensor_step_s`, what AdamW's step adds per DTensor parameter.
     """
 
     name: str
@@ -49,6 +54,11 @@ class DeviceSpec:
     mem_bw: float
     cores: int = 0
     shared_slowdown: float = 1.0
+    all_reduce_bw: float = 0.0
+    all_gather_bw: float = 0.0
+    reduce_scatter_bw: float = 0.0
+    coll_latency: float = 0.0
+    dtensor_step_s: float = 0.0
     measured: bool = False  # probed here (cpu), not from a table or a file
 
     def peak(self, precision: str) -> float:
@@ -80,6 +90,8 @@ TABLE = {
 }
 NAMES = (*TABLE, "cpu")
 FIELDS = tuple(f.name for f in fields(DeviceSpec) if f.name not in ("name", "measured"))
+OPTIONAL = ("cores", "shared_slowdown", "all_reduce_bw", "all_gather_bw", "reduce_scatter_bw", "coll_latency",
+            "dtensor_step_s")  # a --cluster file's own device may leave these out
 
 
 def device(name: str) -> DeviceSpec:
@@ -111,11 +123,12 @@ def cpu() -> DeviceSpec:
     try:
         _, fastest = _matmul_seconds(1)
         alone, together = _shared_slowdown(min(cores, 8))
-        bw, latency = _p2p()
+        gloo = gloo_probe.measure()
     finally:
         torch.set_num_threads(threads)
     flops = 2 * _N**3 / fastest
     mem_bw = _copy_rate()
+    bw, latency = gloo.pop("intra_bw"), gloo.pop("intra_latency")
     return DeviceSpec(
         "cpu",
         0.0,
@@ -129,6 +142,7 @@ def cpu() -> DeviceSpec:
         cores,
         max(1.0, together / alone),
         measured=True,
+        **gloo,
     )
 
 
@@ -207,62 +221,3 @@ def host_memory() -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 0.0
-
-
-_PROBE = """
-import json, sys, time, torch, torch.distributed as dist
-r, port = int(sys.argv[1]), int(sys.argv[2])
-torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
-got = []
-for n in (1, 1 << 22):
-    t = torch.zeros(n)
-    for k in range(10):
-        if k == 2:
-            start = time.perf_counter()
-        for sender in (0, 1):
-            (dist.send if r == sender else dist.recv)(t, 1 - r)
-    got.append((time.perf_counter() - start) / 8 / 2)
-dist.destroy_process_group()
-if r == 0:
-    print(json.dumps(got))
-"""
-
-
-def _p2p() -> tuple[float, float]:
-    """(bytes/s, seconds) of gloo send/recv between two processes of this host (one way): 16 MiB
-    and 4 bytes, each sent back and forth 8 times after 2 warm-ups."""
-    import json
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _PROBE, str(r), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    if any(p.returncode for p in procs):
-        raise BrigadeError(
-            "the cpu device's gloo probe failed: "
-            f"{(outs[0][1] or outs[1][1]).strip().splitlines()[-1:]}; give the device "
-            "in a --cluster file instead"
-        )
-    small, big = json.loads(outs[0][0])
-    return 4 * (1 << 22) / max(big - small, 1e-9), small
-
-
-def _both(fn) -> None:
-    workers = [threading.Thread(target=fn, args=(r,)) for r in range(2)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()

@@ -31,7 +31,9 @@ n peaks (peak_held) unless one with fewer held has enough more past their I (zbv
 3 ranks and 8 micro-batches, kept 0.7 × held as on the GPT, is busiest at 3,3 rather than 4,1),
 or, where a stage holds one micro-batch at a time (data parallel's whole model), the gradients
 outweigh its activations: a backward frees the activations as it makes the gradients, so one
-micro-batch's step peaks at the larger of the two, not at their sum. zb's last stage of two:
+micro-batch's step peaks at the larger of the two, not at their sum. Sharded (FSDP2), the
+gradients count at every moment: measured, the sharded layouts' peaks hold both (counted the
+other way, shard 2, HSDP and shard 2 × pp 2 came out 12-17 % under). zb's last stage of two:
 
     F0     I0     F1     I1     W0     F2     I2     W1 ...   (n held, j past I, g) after each
     1,0,0  1,1,0  2,1,0  2,2,0  1,1,1  2,1,1  2,2,1  1,1,1    busiest 2,2,1: split = 2 × kept × mb
@@ -66,17 +68,20 @@ def rank_memory(
             its gradients made (an upper bound, and no split backward).
     """
     bounds = [0, *[sum(balance[: k + 1]) for k in range(len(balance))]]
-    stages = stages_on(layout.schedule, layout.pp, pp_rank, layout.virtual) if layout.pp > 1 else [0]
-    blocks = [b for s in stages for b in range(bounds[s], bounds[s + 1])]
+    stages = _stages(layout, pp_rank)
+    blocks = rank_blocks(layout, balance, pp_rank)
     whole = costs.param_bytes(blocks, layout.tp)
     mine = whole / layout.shard
     mode = costs.modes[layout.recompute]
     at = {s: (moments or {}).get(s) or {(peak_held.get(s, 1), 0, 1)} for s in stages}
+    if layout.shard > 1:  # FSDP2's gradient buffers stand beside the activations from the start
+        at = {s: {(n, j, 1) for n, j, _ in pairs} for s, pairs in at.items()}
     # each stage's share of the rank's whole (unsharded) gradient: a weight tied between two of
     # its stages counts once, as in `whole`
     own = [costs.param_bytes(range(bounds[s], bounds[s + 1]), layout.tp) for s in stages]
     grads = [whole * o / (sum(own) or 1.0) for o in own]
-    busiest = [_busiest(costs, mode, bounds, s, mb, peak_held.get(s, 1), g, at[s]) for s, g in zip(stages, grads)]
+    busiest = [_busiest(costs, mode, bounds, s, mb, peak_held.get(s, 1), g, at[s])
+               for s, g in zip(stages, grads)]
     held = sum(sum(mode.held[bounds[s] : bounds[s + 1]]) * mb * peak_held.get(s, 1) for s in stages)
     split = sum(b["split"] for b in busiest)
     working = max(mode.working[b] for b in blocks) * mb
@@ -92,6 +97,16 @@ def rank_memory(
     peak = mine + 2 * mine + extra + max(backward, stepping)
     return {"params": mine, "grads": mine, "optimizer": 2 * mine, "activations": held + working,
             "split": split, "optimizer_step": stepping - mine, "peak": peak}
+
+
+def _stages(layout: Layout, pp_rank: int) -> list[int]:
+    return stages_on(layout.schedule, layout.pp, pp_rank, layout.virtual) if layout.pp > 1 else [0]
+
+
+def rank_blocks(layout: Layout, balance: list[int], pp_rank: int) -> list[int]:
+    """The blocks of the stages at pipeline position `pp_rank`, under the cut `balance`."""
+    bounds = [0, *[sum(balance[: k + 1]) for k in range(len(balance))]]
+    return [b for s in _stages(layout, pp_rank) for b in range(bounds[s], bounds[s + 1])]
 
 
 def moments(plan: Plan) -> Moments:
@@ -123,7 +138,9 @@ def _busiest(costs: ModelCosts, mode: ModeCosts, bounds: list[int], s: int, mb: 
         kept = costs.out_bytes[bounds[1] - 1] * mb if len(bounds) > 2 else 0.0
     else:
         kept = sum(mode.kept[bounds[s] : bounds[s + 1]]) * mb
-    split = max(0.0, max(n * held + j * kept for n, j, _ in at) - most * held) if any(j for _, j, _ in at) else 0.0
+    split = 0.0
+    if any(j for _, j, _ in at):
+        split = max(0.0, max(n * held + j * kept for n, j, _ in at) - most * held)
     return {"bytes": max(n * held + j * kept + g * grads for n, j, g in at), "split": split}
 
 

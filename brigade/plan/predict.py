@@ -6,14 +6,19 @@ rank's memory (`memory.py`), and whether it fits.
                                                         under tp each block's split share ÷ tp,
                                                         plus its all-reduces on the tp link
          + gradient reduction                           DDP: all-reduce; shard: reduce-scatter and
-                                                        the step's all-gather; HSDP: then an
-                                                        all-reduce of the shard across replicas
-         + optimizer step                               AdamW on this rank's parameters (or shards)
+                                                        the step's all-gather, per block; HSDP:
+                                                        then an all-reduce of the shard across
+                                                        replicas (each at what the device says
+                                                        that collective achieves: gloo's probed)
+         + optimizer step                               AdamW on this rank's parameters (or shards),
+                                                        and under shard or tp what DTensor's
+                                                        dispatch adds per parameter
 
 Not overlapped: an upper bound where a GPU overlaps the reduction with the backward; on a CPU
 gloo's collectives take the same cores. Where more processes share a host than it has cores
 (`DeviceSpec.cores`), the work is time-shared: compute runs `shared_slowdown` slower with every
-core busy, and the step takes at least all ranks' compute ÷ the cores.
+core busy, the step takes at least all ranks' compute ÷ the cores, and the reduction and the
+optimizer step, which every rank runs at once, take ranks ÷ cores times as long.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from brigade.pipeline.stages.partition import solve
 from brigade.plan import comm
 from brigade.plan.cluster import Cluster
 from brigade.plan.costs import ModelCosts
-from brigade.plan.memory import moments, rank_memory, worst
+from brigade.plan.memory import moments, rank_blocks, rank_memory, worst
 from brigade.plan.space import Layout
 
 
@@ -46,7 +51,7 @@ def predict(
     mb = math.ceil(batch / (layout.dp * layout.microbatches))
     groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
     times = _tensor_parallel(costs, costs.block_times(layout.recompute, mb), layout.tp, mb,
-                             comm.link(cluster, groups["tp"]))
+                             comm.link(cluster, groups["tp"], "all_reduce"))
     n_stages = layout.pp * layout.virtual
     balance = solve([f + b for f, b, *_ in times], n_stages) if n_stages > 1 else [costs.n_blocks]
     bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
@@ -64,9 +69,7 @@ def predict(
     at = moments(memory_plan or plan)  # under a split backward, what each stage keeps from I to W too
     memory = [rank_memory(costs, layout, balance, held, mb, r, at) for r in range(layout.pp)]
     top = worst(memory)
-    whole_grads = max(m["grads"] for m in memory) * layout.shard
-    reduce_s = _reduction(cluster, layout, groups, whole_grads)
-    opt_s = costs.optimizer_s_per_byte * costs.mem_scale * top["params"]
+    reduce_s, opt_s = _after_pipeline(costs, layout, cluster, balance, memory)
     step = makespan + reduce_s + opt_s
     flops = sum(costs.flops) * batch
     peak = cluster.device.peak(precision)
@@ -90,6 +93,23 @@ def predict(
         "over_bytes": max(0.0, top["peak"] - limit),
         "source": costs.source,
     }
+
+
+def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: list[int],
+                    memory: list[dict]) -> tuple[float, float]:
+    """(seconds of the gradient reduction, of the optimizer step) after the pipeline's makespan,
+    on the busiest rank; where more processes than cores share a host, every rank runs these at
+    once and they take turns (`_crowding`)."""
+    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
+    whole_grads = max(m["grads"] for m in memory) * layout.shard
+    blocks = [rank_blocks(layout, balance, r) for r in range(layout.pp)]
+    reduce_s = _reduction(cluster, layout, groups, whole_grads, 1 + max(map(len, blocks)))
+    opt_s = costs.optimizer_s_per_byte * costs.mem_scale * worst(memory)["params"]
+    if layout.shard > 1 or layout.tp > 1:  # FSDP2's parameters are DTensors: each op dispatches
+        count = max(len({p for b in bs for p in costs.params[b]}) for bs in blocks)
+        opt_s += cluster.device.dtensor_step_s * count
+    crowd = _crowding(layout, cluster)
+    return reduce_s * crowd, opt_s * crowd
 
 
 def _tensor_parallel(costs: ModelCosts, times: list[tuple[float, ...]], tp: int, mb: int,
@@ -118,6 +138,14 @@ def _time_shared(sim, layout: Layout, cluster: Cluster) -> float:
     return max(sim.makespan, work / max(cluster.device.cores, 1))
 
 
+def _crowding(layout: Layout, cluster: Cluster) -> float:
+    """How much longer the step's other phases (reduction, optimizer) take where a host has more
+    ranks than cores: every rank runs them at once, so they share the cores (1: not crowded)."""
+    procs = min(layout.world, cluster.per_node)
+    cores = cluster.device.cores
+    return procs / cores if cores and procs > cores else 1.0
+
+
 def _shared(cluster: Cluster, world: int) -> float:
     """How much slower compute runs when `world`'s ranks share a host's cores (1: not shared)."""
     d = cluster.device
@@ -135,14 +163,17 @@ def _plan(layout: Layout, per: list[list[float]], p2p: float):
     return build(layout.schedule, layout.pp, layout.microbatches, layout.virtual, costs)
 
 
-def _reduction(cluster: Cluster, layout: Layout, groups: dict, grads: float) -> float:
-    """Seconds of one step's gradient reduction (and a sharded stage's parameter all-gather)."""
+def _reduction(cluster: Cluster, layout: Layout, groups: dict, grads: float, units: int) -> float:
+    """Seconds of one step's gradient reduction (and a sharded stage's parameter all-gather). A
+    sharded stage reduces and gathers each of its `units` (fully_shard per block, then the
+    stage's root) in a collective of its own: the bytes are the same, the latency `units` times."""
     if layout.dp == 1:
         return 0.0
     if layout.shard == 1:
-        return comm.all_reduce(grads, layout.dp, *comm.link(cluster, groups["dp"]))
-    shard = comm.link(cluster, groups["shard"])
-    t = comm.reduce_scatter(grads, layout.shard, *shard) + comm.all_gather(grads, layout.shard, *shard)
-    return t + comm.all_reduce(
-        grads / layout.shard, layout.replicate, *comm.link(cluster, groups["replicate"])
-    )
+        return comm.all_reduce(grads, layout.dp, *comm.link(cluster, groups["dp"], "all_reduce"))
+    each = grads / units
+    t = comm.reduce_scatter(each, layout.shard, *comm.link(cluster, groups["shard"], "reduce_scatter"))
+    t += comm.all_gather(each, layout.shard, *comm.link(cluster, groups["shard"], "all_gather"))
+    t += comm.all_reduce(each / layout.shard, layout.replicate,
+                         *comm.link(cluster, groups["replicate"], "all_reduce"))
+    return units * t

@@ -28,3 +28,23 @@ def test_a_group_across_nodes_takes_the_inter_node_link():
     # dp 2 × pp 4 on 2 nodes of 4: the pipeline stays in a node, data parallel crosses
     g = comm.groups(2, 1, 4)
     assert comm.link(c, g["pp"])[0] == c.device.intra_bw and comm.link(c, g["dp"])[0] == c.device.inter_bw
+
+
+def test_a_collective_inside_a_node_runs_at_what_the_device_says_it_achieves():
+    from dataclasses import replace
+
+    gloo = replace(TABLE["h100"], all_reduce_bw=1e9, reduce_scatter_bw=3e8, coll_latency=2e-4)
+    c = Cluster(2, 4, gloo)
+    assert comm.link(c, [0, 1], "all_reduce") == (1e9, 2e-4)
+    assert comm.link(c, [0, 1], "reduce_scatter") == (3e8, 2e-4)
+    assert comm.link(c, [0, 1], "all_gather") == (gloo.intra_bw, gloo.intra_latency)  # not given: the link's
+    assert comm.link(c, [0, 1]) == (gloo.intra_bw, gloo.intra_latency)  # point to point
+    assert comm.link(c, [0, 4], "all_reduce") == (gloo.inter_bw, gloo.inter_latency)  # across nodes
+
+
+def test_the_gloo_probe_fits_bandwidth_and_latency_through_two_sizes():
+    from brigade.plan.gloo_probe import fit
+
+    # 2 ring steps of 1 ms each, 1 GB/s: 1 MB takes 3 ms, 9 MB 11 ms
+    assert fit([3e-3, 11e-3], [1e6, 9e6], 2) == (pytest.approx(1e9), pytest.approx(1e-3))
+    assert fit([0.5e-3, 8.5e-3], [1e6, 9e6], 1)[1] == 0.0  # below the line: noise, read as none

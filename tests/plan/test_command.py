@@ -64,7 +64,8 @@ def test_json_then_write_config_that_train_runs_within_the_predicted_memory(cli,
     row = result["rows"][0]
     assert row["label"] == "dp 2, m 1" and row["source"] == "measured" and row["fits"]
     assert {"step_s", "tokens_per_s", "mfu", "bubble", "comm_share", "memory", "over_bytes"} <= set(row)
-    assert set(row["memory"]) == {"params", "grads", "optimizer", "activations", "split", "optimizer_step", "peak"}
+    assert set(row["memory"]) == {"params", "grads", "optimizer", "activations", "split", "optimizer_step",
+                                  "peak"}
     assert "dp = 2" in toml.read_text() and "batch_size = 8" in toml.read_text()
     run = tmp_path / "run"
     trained = brigade("train", "--config", toml, "--out", run, *QUIET, "--max-steps", "3")

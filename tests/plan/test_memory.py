@@ -135,3 +135,11 @@ def test_optimizer_transient_is_measured_per_block_as_adamw_runs_here():
         assert largest <= per[b] <= 3 * total
     assert per[2] > per[0]
     assert foreach is False  # AdamW updates one tensor at a time on a CPU (torch's default there)
+
+
+def test_sharded_stages_count_their_gradients_beside_their_activations_at_every_moment():
+    one = moments(build("1f1b", 1, 1))
+    mb = 40  # activations 1600 bytes, whole gradients 400
+    sharded = rank_memory(_costs(), Layout(1, 2, 1, "1f1b", 1, 1, "none"), [4], {0: 1}, mb, 0, one)
+    mine = 400 / 2
+    assert sharded["peak"] == 3 * mine + (400 - mine) + 4 * HELD * mb + 400 + 1.0 * mb

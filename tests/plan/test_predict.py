@@ -1,0 +1,39 @@
+"""`plan.predict`'s step: what sharding adds (per-block collectives at the device's collective
+bandwidth, DTensor's dispatch in the optimizer) and what crowded cores do to the step's phases."""
+
+from dataclasses import replace
+
+import pytest
+
+from brigade.plan.cluster import Cluster
+from brigade.plan.devices import TABLE
+from brigade.plan.predict import predict
+from brigade.plan.space import Layout
+from tests.plan.test_memory import _costs
+
+
+def _device(**fields):
+    return replace(TABLE["h100"], intra_latency=0.0, **fields)
+
+
+def test_a_sharded_step_pays_each_blocks_collectives_and_dtensor_dispatch_per_parameter():
+    costs = _costs()  # four blocks of one 100-byte parameter; AdamW's step free
+    shard = Layout(1, 2, 1, "1f1b", 1, 1, "none")
+    plain = predict(costs, shard, Cluster(1, 2, _device()), batch=8, seq_len=1)
+    slow = _device(reduce_scatter_bw=1.0, all_gather_bw=2.0, coll_latency=0.5, dtensor_step_s=3.0)
+    row = predict(costs, shard, Cluster(1, 2, slow), batch=8, seq_len=1)
+    # 5 units (4 blocks, the root) of 80 bytes: RS ½·80/1 + 0.5, AG ½·80/2 + 0.5 each
+    assert row["reduce_s"] == pytest.approx(5 * (40 + 0.5 + 20 + 0.5))
+    assert row["optimizer_s"] - plain["optimizer_s"] == pytest.approx(4 * 3.0)  # four parameters
+    ddp = predict(costs, Layout(2, 1, 1, "1f1b", 1, 1, "none"), Cluster(1, 2, slow), batch=8, seq_len=1)
+    assert ddp["optimizer_s"] == plain["optimizer_s"] == 0.0  # plain tensors: no dispatch added
+
+
+def test_crowded_cores_take_turns_at_the_reduction_and_the_optimizer_step():
+    costs = replace(_costs(), optimizer_s_per_byte=1e-3)
+    cpu = _device(cores=2, all_reduce_bw=1.0)
+    hsdp = Layout(2, 2, 1, "1f1b", 1, 1, "none")
+    four = predict(costs, hsdp, Cluster(1, 4, cpu), batch=8, seq_len=1)
+    spread = predict(costs, hsdp, Cluster(1, 4, replace(cpu, cores=4)), batch=8, seq_len=1)
+    assert four["reduce_s"] == pytest.approx(2 * spread["reduce_s"]) and spread["reduce_s"] > 0
+    assert four["optimizer_s"] == pytest.approx(2 * spread["optimizer_s"]) and spread["optimizer_s"] > 0
