@@ -147,6 +147,10 @@ CASES = [
     # benchmarks
     ("bench split size 0", ["bench", "--model", "toy", "--splits", "0"], "split sizes must be between 1", 2),
     ("bench unknown schedule", ["bench", "--model", "toy", "--schedules", "fast"], "unknown schedule", 2),
+    ("bench one rank", ["bench", "--model", "toy", "--ranks", "1"],
+     "--ranks 1: expected at least 2 pipeline ranks", 2),
+    ("bench more ranks than blocks", ["bench", "--model", "toy", "--ranks", "4"],
+     "toy has 3 block(s): bench --ranks 4 needs at least 4 to split", 2),
     ("bench a model with side inputs", ["bench", "--model", "examples/llama.py:model"],
      "examples/llama.py:model takes side inputs: brigade bench times models whose batch is one tensor", 2),
     ("tune a model with side inputs", ["tune", "--model", "examples/llama.py:model"],

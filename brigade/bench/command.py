@@ -21,6 +21,9 @@ def add_bench(sub, json_arg) -> None:
     p.add_argument("--out", default="results/bench",
                    help="folder for the results' JSON and plots (default: %(default)s)")
     _sweep_args(p)
+    p.add_argument("--ranks", type=int, default=2,
+                   help="pipeline ranks, one process each (default: %(default)s); on a CPU with fewer "
+                        "cores, they share them: --ranks 4 on 2 cores times pp 4, every schedule as slowed")
     p.add_argument("--malloc-defaults", action="store_true",
                    help="on CPU, leave malloc as it is (freed memory goes back to the OS), to see what "
                         "keeping it saves (brigade.hostmem)")

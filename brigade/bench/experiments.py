@@ -55,6 +55,7 @@ class BenchConfig(Workload):
     schedules: list[str] = field(default_factory=names)
     balance: list[int] | None = None
     rounds: int = 10  # interleaved rounds (`repeats` stays the tuner's per-configuration count)
+    ranks: int = 2  # bench: pipeline ranks, one process each (more than the cores: they share them)
     memory_per_device: float = 0.0  # tune: bytes a process may hold at its peak; 0: no limit
 
 

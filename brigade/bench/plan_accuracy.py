@@ -24,11 +24,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from brigade.bench import script
 from brigade.bench.footprint import QUIET
 from brigade.errors import BrigadeError, RunError
+from brigade.plan.devices import cpu
 from brigade.train.metrics import events, read_records, training
 
 GPT = {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq_len": 64, "batch_size": 16}
@@ -244,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = TINY_CASES if args.tiny else CASES
     gpt = GPT_TINY if args.tiny else GPT
     runs: dict[tuple, list[dict]] = {c: [] for c in cases}
+    probed = []
     for k in range(args.rounds):
+        cpu.cache_clear()  # this machine probed again each round, as the costs are measured again
         for model in dict.fromkeys(c[0] for c in cases):
             sizes = gpt if model == "gpt" else {"batch_size": 32}
             mine = [c for c in cases if c[0] == model]
@@ -258,12 +262,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"{max(r['measured_peak']) / 2**20:6.1f} MiB ({100 * r['memory_error']:+.1f} %)",
                     flush=True,
                 )
+        probed.append(asdict(where.device))
     rows = [medians(runs[c]) for c in cases]
     result = {
         "gpt": gpt,
         "mlp": {"batch_size": 32},
         "steps": args.steps,
         "rounds": args.rounds,
+        "devices": probed,  # each round's probe of this machine (`plan.devices.cpu`)
         "rows": rows,
         "summary": summary(rows),
         "command": "python -m brigade.bench.plan_accuracy" + (" --tiny" if args.tiny else "")

@@ -34,6 +34,7 @@ from brigade.train.metrics import events, loop_seconds, read_records, training, 
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "32", "--block-size", "32",
         "--batch-size", "8", "--eval-batches", "1", "--sample-tokens", "0", "--warmup-steps", "2"]
 TOY = "--model toy --batch-size 8 --splits 4,2 --repeats 1"
+TOY_PP4 = "--model mlp --batch-size 8 --splits 2 --repeats 1 --schedules 1f1b,auto --ranks 4"
 BRIGADE = [sys.executable, "-m", "brigade"]
 
 
@@ -138,6 +139,11 @@ JOBS: dict[str, Job] = {
                         "bench-malloc/bench.json", f"brigade bench {TOY} --malloc-defaults"),
     "bench-mlp": Job("brigade bench --model mlp --batch-size 256 --splits 128", "bench-mlp/bench.json",
                      f"brigade bench {TOY}"),
+    # pp 4: four processes on this machine's two cores, every schedule slowed alike
+    "bench-gpt-pp4": Job("brigade bench --model gpt --quick --ranks 4", "bench-gpt-pp4/bench.json",
+                         f"brigade bench {TOY_PP4}"),
+    "bench-mlp-pp4": Job("brigade bench --model mlp --batch-size 256 --splits 32 --ranks 4",
+                         "bench-mlp-pp4/bench.json", f"brigade bench {TOY_PP4}"),
     "snapshot": Job("brigade train --max-steps 300", "train/snapshot.json",
                     f"brigade train {_T} --max-steps 8 --snapshot-every 2", _snapshot),
     "restart": Job("brigade train --max-steps 300 --inject-fault kill:rank=1:step=150 --max-restarts 1",

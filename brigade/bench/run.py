@@ -56,6 +56,10 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     elif args.quick:  # one split size, m = 8: where every torch schedule runs at p = 2
         cfg.splits = [max(1, cfg.batch_size // 8)]
     cfg.schedules = [s.strip() for s in args.schedules.split(",")]
+    cfg.ranks = getattr(args, "ranks", 2)
+    if cfg.ranks < 2 or (gpu and cfg.ranks > torch.cuda.device_count()):
+        most = f", and at most {torch.cuda.device_count()} (this machine's GPUs)" if gpu else ""
+        raise BrigadeError(f"--ranks {cfg.ranks}: expected at least 2 pipeline ranks{most}")
     for s in cfg.schedules:
         schedule.check(s, "--schedules")
     if cfg.batch_size < 2 or any(not 1 <= s <= cfg.batch_size for s in cfg.splits):
@@ -88,19 +92,21 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = bench_config(args)
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     check_timeable(spec, "bench")
-    if len(spec.blocks) < 2:
-        raise BrigadeError(f"{cfg.model} has {len(spec.blocks)} block: bench needs at least 2 to split")
+    if len(spec.blocks) < cfg.ranks:
+        raise BrigadeError(f"{cfg.model} has {len(spec.blocks)} block(s): bench --ranks {cfg.ranks} needs "
+                           f"at least {cfg.ranks} to split")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise BrigadeError(f"--out {args.out!r} is a file: give a folder")
-    device = f"{torch.cuda.device_count()} GPUs" if torch.cuda.device_count() >= 2 else \
-        "2 CPU processes × 1 thread"
+    cores = os.cpu_count() or 1
+    device = f"{cfg.ranks} GPUs" if torch.cuda.device_count() >= 2 else \
+        f"{cfg.ranks} CPU processes × 1 thread" + (f" on {cores} cores" if cfg.ranks > cores else "")
     print(f"brigade bench: {cfg.model}, batch {cfg.batch_size}, split sizes "
           f"{cfg.splits or 'the tutorial’s, scaled'}, {cfg.rounds} interleaved rounds, on {device}",
           flush=True)
     start = time.perf_counter()
     with _malloc_defaults(getattr(args, "malloc_defaults", False)):
-        raw = agent.launch(worker, LaunchSpec(2, port=args.port), cfg)[0]
+        raw = agent.launch(worker, LaunchSpec(cfg.ranks, port=args.port), cfg)[0]
     data = summarise(cfg, raw, device)
     data["wall_s"] = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)

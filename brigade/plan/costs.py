@@ -31,6 +31,7 @@ target's peak for the run's precision (the same fraction of peak there as here: 
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import time
 import types
@@ -207,6 +208,7 @@ def _kept(block, h, loss_fn, y, first: bool) -> int:
         inp = h.detach().requires_grad_(h.is_floating_point() and not first)
         out = block(inp)
         top = loss_fn(out, y) if loss_fn is not None else out
+        gc.collect()  # no garbage of before (another caller's cycles) freed inside the count
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             grad = None if loss_fn is not None else torch.ones_like(out)
             dx, weight_step = backward_split([top], [grad], [inp], params)
@@ -296,6 +298,7 @@ def _step_bytes(owned: list[torch.Tensor]) -> float:
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

@@ -178,6 +178,9 @@ _MATMULS = """
 import statistics, sys, time, torch
 torch.set_num_threads(1)
 a = torch.randn(512, 512)
+a @ a
+print("ready", flush=True)
+sys.stdin.readline()  # every process times at once, none while another still imports torch
 times = []
 for _ in range(300):
     t0 = time.perf_counter()
@@ -195,8 +198,13 @@ def _shared_slowdown(n: int) -> tuple[float, float]:
     import sys
 
     def run(k: int) -> list[float]:
-        procs = [subprocess.Popen([sys.executable, "-c", _MATMULS], stdout=subprocess.PIPE, text=True)
-                 for _ in range(k)]
+        procs = [subprocess.Popen([sys.executable, "-c", _MATMULS], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True) for _ in range(k)]
+        for p in procs:
+            p.stdout.readline()  # "ready": torch imported, its first matmul done
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
         return [float(p.communicate(timeout=120)[0]) for p in procs]
 
     return run(1)[0], max(run(n))
