@@ -140,4 +140,6 @@ _UNITS = {
     "reduce_scatter_bw": "bytes/s a ring reduce-scatter inside a node achieves, 0: intra_bw",
     "coll_latency": "seconds per ring step of a collective inside a node, 0: intra_latency",
     "dtensor_step_s": "seconds AdamW's step adds per DTensor parameter, 0: not counted",
+    "action_s": "seconds the pipeline runtime adds to each action, 0: not counted",
+    "runtime_step_s": "seconds the pipeline runtime adds to each step, 0: not counted",
 }

@@ -40,7 +40,9 @@ class DeviceSpec:
     time alone (memory bandwidth is shared; 1 for a GPU). Optional, 0 where not known:
     `all_reduce_bw`, `all_gather_bw`, `reduce_scatter_bw` and `coll_latency`, what a collective
     inside a node achieves in the ring formulas (0: the intra-node link's bandwidth and latency,
-    as NCCL comes close to); `dtensor_step_s`, what AdamW's step adds per DTensor parameter.
+    as NCCL comes close to); `dtensor_step_s`, what AdamW's step adds per DTensor parameter;
+    `action_s` and `runtime_step_s`, brigade's runtime's own seconds per action of a plan and
+    per step (measured on "cpu"; 0, not counted, for the GPUs of the table: no measurement).
     """
 
     name: str
@@ -59,6 +61,8 @@ class DeviceSpec:
     reduce_scatter_bw: float = 0.0
     coll_latency: float = 0.0
     dtensor_step_s: float = 0.0
+    action_s: float = 0.0
+    runtime_step_s: float = 0.0
     measured: bool = False  # probed here (cpu), not from a table or a file
 
     def peak(self, precision: str) -> float:
@@ -90,8 +94,9 @@ TABLE = {
 }
 NAMES = (*TABLE, "cpu")
 FIELDS = tuple(f.name for f in fields(DeviceSpec) if f.name not in ("name", "measured"))
+# what a --cluster file's own device may leave out (0, or 1 for shared_slowdown: not counted)
 OPTIONAL = ("cores", "shared_slowdown", "all_reduce_bw", "all_gather_bw", "reduce_scatter_bw", "coll_latency",
-            "dtensor_step_s")  # a --cluster file's own device may leave these out
+            "dtensor_step_s", "action_s", "runtime_step_s")
 
 
 def device(name: str) -> DeviceSpec:

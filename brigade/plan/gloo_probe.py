@@ -12,6 +12,12 @@
     DTensor step     what AdamW's step adds per parameter when the parameters are DTensors (a
                      sharded or tensor-parallel stage's are): each of its ops dispatches
                      through DTensor, a fixed cost per parameter that plain tensors do not pay
+    runtime          brigade's own pipeline runtime (`pipeline.pipe.Pipeline`): two stages of
+                     almost nothing stepped at m = 2 and m = 8 under 1F1B, fitted to a time per
+                     action on the critical path (its dispatch and its transfer's handling) and
+                     one per step (sharing the loss, setting up). On the GPT of the accuracy
+                     benchmark, a pipeline of two at m = 4 ran 12-15 % above its predicted
+                     compute until these were counted
 
 Each figure is a median of 8 timings after 2 warm-ups, on rank 0.
 """
@@ -64,16 +70,25 @@ k = 32
 plain = step([torch.zeros(64, requires_grad=True) for _ in range(k)])
 spread = step([torch.nn.Parameter(distribute_tensor(torch.zeros(128), mesh, [Shard(0)])) for _ in range(k)])
 got["dtensor_step_s"] = max(0.0, (spread - plain) / k)
+
+from brigade.pipeline.pipe import Pipeline
+stage = torch.nn.Linear(8, 8)
+for m in (2, 8):  # a step of two stages of almost nothing: the runtime's own time
+    pipe = Pipeline(stage, "1f1b", m, torch.nn.functional.mse_loss)
+    x, y = torch.randn(4 * m, 8), torch.randn(4 * m, 8)
+    got.setdefault("pipeline", []).append(timed(lambda: pipe.step(x, y)))
 dist.destroy_process_group()
 if r == 0:
     print(json.dumps(got))
 """
 _SIZES = (4 << 16, 4 << 22)  # the collectives' whole buffers, bytes
+_PIPELINE_M = (2, 8)  # the micro-batches of the runtime's two timed steps (the probe's m)
 
 
 def measure() -> dict[str, float]:
     """The `DeviceSpec` fields of this host's gloo (module docstring): intra_bw, intra_latency,
-    all_reduce_bw, all_gather_bw, reduce_scatter_bw, coll_latency, dtensor_step_s.
+    all_reduce_bw, all_gather_bw, reduce_scatter_bw, coll_latency, dtensor_step_s, action_s,
+    runtime_step_s.
 
     Raises:
         BrigadeError: the probe's processes failed (naming the last line they wrote).
@@ -89,7 +104,21 @@ def measure() -> dict[str, float]:
         lats.append(lat)
     out["coll_latency"] = sorted(lats)[1]
     out["dtensor_step_s"] = got["dtensor_step_s"]
+    out["action_s"], out["runtime_step_s"] = runtime(got["pipeline"])
     return out
+
+
+def runtime(seconds: list[float]) -> tuple[float, float]:
+    """(seconds per action, seconds per step) of the runtime's own work, from the steps of a
+    two-stage 1F1B pipeline of almost nothing at m = 2 and m = 8: its actions on the critical
+    path (simulate's makespan at unit costs: 6 and 18) cost the first figure each, the rest of
+    the step (the loss shared, the step's set-up) the second; negatives (noise) are read as 0."""
+    from brigade.pipeline.plans.schedule import build
+    from brigade.pipeline.plans.simulate import simulate
+
+    path = [simulate(build("1f1b", 2, m), 1.0, 1.0).makespan for m in _PIPELINE_M]
+    per = max(0.0, (seconds[1] - seconds[0]) / (path[1] - path[0]))
+    return per, max(0.0, seconds[0] - per * path[0])
 
 
 def fit(seconds: list[float], moved: list[float], steps: int) -> tuple[float, float]:

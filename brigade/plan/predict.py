@@ -4,7 +4,9 @@ rank's memory (`memory.py`), and whether it fits.
 
     step = makespan(plan; per-stage F, B, W, I; P2P)   one pipeline's micro-batches, simulated;
                                                         under tp each block's split share ÷ tp,
-                                                        plus its all-reduces on the tp link
+                                                        plus its all-reduces on the tp link; each
+                                                        action plus the runtime's own time for
+                                                        one (`DeviceSpec.action_s`)
          + gradient reduction                           DDP: all-reduce; shard: reduce-scatter and
                                                         the step's all-gather, per block; HSDP:
                                                         then an all-reduce of the shard across
@@ -13,6 +15,7 @@ rank's memory (`memory.py`), and whether it fits.
          + optimizer step                               AdamW on this rank's parameters (or shards),
                                                         and under shard or tp what DTensor's
                                                         dispatch adds per parameter
+         + the runtime's own time per step              `DeviceSpec.runtime_step_s`
 
 Not overlapped: an upper bound where a GPU overlaps the reduction with the backward; on a CPU
 gloo's collectives take the same cores. Where more processes share a host than it has cores
@@ -57,7 +60,8 @@ def predict(
     bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
     per = [[sum(c[j] for c in times[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(4)]
     slow = _shared(cluster, layout.world)
-    per = [[t * slow for t in row] for row in per]
+    own = cluster.device.action_s  # the runtime's own time, per action
+    per = [[t * slow + own for t in row] for row in per]
     bw, lat = comm.link(cluster, groups["pp"])
     sent = max((costs.out_bytes[b - 1] for b in bounds[1:-1]), default=0.0) * mb
     p2p = comm.p2p(sent, bw, lat) if layout.pp > 1 else 0.0
@@ -70,7 +74,7 @@ def predict(
     memory = [rank_memory(costs, layout, balance, held, mb, r, at) for r in range(layout.pp)]
     top = worst(memory)
     reduce_s, opt_s = _after_pipeline(costs, layout, cluster, balance, memory)
-    step = makespan + reduce_s + opt_s
+    step = makespan + reduce_s + opt_s + cluster.device.runtime_step_s
     flops = sum(costs.flops) * batch
     peak = cluster.device.peak(precision)
     limit = cluster.device.memory

@@ -37,3 +37,21 @@ def test_crowded_cores_take_turns_at_the_reduction_and_the_optimizer_step():
     spread = predict(costs, hsdp, Cluster(1, 4, replace(cpu, cores=4)), batch=8, seq_len=1)
     assert four["reduce_s"] == pytest.approx(2 * spread["reduce_s"]) and spread["reduce_s"] > 0
     assert four["optimizer_s"] == pytest.approx(2 * spread["optimizer_s"]) and spread["optimizer_s"] > 0
+
+
+def test_the_runtimes_own_time_is_added_to_every_action_and_to_the_step():
+    costs = _costs()
+    pp = Layout(1, 1, 2, "1f1b", 1, 4, "none")
+    plain = predict(costs, pp, Cluster(1, 2, _device()), batch=8, seq_len=1)
+    own = predict(costs, pp, Cluster(1, 2, _device(action_s=0.5, runtime_step_s=7.0)), batch=8, seq_len=1)
+    # 1F1B over 2 stages at m 4: 10 actions on the critical path (2 (m + p - 1)), each 0.5 longer
+    assert own["pipeline_s"] - plain["pipeline_s"] == pytest.approx(10 * 0.5)
+    assert own["step_s"] - plain["step_s"] == pytest.approx(10 * 0.5 + 7.0)
+
+
+def test_the_probe_fits_the_runtimes_time_per_action_and_per_step():
+    from brigade.plan.gloo_probe import runtime
+
+    # 1F1B, 2 stages: 6 actions on the critical path at m 2, 18 at m 8
+    assert runtime([6 * 0.002 + 0.01, 18 * 0.002 + 0.01]) == (pytest.approx(0.002), pytest.approx(0.01))
+    assert runtime([0.05, 0.04]) == (0.0, 0.05)  # noise: no negative time
