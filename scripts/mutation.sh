@@ -1,8 +1,9 @@
 #!/bin/sh
 # Mutation testing of the pure plan modules (docs/testing.md, "Mutation testing"): mutmut 3 mutates
-# brigade/pipeline/plans/{action,bounds,registry,schedule,simulate,timeline,validate,virtual}.py
-# one change at a time and runs tests/pipeline/plans against each mutant; a mutant that no test
-# fails on has survived. The run is made in a throwaway copy (a clone of the committed tree:
+# brigade/pipeline/plans/{action,bounds,registry,schedule,simulate,timeline,validate,virtual,
+# handwritten}.py one change at a time and runs tests/pipeline/plans against each mutant; a mutant
+# that no test fails on has survived. MUTATION_MODULES="handwritten" runs only those modules and
+# keeps the summary's other modules as they were. The run is made in a throwaway copy (a clone of the committed tree:
 # uncommitted edits are not in it) with a virtual environment of its own in which brigade is not
 # installed, so the tests import mutmut's mutated copy (mutants/) and nothing else.
 #
@@ -22,7 +23,7 @@ SUMMARY=${MUTATION_SUMMARY:-$ROOT/results/mutation/summary.json}
 WORK=${MUTATION_WORK:-$(mktemp -d)}
 VENV=${MUTATION_VENV:-$WORK/venv}
 MUTMUT_VERSION=3.8.1
-MODULES="action bounds registry schedule simulate timeline validate virtual"
+MODULES=${MUTATION_MODULES:-"action bounds registry schedule simulate timeline validate virtual handwritten"}
 
 if [ ! -x "$VENV/bin/mutmut" ]; then
     "$PY" -m venv "$VENV"
@@ -73,7 +74,7 @@ summary, taken, mutmut, version = sys.argv[1:]
 KILLED, TIMEOUT = {1, 3, -11, -9}, {36, -24, 24, 152, 255}  # mutmut's exit codes of a mutant's run
 old = json.loads(Path(summary).read_text()) if Path(summary).exists() else {"modules": {}}
 reasons = {s["mutant"]: s["reason"] for m in old["modules"].values() for s in m["survivors"]}
-modules, unjudged = {}, []
+modules, unjudged = dict(old["modules"]), []  # a run of some modules keeps the others' figures
 for meta in sorted(Path("mutants").rglob("*.py.meta")):
     codes = json.loads(meta.read_text())["exit_code_by_key"]
     timeouts = sorted(k for k, code in codes.items() if code in TIMEOUT)
