@@ -71,3 +71,50 @@ def test_on_a_tie_auto_keeps_its_own_plan():
     ours, zb = build("auto", 2, 4, 1), compute_only(build("zb", 2, 4))
     assert simulate(ours, 1.0, 1.0).makespan == simulate(zb, 1.0, 1.0).makespan == 9.0
     assert compute_only(ours) != zb
+
+
+CASES = [  # costs (in auto's own units: the largest pass 1) on which a candidate wins, found by search
+    (2, 6, 1, Costs((0.412, 1.0), (0.401, 0.88), (0.228, 0.885), (1.355, 2.28), 0.609)),  # B ≠ I + W
+    (2, 8, 2, Costs((0.658, 0.682, 0.249, 0.585), (0.883, 0.791, 0.299, 0.553), (0.927, 1.0, 0.189, 0.74),
+                    (1.556, 1.248, 0.536, 1.026), 0.106)),  # where a loop-placed plan would be shortest
+    (3, 8, 1, Costs((0.662, 0.722, 0.436), (0.469, 0.996, 0.308), (0.842, 1.0, 0.144), (1.746, 1.102, 0.913),
+                    0.639)),  # the transfer delay decides
+]
+
+
+@pytest.mark.parametrize("p, m, v, c", CASES)
+def test_auto_is_never_longer_than_a_candidate_priced_on_every_cost_it_has(p, m, v, c):
+    from brigade.pipeline.plans.registry import place
+    from brigade.pipeline.plans.schedule import V_SHAPE
+
+    plan = build("auto", p, m, v, costs=c)
+    ours = _span(plan, c)
+    assert all(ours <= _span(build(n, p, m, v), c) * (1 + 1e-9) for n in _same_placement(v))
+    where = place(V_SHAPE, p, v)
+    assert all(where[a.stage] == r for r, acts in plan.items() for a in acts)  # the V placement only
+
+
+def test_most_held_counts_forwards_until_their_b_or_w_and_nothing_for_i():
+    from brigade.pipeline.plans.action import Action
+    from brigade.pipeline.plans.handwritten import most_held
+
+    def acts(*ops):
+        return {0: [Action(0, op, k) for op, k in ops]}
+    assert most_held(acts((F, 0), (B, 0), (F, 1), (I, 1), (F, 2), (W, 1), (B, 2))) == 2
+    assert most_held(acts((F, 0), (I, 0), (F, 1))) == 2  # I frees nothing
+    assert most_held({0: []}) == 0
+
+
+@pytest.mark.parametrize("v, limit", [(1, 1), (2, 5)])
+def test_a_candidate_holding_more_than_the_limit_is_not_run_and_one_holding_it_is(v, limit):
+    from dataclasses import replace
+
+    from brigade.pipeline.plans.handwritten import most_held
+
+    c = GPT_V2 if v == 2 else Costs(GPT_V2.forward[:2], GPT_V2.input_grad[:2], GPT_V2.weight[:2],
+                                     backward=GPT_V2.backward[:2])
+    plan = build("auto", 2, 8, v, costs=replace(c, limit=limit))
+    assert max(_held_at_once(plan).values()) <= limit
+    if v == 2:  # DualPipeV holds exactly 5 here: allowed, it is still the one auto runs
+        assert most_held(compute_only(build("dualpipev", 2, 8, 2))) == 5
+        assert _span(plan, c) == pytest.approx(_span(build("dualpipev", 2, 8, 2), c), rel=1e-3)
