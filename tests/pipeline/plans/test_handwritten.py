@@ -79,6 +79,9 @@ CASES = [  # costs (in auto's own units: the largest pass 1) on which a candidat
                     (1.556, 1.248, 0.536, 1.026), 0.106)),  # where a loop-placed plan would be shortest
     (3, 8, 1, Costs((0.662, 0.722, 0.436), (0.469, 0.996, 0.308), (0.842, 1.0, 0.144), (1.746, 1.102, 0.913),
                     0.639)),  # the transfer delay decides
+    (3, 8, 2, Costs((0.493, 0.44, 0.931, 1.0, 0.245, 0.269), (0.321, 0.322, 0.558, 0.655, 0.35, 0.108),
+                    (0.496, 0.449, 0.634, 0.996, 0.75, 0.586), (1.057, 1.035, 1.005, 2.509, 1.566, 1.041),
+                    0.6)),  # forwards priced as forwards, not as backwards
 ]
 
 
