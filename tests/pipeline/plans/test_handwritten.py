@@ -90,8 +90,7 @@ SPANS = [17.611, 30.867, 23.045, 40.325]  # auto's makespan on each, priced on a
 
 @pytest.mark.parametrize("p, m, v, c, span", [(*case, s) for case, s in zip(CASES, SPANS)])
 def test_auto_is_never_longer_than_a_candidate_priced_on_every_cost_it_has(p, m, v, c, span):
-    from brigade.pipeline.plans.registry import place
-    from brigade.pipeline.plans.schedule import V_SHAPE
+    from brigade.pipeline.plans.schedule import V_SHAPE, place
 
     plan = build("auto", p, m, v, costs=c)
     ours = _span(plan, c)
