@@ -54,8 +54,8 @@ CASES = [
     ("mlp", 1, 1, 2, "1f1b", 1, 4, "none"),
     ("mlp", 1, 1, 2, "zb", 1, 4, "full"),
 ]
-TINY_CASES = [CASES[1], CASES[4], CASES[13]]
-ROUNDS = 3  # dp 2; pp 2 1f1b; the MLP under dp 2
+TINY_CASES = [CASES[1], CASES[4], CASES[13]]  # dp 2; pp 2 1f1b; the MLP under dp 2
+ROUNDS = 3  # rounds of costs and training whose medians a row holds (module docstring)
 
 
 def train(args: list[str], steps: int) -> dict:

@@ -289,6 +289,12 @@ def optimizer_transient(blocks) -> tuple[list[float], bool]:
     return per, sum(1 for x in per if x) > 1 and whole > 1.5 * max(per)
 
 
+def foreach_transient(params: list[dict[int, int]]) -> list[float]:
+    """Per block, what AdamW's foreach update (a GPU's default) allocates beyond its state: about
+    a copy of the block's parameters (`params`: per block, parameter id -> bytes)."""
+    return [float(sum(b.values())) for b in params]
+
+
 def _step_bytes(owned: list[torch.Tensor]) -> float:
     """What one AdamW step (with clipping, as the trainer runs it) allocates on `owned`'s copies."""
     params = [p.detach().clone().requires_grad_() for p in owned if p.requires_grad]
@@ -318,6 +324,6 @@ def scaled(costs: ModelCosts, target: DeviceSpec, precision: str) -> ModelCosts:
     out = copy.copy(costs)
     out.scale, out.mem_scale = here / peak, costs.here.mem_bw / target.mem_bw
     out.source = SCALED if costs.source == MEASURED else costs.source
-    if not target.cores:  # a GPU: AdamW's foreach update there allocates about a copy of the parameters
-        out.opt_transient, out.opt_foreach = [float(sum(b.values())) for b in costs.params], True
+    if not target.cores:  # a GPU: AdamW's foreach update there
+        out.opt_transient, out.opt_foreach = foreach_transient(costs.params), True
     return out

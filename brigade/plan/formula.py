@@ -28,7 +28,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.models import ModelSpec
-from brigade.plan.costs import FORMULA, ModeCosts, ModelCosts
+from brigade.plan.costs import FORMULA, ModeCosts, ModelCosts, foreach_transient
 from brigade.plan.devices import DeviceSpec
 
 ASSUMED_MFU = 0.5  # the share of peak a large model's blocks reach (Megatron-LM reports 40-55 %)
@@ -60,10 +60,8 @@ def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec
     per_mode = {m: ModeCosts({size: times}, held, [0.0] * len(held), transient, kept) if m == "none" else
                 ModeCosts({size: again}, inputs, held, transient, again_kept) for m in modes}
     params = [{id(p): p.numel() * p.element_size() for p in blk.parameters()} for blk in spec.blocks]
-    # AdamW's foreach update (a GPU's default) allocates about a copy of the parameters it steps
-    stepping = [float(sum(b.values())) for b in params]
     costs = ModelCosts(spec.name, params, flops, outs, per_mode, ADAMW_BYTES_MOVED / target.mem_bw,
-                       here=None, source=FORMULA, opt_transient=stepping, opt_foreach=True)
+                       here=None, source=FORMULA, opt_transient=foreach_transient(params), opt_foreach=True)
     costs.notes.append(f"times from FLOPs at {ASSUMED_MFU:.0%} of {target.name}'s peak; memory from "
                        "the shapes of the tensors autograd saves")
     return costs
