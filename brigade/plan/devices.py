@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -185,34 +186,46 @@ torch.set_num_threads(1)
 a = torch.randn(512, 512)
 a @ a
 print("ready", flush=True)
-sys.stdin.readline()  # every process times at once, none while another still imports torch
-times = []
-for _ in range(300):
-    t0 = time.perf_counter()
-    a @ a
-    times.append(time.perf_counter() - t0)
-print(statistics.median(times[20:]))
+for line in sys.stdin:  # "go": time now (with the others, or while they wait); closed: exit
+    times = []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        a @ a
+        times.append(time.perf_counter() - t0)
+    print(statistics.median(times[20:]), flush=True)
 """
 
 
-def _shared_slowdown(n: int) -> tuple[float, float]:
+def _shared_slowdown(n: int, pairs: int = 5) -> tuple[float, float]:
     """(median seconds of a 512² matmul in one process alone, the slowest process's median while
     `n` processes run them at once): processes, as a run's ranks are, each with its own
-    interpreter (threads of one process would also contend for its interpreter's lock)."""
+    interpreter (threads of one process would also contend for its interpreter's lock).
+
+    The processes start once; then one of them alone and all of them together take turns,
+    `pairs` times, and each figure is the median of its turns. Measured once each, one after
+    the other, a slow moment during either read as a slowdown of 1.02 in one probe and 1.28 in
+    another."""
     import subprocess
     import sys
 
-    def run(k: int) -> list[float]:
-        procs = [subprocess.Popen([sys.executable, "-c", _MATMULS], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True) for _ in range(k)]
-        for p in procs:
-            p.stdout.readline()  # "ready": torch imported, its first matmul done
-        for p in procs:
+    procs = [subprocess.Popen([sys.executable, "-c", _MATMULS], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(n)]
+
+    def turn(k: int) -> list[float]:
+        for p in procs[:k]:  # every process times at once, none while another still imports torch
             p.stdin.write("go\n")
             p.stdin.flush()
-        return [float(p.communicate(timeout=120)[0]) for p in procs]
+        return [float(p.stdout.readline()) for p in procs[:k]]
 
-    return run(1)[0], max(run(n))
+    try:
+        for p in procs:
+            p.stdout.readline()  # "ready": torch imported, its first matmul done
+        turns = [(turn(1)[0], max(turn(n))) for _ in range(pairs)]
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=120)
+    return statistics.median(a for a, _ in turns), statistics.median(t for _, t in turns)
 
 
 def _copy_rate() -> float:

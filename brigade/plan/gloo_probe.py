@@ -17,9 +17,12 @@
                      action on the critical path (its dispatch and its transfer's handling) and
                      one per step (sharing the loss, setting up). On the GPT of the accuracy
                      benchmark, a pipeline of two at m = 4 ran 12-15 % above its predicted
-                     compute until these were counted
+                     compute until these were counted. The two steps are timed in turn, 24
+                     times each after 3 warm-ups: timed one after the other, 8 times each, a slow
+                     moment during one of them read as 0.4 ms an action in one probe and 1.0 ms in
+                     the next, and the pipelines' predictions swung by as much as 40 %
 
-Each figure is a median of 8 timings after 2 warm-ups, on rank 0.
+Each other figure is a median of 8 timings after 2 warm-ups, on rank 0.
 """
 
 from __future__ import annotations
@@ -73,10 +76,16 @@ got["dtensor_step_s"] = max(0.0, (spread - plain) / k)
 
 from brigade.pipeline.pipe import Pipeline
 stage = torch.nn.Linear(8, 8)
-for m in (2, 8):  # a step of two stages of almost nothing: the runtime's own time
-    pipe = Pipeline(stage, "1f1b", m, torch.nn.functional.mse_loss)
-    x, y = torch.randn(4 * m, 8), torch.randn(4 * m, 8)
-    got.setdefault("pipeline", []).append(timed(lambda: pipe.step(x, y)))
+pipes = {m: (Pipeline(stage, "1f1b", m, torch.nn.functional.mse_loss), torch.randn(4 * m, 8),
+             torch.randn(4 * m, 8)) for m in (2, 8)}  # steps of two stages of almost nothing
+steps = {m: [] for m in pipes}
+for k in range(3 + 24):  # the two in turn, so that a slow moment slows both
+    for m, (pipe, x, y) in pipes.items():
+        dist.barrier()
+        start = time.perf_counter()
+        pipe.step(x, y)
+        steps[m].append(time.perf_counter() - start)
+got["pipeline"] = [statistics.median(steps[m][3:]) for m in pipes]
 dist.destroy_process_group()
 if r == 0:
     print(json.dumps(got))
