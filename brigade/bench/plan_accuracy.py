@@ -1,7 +1,7 @@
 """How close `brigade plan` comes: predicted against measured step time and per-rank peak memory
 for layouts this machine runs, each a real `brigade train` of a few steps.
 
-    python -m brigade.bench.plan_accuracy --out results/plan          (about 13 minutes on 2 cores)
+    python -m brigade.bench.plan_accuracy --out results/plan          (about 30 minutes on 2 cores)
     python -m brigade.bench.plan_accuracy --tiny --rounds 1 --out /tmp/p   (tests this script)
 
 The cluster is this machine (the "cpu" device, one node; 4 processes share its cores, which the
@@ -10,11 +10,14 @@ and trained with the predicted cut (`--balance`). Measured: the median `step_tim
 after the second, and each rank's `peak` from the `memory` event (step 2). Errors are
 (predicted − measured) ÷ measured; memory's is the worst rank's.
 
-In rounds: each round measures the costs again and trains every layout, in an order turned by one
-each round, and a layout's figures are the medians of its rounds'. On this machine both sides
-drift: the same layout's step moved by 13-29 % between runs minutes apart, and the costs measured
-in one run predicted the pipelines 40 % slower than those of the next, so one round compares one
-moment's costs with another moment's steps.
+In rounds: each round probes this machine again and trains every layout, in an order turned by
+one each round, and a layout's figures are the medians of its rounds'. Each layout's costs are
+measured just before it trains, in a process of its own (its micro-batch size and recompute mode
+only, about 10 s). On this machine both sides drift with what else its host runs: the same
+layout's step moved by 13-29 % between runs minutes apart, AdamW's step on the MLP's parameters
+took 3 ms a MiB at one moment and 1.5 ms five minutes later, and costs measured once for a whole
+round predicted the pipelines 40 % slower in one round than in the next. Measured together,
+costs and step see the machine in much the same state; what drift is left, the medians absorb.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ CASES = [
     ("mlp", 1, 1, 2, "zb", 1, 4, "full"),
 ]
 TINY_CASES = [CASES[1], CASES[4], CASES[13]]  # dp 2; pp 2 1f1b; the MLP under dp 2
-ROUNDS = 3  # rounds of costs and training whose medians a row holds (module docstring)
+ROUNDS = 5  # rounds of costs and training whose medians a row holds (module docstring)
 
 
 def train(args: list[str], steps: int) -> dict:
@@ -99,14 +102,12 @@ def _model_args(model: str, sizes: dict) -> list[str]:
                    "batch_size": sizes["batch_size"]})
 
 
-def _costs(model: str, sizes: dict, cases: list[tuple]):
-    """The planner's costs of `model` (every micro-batch size and mode the cases need), and the
-    cluster: this machine with as many ranks as the largest case."""
+def _costs(model: str, sizes: dict, cases: list[tuple], here):
+    """The planner's costs of `model` (every micro-batch size and mode the cases need), measured
+    on `here` (this machine's probed `DeviceSpec`)."""
     from brigade.config import ModelConfig
-    from brigade.plan.cluster import Cluster
     from brigade.plan.config import PlanConfig
     from brigade.plan.costs import measure
-    from brigade.plan.devices import cpu
     from brigade.plan.run import load_spec, model_config
     from brigade.train.memory import quiet_stderr
 
@@ -117,8 +118,19 @@ def _costs(model: str, sizes: dict, cases: list[tuple]):
     spec = load_spec(cfg, model_config(cfg, base))
     mbs = sorted({sizes["batch_size"] // (c[1] * c[2] * c[6]) for c in cases})
     with quiet_stderr():
-        costs = measure(spec, mbs, sorted({c[7] for c in cases}), cpu())
-    return costs, Cluster(1, 4, cpu())
+        return measure(spec, mbs, sorted({c[7] for c in cases}), here)
+
+
+def fresh_costs(model: str, sizes: dict, cases: list[tuple], here):
+    """`_costs` in a process of its own, each measurement starting as `brigade plan`'s does. In a
+    run that measured them again and again in this one long-lived process, the MLP's dp 2 row
+    went from +2 % in the first rounds to +48 % in the later ones while its training steps did
+    not move."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_costs, model, sizes, cases, here).result()
 
 
 def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
@@ -160,6 +172,30 @@ def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
         "memory_error": mem_err,
         "source": row["source"],
     }
+
+
+def one_round(k: int, cases: list[tuple], gpt: dict, steps: int, runs: dict[tuple, list[dict]]) -> dict:
+    """Round `k`: this machine probed again, then each case's costs measured and the case trained
+    at once (module docstring), in an order turned by `k`; each result appended to `runs[case]`.
+    Returns the round's probe of this machine."""
+    from brigade.plan.cluster import Cluster
+
+    cpu.cache_clear()
+    where = Cluster(1, 4, cpu())  # this machine, with as many ranks as the largest case
+    for model in dict.fromkeys(c[0] for c in cases):
+        sizes = gpt if model == "gpt" else {"batch_size": 32}
+        mine = [c for c in cases if c[0] == model]
+        for case in mine[k % len(mine):] + mine[: k % len(mine)]:
+            costs = fresh_costs(model, sizes, [case], where.device)
+            runs[case].append(run_case(case, costs, where, sizes, steps))
+            r = runs[case][-1]
+            print(
+                f"round {k + 1}: {model:>4} {r['label']:<34} step {r['measured_step_s'] * 1e3:7.1f} ms, "
+                f"predicted {r['predicted_step_s'] * 1e3:7.1f} ({100 * r['step_error']:+.1f} %); peak "
+                f"{max(r['measured_peak']) / 2**20:6.1f} MiB ({100 * r['memory_error']:+.1f} %)",
+                flush=True,
+            )
+    return asdict(where.device)
 
 
 def medians(runs: list[dict]) -> dict:
@@ -246,23 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = TINY_CASES if args.tiny else CASES
     gpt = GPT_TINY if args.tiny else GPT
     runs: dict[tuple, list[dict]] = {c: [] for c in cases}
-    probed = []
-    for k in range(args.rounds):
-        cpu.cache_clear()  # this machine probed again each round, as the costs are measured again
-        for model in dict.fromkeys(c[0] for c in cases):
-            sizes = gpt if model == "gpt" else {"batch_size": 32}
-            mine = [c for c in cases if c[0] == model]
-            costs, where = _costs(model, sizes, mine)
-            for case in mine[k % len(mine):] + mine[: k % len(mine)]:
-                runs[case].append(run_case(case, costs, where, sizes, args.steps))
-                r = runs[case][-1]
-                print(
-                    f"round {k + 1}: {model:>4} {r['label']:<34} step {r['measured_step_s'] * 1e3:7.1f} ms, "
-                    f"predicted {r['predicted_step_s'] * 1e3:7.1f} ({100 * r['step_error']:+.1f} %); peak "
-                    f"{max(r['measured_peak']) / 2**20:6.1f} MiB ({100 * r['memory_error']:+.1f} %)",
-                    flush=True,
-                )
-        probed.append(asdict(where.device))
+    probed = [one_round(k, cases, gpt, args.steps, runs) for k in range(args.rounds)]
     rows = [medians(runs[c]) for c in cases]
     result = {
         "gpt": gpt,

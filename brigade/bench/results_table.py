@@ -206,6 +206,18 @@ for _model, _source in (("GPT", _GPT), ("ResNet-50", _RESNET), ("MLP", _MLP), ("
         "torch's; per-round median, 95 % CI; × > 1: auto faster)", *_source)(_auto)
 
 
+@row("the shortest step any schedule of whole blocks can take (least lower bound over every cut, "
+     "transfers free) against the balanced bound, for the bench rows above", "bound/bound.json",
+     "`python -m brigade.bench.cut_bound`")
+def _cut_bound(d: dict) -> str:
+    parts = []
+    for r in d["rows"]:
+        parts.append(f"{r['model']} pp {r['pp']} V {r['virtual']} {r['placement']} m {r['microbatches']} "
+                     f"{r['ratio']:.3f}")
+    out = sum(not r["within"] for r in d["rows"])
+    return "; ".join(parts) + f" × balanced ({out} of {len(d['rows'])} above +{100 * d['within']:.0f} %)"
+
+
 @row("snapshot at the default interval (every 100 steps), main job", "train/snapshot.json",
      "`brigade train --max-steps 300`")
 def _snapshot(d: dict) -> str:

@@ -42,6 +42,7 @@ SHORT = {
     "brigade.bench.speed": ["--repeats", "1"],
     "brigade.bench.overhead": ["--tiny", "", "--steps", "2", "--rounds", "1", "--warmup", "1"],
     "brigade.bench.plan_accuracy": ["--tiny", "", "--rounds", "1"],
+    "brigade.bench.cut_bound": ["--tiny", ""],
 }
 # What a command is meant to do when it does not succeed (its page says so beside it).
 # The GPU smoke test on a machine without one: its first check fails and it stops (exit 1).
@@ -194,7 +195,7 @@ COMMANDS = readme_commands()
 # start several processes through another launcher (torchrun, srun) or on two nodes (K), 20-35 s
 # each, which tests/e2e/test_train.py also runs in the default tier, each way once, checking more.
 BENCHMARKS = ("bench", "tune", "brigade.bench.overhead", "brigade.bench.speed", "brigade.bench.footprint",
-              "brigade.bench.plan_accuracy")
+              "brigade.bench.plan_accuracy", "brigade.bench.cut_bound")
 LAUNCHERS = ("torchrun", "srun")
 
 
