@@ -120,7 +120,8 @@ def device(name: str) -> DeviceSpec:
 
 @functools.cache
 def cpu() -> DeviceSpec:
-    """This machine, measured (about 2 s): see the module docstring."""
+    """This machine, measured (about 25 s, most of it the shared-cores turns and gloo): see the
+    module docstring."""
     import torch
 
     cores = os.cpu_count() or 1
