@@ -281,3 +281,10 @@ def test_p2p_issues_exactly_the_groups_the_proof_runs():
             for step, mode in enumerate(["discovery", "predicted", "discovery"]):
                 where = f"{name} V={v} step {step} rank {rank}"
                 assert logs[(name, v, step)] == (mode, model[step][rank]), where
+
+
+def test_discovery_batches_keep_the_place_of_the_grouped_batch_they_cut():
+    plan = validate(build("1f1b", 2, 3))
+    got = [(i.after, [str(a) for a in i.ops]) for i in nccl.discovery_batches(plan, 0)]
+    assert got == [(0, ["0SEND_F0"]), (1, ["0SEND_F1"]), (1, ["0RECV_B0"]), (3, ["0SEND_F2"]),
+                   (3, ["0RECV_B1"]), (3, ["0RECV_B2"])]

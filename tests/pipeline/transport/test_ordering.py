@@ -64,3 +64,23 @@ def test_eager_posts_first_receives_at_begin():
 def test_unknown_policy_is_refused():
     with pytest.raises(PlanError, match="posting policy 'fast'"):
         ordering.posting({0: []}, 0, "fast")
+
+
+def test_the_message_clock_is_one_run_of_the_plan_at_f_1_and_b_2():
+    clock = {(s, k.value, mb): t for (s, k, mb), t in ordering.message_clock(build("1f1b", 2, 3)).items()}
+    assert clock == {
+        (0, "F", 0): 1.0, (0, "F", 1): 2.0, (0, "B", 0): 6.0, (0, "F", 2): 7.0, (0, "B", 1): 9.0,
+        (0, "B", 2): 12.0, (1, "F", 0): 2.0, (1, "B", 0): 4.0, (1, "F", 1): 5.0, (1, "B", 1): 7.0,
+        (1, "F", 2): 8.0, (1, "B", 2): 10.0}
+
+
+@pytest.mark.parametrize("rank, expected", [
+    (0, [(ordering.BEGIN, ["0RECV_B0"]), (0, ["0SEND_F0"]), (1, ["0SEND_F1"]), (2, ["0RECV_B1"]),
+         (3, ["0SEND_F2"]), (4, ["0RECV_B2"])]),
+    (1, [(ordering.BEGIN, ["1RECV_F0"]), (0, ["1RECV_F1"]), (1, ["1SEND_B0"]), (2, ["1RECV_F2"]),
+         (3, ["1SEND_B1"]), (5, ["1SEND_B2"])]),
+])
+def test_eager_posts_each_send_at_its_place_and_each_next_receive_once_the_last_arrived(rank, expected):
+    plan = validate(build("1f1b", 2, 3))
+    issues = ordering.posting(plan, rank, ordering.EAGER)
+    assert [(i.after, [str(a) for a in i.ops]) for i in issues] == expected
