@@ -121,7 +121,7 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
     With freed memory kept, as every training process keeps it (`brigade.hostmem`, set for the
     rest of this process): with malloc's defaults each fresh gradient page-faults in again, and
     AdamW's step on the MLP's parameters measured 1.9-3.2 ms a MiB against 1.2-1.4 with it kept,
-    which the training steps run at (the MLP's pipelines were predicted 20-30 % slow)."""
+    which the training steps run at (about 20 ms a step too much on the MLP's pipeline of two)."""
     hostmem.keep_freed_memory()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -203,9 +203,10 @@ def _shared_slowdown(n: int, pairs: int = 5) -> tuple[float, float]:
     interpreter (threads of one process would also contend for its interpreter's lock).
 
     The processes start once; then one of them alone and all of them together take turns,
-    `pairs` times, and each figure is the median of its turns. Measured once each, one after
-    the other, a slow moment during either read as a slowdown of 1.02 in one probe and 1.28 in
-    another."""
+    `pairs` times, and each figure is the median of its turns, so that a slow moment does not
+    fall on one side only. (Measured once each, one after the other, the slowdown read 1.02 in
+    one probe and 1.28 in another; in turns it still reads 1.04-1.30 here, the machine's own
+    spread.)"""
     import subprocess
     import sys
 
