@@ -120,7 +120,7 @@ def device(name: str) -> DeviceSpec:
 
 @functools.cache
 def cpu() -> DeviceSpec:
-    """This machine, measured (about 25 s, most of it the shared-cores turns and gloo): see the
+    """This machine, measured (about 15 s, most of it the shared-cores turns and gloo): see the
     module docstring."""
     import torch
 
@@ -189,7 +189,7 @@ a @ a
 print("ready", flush=True)
 for line in sys.stdin:  # "go": time now (with the others, or while they wait); closed: exit
     times = []
-    for _ in range(300):
+    for _ in range(120):
         t0 = time.perf_counter()
         a @ a
         times.append(time.perf_counter() - t0)
