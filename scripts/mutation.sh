@@ -11,7 +11,7 @@
 # in it) with a virtual environment of its own in which brigade is not installed, so the tests
 # import mutmut's mutated copy (mutants/) and nothing else.
 #
-#   scripts/mutation.sh        # about 17 minutes on 2 cores
+#   scripts/mutation.sh        # about 25 minutes on 2 cores
 #
 # It writes results/mutation/summary.json (or $MUTATION_SUMMARY): per module the mutants, those
 # killed (a test failed), those past their time limit (a mutant that loops forever: caught, as
