@@ -70,8 +70,9 @@ def best_cut(costs: list[tuple[float, ...]], plan) -> tuple[float, list[int], in
 
 
 @cache
-def _block_costs(model: str, options: str, batch: int, size: int) -> tuple:
-    """Per-block (forward, backward, weight, input) seconds of `model` at micro-batch `size`."""
+def _block_costs(model: str, options: str, size: int) -> tuple:
+    """Per-block (forward, backward, weight, input) seconds of `model` at micro-batch `size` (the
+    options as JSON, so that the cases of one model and size share one measurement)."""
     import json
 
     import torch
@@ -106,7 +107,7 @@ def run_case(case: tuple) -> list[dict]:
     from brigade.pipeline.plans.schedule import build
 
     model, command, options, batch, p, virtuals, m = case
-    costs = _block_costs(model, json.dumps(options, sort_keys=True), batch, batch // m)
+    costs = _block_costs(model, json.dumps(options, sort_keys=True), batch // m)
     rows = []
     for (v, placement), schedule in PLACEMENTS.items():
         if v not in virtuals or len(costs) < p * v:
