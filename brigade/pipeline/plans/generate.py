@@ -154,9 +154,8 @@ def _relative(costs: Costs) -> Costs:
                  round(costs.comm / unit, 3), costs.limit)
 
 
-@lru_cache(maxsize=256)  # the same sizes and costs give the same plan: the tests build many
-def _search(p: int, m: int, v: int, costs: Costs | None) -> dict[int, tuple[Action, ...]]:
-    """`auto`'s plan, its lists as tuples (the cache's values are shared)."""
+def _plan(p: int, m: int, v: int, costs: Costs | None) -> dict[int, tuple[Action, ...]]:
+    """`auto`'s plan, its lists as tuples (the cache's values are shared); `_search` caches it."""
     if p < 1 or m < 1 or v < 1:
         raise PlanError(f"auto: ranks={p}, microbatches={m}, virtual={v}: each must be at least 1")
     where = place(V_SHAPE, p, v)
@@ -197,6 +196,11 @@ def _search(p: int, m: int, v: int, costs: Costs | None) -> dict[int, tuple[Acti
     plan = found[1] if found[0] <= top[0] * (1 + 1e-9) else top[1]
     plan = or_handwritten(plan, p, m, v, costs)
     return {r: tuple(acts) for r, acts in plan.items()}
+
+
+# The same sizes and costs give the same plan: the tests build many. (Wrapped here rather than
+# decorated, so that a mutation run, which leaves decorated functions alone, mutates the search.)
+_search = lru_cache(maxsize=256)(_plan)
 
 
 class _Greedy:

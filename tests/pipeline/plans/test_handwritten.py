@@ -11,16 +11,6 @@ from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.plans.validate import validate
 from tests.pipeline.plans.test_generate import _held_at_once, _same_placement
 
-
-@pytest.fixture(autouse=True)
-def _plan_afresh():
-    """auto's search is cached by its sizes and costs: each test here plans again, so that what it
-    checks is what the code does now (a mutation run forks its mutants from a process whose cache
-    earlier tests filled)."""
-    from brigade.pipeline.plans.generate import _search
-
-    _search.cache_clear()
-
 # The GPT bench's measured per-stage seconds at p 2, V 2, m 8 (results/bench-gpt, auto's row,
 # balance 3, 2, 2, 3): stage 0's input pass does nothing, its weight pass all.
 GPT_V2 = Costs((0.01831, 0.01923, 0.01774, 0.01890), (0.00030, 0.02267, 0.02195, 0.02152),
