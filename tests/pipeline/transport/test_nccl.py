@@ -68,7 +68,7 @@ def test_a_payload_is_not_received_before_its_header():
 
 
 def test_unknown_mode_is_refused():
-    with pytest.raises(PlanError, match="mode 'guess'"):
+    with pytest.raises(PlanError, match="^mode 'guess': expected one of predicted, discovery$"):
         nccl.issued(validate(build("1f1b", 2, 2)), ordering.GROUPED, "guess")
 
 
@@ -101,8 +101,43 @@ def _old_grouped(actions):
 
 def test_mispaired_streams_are_reported():
     streams = {0: [((Action(0, "SEND_F", 0), 0),)], 1: [((Action(1, "RECV_F", 1), 0),)]}
-    with pytest.raises(PlanError, match="0SEND_F0 should meet 1RECV_F0"):
+    with pytest.raises(PlanError, match="^0SEND_F0 should meet 1RECV_F0 on rank 1 but its #0 receive there "
+                                        "is 1RECV_F1$"):
         nccl.simulate_nccl(streams)
+
+
+def test_a_send_that_no_receive_meets_is_reported():
+    streams = {0: [((Action(0, "SEND_F", 0), nccl.PAYLOAD),)], 1: []}
+    with pytest.raises(PlanError, match="^0SEND_F0 should meet 1RECV_F0 on rank 1 but no receive is issued "
+                                        "there$"):
+        nccl.simulate_nccl(streams)
+
+
+def test_a_receive_that_no_send_meets_is_reported():
+    # Rank 0 sends micro-batch 0 only; rank 1 waits for 0 and 1.
+    streams = {0: [((Action(0, "SEND_F", 0), nccl.PAYLOAD),)],
+               1: [((Action(1, "RECV_F", 0), nccl.PAYLOAD),), ((Action(1, "RECV_F", 1), nccl.PAYLOAD),)]}
+    with pytest.raises(PlanError, match="^1RECV_F1 is never matched by rank 0$"):
+        nccl.simulate_nccl(streams)
+
+
+def test_a_deadlock_names_each_stuck_rank_and_not_one_that_finished():
+    """Rank 0 hands its activation over and is done; rank 1 waits for a gradient before it
+    sends the activation that stage 2 waits for."""
+    rows = ["0SEND_F0", "1RECV_F0 1RECV_B0 1SEND_F0", "2RECV_F0 2SEND_B0"]  # one group per op
+    streams = {r: [((Action.parse(t), nccl.PAYLOAD),) for t in row.split()] for r, row in enumerate(rows)}
+    stuck = (r"^NCCL deadlock: rank 1 is stuck at \[1RECV_B0\]: 1RECV_B0 waits for 2SEND_B0, queued behind "
+             r"\[2RECV_F0\] on rank 2; rank 2 is stuck at \[2RECV_F0\]: 2RECV_F0 waits for 1SEND_F0, "
+             r"queued behind \[1RECV_B0\] on rank 1$")
+    with pytest.raises(PlanError, match=stuck):
+        nccl.simulate_nccl(streams)
+
+
+def test_rounds_count_the_steps_of_the_predicted_run_from_zero():
+    # GPipe, 1 micro-batch: the activation in round 0, its gradient in round 1.
+    rounds = nccl.rounds(validate(build("gpipe", 2, 1)), ordering.GROUPED)
+    assert {str(a): k for a, k in rounds.items()} == {"0SEND_F0": 0, "1RECV_F0": 0, "1SEND_B0": 1,
+                                                     "0RECV_B0": 1}
 
 
 def _grid():

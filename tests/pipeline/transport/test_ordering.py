@@ -17,7 +17,8 @@ def test_modes_follow_input_shapes():
 
 
 def test_unknown_shapes_option_is_refused():
-    with pytest.raises(PlanError, match="shapes='sometimes'"):
+    with pytest.raises(PlanError, match=r"^shapes='sometimes': expected one of static, dynamic "
+                                        r"\(dynamic when a model's shapes depend on values\)$"):
         ordering.mode_for(None, None, "sometimes")
 
 
@@ -28,12 +29,14 @@ def test_policy_per_backend():
 
 
 def test_eager_is_refused_under_nccl():
-    with pytest.raises(PlanError, match="BRIGADE_P2P_POLICY=eager deadlocks under NCCL"):
+    with pytest.raises(PlanError, match=r"^BRIGADE_P2P_POLICY=eager deadlocks under NCCL \(receives posted "
+                                        r"ahead of sends\): use grouped, or unset it$"):
         ordering.policy_for("nccl", "eager")
 
 
 def test_unknown_requested_policy_is_refused():
-    with pytest.raises(PlanError, match="BRIGADE_P2P_POLICY='fastest': expected one of grouped, eager"):
+    with pytest.raises(PlanError, match="^BRIGADE_P2P_POLICY='fastest': expected one of grouped, eager, "
+                                        "or unset for the backend's default$"):
         ordering.policy_for("gloo", "fastest")
 
 
@@ -45,6 +48,18 @@ def test_grouped_issues_in_clock_order_one_send_per_batch():
     assert [(i.after, [str(a) for a in i.ops]) for i in issues] == [
         (ordering.BEGIN, ["1RECV_F0", "1RECV_F1"]), (1, ["1SEND_B0", "1RECV_F2"]),  # after comm #1
         (3, ["1SEND_B1"]), (5, ["1SEND_B2"])]
+
+
+def test_grouped_orders_messages_by_when_they_are_produced_not_consumed():
+    """1F1B, 3 stages: 0F2 ends at 3, as 1F1 does (a tie, broken by the producing stage), so
+    1RECV_F2 joins 1SEND_F0's batch although stage 1 only consumes it after 1B0 (at 8, after
+    stage 2 consumed 1SEND_F1's message at 6)."""
+    plan = validate(build("1f1b", 3, 3))
+    issues = ordering.posting(plan, 1, ordering.GROUPED)
+    assert [(i.after, [str(a) for a in i.ops]) for i in issues] == [
+        (ordering.BEGIN, ["1RECV_F0", "1RECV_F1"]), (1, ["1SEND_F0", "1RECV_F2"]),
+        (3, ["1SEND_F1", "1RECV_B0"]), (5, ["1SEND_B0"]), (7, ["1SEND_F2", "1RECV_B1"]),
+        (9, ["1SEND_B1", "1RECV_B2"]), (11, ["1SEND_B2"])]
 
 
 def test_every_comm_action_is_issued_once():
@@ -62,8 +77,14 @@ def test_eager_posts_first_receives_at_begin():
 
 
 def test_unknown_policy_is_refused():
-    with pytest.raises(PlanError, match="posting policy 'fast'"):
+    with pytest.raises(PlanError, match="^posting policy 'fast': expected one of grouped, eager$"):
         ordering.posting({0: []}, 0, "fast")
+
+
+def test_a_rank_outside_the_plan_issues_nothing():
+    plan = validate(build("1f1b", 2, 3))
+    for policy in ordering.POLICIES:
+        assert ordering.posting(plan, 2, policy) == [], policy
 
 
 def test_the_message_clock_is_one_run_of_the_plan_at_f_1_and_b_2():
