@@ -1,17 +1,15 @@
 #!/bin/sh
 # Mutation testing of the pure plan modules (docs/testing.md, "Mutation testing"): mutmut 3 mutates
 # brigade/pipeline/plans/{action,bounds,registry,schedule,simulate,timeline,validate,virtual,
-# handwritten}.py and brigade/pipeline/transport/{ordering,nccl}.py (the NCCL ordering proof) one
-# change at a time and runs tests/pipeline/plans and the transport's pure tests against each
-# mutant; a mutant that no test fails on has survived. MUTATION_MODULES names modules under
+# handwritten,generate}.py and brigade/pipeline/transport/{ordering,nccl}.py (the NCCL ordering
+# proof) one change at a time and runs tests/pipeline/plans and the transport's pure tests against
+# each mutant; a mutant that no test fails on has survived. MUTATION_MODULES names modules under
 # brigade/pipeline (a bare name is one of plans/): MUTATION_MODULES="handwritten" runs only that
-# module and keeps the summary's other modules as they were; "plans/generate" (auto's list
-# scheduler, not in the default run: its test grid takes about a minute a mutant) brings its tests
-# in. The run is made in a throwaway copy (a clone of the committed tree: uncommitted edits are not
+# module and keeps the summary's other modules as they were. The run is made in a throwaway copy (a clone of the committed tree: uncommitted edits are not
 # in it) with a virtual environment of its own in which brigade is not installed, so the tests
 # import mutmut's mutated copy (mutants/) and nothing else.
 #
-#   scripts/mutation.sh        # about 25 minutes on 2 cores
+#   scripts/mutation.sh        # about 40 minutes on 2 cores
 #
 # It writes results/mutation/summary.json (or $MUTATION_SUMMARY): per module the mutants, those
 # killed (a test failed), those past their time limit (a mutant that loops forever: caught, as
@@ -28,7 +26,7 @@ WORK=${MUTATION_WORK:-$(mktemp -d)}
 VENV=${MUTATION_VENV:-$WORK/venv}
 MUTMUT_VERSION=3.8.1
 MODULES=${MUTATION_MODULES:-"action bounds registry schedule simulate timeline validate virtual handwritten
-    transport/ordering transport/nccl"}
+    generate transport/ordering transport/nccl"}
 
 if [ ! -x "$VENV/bin/mutmut" ]; then
     "$PY" -m venv "$VENV"
@@ -54,8 +52,7 @@ cd "$SRC"
     echo "timeout_multiplier = 2.0"
     echo "timeout_constant = 20.0"
     # serially (the repository's addopts run two xdist workers), the plan tests and the transport's
-    # pure ones (not the one that spawns a gloo world to record what P2PTransport issues); generate.py's
-    # tests only when it is mutated
+    # pure ones (not the one that spawns a gloo world to record what P2PTransport issues)
     echo "pytest_add_cli_args ="
     echo "    -o"
     echo "    addopts=-p no:cacheprovider"
@@ -64,7 +61,6 @@ cd "$SRC"
     echo "    tests/pipeline/transport/test_ordering.py"
     echo "    tests/pipeline/transport/test_nccl.py"
     echo "    --deselect=tests/pipeline/transport/test_nccl.py::test_p2p_issues_exactly_the_groups_the_proof_runs"
-    case " $MODULES " in *generate*) ;; *) echo "    --ignore=tests/pipeline/plans/test_generate.py" ;; esac
 } > setup.cfg
 
 START=$(date +%s)
