@@ -5,9 +5,10 @@
 # proof) one change at a time and runs tests/pipeline/plans and the transport's pure tests against
 # each mutant; a mutant that no test fails on has survived. MUTATION_MODULES names modules under
 # brigade/pipeline (a bare name is one of plans/): MUTATION_MODULES="handwritten" runs only that
-# module and keeps the summary's other modules as they were. The run is made in a throwaway copy (a clone of the committed tree: uncommitted edits are not
-# in it) with a virtual environment of its own in which brigade is not installed, so the tests
-# import mutmut's mutated copy (mutants/) and nothing else.
+# module and keeps the summary's other modules as they were. The run is made in a throwaway copy
+# (a clone of the committed tree: uncommitted edits are not in it) with a virtual environment of
+# its own in which brigade is not installed, so the tests import mutmut's mutated copy (mutants/)
+# and nothing else.
 #
 #   scripts/mutation.sh        # about 40 minutes on 2 cores
 #
