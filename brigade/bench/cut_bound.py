@@ -36,6 +36,8 @@ CASES = [
     ("mlp", "brigade bench --model mlp --batch-size 256 --splits 32 --ranks 4", {}, 256, 4, (1, 2), 8),
     ("resnet50", "brigade bench --splits 4,2", {"image_size": 64}, 32, 2, (1, 2), 8),
     ("resnet50", "brigade bench --splits 4,2", {"image_size": 64}, 32, 2, (1, 2), 16),
+    ("resnet50", "brigade bench --splits 4,2 --ranks 4", {"image_size": 64}, 32, 4, (1, 2), 8),
+    ("resnet50", "brigade bench --splits 4,2 --ranks 4", {"image_size": 64}, 32, 4, (1, 2), 16),
 ]
 TINY_GPT = {"gpt_cfg": {"vocab_size": 32, "block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 32,
                         "dropout": 0.0, "tie_embeddings": True}}

@@ -144,6 +144,8 @@ JOBS: dict[str, Job] = {
                          f"brigade bench {TOY_PP4}"),
     "bench-mlp-pp4": Job("brigade bench --model mlp --batch-size 256 --splits 32 --ranks 4",
                          "bench-mlp-pp4/bench.json", f"brigade bench {TOY_PP4}"),
+    "bench-resnet-pp4": Job("brigade bench --splits 4,2 --ranks 4", "bench-resnet-pp4/bench.json",
+                            f"brigade bench {TOY_PP4}"),
     "bound": Job("python -m brigade.bench.cut_bound", "bound/bound.json",
                  "python -m brigade.bench.cut_bound --tiny"),
     "snapshot": Job("brigade train --max-steps 300", "train/snapshot.json",

@@ -123,6 +123,7 @@ _MLP = ("bench-mlp/bench.json", "`brigade bench --model mlp --batch-size 256 --s
 _RESNET = ("bench/bench.json", "`brigade bench --splits 4,2`")
 _GPT4 = ("bench-gpt-pp4/bench.json", "`brigade bench --model gpt --quick --ranks 4`")
 _MLP4 = ("bench-mlp-pp4/bench.json", "`brigade bench --model mlp --batch-size 256 --splits 32 --ranks 4`")
+_RESNET4 = ("bench-resnet-pp4/bench.json", "`brigade bench --splits 4,2 --ranks 4`")
 
 
 def _best_vs_best(d: dict) -> str:
@@ -201,7 +202,7 @@ def _auto(d: dict) -> str:
 
 _PP4 = " at pp 4 (4 processes on 2 cores)"
 for _model, _source in (("GPT", _GPT), ("ResNet-50", _RESNET), ("MLP", _MLP), ("GPT" + _PP4, _GPT4),
-                        ("MLP" + _PP4, _MLP4)):
+                        ("ResNet-50" + _PP4, _RESNET4), ("MLP" + _PP4, _MLP4)):
     row(f"{_model}, --schedule auto against the fastest hand-written schedule at each m (brigade's or "
         "torch's; per-round median, 95 % CI; × > 1: auto faster)", *_source)(_auto)
 
