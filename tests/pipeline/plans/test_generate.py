@@ -256,7 +256,7 @@ def test_a_run_a_rounding_error_longer_than_the_shortest_counts_as_as_short():
 def test_a_scheduling_pass_that_cannot_go_on_stops_with_a_message():
     # auto refuses a limit below V first; a pass under one (no forward of chunk 0 fits) stops
     from brigade.pipeline.plans.generate import VARIANTS, _Greedy
-    from brigade.pipeline.plans.registry import place
+    from brigade.pipeline.plans.schedule import place
 
     with pytest.raises(PlanError, match="^auto: no rank can go on under a limit of 1 activations per "
                        "rank: allow more$"):
