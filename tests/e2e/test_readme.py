@@ -133,6 +133,10 @@ def shorten(argv: list[str], out: Path) -> list[str]:
     if sub in ("train", "bench", "tune", "brigade.bench.speed", "brigade.bench.overhead") \
             and "--out" not in argv and "--from" not in argv and "--help" not in argv:
         extra += ["--out", str(out)]
+    if sub in ("bench", "tune") and "--ranks" in argv and "--batch-size" in extra:
+        # two samples a rank: a data-parallel row of ResNet-50 on one sample a rank has nothing
+        # for BatchNorm to normalise over
+        extra[extra.index("--batch-size") + 1] = str(2 * int(argv[argv.index("--ranks") + 1]))
     return argv + extra
 
 
