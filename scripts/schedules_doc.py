@@ -82,7 +82,17 @@ else a deferred weight pass (W) or stage 0's whole backward, else waits. A few v
 rules and the least activation limit that keeps the plan shortest (found by bisection) are
 searched, and the plan that `plan.simulate` finds shortest is kept. It is a heuristic search
 (no ILP): with equal costs it meets `plan.lower_bound` wherever m ≥ p + V − 1, and it is never
-longer than the hand-written plans of its placement (both tested for p ≤ 5, m ≤ 11).
+longer than the hand-written plans of its placement (both tested for p ≤ 5, m ≤ 11): where
+one of those is shorter on the costs, auto runs it, and of equally short plans the one that
+holds fewer activations (so at p 4, V 2, m 8 on equal costs it runs as DualPipeV, in the grid
+below).
+
+Where the ranks share fewer cores than there are ranks (CPU processes on one host: `brigade
+bench --ranks 4` on 2 cores), a rank that waits lends its core to another, so a bubble costs
+little and extra work costs in full. Auto then weighs each plan by the larger of its makespan
+and all its ranks' work over the cores (`Simulation.on_cores`), and a split backward, whose I and
+W cost more than one B, loses to a whole one. `brigade bench` measures the stages one rank at a
+time there (all at once, each rank's times depend on how many others are still measuring).
 
 Where the costs come from:
 - `brigade train`: the first steps run auto's plan for equal costs; the process's second step
@@ -94,9 +104,12 @@ Where the costs come from:
   order differently, draws each forward's dropout from a stream of (step, stage, micro-batch),
   as local stages do. So the run's losses are the same bits whichever costs were measured: a
   resumed run, which measures again, ends where the run that never stopped ends (the
-  exact-resume test kills and resumes auto like every schedule).
+  exact-resume test kills and resumes auto like every schedule). A split stage's whole B is not
+  in that step, so it is counted as I + W: on shared cores, train's auto prefers a whole
+  backward only for holding fewer activations, not for less work.
 - `brigade bench` and `brigade tune` measure each stage's costs on the cut they run and plan on
   those (transfers counted as free, as in the rows' `ideal`).
+- `brigade plan` plans it on the costs it predicts with, the target's shared cores included.
 - `--auto-limit N` caps the activations a rank holds at once (one per stage it holds, so at
   least V); 0 lets auto take the least that keeps the plan shortest.
 

@@ -38,6 +38,7 @@ from brigade.bench.timing import (
     train_step,
 )
 from brigade.errors import BrigadeError
+from brigade.hostcpu import shared_cores
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.generate import Costs
@@ -203,16 +204,18 @@ def _step(b: _Bench, case: Case):
 def measured_costs(b: _Bench, todo: list[Case]) -> dict[tuple[int, int], Costs]:
     """(V, m) -> every stage's measured costs, for the costed schedules' rows (auto plans on them):
     each rank times the stages it holds, all at once (3 repeats, the median), gathered. Transfers
-    are left at 0, as in the rows' `ideal` (`figures`)."""
+    are left at 0, as in the rows' `ideal` (`figures`). Where the ranks outnumber the host's
+    cores, the costs say so (`hostcpu`) and each rank measures alone in turn (`turns`)."""
     out: dict[tuple[int, int], Costs] = {}
+    cores = shared_cores(b.ranks, b.ranks, torch.get_num_threads(), b.x.device.type)  # one host
     for c in todo:
         v, m = c.virtual, c.microbatches
         if c.name != OURS or not SCHEDULES[c.schedule].costed or (v, m) in out:
             continue
         held = stages_on(c.schedule, b.ranks, b.rank, v)
         fwd, bwd, wgt, inp = gathered_stage_costs(b.stages[v, m], b.rank, b.x, b.y, b.spec.loss_fn, m,
-                                                  repeats=3, held=held)
-        out[v, m] = Costs(tuple(fwd), tuple(inp), tuple(wgt), backward=tuple(bwd))
+                                                  repeats=3, held=held, turns=cores > 0)
+        out[v, m] = Costs(tuple(fwd), tuple(inp), tuple(wgt), backward=tuple(bwd), cores=cores)
     return out
 
 

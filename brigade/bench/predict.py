@@ -72,7 +72,8 @@ def search_space(schedules: list[str], ms: list[int], ranks: int,
 
 
 def predict(samples: dict[int, list], batch: int, m: int, schedule: str, ranks: int,
-            comm_per_sample: float, virtual: int = 1, row: dict | None = None) -> tuple[float, list[int]]:
+            comm_per_sample: float, virtual: int = 1, row: dict | None = None,
+            cores: float = 0.0) -> tuple[float, list[int]]:
     """Predicted step seconds and the balance of p·V stages that minimises the slowest one.
 
     Args:
@@ -81,6 +82,8 @@ def predict(samples: dict[int, list], batch: int, m: int, schedule: str, ranks: 
         comm_per_sample: seconds to move one sample's activation between ranks.
         row: where a costed schedule's (auto's) costs are kept as `costs`, for `plan_costs`: the
             step that is timed must run the plan that was predicted.
+        cores: the cores the ranks share where they outnumber them (`generate.Costs.cores`): a
+            costed schedule plans for them.
 
     Returns:
         (simulated makespan, blocks per stage: p·V entries).
@@ -94,7 +97,7 @@ def predict(samples: dict[int, list], batch: int, m: int, schedule: str, ranks: 
     planned = None
     if SCHEDULES[schedule].costed:
         planned = Costs(tuple(per[0]), tuple(per[3]), tuple(per[2]), backward=tuple(per[1]),
-                        comm=comm_per_sample * size)
+                        comm=comm_per_sample * size, cores=cores)
         if row is not None:
             row["costs"] = asdict(planned)
     sim = simulate(build(schedule, ranks, m, virtual, planned), per[0], per[1], comm=comm_per_sample * size,

@@ -11,14 +11,16 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from brigade import agent, hostmem
 from brigade.bench import plot
-from brigade.bench.experiments import BenchConfig, worker
+from brigade.bench.experiments import BenchConfig, scaled_splits, worker
 from brigade.bench.figures import summarise
 from brigade.errors import BrigadeError
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
+from brigade.pipeline.batches import microbatch
 from brigade.pipeline.plans import schedule
 from brigade.pipeline.stages import structure
 from brigade.pipeline.stages.partition import check_chain
@@ -88,10 +90,38 @@ def check_timeable(spec, command: str) -> None:
                            "tensor; check it with brigade check and train it with brigade train")
 
 
+def check_batch_norm(spec, cfg: BenchConfig, command: str, ranks: int) -> None:
+    """Refuse sizes that would give a BatchNorm layer one sample: in training it needs two to
+    take a variance, and would fail inside a worker ("Expected more than 1 value per channel").
+    The smallest batches a rank steps on are data parallel's share (the batch over `ranks`) and
+    the last micro-batch of each split size.
+
+    Raises:
+        BrigadeError: naming the size and what to give instead.
+    """
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for b in spec.blocks for m in b.modules()):
+        return
+    b = cfg.batch_size
+    chunks = torch.arange(b).chunk(ranks)  # as data parallel's rows share the batch
+    share = min(len(c) for c in chunks) if len(chunks) == ranks else 0
+    if share < 2:
+        raise BrigadeError(f"{spec.name} has BatchNorm, which needs 2 samples a batch: batch {b} over "
+                           f"{ranks} ranks leaves a data-parallel rank {share}; give --batch-size "
+                           f"{2 * ranks} or more")
+    for s in cfg.splits or scaled_splits(b):
+        least = min(microbatch.sizes(b, math.ceil(b / s)))
+        if least < 2:
+            fine = next(k for k in range(2, b + 1) if min(microbatch.sizes(b, math.ceil(b / k))) >= 2)
+            raise BrigadeError(f"{spec.name} has BatchNorm, which needs 2 samples a batch: split size {s} "
+                               f"of batch {b} gives micro-batches of {least}; give brigade {command} "
+                               f"--splits sizes of {fine} or more")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     cfg = bench_config(args)
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     check_timeable(spec, "bench")
+    check_batch_norm(spec, cfg, "bench", cfg.ranks)
     if len(spec.blocks) < cfg.ranks:
         raise BrigadeError(f"{cfg.model} has {len(spec.blocks)} block(s): bench --ranks {cfg.ranks} needs "
                            f"at least {cfg.ranks} to split")
@@ -175,6 +205,7 @@ def run_tune(args: argparse.Namespace) -> int:
     cfg.memory_per_device = parse_bytes(args.memory_per_device)
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     check_timeable(spec, "tune")
+    check_batch_norm(spec, cfg, "tune", 2)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise BrigadeError(f"--out {args.out!r} is a file: give a folder")

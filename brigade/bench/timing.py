@@ -243,7 +243,7 @@ def stage_costs(module: torch.nn.Module, x: torch.Tensor, loss_fn=None, target=N
 
 def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tensor, y: torch.Tensor,
                          loss_fn, m: int, repeats: int = 10,
-                         held: list[int] | None = None) -> tuple[list[float], ...]:
+                         held: list[int] | None = None, turns: bool = False) -> tuple[list[float], ...]:
     """Every stage's (forward, backward, weight, input) seconds on the first of `m` micro-batches.
 
     Each rank measures its own stages on the input each sees, at the same time as the others
@@ -253,12 +253,31 @@ def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tens
     Args:
         held: the stages this rank measures (default: stage `rank`, one per rank); the ranks'
             lists together must hold every stage once.
+        turns: the ranks measure one at a time instead, each with the host to itself. Where
+            ranks outnumber cores, all at once is biased: each rank's timings depend on how many
+            others are still measuring (ResNet-50 at pp 4 on 2 cores read I + W at 0.66–0.97 of
+            B; alone, 1.04–1.35), and a plan weighed on shared cores (`Costs.cores`) wants the
+            costs of a rank alone.
     """
+    n = len(stages)
+    table = torch.zeros(n, 4, dtype=torch.float64, device=x.device)
+    mine = [rank] if held is None else held
+    for turn in range(dist.get_world_size()) if turns else [rank]:
+        if turn == rank:
+            _measure_stages(stages, mine, table, x, y, loss_fn, m, repeats)
+        if turns:
+            dist.barrier()
+    dist.all_reduce(table)  # each stage measured by one rank: the sum is the gather
+    return tuple(table[:, k].tolist() for k in range(4))
+
+
+def _measure_stages(stages, mine: list[int], table: torch.Tensor, x, y, loss_fn, m: int,
+                    repeats: int) -> None:
+    """Time stages `mine` into `table`'s rows (`gathered_stage_costs`)."""
     from brigade.pipeline.batches import microbatch
 
     n = len(stages)
-    table = torch.zeros(n, 4, dtype=torch.float64, device=x.device)
-    for s in [rank] if held is None else held:
+    for s in mine:
         inp = microbatch.split(x, m)[0]
         with torch.no_grad():
             for before in stages[:s]:
@@ -267,8 +286,6 @@ def gathered_stage_costs(stages: list[torch.nn.Module], rank: int, x: torch.Tens
         target = microbatch.split(y, m)[0] if last else None
         costs = stage_costs(stages[s], inp, loss_fn if last else None, target, first=s == 0, repeats=repeats)
         table[s] = torch.tensor(costs, dtype=torch.float64, device=x.device)
-    dist.all_reduce(table)  # each stage measured by one rank: the sum is the gather
-    return tuple(table[:, k].tolist() for k in range(4))
 
 
 def ping_pong(t: torch.Tensor, peer: int, first: bool, recv: torch.Tensor | None = None) -> None:

@@ -47,6 +47,7 @@ from brigade.bench.timing import (
     ratio_ci,
     train_step,
 )
+from brigade.hostcpu import shared_cores
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.schedule import stages_on
@@ -246,9 +247,10 @@ def _tune(cfg: BenchConfig, info, verify: bool) -> dict:
     samples = _samples(t, sizes)
     comm = _comm_per_sample(spec, x, t.rank)
     allreduce = _allreduce_s(spec.blocks, x.device)
+    cores = shared_cores(t.ranks, t.ranks, torch.get_num_threads(), x.device.type)  # one host
     for r in rows:
         r["predicted_s"], r["balance"] = predict(samples, cfg.batch_size, r["microbatches"], r["schedule"],
-                                                 t.ranks, comm, r["virtual"], row=r)
+                                                 t.ranks, comm, r["virtual"], row=r, cores=cores)
     predictions = sorted([*rows, ddp_row(samples, cfg.batch_size, t.ranks, allreduce)],
                          key=lambda r: r["predicted_s"])
     candidates, too_big = predictions, []

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+from brigade.hostcpu import shared_cores
 from brigade.pipeline.plans.action import Plan
 from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build
@@ -65,10 +66,11 @@ def predict(
     bw, lat = comm.link(cluster, groups["pp"])
     sent = max((costs.out_bytes[b - 1] for b in bounds[1:-1]), default=0.0) * mb
     p2p = comm.p2p(sent, bw, lat) if layout.pp > 1 else 0.0
-    plan = _plan(layout, per, p2p)
+    cores = _pipeline_cores(layout, cluster)
+    plan = _plan(layout, per, p2p, cores)
     sim = simulate(plan, per[0], per[1], comm=p2p, weight=per[2], input_grad=per[3])
     alone = simulate(plan, per[0], per[1], weight=per[2], input_grad=per[3]).makespan
-    makespan = _time_shared(sim, layout, cluster)
+    makespan = sim.on_cores(cores)
     held = sim.peak_held if memory_plan is None else simulate(memory_plan, 1.0).peak_held
     at = moments(memory_plan or plan)  # under a split backward, what each stage keeps from I to W too
     memory = [rank_memory(costs, layout, balance, held, mb, r, at) for r in range(layout.pp)]
@@ -132,14 +134,15 @@ def _tensor_parallel(costs: ModelCosts, times: list[tuple[float, ...]], tp: int,
     return out
 
 
-def _time_shared(sim, layout: Layout, cluster: Cluster) -> float:
-    """The pipeline's makespan, or, where a host has more ranks than cores, at least every rank's
-    work on it ÷ its cores (each tp process does its share of the busy time `sim` counts)."""
+def _pipeline_cores(layout: Layout, cluster: Cluster) -> float:
+    """The cores a pipeline's ranks share where a host has more processes than cores, in ranks'
+    worth (`generate.Costs.cores`; each of a rank's tp processes needs a core of its own); 0 on a
+    device without a core count (a GPU). `Simulation.on_cores` of it: the makespan, or at least
+    every rank's work on the host ÷ its cores."""
+    if not cluster.device.cores:
+        return 0.0
     procs = min(layout.world, cluster.per_node)
-    if not cluster.device.cores or procs <= cluster.device.cores:
-        return sim.makespan
-    work = sum(sim.busy.values()) * layout.dp * layout.tp * procs / layout.world
-    return max(sim.makespan, work / max(cluster.device.cores, 1))
+    return shared_cores(layout.pp, procs, cores=cluster.device.cores)
 
 
 def _crowding(layout: Layout, cluster: Cluster) -> float:
@@ -159,11 +162,13 @@ def _shared(cluster: Cluster, world: int) -> float:
     return 1 + (d.shared_slowdown - 1) * (min(busy, d.cores) - 1) / max(d.cores - 1, 1)
 
 
-def _plan(layout: Layout, per: list[list[float]], p2p: float):
-    """The schedule's plan; a costed one (`auto`) planned on these per-stage costs and transfer."""
+def _plan(layout: Layout, per: list[list[float]], p2p: float, cores: float):
+    """The schedule's plan; a costed one (`auto`) planned on these per-stage costs, transfer and
+    shared cores, as the runtime plans it."""
     costs = None
     if SCHEDULES[layout.schedule].costed:
-        costs = Costs(tuple(per[0]), tuple(per[3]), tuple(per[2]), backward=tuple(per[1]), comm=p2p)
+        costs = Costs(tuple(per[0]), tuple(per[3]), tuple(per[2]), backward=tuple(per[1]), comm=p2p,
+                      cores=cores)
     return build(layout.schedule, layout.pp, layout.microbatches, layout.virtual, costs)
 
 

@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from brigade import forensics, groups
 from brigade.config import ParallelConfig, pipeline_shape
 from brigade.errors import BrigadeError
+from brigade.hostcpu import shared_cores
 from brigade.models.hf.weights import materialize
 from brigade.parallel import recompute, tensor
 from brigade.parallel.shard import shard_stage
@@ -236,6 +237,7 @@ class ProcessModel:
         # A costed schedule (auto) plans on unit costs until `replan` gives it measured ones.
         self.costed = SCHEDULES[schedule].costed
         self.limit, self.n_stages = cfg.auto_limit, len(ranks)
+        self.cores = self._shared_cores(n_ranks, cfg) if self.costed else 0.0
         costs = Costs.unit(len(ranks), cfg.auto_limit) if self.costed else None
         if self.local:
             self.pipe = self._local_pipeline(stages, ranks, cfg, loss_fn, m, autocast, costs)
@@ -245,6 +247,19 @@ class ProcessModel:
                                  autocast=autocast, virtual=virtual, costs=costs)
         if weights is not None:  # after tensor parallel and sharding: each reads only its part
             weights(self.held, layout.device)
+
+    def _shared_cores(self, n_ranks: int, cfg: ParallelConfig) -> float:
+        """The cores the pipeline's ranks share, where fewer than they need (`hostcpu`), agreed by
+        every process (the least any reports): every process must plan the same."""
+        per_process = cfg.local_stages if self.local else 1
+        on_host = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * per_process
+        mine = shared_cores(n_ranks, on_host, torch.get_num_threads(), self.layout.device.type)
+        agreed = torch.tensor([mine or float("inf")], dtype=torch.float64, device=self.layout.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            forensics.doing("allreduce the host's shared cores", waiting=True)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        least = agreed.item()
+        return 0.0 if least == float("inf") else least
 
     def _replicated(self, module: nn.Module) -> nn.Module:
         """`module` under FSDP2 over the layout's shard mesh (--shard), else under DDP over this
@@ -306,8 +321,10 @@ class ProcessModel:
     def replan(self) -> Costs:
         """Plan a costed schedule again on the seconds its last traced step took, every stage's
         median over micro-batches and over the processes that ran it, agreed by every process
-        (one all-reduce). Each stage keeps its micro-batch order: the new plan sums the same
-        gradients in the same order, so the run's numbers do not change, only its speed."""
+        (one all-reduce), on the cores the ranks share where the host has too few (`hostcpu`: 4
+        CPU processes on 2 cores favour a whole backward). Each stage keeps its micro-batch
+        order: the new plan sums the same gradients in the same order, so the run's numbers do
+        not change, only its speed."""
         kinds = (F, I, W, B)
         table = torch.zeros(2, self.n_stages, len(kinds), dtype=torch.float64, device=self.layout.device)
         for (s, op), seconds in self.pipe.timings().items():
@@ -316,7 +333,7 @@ class ProcessModel:
         dist.all_reduce(table)
         mean = (table[0] / table[1].clamp(min=1)).tolist()
         costs = Costs.measured({(s, op): mean[s][k] for s in range(self.n_stages)
-                                for k, op in enumerate(kinds)}, self.n_stages, self.limit)
+                                for k, op in enumerate(kinds)}, self.n_stages, self.limit, self.cores)
         self.pipe.replan(costs)
         return costs
 

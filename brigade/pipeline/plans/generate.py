@@ -26,7 +26,11 @@ measurements give the same bits.
 Last, the hand-written schedules of the same placement are candidates too (`handwritten`): the
 list scheduler is greedy, and on some measured costs DualPipeV's order ends sooner; auto runs
 whichever `simulate()` finds shortest, so it is never longer in simulation than a schedule it
-could run as.
+could run as. Where the ranks share fewer cores than there are ranks (`Costs.cores`: four CPU
+processes on two cores), "shortest" is `Simulation.on_cores`: an idle rank's core goes to another
+rank, so a bubble is nearly free while a split backward's extra work (I + W > B) is paid in full,
+and a whole-backward schedule (1F1B) may win. Of equally short plans, the one holding fewer
+activations wins (auto's own on a full tie).
 
     p = 2, V = 1, m = 4, unit costs (F = B = 1, I = W = ½), no memory limit, `plan.render`:
 
@@ -68,6 +72,9 @@ class Costs:
         comm: the delay of a transfer between two ranks (none within a rank).
         limit: the most micro-batch activations a rank may hold at once, counted per stage it
             holds (a micro-batch held by two of a rank's stages counts twice); 0: no limit.
+        cores: the cores the ranks share where they have fewer than one each (CPU processes on one
+            host, in ranks' worth); 0: a device per rank. Plans are then compared by
+            `Simulation.on_cores`: a bubble costs little, extra work (I + W > B) costs in full.
     """
 
     forward: tuple[float, ...]
@@ -76,6 +83,7 @@ class Costs:
     backward: tuple[float, ...] | None = None
     comm: float = 0.0
     limit: int = 0
+    cores: float = 0.0
 
     @classmethod
     def unit(cls, n_stages: int, limit: int = 0) -> Costs:
@@ -83,7 +91,8 @@ class Costs:
         return cls((1.0,) * n_stages, (0.5,) * n_stages, (0.5,) * n_stages, limit=limit)
 
     @classmethod
-    def measured(cls, seconds: dict[tuple[int, Op], float], n_stages: int, limit: int = 0) -> Costs:
+    def measured(cls, seconds: dict[tuple[int, Op], float], n_stages: int, limit: int = 0,
+                 cores: float = 0.0) -> Costs:
         """Costs from measured seconds per (stage, op): F, I, W on split stages, F and B on
         stage 0 (a whole backward; its halves are taken as half of it each)."""
         def got(s: int, op: Op) -> float:
@@ -91,7 +100,8 @@ class Costs:
         whole = tuple(got(s, B) or got(s, I) + got(s, W) for s in range(n_stages))
         inp = tuple(got(s, I) or whole[s] / 2 for s in range(n_stages))
         wgt = tuple(got(s, W) or whole[s] / 2 for s in range(n_stages))
-        return cls(tuple(got(s, F) for s in range(n_stages)), inp, wgt, backward=whole, limit=limit)
+        return cls(tuple(got(s, F) for s in range(n_stages)), inp, wgt, backward=whole, limit=limit,
+                   cores=cores)
 
     def whole(self, stage: int) -> float:
         """A whole backward's cost on `stage`."""
@@ -151,7 +161,7 @@ def _relative(costs: Costs) -> Costs:
     def rel(values):
         return None if values is None else tuple(round(c / unit, 3) for c in values)
     return Costs(rel(costs.forward), rel(costs.input_grad), rel(costs.weight), rel(costs.backward),
-                 round(costs.comm / unit, 3), costs.limit)
+                 round(costs.comm / unit, 3), costs.limit, costs.cores)
 
 
 def _plan(p: int, m: int, v: int, costs: Costs | None) -> dict[int, tuple[Action, ...]]:

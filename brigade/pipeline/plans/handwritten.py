@@ -8,6 +8,8 @@ costs each on the same costs and transfer delay, and the shortest wins, auto's o
 candidate must keep each stage's forwards, gradient passes and weight passes in micro-batch order,
 as auto's own plans do (gradients then sum in the same order whichever plan wins, so two runs
 planned on different measurements keep the same bits), and hold no more than the memory limit.
+Of two equally short plans the one holding fewer activations wins; where the ranks share fewer
+cores than there are ranks, "short" counts the cores (`Simulation.on_cores`).
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ class Costs(Protocol):
     weight: tuple[float, ...]
     comm: float
     limit: int
+    cores: float
 
     def whole(self, stage: int) -> float: ...
 
 
 def or_handwritten(plan: Plan, p: int, m: int, v: int, costs: Costs) -> Plan:
     """`plan`, or the hand-written plan of the same placement that `simulate()` finds shorter on
-    `costs` (module docstring), among those that keep micro-batch order and `costs.limit`.
+    `costs` (module docstring), among those that keep micro-batch order and `costs.limit`; shorter
+    on `costs.cores` shared cores where there are fewer than ranks (`Simulation.on_cores`), and
+    of equally short plans the one that holds fewer activations.
 
     Args:
         plan: auto's own; p, m, v: its sizes; costs: what it was planned on (`generate.Costs`).
@@ -42,9 +47,9 @@ def or_handwritten(plan: Plan, p: int, m: int, v: int, costs: Costs) -> Plan:
     def span(candidate: Plan) -> float:
         whole = [costs.whole(s) for s in range(p * v)]
         return simulate(candidate, list(costs.forward), whole, comm=costs.comm, weight=list(costs.weight),
-                        input_grad=list(costs.input_grad)).makespan
+                        input_grad=list(costs.input_grad)).on_cores(costs.cores)
 
-    where, best, shortest = place(V_SHAPE, p, v), plan, span(plan)
+    where, best, shortest, least = place(V_SHAPE, p, v), plan, span(plan), most_held(plan)
     for schedule in SCHEDULES.values():
         if schedule.costed or v not in schedule.virtuals(v) or place(schedule.placement, p, v) != where:
             continue
@@ -54,9 +59,9 @@ def or_handwritten(plan: Plan, p: int, m: int, v: int, costs: Costs) -> Plan:
             continue
         if not in_order(candidate) or 0 < costs.limit < most_held(candidate):
             continue
-        took = span(candidate)
-        if took < shortest * (1 - 1e-9):
-            best, shortest = candidate, took
+        took, held = span(candidate), most_held(candidate)
+        if took < shortest * (1 - 1e-9) or (took <= shortest * (1 + 1e-9) and held < least):
+            best, shortest, least = candidate, took, held
     return best
 
 

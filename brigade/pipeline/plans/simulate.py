@@ -27,6 +27,14 @@ class Simulation:
     idle: dict[int, float] = field(default_factory=dict)
     peak_held: dict[int, int] = field(default_factory=dict)  # stage -> micro-batches held at once
 
+    def on_cores(self, cores: float) -> float:
+        """The step's time where its ranks share `cores` (fewer than one a rank: CPU processes on
+        one host): at least all their work ÷ `cores`, as a rank's idle core goes to another rank;
+        the makespan when `cores` is 0 or at least one a rank."""
+        if not 0 < cores < len(self.busy):
+            return self.makespan
+        return max(self.makespan, sum(self.busy.values()) / cores)
+
 
 def simulate(plan: Plan, forward, backward=None, comm: float = 0.0, weight=None,
              input_grad=None) -> Simulation:

@@ -114,3 +114,43 @@ def test_a_candidate_holding_more_than_the_limit_is_not_run_and_one_holding_it_i
     if v == 2:  # DualPipeV holds exactly 5 here: allowed, it is still the one auto runs
         assert most_held(compute_only(build("dualpipev", 2, 8, 2))) == 5
         assert _span(plan, c) == pytest.approx(_span(build("dualpipev", 2, 8, 2), c), rel=1e-3)
+
+
+# ResNet-50 (64 px, micro-batch 4) cut 7, 6, 2, 3 at pp 4, each stage timed alone on one core
+# (`bench.timing.stage_costs`): I + W costs 1.04–1.35 × B, so a split backward is more work.
+RESNET_PP4 = Costs((0.0196, 0.0151, 0.0110, 0.0179), (0.0004, 0.0184, 0.0172, 0.0188),
+                   (0.0291, 0.0289, 0.0330, 0.0349), backward=(0.0283, 0.0351, 0.0457, 0.0503))
+
+
+def _ops(plan) -> set:
+    return {a.op for acts in plan.values() for a in acts}
+
+
+@pytest.mark.parametrize("m", [8, 16])
+def test_on_shared_cores_auto_runs_a_whole_backward_where_the_split_is_more_work(m):
+    from dataclasses import replace
+
+    from brigade.pipeline.plans.schedule import SCHEDULES
+
+    def on_two(plan) -> float:
+        c = RESNET_PP4
+        return simulate(plan, list(c.forward), list(c.backward), weight=list(c.weight),
+                        input_grad=list(c.input_grad)).on_cores(2)
+
+    alone = build("auto", 4, m, 1, costs=RESNET_PP4)  # a device a rank: the split fills the bubble
+    assert {I, W} <= _ops(alone) and _span(alone, RESNET_PP4) < _span(build("1f1b", 4, m, 1), RESNET_PP4)
+    shared = build("auto", 4, m, 1, costs=replace(RESNET_PP4, cores=2))  # 4 processes on 2 cores
+    assert _ops(shared) == {F, B}
+    candidates = [on_two(build(n, 4, m, 1)) for n in _same_placement(1) if not SCHEDULES[n].costed]
+    assert on_two(shared) <= min(candidates) and on_two(shared) < 0.95 * on_two(alone)
+
+
+def test_of_equally_short_plans_auto_runs_the_one_holding_fewer_activations():
+    from dataclasses import replace
+
+    from brigade.pipeline.plans.handwritten import most_held
+
+    # unit costs, 4 ranks on 2 cores: every plan's work ÷ 2 bounds it alike (48); 1F1B holds 4
+    shared = build("auto", 4, 8, 1, costs=replace(Costs.unit(4), cores=2))
+    assert most_held(shared) == most_held(build("1f1b", 4, 8, 1)) == 4 < most_held(build("zb", 4, 8, 1))
+    assert most_held(build("auto", 4, 8, 1, costs=Costs.unit(4))) == 5  # its own plan is shorter alone

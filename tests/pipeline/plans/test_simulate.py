@@ -101,3 +101,13 @@ def test_peak_held_counts_down_one_micro_batch_at_each_backward():
     assert peak_held(parse_plan(["0F0 0B0 0F1 0F2 0B1 0B2"])) == {0: 2}
     assert peak_held(build("1f1b", 3, 4)) == {0: 3, 1: 2, 2: 1}
     assert peak_held(gpipe(2, 3)) == {0: 3, 1: 3}
+
+
+def test_on_cores_counts_all_the_ranks_work_where_they_share_fewer_cores():
+    from brigade.pipeline.plans.schedule import build
+
+    sim = simulate(build("1f1b", 4, 4), 1.0, 2.0)  # 12 a rank: 48 in all; makespan 2·(4+3)·1.5 = 21
+    assert sim.makespan == 21.0 and sum(sim.busy.values()) == 48.0
+    assert sim.on_cores(0) == sim.on_cores(4) == sim.on_cores(6) == 21.0  # a core a rank, or none said
+    assert sim.on_cores(2) == 24.0  # 48 ÷ 2: the cores, not the bubble, bound it
+    assert sim.on_cores(3) == 21.0  # 48 ÷ 3 = 16 < the makespan
