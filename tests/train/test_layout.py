@@ -212,7 +212,9 @@ def _replan_case(device) -> dict:
     bit: each stage keeps micro-batch order, each forward draws from its own stream)."""
     cfg = ParallelConfig(dp=1, pp=2, microbatches=4, schedule="auto", virtual=2)
     blocks = [nn.Sequential(b, nn.Dropout(0.5)) for b in make_blocks()]
+    torch.set_num_threads(1 + dist.get_rank())  # rank 1's stages want 2 cores: the two disagree
     engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, make_layout(cfg, device))
+    torch.set_num_threads(1)
 
     def step(trace: bool = False) -> list[torch.Tensor]:
         torch.manual_seed(5)  # the step's streams: from the generator, whatever the plan
@@ -229,7 +231,7 @@ def _replan_case(device) -> dict:
     plans.append(list(engine.pipe.plan))
     skewed = step()
     engine.close()
-    return {"costs": [costs.forward, costs.input_grad, costs.weight, costs.whole(0)],
+    return {"costs": [costs.forward, costs.input_grad, costs.weight, costs.whole(0)], "cores": costs.cores,
             "same": [all(torch.equal(a, b) for a, b in zip(first, other)) for other in (measured, skewed)],
             "plans": [[str(a) for a in plan] for plan in plans]}
 
@@ -270,3 +272,14 @@ def test_auto_plans_again_on_measured_costs_and_the_numbers_stay_the_same(launch
     assert min(forward) > 0 and min(input_grad[1:]) > 0 and min(weight[1:]) > 0 and whole0 > 0
     assert zero["same"] == one["same"] == [True, True]  # the same bits under every plan
     assert zero["plans"][2] != zero["plans"][0]  # the skewed costs reordered rank 0's stages
+
+
+@pytest.mark.xdist_group("layout-2proc")
+@pytest.mark.timeout(300)
+def test_auto_plans_on_the_cores_the_host_gives_agreed_by_every_process(launched):
+    from brigade.hostcpu import shared_cores
+
+    # two processes on this host, of 1 and 2 threads: the tighter share, where either is short
+    shares = [shared_cores(2, 2, threads) for threads in (1, 2)]
+    want = min((s for s in shares if s), default=0.0)  # 1.0 on 2 cores (rank 1 gets half its 2)
+    assert launched[0]["replan"]["cores"] == launched[1]["replan"]["cores"] == want
