@@ -142,4 +142,5 @@ _UNITS = {
     "dtensor_step_s": "seconds AdamW's step adds per DTensor parameter, 0: not counted",
     "action_s": "seconds the pipeline runtime adds to each action, 0: not counted",
     "runtime_step_s": "seconds the pipeline runtime adds to each step, 0: not counted",
+    "crowded_action_s": "seconds per action where a host has more processes than cores, 0: action_s",
 }

@@ -43,7 +43,9 @@ class DeviceSpec:
     inside a node achieves in the ring formulas (0: the intra-node link's bandwidth and latency,
     as NCCL comes close to); `dtensor_step_s`, what AdamW's step adds per DTensor parameter;
     `action_s` and `runtime_step_s`, brigade's runtime's own seconds per action of a plan and
-    per step (measured on "cpu"; 0, not counted, for the GPUs of the table: no measurement).
+    per step (measured on "cpu"; 0, not counted, for the GPUs of the table: no measurement);
+    `crowded_action_s`, the runtime's seconds per action where a host has more processes than
+    `cores` (0: `action_s`).
     """
 
     name: str
@@ -64,6 +66,7 @@ class DeviceSpec:
     dtensor_step_s: float = 0.0
     action_s: float = 0.0
     runtime_step_s: float = 0.0
+    crowded_action_s: float = 0.0
     measured: bool = False  # probed here (cpu), not from a table or a file
 
     def peak(self, precision: str) -> float:
@@ -97,7 +100,7 @@ NAMES = (*TABLE, "cpu")
 FIELDS = tuple(f.name for f in fields(DeviceSpec) if f.name not in ("name", "measured"))
 # what a --cluster file's own device may leave out (0, or 1 for shared_slowdown: not counted)
 OPTIONAL = ("cores", "shared_slowdown", "all_reduce_bw", "all_gather_bw", "reduce_scatter_bw", "coll_latency",
-            "dtensor_step_s", "action_s", "runtime_step_s")
+            "dtensor_step_s", "action_s", "runtime_step_s", "crowded_action_s")
 
 
 def device(name: str) -> DeviceSpec:

@@ -26,6 +26,10 @@
                      times each after 3 warm-ups: timed one after the other, 8 times each, a slow
                      moment during one of them read as 0.4 ms an action in one probe and 1.0 ms in
                      the next, and the pipelines' predictions swung by as much as 40 %
+    crowded runtime  the same two steps timed again (12 times each) while as many more processes
+                     as the host has cores compute: a rank woken by its neighbour's transfer
+                     waits for a core until a running process's time slice ends, so an action
+                     costs more where more processes compute than there are cores
 
 Each other figure is a median of 8 timings after 2 warm-ups, on rank 0.
 """
@@ -102,14 +106,29 @@ from brigade.pipeline.pipe import Pipeline
 stage = torch.nn.Linear(8, 8)
 pipes = {m: (Pipeline(stage, "1f1b", m, torch.nn.functional.mse_loss), torch.randn(4 * m, 8),
              torch.randn(4 * m, 8)) for m in (2, 8)}  # steps of two stages of almost nothing
-steps = {m: [] for m in pipes}
-for k in range(3 + 24):  # the two in turn, so that a slow moment slows both
-    for m, (pipe, x, y) in pipes.items():
-        dist.barrier()
-        start = time.perf_counter()
-        pipe.step(x, y)
-        steps[m].append(time.perf_counter() - start)
-got["pipeline"] = [statistics.median(steps[m][3:]) for m in pipes]
+def stepped(rounds):
+    steps = {m: [] for m in pipes}
+    for k in range(3 + rounds):  # the two in turn, so that a slow moment slows both
+        for m, (pipe, x, y) in pipes.items():
+            dist.barrier()
+            start = time.perf_counter()
+            pipe.step(x, y)
+            steps[m].append(time.perf_counter() - start)
+    return [statistics.median(steps[m][3:]) for m in pipes]
+got["pipeline"] = stepped(24)
+import subprocess
+SPIN = ("import torch; torch.set_num_threads(1); a = torch.randn(256, 256); print(flush=True)\\n"
+        "while True: a @ a")
+spinners = []
+if r == 0:  # as many more computing processes as cores: more processes than cores compute
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True)
+                for _ in range(os.cpu_count() or 1)]
+    for s in spinners:
+        s.stdout.readline()  # ready: computing from now on
+got["crowded"] = stepped(12)
+for s in spinners:
+    s.kill()
+    s.wait()
 if r == 0:
     print(json.dumps(got), flush=True)
 dist.barrier()
@@ -124,7 +143,7 @@ _PIPELINE_M = (2, 8)  # the micro-batches of the runtime's two timed steps (the 
 def measure() -> dict[str, float]:
     """The `DeviceSpec` fields of this host's gloo (module docstring): intra_bw, intra_latency,
     all_reduce_bw, all_gather_bw, reduce_scatter_bw, coll_latency, dtensor_step_s, action_s,
-    runtime_step_s.
+    runtime_step_s, crowded_action_s.
 
     Raises:
         BrigadeError: the probe's processes failed (naming the last line they wrote).
@@ -142,6 +161,7 @@ def measure() -> dict[str, float]:
     out.update(as_issued(out, got["issued"], got["issued_bytes"]))
     out["dtensor_step_s"] = got["dtensor_step_s"]
     out["action_s"], out["runtime_step_s"] = runtime(got["pipeline"])
+    out["crowded_action_s"] = max(out["action_s"], runtime(got["crowded"])[0])
     return out
 
 

@@ -6,7 +6,9 @@ rank's memory (`memory.py`), and whether it fits.
                                                         under tp each block's split share ÷ tp,
                                                         plus its all-reduces on the tp link; each
                                                         action plus the runtime's own time for
-                                                        one (`DeviceSpec.action_s`)
+                                                        one (`DeviceSpec.action_s`; more on a
+                                                        host with more processes than cores,
+                                                        `crowded_action_s`)
          + gradient reduction                           DDP: all-reduce; shard: reduce-scatter and
                                                         the step's all-gather, per block; HSDP:
                                                         then an all-reduce of the shard across
@@ -61,7 +63,7 @@ def predict(
     bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
     per = [[sum(c[j] for c in times[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(4)]
     slow = _shared(cluster, layout.world)
-    own = cluster.device.action_s  # the runtime's own time, per action
+    own = _action_s(cluster, layout.world)  # the runtime's own time, per action
     per = [[t * slow + own for t in row] for row in per]
     bw, lat = comm.link(cluster, groups["pp"])
     sent = max((costs.out_bytes[b - 1] for b in bounds[1:-1]), default=0.0) * mb
@@ -151,6 +153,14 @@ def _crowding(layout: Layout, cluster: Cluster) -> float:
     procs = min(layout.world, cluster.per_node)
     cores = cluster.device.cores
     return procs / cores if cores and procs > cores else 1.0
+
+
+def _action_s(cluster: Cluster, world: int) -> float:
+    """The runtime's own seconds per action: more where a host has more processes than cores (a
+    rank woken by its neighbour's transfer waits for a core), where the device says how much."""
+    d = cluster.device
+    crowded = d.cores and min(world, cluster.per_node) > d.cores and d.crowded_action_s
+    return d.crowded_action_s if crowded else d.action_s
 
 
 def _shared(cluster: Cluster, world: int) -> float:

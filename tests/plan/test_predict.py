@@ -55,3 +55,21 @@ def test_the_probe_fits_the_runtimes_time_per_action_and_per_step():
     # 1F1B, 2 stages: 6 actions on the critical path at m 2, 18 at m 8
     assert runtime([6 * 0.002 + 0.01, 18 * 0.002 + 0.01]) == (pytest.approx(0.002), pytest.approx(0.01))
     assert runtime([0.05, 0.04]) == (0.0, 0.05)  # noise: no negative time
+
+
+def test_an_action_costs_the_crowded_figure_where_a_host_has_more_processes_than_cores():
+    costs = _costs()
+    pp = Layout(1, 1, 2, "1f1b", 1, 4, "none")
+    spread = _device(action_s=0.5, crowded_action_s=2.0, cores=2)
+    base = predict(costs, pp, Cluster(1, 2, replace(spread, action_s=0.0, crowded_action_s=0.0)), batch=8,
+                   seq_len=1)
+    alone = predict(costs, pp, Cluster(1, 2, spread), batch=8, seq_len=1)  # 2 processes, 2 cores
+    assert alone["pipeline_s"] - base["pipeline_s"] == pytest.approx(10 * 0.5)  # 10 on the critical path
+    crowded = replace(spread, cores=1)
+    one = predict(costs, pp, Cluster(1, 2, crowded), batch=8, seq_len=1)
+    none = predict(costs, pp, Cluster(1, 2, replace(crowded, action_s=0.0, crowded_action_s=0.0)), batch=8,
+                   seq_len=1)
+    # on one core the step is both ranks' work: 16 actions, each 2.0 longer
+    assert one["pipeline_s"] - none["pipeline_s"] == pytest.approx(16 * 2.0)
+    unset = predict(costs, pp, Cluster(1, 2, replace(crowded, crowded_action_s=0.0)), batch=8, seq_len=1)
+    assert unset["pipeline_s"] - none["pipeline_s"] == pytest.approx(16 * 0.5)  # 0: action_s
