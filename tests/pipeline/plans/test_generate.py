@@ -170,8 +170,9 @@ def test_sizes_below_one_and_empty_costs_are_refused_with_the_whole_message(p, m
 
 def test_a_stage_with_nothing_measured_costs_nothing_and_measured_costs_set_no_limit():
     c = Costs.measured({(0, F): 2.0, (0, B): 4.0}, 2)
-    assert (c.forward, c.input_grad, c.weight, c.backward, c.limit) == \
-        ((2.0, 0.0), (2.0, 0.0), (2.0, 0.0), (4.0, 0.0), 0)
+    assert (c.forward, c.input_grad, c.weight, c.backward, c.limit, c.cores) == \
+        ((2.0, 0.0), (2.0, 0.0), (2.0, 0.0), (4.0, 0.0), 0, 0.0)  # a device per rank unless told
+    assert Costs.measured({(0, F): 2.0}, 1, cores=1.5).cores == 1.5
 
 
 def test_costs_are_planned_on_relative_to_the_largest_to_three_decimals():
@@ -181,6 +182,7 @@ def test_costs_are_planned_on_relative_to_the_largest_to_three_decimals():
     assert (c.forward, c.input_grad, c.weight, c.backward, c.comm) == \
         ((1.0, 0.5), (0.5, 0.25), (0.25, 0.125), (0.75, 0.375), 0.0)
     assert _relative(Costs((0.0,), (0.0,), (0.0,), comm=0.5)).comm == 0.5  # all zero: kept as they are
+    assert _relative(Costs((2.0,), (1.0,), (1.0,), cores=1.5)).cores == 1.5  # cores are not a time
 
 
 def test_costs_in_seconds_give_the_plan_of_the_same_costs_in_any_unit():

@@ -145,6 +145,16 @@ def test_on_shared_cores_auto_runs_a_whole_backward_where_the_split_is_more_work
     assert on_two(shared) <= min(candidates) and on_two(shared) < 0.95 * on_two(alone)
 
 
+def test_on_shared_cores_under_a_memory_limit_auto_still_weighs_every_candidate():
+    from dataclasses import replace
+
+    from brigade.pipeline.plans.handwritten import most_held
+
+    # GPipe, the first candidate, holds 8 and is passed over at a limit of 4; 1F1B, after it, fits
+    shared = build("auto", 4, 8, 1, costs=replace(RESNET_PP4, cores=2, limit=4))
+    assert _ops(shared) == {F, B} and most_held(shared) <= 4
+
+
 def test_of_equally_short_plans_auto_runs_the_one_holding_fewer_activations():
     from dataclasses import replace
 

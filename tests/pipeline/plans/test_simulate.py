@@ -111,3 +111,4 @@ def test_on_cores_counts_all_the_ranks_work_where_they_share_fewer_cores():
     assert sim.on_cores(0) == sim.on_cores(4) == sim.on_cores(6) == 21.0  # a core a rank, or none said
     assert sim.on_cores(2) == 24.0  # 48 ÷ 2: the cores, not the bubble, bound it
     assert sim.on_cores(3) == 21.0  # 48 ÷ 3 = 16 < the makespan
+    assert sim.on_cores(1) == 48.0 and sim.on_cores(0.5) == 96.0  # one core, half of one
