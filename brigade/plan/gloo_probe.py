@@ -117,18 +117,21 @@ def stepped(rounds):
     return [statistics.median(steps[m][3:]) for m in pipes]
 got["pipeline"] = stepped(24)
 import subprocess
-SPIN = ("import torch; torch.set_num_threads(1); a = torch.randn(256, 256); print(flush=True)\\n"
-        "while True: a @ a")
+# each computes for at most a minute: one left behind by a probe that died stops by itself
+SPIN = ("import time, torch; torch.set_num_threads(1); a = torch.randn(256, 256); print(flush=True)\\n"
+        "end = time.monotonic() + 60\\nwhile time.monotonic() < end: a @ a")
 spinners = []
-if r == 0:  # as many more computing processes as cores: more processes than cores compute
-    spinners = [subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True)
-                for _ in range(os.cpu_count() or 1)]
+try:
+    if r == 0:  # as many more computing processes as cores: more processes than cores compute
+        spinners = [subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True)
+                    for _ in range(os.cpu_count() or 1)]
+        for s in spinners:
+            s.stdout.readline()  # ready: computing from now on
+    got["crowded"] = stepped(12)
+finally:
     for s in spinners:
-        s.stdout.readline()  # ready: computing from now on
-got["crowded"] = stepped(12)
-for s in spinners:
-    s.kill()
-    s.wait()
+        s.kill()
+        s.wait()
 if r == 0:
     print(json.dumps(got), flush=True)
 dist.barrier()
