@@ -109,7 +109,7 @@ def test_ddp_gradient_buckets_are_recorded(monkeypatch):
     import torch
 
     from brigade import groups
-    from brigade.train.layout import data_parallel
+    from brigade.train.replicas import data_parallel
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)  # init() sets them; they must not outlive this test

@@ -47,7 +47,8 @@ from brigade.pipeline.stages.partition import choose_balance, split
 from brigade.pipeline.stages.ties import TieGroups, find_shared, sum_tied_grads, untie
 from brigade.rendezvous import LaunchSpec
 from brigade.shards import full
-from brigade.train.layout import data_parallel, make_layout, stage_group
+from brigade.train.layout import make_layout
+from brigade.train.replicas import data_parallel, stage_group
 
 
 @dataclass

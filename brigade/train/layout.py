@@ -30,8 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.nn.parallel import DistributedDataParallel
 
 from brigade import forensics, groups
 from brigade.config import ParallelConfig, pipeline_shape
@@ -47,6 +45,7 @@ from brigade.pipeline.plans.schedule import SCHEDULES, placement
 from brigade.pipeline.stages.partition import choose_balance, parse_balance, split
 from brigade.pipeline.stages.ties import aliases, find_shared
 from brigade.shards import local, mesh_of
+from brigade.train.replicas import data_parallel, stage_group
 from brigade.train.ties import StageTies
 
 
@@ -158,42 +157,6 @@ def _tensor_parallel_layout(cfg: ParallelConfig, device: torch.device) -> Layout
         layout.shard_mesh = root["shard"] if replicas == 1 else root["replicate", "shard"]
         layout.shard_group = root["shard"].get_group()
     return layout
-
-
-def data_parallel(module: nn.Module, group, device_ids) -> DistributedDataParallel:
-    """DDP whose gradient all-reduces tell the hang watchdog which bucket is in flight.
-
-    Under zb the runner reduces with `GradientReducer` on this DDP's group and bucket cap,
-    and records its buckets the same way.
-    """
-    ddp = DistributedDataParallel(module, process_group=group, device_ids=device_ids)
-    ddp.register_comm_hook(group, _recorded_allreduce)
-    return ddp
-
-
-def _recorded_allreduce(group, bucket):
-    forensics.doing(f"allreduce bucket {bucket.index()}", waiting=True)
-    return allreduce_hook(group, bucket)
-
-
-def stage_group(device: torch.device):
-    """A group over the whole world for one local stage, bound to that stage's device.
-
-    A group created without `device_id` inherits the default group's binding; torch refuses
-    another. So `dist.init(local_stages=n)` leaves the default group unbound (see there).
-
-    Raises:
-        BrigadeError: the default group is bound to one GPU.
-    """
-    ranks = list(range(dist.get_world_size()))
-    if device.type != "cuda":
-        return dist.new_group(ranks)
-    bound = dist.distributed_c10d._get_default_group().bound_device_id
-    if bound is not None:
-        raise BrigadeError(f"the process group is bound to {bound} but this process drives several "
-                           "GPUs: pass local_stages to brigade.groups.init")
-    with torch.cuda.device(device):  # the communicator and its first collective on this GPU
-        return dist.new_group(ranks, device_id=device)
 
 
 class ProcessModel:

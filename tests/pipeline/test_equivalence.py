@@ -169,7 +169,7 @@ def zb_data_parallel_worker(bucket_caps: list[float | None]) -> list[dict[str, f
     from torch.nn.parallel import DistributedDataParallel
 
     from brigade.pipeline.runtime.reduce import GradientReducer
-    from brigade.train.layout import data_parallel
+    from brigade.train.replicas import data_parallel
 
     started: list[tuple[int, int]] = []  # (buckets already in flight when finish() began, buckets)
     finish = GradientReducer.finish

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
-from brigade.train import layout
+from brigade.train import layout, replicas
 
 
 def test_local_stages_refuse_a_group_bound_to_another_gpu(monkeypatch):
@@ -28,7 +28,7 @@ def test_a_stage_group_is_not_created_on_a_bound_default_group(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(BrigadeError, match=r"^the process group is bound to cuda:0 but this process "
                                            r"drives several GPUs: pass local_stages"):
-        layout.stage_group(torch.device("cuda", 1))
+        replicas.stage_group(torch.device("cuda", 1))
 
 
 def test_a_stage_group_is_bound_to_its_own_gpu(monkeypatch):
@@ -38,5 +38,5 @@ def test_a_stage_group_is_bound_to_its_own_gpu(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or "g")
-    assert layout.stage_group(torch.device("cuda", 3)) == "g"
+    assert replicas.stage_group(torch.device("cuda", 3)) == "g"
     assert made == [([0, 1], {"device_id": torch.device("cuda", 3)})]
