@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from brigade.errors import BrigadeError
-from brigade.net import parse_endpoint
+from brigade.host.net import parse_endpoint
 
 EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: the attempt hung; a restart may well succeed
 WARMUP_EXTRA_S = 180  # added to --hang-timeout until the first step is done (connections, resume)

@@ -361,7 +361,7 @@ def test_port_in_use(cli, tmp_path):
 
 
 def test_rendezvous_endpoint_that_does_not_answer(cli, tmp_path, monkeypatch):
-    from brigade import net
+    from brigade.host import net
 
     monkeypatch.setattr(net, "REACH_WAIT_S", 1.0)  # the wait is not the point; 15 s by default
     port = net.free_port()

@@ -122,7 +122,7 @@ def test_every_link_of_a_page_leads_somewhere(page):
 
 
 def _named_modules(text: str) -> set[str]:
-    """The .py and .sh files a page names: `pipeline/plans/validate.py`, `hostmem.py`, scripts/results.sh."""
+    """The .py and .sh files a page names: `pipeline/plans/validate.py`, `host/net.py`, scripts/results.sh."""
     return set(re.findall(r"(?<![\w/.])((?:[\w-]+/)*[\w-]+\.(?:py|sh))\b(?![:\w])", text)) - {"file.py"}
 
 

@@ -7,9 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from brigade import agent, doctor, groups, net
+from brigade import doctor
 from brigade.doctor import Check, Setup
-from brigade.net import free_port
+from brigade.host import net
+from brigade.host.net import free_port
+from brigade.launch import agent, groups
 from tests.e2e.helpers import brigade
 
 

@@ -26,7 +26,7 @@ def add_bench(sub, json_arg) -> None:
                         "cores, they share them: --ranks 4 on 2 cores times pp 4, every schedule as slowed")
     p.add_argument("--malloc-defaults", action="store_true",
                    help="on CPU, leave malloc as it is (freed memory goes back to the OS), to see what "
-                        "keeping it saves (brigade.hostmem)")
+                        "keeping it saves (brigade.host.malloc)")
     p.set_defaults(func=cmd_bench)
 
 

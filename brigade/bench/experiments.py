@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import groups, hostmem
 from brigade.bench.device import ddp, place_model
 from brigade.bench.memory import stage_meter
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, local_stages, unsupported
@@ -38,7 +37,9 @@ from brigade.bench.timing import (
     train_step,
 )
 from brigade.errors import BrigadeError
-from brigade.hostcpu import shared_cores
+from brigade.host import malloc
+from brigade.host.cores import shared_cores
+from brigade.launch import groups
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.generate import Costs
@@ -205,7 +206,7 @@ def measured_costs(b: _Bench, todo: list[Case]) -> dict[tuple[int, int], Costs]:
     """(V, m) -> every stage's measured costs, for the costed schedules' rows (auto plans on them):
     each rank times the stages it holds, all at once (3 repeats, the median), gathered. Transfers
     are left at 0, as in the rows' `ideal` (`figures`). Where the ranks outnumber the host's
-    cores, the costs say so (`hostcpu`) and each rank measures alone in turn (`turns`)."""
+    cores, the costs say so (`host.cores`) and each rank measures alone in turn (`turns`)."""
     out: dict[tuple[int, int], Costs] = {}
     cores = shared_cores(b.ranks, b.ranks, torch.get_num_threads(), b.x.device.type)  # one host
     for c in todo:
@@ -303,4 +304,4 @@ def _measure(cfg: BenchConfig, info) -> dict:
     return {"cases": [asdict(c) for c in todo], "skipped": skipped, "ranks": info.world_size,
             "times": {c.key: times[c.key] for c in todo}, "balances": balances, "memory": memory,
             "costs": {m: got[-cfg.rounds:] for m, got in costs.items()},  # the warm-up probed too
-            "trace": trace, "freed_memory_kept": hostmem.keep_freed_memory(), "plan_costs": b.plan_costs}
+            "trace": trace, "freed_memory_kept": malloc.keep_freed_memory(), "plan_costs": b.plan_costs}

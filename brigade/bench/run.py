@@ -13,11 +13,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from brigade import agent, hostmem
 from brigade.bench import plot
 from brigade.bench.experiments import BenchConfig, scaled_splits, worker
 from brigade.bench.figures import summarise
 from brigade.errors import BrigadeError
+from brigade.host import malloc
+from brigade.launch import agent
+from brigade.launch.rendezvous import LaunchSpec
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
 from brigade.pipeline.batches import microbatch
@@ -25,7 +27,6 @@ from brigade.pipeline.plans import schedule
 from brigade.pipeline.stages import structure
 from brigade.pipeline.stages.partition import check_chain
 from brigade.pipeline.stages.side_inputs import needed
-from brigade.rendezvous import LaunchSpec
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
@@ -160,15 +161,15 @@ def _malloc_defaults(on: bool):
     if not on:
         yield
         return
-    before = os.environ.get(hostmem.ENV)
-    os.environ[hostmem.ENV] = "0"  # read by each worker as it joins the group (brigade.hostmem)
+    before = os.environ.get(malloc.ENV)
+    os.environ[malloc.ENV] = "0"  # read by each worker as it joins the group (brigade.host.malloc)
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(hostmem.ENV)
+            os.environ.pop(malloc.ENV)
         else:
-            os.environ[hostmem.ENV] = before
+            os.environ[malloc.ENV] = before
 
 
 def best_line(best: dict | None) -> str:

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from brigade import agent, groups
 from brigade.bench.device import place_model
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, nearest_torch_schedule
 from brigade.bench.timing import (
@@ -34,6 +33,7 @@ from brigade.bench.timing import (
     ratio_ci,
     train_step,
 )
+from brigade.launch import agent, groups
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.schedule import DEFAULT, SCHEDULES, build, help_text

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import groups
 from brigade.bench.choose import pick_trials, scores
 from brigade.bench.device import ddp, place_model
 from brigade.bench.experiments import BenchConfig, Worker, scaled_splits
@@ -47,7 +46,8 @@ from brigade.bench.timing import (
     ratio_ci,
     train_step,
 )
-from brigade.hostcpu import shared_cores
+from brigade.host.cores import shared_cores
+from brigade.launch import groups
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.schedule import stages_on

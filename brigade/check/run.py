@@ -31,12 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import agent, groups
 from brigade.check.config import Case, CheckConfig, CheckResult, case_of
 from brigade.check.inputs import sample
 from brigade.check.preflight import local_devices, preflight
 from brigade.check.reference import exact_matmuls, reference
 from brigade.config import ParallelConfig
+from brigade.dtensors import full
+from brigade.launch import agent, groups
+from brigade.launch.rendezvous import LaunchSpec
 from brigade.models import ModelSpec, load_model
 from brigade.parallel import recompute, tensor
 from brigade.parallel.shard import shard_stage
@@ -45,8 +47,6 @@ from brigade.pipeline.pipe import LocalPipeline, Pipeline
 from brigade.pipeline.plans.schedule import placement, stages_on
 from brigade.pipeline.stages.partition import choose_balance, split
 from brigade.pipeline.stages.ties import TieGroups, find_shared, sum_tied_grads, untie
-from brigade.rendezvous import LaunchSpec
-from brigade.shards import full
 from brigade.train.layout import make_layout
 from brigade.train.replicas import data_parallel, stage_group
 

@@ -27,7 +27,7 @@ from brigade.config.sections import (
 from brigade.config.sources import add_flags, build, load_toml, to_toml
 from brigade.config.validate import validate
 from brigade.config.world import World
-from brigade.net import parse_endpoint
+from brigade.host.net import parse_endpoint
 
 __all__ = ["SECTIONS", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",
            "TrainConfig", "World", "add_flags", "build", "config_hash", "config_subset", "field_types",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from brigade.config.recompute import MODES
 from brigade.config.sections import RunConfig
 from brigade.errors import BrigadeError
-from brigade.net import parse_endpoint
+from brigade.host.net import parse_endpoint
 
 
 def _positive(name: str, value: float, zero_ok: bool = False) -> None:

@@ -41,8 +41,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from brigade import hostmem
 from brigade.bench.predict import block_costs, interpolate
+from brigade.host import malloc
 from brigade.models import ModelSpec
 from brigade.parallel import recompute
 from brigade.pipeline.runtime.backward import backward_split
@@ -118,11 +118,11 @@ class ModelCosts:
 def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpec) -> ModelCosts:
     """Measure `spec`'s blocks here at micro-batch `sizes` under each recompute mode (one thread).
 
-    With freed memory kept, as every training process keeps it (`brigade.hostmem`, set for the
+    With freed memory kept, as every training process keeps it (`brigade.host.malloc`, set for the
     rest of this process): with malloc's defaults each fresh gradient page-faults in again, and
     AdamW's step on the MLP's parameters measured 1.9-3.2 ms a MiB against 1.2-1.4 with it kept,
     which the training steps run at (about 20 ms a step too much on the MLP's pipeline of two)."""
-    hostmem.keep_freed_memory()
+    malloc.keep_freed_memory()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from brigade.hostcpu import shared_cores
+from brigade.host.cores import shared_cores
 from brigade.pipeline.plans.action import Plan
 from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build

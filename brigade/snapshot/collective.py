@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from brigade import forensics
+from brigade.dtensors import full
 from brigade.fsutil import fsync_path, write_atomic
-from brigade.shards import full
 from brigade.snapshot.format import (
     MANIFEST,
     Manifest,
@@ -195,7 +195,7 @@ def _failed(error: str) -> bool:
 
 def _collective_device() -> torch.device:
     """Where the default group's tensors must live: NCCL takes only CUDA tensors, on the
-    device this process was bound to (`torch.cuda.set_device` in `brigade.groups.init`)."""
+    device this process was bound to (`torch.cuda.set_device` in `brigade.launch.groups.init`)."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -31,10 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import forensics, groups
+from brigade import forensics
 from brigade.config import ParallelConfig, pipeline_shape
+from brigade.dtensors import local, mesh_of
 from brigade.errors import BrigadeError
-from brigade.hostcpu import shared_cores
+from brigade.host.cores import shared_cores
+from brigade.launch import groups
 from brigade.models.hf.weights import materialize
 from brigade.parallel import recompute, tensor
 from brigade.parallel.shard import shard_stage
@@ -44,7 +46,6 @@ from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, placement
 from brigade.pipeline.stages.partition import choose_balance, parse_balance, split
 from brigade.pipeline.stages.ties import aliases, find_shared
-from brigade.shards import local, mesh_of
 from brigade.train.replicas import data_parallel, stage_group
 from brigade.train.ties import StageTies
 
@@ -59,7 +60,7 @@ def _squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """`tensors` grouped for one fused (`_foreach`) call each: by device, and by kind
-    (`shards.mesh_of`: plain tensors, or DTensors of one mesh), which a fused op may not mix."""
+    (`dtensors.mesh_of`: plain tensors, or DTensors of one mesh), which a fused op may not mix."""
     found: dict = {}
     for t in tensors:
         found.setdefault((t.device, mesh_of(t)), []).append(t)
@@ -212,7 +213,7 @@ class ProcessModel:
             weights(self.held, layout.device)
 
     def _shared_cores(self, n_ranks: int, cfg: ParallelConfig) -> float:
-        """The cores the pipeline's ranks share, where fewer than they need (`hostcpu`), agreed by
+        """The cores the pipeline's ranks share, where fewer than they need (`host.cores`), agreed by
         every process (the least any reports): every process must plan the same."""
         per_process = cfg.local_stages if self.local else 1
         on_host = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * per_process
@@ -242,7 +243,7 @@ class ProcessModel:
         if devices[0] != layout.device:
             raise BrigadeError(f"the process group is bound to {layout.device} but stage 0 of "
                                f"--local-stages {n} runs on {devices[0]}: pass local_stages={n} to "
-                               "brigade.groups.init and brigade.groups.info")
+                               "brigade.launch.groups.init and brigade.launch.groups.info")
         # One process group per stage: each device's thread issues its own stages' all-reduces.
         stage_groups = [stage_group(devices[r]) for r in ranks] if layout.dp > 1 else None
 
@@ -284,7 +285,7 @@ class ProcessModel:
     def replan(self) -> Costs:
         """Plan a costed schedule again on the seconds its last traced step took, every stage's
         median over micro-batches and over the processes that ran it, agreed by every process
-        (one all-reduce), on the cores the ranks share where the host has too few (`hostcpu`: 4
+        (one all-reduce), on the cores the ranks share where the host has too few (`host.cores`: 4
         CPU processes on 2 cores favour a whole backward). Each stage keeps its micro-batch
         order: the new plan sums the same gradients in the same order, so the run's numbers do
         not change, only its speed."""

@@ -24,8 +24,8 @@ from collections.abc import Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from brigade.dtensors import local
 from brigade.parallel.held import Held, storage_key
-from brigade.shards import local
 
 KINDS = ("params", "grads", "optimizer", "activations")
 

@@ -47,6 +47,6 @@ def stage_group(device: torch.device):
     bound = dist.distributed_c10d._get_default_group().bound_device_id
     if bound is not None:
         raise BrigadeError(f"the process group is bound to {bound} but this process drives several "
-                           "GPUs: pass local_stages to brigade.groups.init")
+                           "GPUs: pass local_stages to brigade.launch.groups.init")
     with torch.cuda.device(device):  # the communicator and its first collective on this GPU
         return dist.new_group(ranks, device_id=device)

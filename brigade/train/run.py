@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from brigade import agent, forensics, groups
+from brigade import forensics
 from brigade.config import RunConfig, pipeline_shape, resolve_layout
 from brigade.errors import BrigadeError, RunError
-from brigade.launchenv import launcher_env, launcher_world, under_launcher
+from brigade.launch import agent, groups
+from brigade.launch.env import launcher_env, launcher_world, under_launcher
 from brigade.parallel import tensor
 from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
 from brigade.snapshot import collective
@@ -73,7 +74,7 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     ranks, virtual = pipeline_shape(p)
     choose_balance(blocks, ranks * virtual, balance=parse_balance(p.balance) if p.balance else None)
     if p.nnodes > 1 and not launched:
-        from brigade.net import node_address, parse_endpoint
+        from brigade.host.net import node_address, parse_endpoint
 
         me = node_address(*parse_endpoint(p.rdzv_endpoint), p.local_addr)
         print(f"brigade: node {p.node_rank} of {p.nnodes} advertises {me.addr}"

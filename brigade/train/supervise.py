@@ -1,6 +1,6 @@
 """Supervising a run under the elastic agent: launch it, and say in one line what the agent does.
 
-`launch_with_events` starts the workers through `brigade.agent.launch` and keeps the agent's
+`launch_with_events` starts the workers through `brigade.launch.agent.launch` and keeps the agent's
 raw log in a file. torchelastic reports a dead worker with pages of frames. brigade turns each
 event into one line, e.g.
 
@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from brigade import agent, forensics
+from brigade import forensics
 from brigade.config import RunConfig, World, resolve_layout
 from brigade.config.elastic import accumulation
-from brigade.rendezvous import LaunchSpec
+from brigade.launch import agent
+from brigade.launch.rendezvous import LaunchSpec
 from brigade.snapshot.format import latest_step
 from brigade.train import metrics
 

@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import forensics, groups
+from brigade import forensics
 from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, World, elastic, resolve_layout
 from brigade.config.precision import autocast_dtype
+from brigade.dtensors import mesh_of
 from brigade.errors import RunError
+from brigade.launch import groups
 from brigade.pipeline.stages import structure
-from brigade.shards import mesh_of
 from brigade.train.data import Sampler
 from brigade.train.layout import ProcessModel, by_device, make_layout
 from brigade.train.memory import StepMemory
@@ -51,7 +52,7 @@ def adamw(cfg: OptimConfig) -> Callable[[nn.Module], torch.optim.Optimizer]:
     """AdamW with weight decay on matrices only (not biases, norms, or embeddings' gains).
 
     Under tensor parallel some parameters are DTensors, on one mesh or two, and some plain
-    tensors; AdamW's fused (foreach) update may not mix kinds in one group (`shards.mesh_of`),
+    tensors; AdamW's fused (foreach) update may not mix kinds in one group (`dtensors.mesh_of`),
     so each kind has its own groups."""
 
     def make(model: nn.Module) -> torch.optim.Optimizer:

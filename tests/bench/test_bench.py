@@ -117,7 +117,7 @@ def test_bench_writes_json_plots_and_a_table(tmp_path):
     toy = sum(p.numel() * 4 for b in load_model("toy").blocks for p in b.parameters())
     assert all(sum(c["params_bytes"]) == sum(c["grads_bytes"]) == toy for c in ours)
     assert data["memory_method"] == "saved-tensors" and data["config"]["backend"] == "gloo"  # CPU here
-    assert data["freed_memory_kept"] is True  # glibc on Linux, as on CI (see brigade.hostmem)
+    assert data["freed_memory_kept"] is True  # glibc on Linux, as on CI (see brigade.host.malloc)
     for name in ("bench_bars.png", "split_size_tradeoff.png", "timeline.png", "memory.png"):
         assert (out / name).stat().st_size > 1000, name
     trace = json.loads((out / "timeline_trace.json").read_text())
@@ -319,8 +319,8 @@ def test_quick_times_fewer_configurations_not_fewer_rounds():
 def rounds_worker(keys_of_rank1: list[str] | None) -> dict:
     import torch.distributed as dist
 
-    from brigade import groups
     from brigade.bench.timing import interleaved_rounds
+    from brigade.launch import groups
 
     info = groups.init("gloo", threads=1)
     calls: list[str] = []
@@ -338,7 +338,7 @@ def rounds_worker(keys_of_rank1: list[str] | None) -> dict:
 
 @pytest.mark.timeout(120)
 def test_interleaved_rounds_time_each_configuration_once_per_round_in_an_agreed_order():
-    from brigade import agent
+    from brigade.launch import agent
 
     got = agent.launch(rounds_worker, 2, None)
     calls = got[0]["calls"]

@@ -64,7 +64,7 @@ class Nodes:
     """Two `brigade train` agents meeting at one loopback endpoint, each in its own session."""
 
     def __init__(self, out: Path, nproc: int = 1, extra: tuple[str, ...] = ()):
-        from brigade.net import free_port
+        from brigade.host.net import free_port
 
         self.port = free_port()
         self.flags = ["train", "--out", str(out), *TINY, *RUN, *extra, "--nnodes", "1:2",

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from brigade.net import free_port
+from brigade.host.net import free_port
 from tests.e2e.helpers import TINY
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -103,7 +103,7 @@ def assert_whole_run_folder(out: Path, stdout: str, ranks: int) -> None:
 def test_runs_under_torchrun(tmp_path):
     """torchrun's world decides: 4 processes with --pp 2 is dp 2 × pp 2 (brigade's --nproc is 2);
     with no brigade parent process, rank 0 writes the run folder and prints what it would."""
-    from brigade.net import free_port
+    from brigade.host.net import free_port
 
     out = tmp_path / "tr"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
@@ -120,7 +120,7 @@ def test_runs_under_torchrun(tmp_path):
 def test_runs_under_slurm_variables(tmp_path):
     """Four tasks as `srun -n 4 python -m brigade train --pp 2` starts them: SLURM_* only; with
     the interleaved schedule, two stages per pipeline rank (V = 2, its own)."""
-    from brigade.net import free_port
+    from brigade.host.net import free_port
 
     port = str(free_port())
     out = tmp_path / "slurm"
@@ -150,7 +150,7 @@ def _train_from_python(out: str) -> dict:
     """A user's own function under `brigade.launch`: the run's config, then `brigade.train.run.run`."""
     from brigade.cli import build_parser
     from brigade.config import build
-    from brigade.launchenv import launcher_world
+    from brigade.launch.env import launcher_world
     from brigade.train.run import run
 
     args = build_parser().parse_args(["train", "--out", out, *TINY, "--pp", "2", "--max-steps", "3"])
@@ -181,7 +181,7 @@ def _wait_until_listening(port: int, seconds: float = 60) -> None:
 
 def test_two_torchrun_agents_on_loopback(tmp_path):
     """`torchrun --nnodes 2 --rdzv-backend c10d`, 2 processes each: dp 2 × pp 2 from the world of 4."""
-    from brigade.net import free_port
+    from brigade.host.net import free_port
 
     port = free_port()
     out = tmp_path / "agents"
@@ -217,7 +217,7 @@ def test_two_node_agents_on_loopback(tmp_path):
     pid) and waits for node 0's store before it runs brigade, so node 0 holds no rank 0 and must
     still finish the run (plot, sample) and exit 0.
     """
-    from brigade.net import free_port
+    from brigade.host.net import free_port
 
     port = free_port()
     out = tmp_path / "nodes"

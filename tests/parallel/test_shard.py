@@ -43,9 +43,9 @@ def _one_step(schedule: str, reshard: bool) -> dict:
     from one device and the collectives of the step."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from brigade import groups
+    from brigade.dtensors import full
+    from brigade.launch import groups
     from brigade.pipeline.pipe import Pipeline
-    from brigade.shards import full
 
     groups.init("gloo", threads=1)
     rank = dist.get_rank()

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from brigade import agent, groups
 from brigade.check.run import CheckConfig, run_check
+from brigade.launch import agent, groups
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
 from brigade.pipeline.pipe import LocalPipeline, Pipeline

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brigade import agent, groups
 from brigade.errors import BrigadeError
+from brigade.launch import agent, groups
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
 from brigade.pipeline.plans.schedule import SCHEDULES, placement
 from brigade.pipeline.stages.side_inputs import StageModule

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import agent, groups
 from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from brigade.launch import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.snapshot import collective
 from brigade.snapshot.compat import run_facts

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import agent, groups
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
+from brigade.launch import agent, groups
 from brigade.pipeline.plans.generate import Costs
 from brigade.train.layout import OwnedBlocks, ProcessModel, by_device, make_layout
 
@@ -277,7 +277,7 @@ def test_auto_plans_again_on_measured_costs_and_the_numbers_stay_the_same(launch
 @pytest.mark.xdist_group("layout-2proc")
 @pytest.mark.timeout(300)
 def test_auto_plans_on_the_cores_the_host_gives_agreed_by_every_process(launched):
-    from brigade.hostcpu import shared_cores
+    from brigade.host.cores import shared_cores
 
     # two processes on this host, of 1 and 2 threads: the tighter share, where either is short
     shares = [shared_cores(2, 2, threads) for threads in (1, 2)]

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from brigade import agent, groups
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
+from brigade.launch import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.train.data import load_text_data
 from brigade.train.trainer import Trainer, lr_at
@@ -46,7 +46,7 @@ def _assert_same(got: dict, want: dict, rank: int = 0) -> None:
 
 def _assert_copies_equal(trainer: Trainer) -> None:
     """Every copy of a shared parameter, on whichever rank, equals its canonical one bit for bit."""
-    from brigade.shards import full
+    from brigade.dtensors import full
     from brigade.snapshot.format import tensor_sha256
 
     mine = {n: tensor_sha256(full(p)) for n, p in trainer.model.named_parameters(remove_duplicate=False)}

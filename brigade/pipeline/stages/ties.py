@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from brigade.dtensors import local
 from brigade.errors import BrigadeError
-from brigade.shards import local
 
 
 @dataclass(frozen=True)

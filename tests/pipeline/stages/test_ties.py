@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade import agent, groups
 from brigade.errors import BrigadeError
+from brigade.launch import agent, groups
 from brigade.pipeline.stages import boundary
 from brigade.pipeline.stages import ties as stage_ties
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from brigade.net import (
+from brigade.host.net import (
     check_port,
     check_reachable,
     interface_of,

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from brigade import hostmem, rendezvous
 from brigade.errors import BrigadeError
-from brigade.launchenv import launcher_env, slurm_env
-from brigade.net import free_port
+from brigade.host import malloc
+from brigade.host.net import free_port
+from brigade.launch import rendezvous
+from brigade.launch.env import launcher_env, slurm_env
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def init(backend: str | None = None, threads: int | None = None,
     if threads:
         torch.set_num_threads(threads)
     if device_type == "cpu":
-        hostmem.keep_freed_memory()
+        malloc.keep_freed_memory()
     device = local_devices(device_type, local_rank, local_stages)[0]
     if device_type == "cuda":
         torch.cuda.set_device(device)

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from brigade import groups, rendezvous
 from brigade.errors import BrigadeError
+from brigade.launch import groups, rendezvous
 
 
 def cuda(*indices):

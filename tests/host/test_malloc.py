@@ -1,4 +1,4 @@
-"""brigade.hostmem: malloc keeps freed memory for the next step (glibc on Linux, as on CI)."""
+"""brigade.host.malloc: malloc keeps freed memory for the next step (glibc on Linux, as on CI)."""
 
 import os
 import subprocess
@@ -6,15 +6,15 @@ import sys
 
 import pytest
 
-from brigade import hostmem
+from brigade.host import malloc
 
 # Three 8 MiB blocks taken and given back, 40 times: with glibc's default policy they are mapped
 # and unmapped each round and faulted in again; with freed memory kept they are faulted in once.
 _PROBE = """
 import resource, sys
 import torch
-from brigade import hostmem
-kept = hostmem.keep_freed_memory()
+from brigade.host import malloc
+kept = malloc.keep_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(2):
@@ -29,7 +29,7 @@ print(kept, faults() - before)
 
 
 def _probe(setting: str) -> tuple[bool, int]:
-    env = {**os.environ, hostmem.ENV: setting}
+    env = {**os.environ, malloc.ENV: setting}
     if setting == "0":
         # glibc's default threshold, held fixed: left dynamic, it rises to a block's size after the
         # first is freed, and whether the heap's top is then trimmed depends on what else sits on
@@ -52,18 +52,18 @@ def test_kept_memory_is_not_faulted_in_again():
 
 @pytest.mark.parametrize("value", ["0", "off", "false", "No"])
 def test_switched_off_by_the_environment(monkeypatch, value):
-    monkeypatch.setenv(hostmem.ENV, value)
-    assert not hostmem._enabled()
+    monkeypatch.setenv(malloc.ENV, value)
+    assert not malloc._enabled()
 
 
 def test_the_bench_flag_leaves_malloc_alone_in_its_workers_only(monkeypatch):
     from brigade.bench.run import _malloc_defaults
 
-    monkeypatch.setenv(hostmem.ENV, "1")
+    monkeypatch.setenv(malloc.ENV, "1")
     with _malloc_defaults(True):
-        assert not hostmem._enabled()  # what each worker reads as it joins the group
-    assert hostmem._enabled()
-    monkeypatch.delenv(hostmem.ENV)
+        assert not malloc._enabled()  # what each worker reads as it joins the group
+    assert malloc._enabled()
+    monkeypatch.delenv(malloc.ENV)
     with _malloc_defaults(False):
-        assert hostmem.ENV not in os.environ
-    assert hostmem.ENV not in os.environ
+        assert malloc.ENV not in os.environ
+    assert malloc.ENV not in os.environ

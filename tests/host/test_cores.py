@@ -1,7 +1,7 @@
-"""`hostcpu.shared_cores`: the cores a pipeline's ranks share, in ranks' worth, where the host
+"""`host.cores.shared_cores`: the cores a pipeline's ranks share, in ranks' worth, where the host
 gives each less than it needs; 0 where each has its own."""
 
-from brigade.hostcpu import host_cores, shared_cores
+from brigade.host.cores import host_cores, shared_cores
 
 
 def test_ranks_that_outnumber_the_cores_share_them():
