@@ -11,7 +11,7 @@ import importlib
 __version__ = "0.1.0"
 
 _WHERE = {
-    "launch": "brigade.launch.agent",
+    "launch": "brigade.launcher.agent",
     "Trainer": "brigade.train.trainer",
     "Pipeline": "brigade.pipeline.pipe",
     "LocalPipeline": "brigade.pipeline.pipe",

@@ -146,8 +146,8 @@ def _add_train(sub) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from brigade import config
-    from brigade.launch.agent import Stopped
-    from brigade.launch.env import launcher_world
+    from brigade.launcher.agent import Stopped
+    from brigade.launcher.env import launcher_world
     from brigade.snapshot.format import latest_step
     from brigade.train.faults import parse_fault
     from brigade.train.run import run

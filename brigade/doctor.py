@@ -27,8 +27,8 @@ from brigade.config import ParallelConfig
 from brigade.config.fielddoc import doc, sentence
 from brigade.errors import BrigadeError, RunError
 from brigade.host import net
-from brigade.launch import agent, groups
-from brigade.launch.rendezvous import LaunchSpec
+from brigade.launcher import agent, groups
+from brigade.launcher.rendezvous import LaunchSpec
 
 MAX_SKEW_S = 1.0
 

@@ -110,7 +110,7 @@ CASES = [
                                              "--max-restarts", "1", "--batch-size", "48"],
      "--shard 4 does not divide the data-parallel width dp 6 on 3 node(s)", 2),
     ("check shard does not divide dp", ["check", "--dp", "2", "--shard", "3"],
-     "--shard 3 does not divide --dp 2: give --shard a divisor of --dp", 2),
+     "--shard 3 does not divide the data-parallel width dp 2: give --shard a divisor of 2", 2),
     ("check shard under the local runtime", ["check", "--dp", "2", "--shard", "2", "--runtime", "local"],
      "--shard 2 with --runtime local: FSDP2 shards over one device per process", 2),
     ("unknown recompute", ["train", "--recompute", "some"],

@@ -11,7 +11,7 @@ from brigade import doctor
 from brigade.doctor import Check, Setup
 from brigade.host import net
 from brigade.host.net import free_port
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 from tests.e2e.helpers import brigade
 
 

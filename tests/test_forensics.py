@@ -108,8 +108,8 @@ def test_a_paused_watchdog_does_not_judge_and_resumes_afresh(tmp_path):
 def test_ddp_gradient_buckets_are_recorded(monkeypatch):
     import torch
 
-    from brigade.launch import groups
-    from brigade.train.replicas import data_parallel
+    from brigade.launcher import groups
+    from brigade.parallel.replicate import data_parallel
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)  # init() sets them; they must not outlive this test

@@ -1,7 +1,7 @@
 """Where a bench process works: its model, its batch and its DDP wrapper, on the process's device.
 
 Every bench worker (bench, tune, speed, overhead) takes its device from one place, the
-`DistInfo.device` that `brigade.launch.groups.init()` returns (cuda:local_rank under NCCL, the CPU
+`DistInfo.device` that `brigade.launcher.groups.init()` returns (cuda:local_rank under NCCL, the CPU
 under gloo), and places everything through these functions.
 """
 

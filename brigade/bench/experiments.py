@@ -39,7 +39,7 @@ from brigade.bench.timing import (
 from brigade.errors import BrigadeError
 from brigade.host import malloc
 from brigade.host.cores import shared_cores
-from brigade.launch import groups
+from brigade.launcher import groups
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.generate import Costs

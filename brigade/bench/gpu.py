@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from brigade.errors import BrigadeError
-from brigade.launch import groups
+from brigade.launcher import groups
 
 # Dense bf16 tensor-core peaks, FLOP/s (vendors' data sheets); BRIGADE_PEAK_TFLOPS overrides.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,

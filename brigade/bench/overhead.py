@@ -30,7 +30,7 @@ import torch.distributed as dist
 from brigade.bench.device import ddp
 from brigade.config import RunConfig, to_toml
 from brigade.errors import BrigadeError, RunError
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 from brigade.train.data import Sampler, build
 from brigade.train.metrics import loop_seconds, read_records
 

@@ -18,8 +18,8 @@ from brigade.bench.experiments import BenchConfig, scaled_splits, worker
 from brigade.bench.figures import summarise
 from brigade.errors import BrigadeError
 from brigade.host import malloc
-from brigade.launch import agent
-from brigade.launch.rendezvous import LaunchSpec
+from brigade.launcher import agent
+from brigade.launcher.rendezvous import LaunchSpec
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
 from brigade.pipeline.batches import microbatch

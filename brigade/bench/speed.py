@@ -33,7 +33,7 @@ from brigade.bench.timing import (
     ratio_ci,
     train_step,
 )
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.schedule import DEFAULT, SCHEDULES, build, help_text

@@ -47,7 +47,7 @@ from brigade.bench.timing import (
     train_step,
 )
 from brigade.host.cores import shared_cores
-from brigade.launch import groups
+from brigade.launcher import groups
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.schedule import stages_on

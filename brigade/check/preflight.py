@@ -15,6 +15,7 @@ from brigade.parallel import recompute, tensor
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.plans.schedule import build, placement
 from brigade.pipeline.stages.partition import check_chain, choose_balance
+from brigade.world.degrees import Degrees
 
 
 def local_devices(n: int) -> list[str]:
@@ -49,17 +50,13 @@ def _check_devices(devices: list[str], stages: int) -> None:
 
 def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
     """dp, the workers it starts, and what dp cannot check."""
-    if cfg.dp < 1:
-        raise BrigadeError(f"--dp {cfg.dp}: need at least 1 replica")
+    Degrees(dp=cfg.dp, shard=cfg.shard, tp=cfg.tp).check()  # each ≥ 1, --shard dividing --dp
     workers, cap = cfg.dp * cfg.stages * cfg.tp, max_workers(cfg.runtime)
     if workers > cap and (cfg.runtime == "process" or cfg.dp > 1):
         tp = f" × --tp {cfg.tp}" if cfg.tp > 1 else ""
         raise BrigadeError(f"--dp {cfg.dp} × --stages {cfg.stages}{tp} = {workers} workers but this machine "
                            f"should run at most {cap} (one per GPU, four per CPU core): use fewer of either")
     _check_tensor_parallel(cfg, spec)
-    if cfg.shard < 1 or cfg.dp % cfg.shard:
-        raise BrigadeError(f"--shard {cfg.shard} does not divide --dp {cfg.dp}: give --shard a divisor of "
-                           f"--dp (dp = --shard × replicas; 1: no sharding)")
     if cfg.shard > 1 and cfg.runtime == "local":
         raise BrigadeError(f"--shard {cfg.shard} with --runtime local: FSDP2 shards over one device per "
                            "process, and the local runtime drives every stage from one; use "
@@ -76,9 +73,7 @@ def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
 
 
 def _check_tensor_parallel(cfg: CheckConfig, spec: ModelSpec) -> None:
-    """--tp: at least 1, across processes, and a plan for every block that `tp` divides."""
-    if cfg.tp < 1:
-        raise BrigadeError(f"--tp {cfg.tp}: must be ≥ 1")
+    """--tp: across processes, and a plan for every block that `tp` divides."""
     if cfg.tp > 1 and cfg.runtime == "local":
         raise BrigadeError(f"--tp {cfg.tp} with --runtime local: tensor parallel splits each block over "
                            "processes of a DeviceMesh, and the local runtime drives every stage from one "

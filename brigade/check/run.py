@@ -5,17 +5,17 @@ single-device reference, and runs one batch both ways. It compares the loss,
 every parameter's gradient, and every parameter and buffer after one SGD step.
 
 A case is (schedule, m, V, recompute): the model is cut into stages × V pieces, V per rank as
-the schedule places them, its blocks recomputed or not. With dp replicas each runs its slice of
-the batch and every stage module is DDP-wrapped over its replicas, or with --shard sharded over
-them (FSDP2, `parallel.shard`); the reference is still one device on the whole batch (the
-replicas' mean loss and averaged gradients must equal it). What a check is asked is config.py's;
-its refusals, before any worker starts, preflight.py's.
+the schedule places them, and this process's stages are built by the same assembler as
+`brigade train`'s (`parallel.assemble`): tensor parallel, recompute, then DDP or FSDP2 over the
+replicas, in that one order. With dp replicas each runs its slice of the batch; the reference is
+still one device on the whole batch (the replicas' mean loss and averaged gradients must equal
+it). What a check is asked is config.py's; its refusals, before any worker starts, preflight.py's.
 
-    process runtime   dp × stages processes over a DeviceMesh (dp, pp), × tp with --tp: each
-                      stage's blocks split over tp processes (parallel.tensor), gradients
-                      gathered from their DTensor shards to be compared
+    process runtime   dp × stages (× tp) processes, one cell each of the world's DeviceMesh
+                      (`world.World`); with --tp each stage's blocks split over tp processes,
+                      gradients gathered from their DTensor shards to be compared
     local runtime     one process (dp = 1) or dp processes, each a LocalPipeline whose
-                      device i DDPs with device i of the other processes
+                      stage i DDPs with stage i of the other processes
 
 BatchNorm: with m > 1 each micro-batch is normalised with its own statistics (as in
 gradient accumulation), so the reference runs the same micro-batches one after another;
@@ -25,60 +25,24 @@ replica 0's running statistics, which no single device computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from brigade.check.config import Case, CheckConfig, CheckResult, case_of
 from brigade.check.inputs import sample
 from brigade.check.preflight import local_devices, preflight
 from brigade.check.reference import exact_matmuls, reference
-from brigade.config import ParallelConfig
+from brigade.config import ParallelConfig, degrees_of
 from brigade.dtensors import full
-from brigade.launch import agent, groups
-from brigade.launch.rendezvous import LaunchSpec
+from brigade.launcher import agent, groups
+from brigade.launcher.rendezvous import LaunchSpec
 from brigade.models import ModelSpec, load_model
-from brigade.parallel import recompute, tensor
-from brigade.parallel.shard import shard_stage
+from brigade.parallel.assemble import Assembly, Cut, assemble
 from brigade.pipeline.batches import microbatch
-from brigade.pipeline.pipe import LocalPipeline, Pipeline
-from brigade.pipeline.plans.schedule import placement, stages_on
-from brigade.pipeline.stages.partition import choose_balance, split
-from brigade.pipeline.stages.ties import TieGroups, find_shared, sum_tied_grads, untie
-from brigade.train.layout import make_layout
-from brigade.train.replicas import data_parallel, stage_group
-
-
-@dataclass
-class Where:
-    """This process's place: its pipeline rank (None: the local runtime drives every rank)."""
-
-    pp_rank: int | None = None
-    dp: int = 1
-    dp_rank: int = 0
-    pp_group: object = None
-    dp_group: object = None  # None: the whole world (local runtime)
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    devices: list | None = None  # local runtime: one per rank
-    stage_groups: list | None = None  # local runtime under dp: one group per device
-    shard_mesh: object = None  # --shard (or dp under --tp): fully_shard's mesh (make_layout's)
-    tp: int = 1
-    tp_mesh: object = None  # --tp: parallelize_module's mesh (make_layout's)
-
-
-def _untie(blocks: list[nn.Module], balance: list[int], ranks: list[int], where: Where):
-    """Give each stage its own copy of a parameter shared across stages (a tied embedding and
-    head); returns (ties, their process groups or None) for `ties.sum_tied_grads`."""
-    stage = [s for s, n in enumerate(balance) for _ in range(n)]
-    ties = [t for t in find_shared(blocks) if len({stage[b] for b in t.blocks}) > 1]
-    untie(blocks, ties)
-    if not ties or where.pp_rank is None:
-        return ties, None  # local runtime: every copy is in this process
-    pp = len(set(ranks))  # global rank = (dp row · pp + pp rank) · tp + tp rank (make_layout)
-    return ties, TieGroups(ties, [{b: (row * pp + ranks[stage[b]]) * where.tp + t for b in range(len(blocks))}
-                                  for row in range(where.dp) for t in range(where.tp)])
+from brigade.pipeline.plans.schedule import placement
+from brigade.pipeline.stages.partition import choose_balance
+from brigade.world.degrees import Degrees
+from brigade.world.mesh import World
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -87,117 +51,107 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(diffs, default=0.0)
 
 
-def _replica(t, where: Where):
-    return microbatch.split_structure(t, where.dp)[where.dp_rank]
+def _replica(t, world: World):
+    return microbatch.split_structure(t, world.degrees.dp)[world.coords.dp]
 
 
-def _step(cfg: CheckConfig, spec: ModelSpec, stages: list[nn.Module], schedule: str, m: int, v: int,
-          x, y, where: Where) -> tuple[float, list[int]]:
-    """This replica's pipeline step on its slice: (replica loss, the stages held here)."""
-    x, y = _replica(x, where), _replica(y, where)
-    if where.pp_rank is None:
-        devices = _local_devices(cfg, where)
-        ranks = placement(schedule, cfg.stages, v)[1]
-
-        def wrap(s: int, module: nn.Module) -> nn.Module:
-            if where.stage_groups is None:
-                return module
-            device = torch.device(devices[ranks[s]])
-            return data_parallel(module, where.stage_groups[ranks[s]],
-                                 [device] if device.type == "cuda" else None)
-
-        with LocalPipeline(stages, devices, schedule, m, spec.loss_fn, wrap=wrap, virtual=v) as pipe:
-            return float(pipe.step(x, y)), list(range(len(stages)))
-    mine = stages_on(schedule, cfg.stages, where.pp_rank, v)
-    ids = [where.device] if where.device.type == "cuda" else None
-    modules = {s: stages[s].to(where.device) for s in mine}
-    if where.tp > 1:  # tensor parallel first, then the data-parallel wrapper (torchtitan's order)
-        tensor.parallelize([b for s in mine for b in modules[s].children()], where.tp_mesh)
-    if where.shard_mesh is not None:
-        modules = {s: shard_stage(mod, where.shard_mesh, cfg.reshard) for s, mod in modules.items()}
-    elif where.dp > 1:
-        modules = {s: data_parallel(mod, where.dp_group, ids) for s, mod in modules.items()}
-    pipe = Pipeline(modules, schedule, m, spec.loss_fn, group=where.pp_group, device=where.device,
-                    virtual=v)
-    return float(pipe.step(x, y)), mine
+def _local_devices(cfg: CheckConfig) -> list[str]:
+    """The local runtime's device per rank, in the calling process (dp = 1)."""
+    return cfg.devices or local_devices(cfg.stages)
 
 
-def _local_devices(cfg: CheckConfig, where: Where) -> list:
-    """The local runtime's device per rank."""
-    return where.devices or cfg.devices or local_devices(cfg.stages)
-
-
-def _reference_device(cfg: CheckConfig, where: Where) -> torch.device:
+def _reference_device(world: World) -> torch.device:
     """Where the one-device reference runs: on the pipeline's device when all its stages share one,
     so that both run the same kernels (a GPU's fp32 rounds otherwise than the CPU's, and a model
     like ResNet-50 with BatchNorm over a micro-batch of 2 magnifies that far past 1e-5); else on
     the CPU."""
-    if where.pp_rank is not None:
-        return where.device
-    devices = {torch.device(d) for d in _local_devices(cfg, where)}
+    devices = set(world.devices)
     return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
 
-def run_case(cfg: CheckConfig, case: Case, where: Where | None = None, lr: float = 0.1) -> CheckResult:
-    """One (schedule, m, V) comparison from this process's place (default: local, dp = 1)."""
-    where = where or Where()
+def _cut(cfg: CheckConfig, spec: ModelSpec, schedule: str, v: int, x, device: torch.device) -> Cut:
+    """The model cut as the case asks (by parameters or measured time), agreed by every process
+    (measured balances may differ between them)."""
+    balance = choose_balance(spec.blocks, cfg.stages * v, by=cfg.balance_by, sample=sample(x),
+                             balance=cfg.balance)
+    if dist.is_initialized():
+        agreed = torch.tensor(balance, device=device)  # NCCL takes only tensors on its GPU
+        dist.broadcast(agreed, 0)
+        balance = agreed.tolist()
+    return Cut(tuple(balance), tuple(placement(schedule, cfg.stages, v)[1]))
+
+
+def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float = 0.1) -> CheckResult:
+    """One (schedule, m, V) comparison from this process's place (default: the local runtime in
+    this process, dp = 1)."""
+    world = world or World(Degrees(), torch.device(_local_devices(cfg)[0]), _local_devices(cfg))
     schedule, m, virtual, mode = case_of(cfg, case)
     v = placement(schedule, cfg.stages, virtual)[0]
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
-    ref_device = _reference_device(cfg, where)
+    ref_device = _reference_device(world)
     ref_loss, ref_grads, ref_state, ref_kind = reference(spec, x, y, m, lr, ref_device)
-    balance = choose_balance(spec.blocks, cfg.stages * v, by=cfg.balance_by, sample=sample(x),
-                             balance=cfg.balance)
-    if dist.is_initialized():  # measured balances may differ between processes
-        agreed = torch.tensor(balance, device=where.device)  # NCCL takes only tensors on its GPU
-        dist.broadcast(agreed, 0)
-        balance = agreed.tolist()
-    ties, tie_groups = _untie(spec.blocks, balance, placement(schedule, cfg.stages, v)[1], where)
-    recompute.apply(spec.blocks, mode)  # the reference (a deep copy) ran without
-    stages = split(spec.blocks, balance)
-    loss, mine = _step(cfg, spec, stages, schedule, m, v, x, y, where)
-    held = {b: spec.blocks[b] for s in mine for b in range(sum(balance[:s]), sum(balance[:s + 1]))}
-    sum_tied_grads(ties, held, tie_groups)
-    if where.dp > 1:  # the replicas' mean loss is the whole batch's
-        total = torch.tensor(loss, dtype=torch.float64, device=where.device)
-        dist.all_reduce(total, group=where.dp_group)
-        loss = float(total) / where.dp
+    cut = _cut(cfg, spec, schedule, v, x, world.device)
+    # the same assembler as brigade train's (the reference, a deep copy, ran unwrapped)
+    built = assemble(spec.blocks, cut, world, mode, cfg.reshard)
+    loss = _step(built, schedule, m, spec.loss_fn, x, y)
+    held = built.held
     grad_diff = _max_diff([p.grad for b in held.values() for p in b.parameters()],
                           [g for b in held for g in ref_grads[b]])
-    for s in mine:
-        torch.optim.SGD(stages[s].parameters(), lr=lr).step()
+    torch.optim.SGD(built.owned.parameters(), lr=lr).step()
     param_diff = _max_diff([t.detach() for b in held.values() for t in b.state_dict().values()],
                            [t for b in held for t in ref_state[b]])
     diffs = torch.tensor([abs(loss - ref_loss), grad_diff, param_diff], dtype=torch.float64,
-                         device=where.device)
+                         device=world.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     d = diffs.tolist()
-    return CheckResult(schedule, m, cfg.stages, cfg.runtime, balance, loss, d[0], d[1], d[2], ref_kind,
-                       ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp, reference_device=str(ref_device),
-                       shard=cfg.shard, recompute=mode, tp=cfg.tp)
+    return CheckResult(schedule, m, cfg.stages, cfg.runtime, list(cut.balance), loss, d[0], d[1], d[2],
+                       ref_kind, ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp,
+                       reference_device=str(ref_device), shard=cfg.shard, recompute=mode, tp=cfg.tp)
 
 
-def _where(cfg: CheckConfig, info: groups.DistInfo) -> Where:
-    """This worker's place: a DeviceMesh (dp, pp) cell, or one replica of a local pipeline."""
+def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y) -> float:
+    """One pipeline step of this replica on its slice, its shared weights' gradients summed; the
+    replicas' mean loss (the whole batch's)."""
+    world = built.world
+    pipe = built.pipeline(schedule, m, loss_fn)
+    try:
+        loss = float(pipe.step(_replica(x, world), _replica(y, world)))
+    finally:
+        if world.local:
+            pipe.close()
+    built.ties.sum_grads(built.held)
+    if world.degrees.dp > 1:
+        total = torch.tensor(loss, dtype=torch.float64, device=world.device)
+        dist.all_reduce(total, group=world.group("dp"))
+        loss = float(total) / world.degrees.dp
+    return loss
+
+
+def _degrees(cfg: CheckConfig) -> Degrees:
+    """The check's world: dp × stages × tp processes, or dp processes of the local runtime (each
+    drives every stage)."""
     if cfg.runtime == "process":
-        lay = make_layout(ParallelConfig(dp=cfg.dp, pp=cfg.stages, shard=cfg.shard, tp=cfg.tp), info.device)
-        return Where(lay.pp_rank, lay.dp, lay.dp_rank, lay.pp_group, lay.dp_group, lay.device,
-                     shard_mesh=lay.shard_mesh, tp=lay.tp, tp_mesh=lay.tp_mesh)
+        return degrees_of(ParallelConfig(dp=cfg.dp, pp=cfg.stages, shard=cfg.shard, tp=cfg.tp))
+    return Degrees(dp=cfg.dp)
+
+
+def _world(cfg: CheckConfig, info: groups.DistInfo) -> World:
+    """This worker's place: a cell of the DeviceMesh (dp, pp, tp), or one replica of a local pipeline."""
+    if cfg.runtime == "process":
+        return World(_degrees(cfg), info.device)
     devices = groups.local_devices(info.device.type, info.local_rank, cfg.stages)
-    # One group per device: each device's thread issues its own all-reduces.
-    return Where(None, cfg.dp, info.rank, None, None, devices[0], devices,
-                 [stage_group(d) for d in devices])
+    return World(_degrees(cfg), devices[0], devices)
 
 
 def worker(cfg: CheckConfig, cases: list[Case]) -> list[dict]:
     """Process entry point: run every case in one process group (one start for many cases)."""
     info = groups.init(threads=1, local_stages=cfg.stages if cfg.runtime == "local" else 1)
-    where = _where(cfg, info)
+    world = _world(cfg, info)
     with exact_matmuls():
-        results = [run_case(cfg, c, where).to_dict() for c in cases]
-    del where  # its stage groups' last references go inside destroy, after the drain
+        results = [run_case(cfg, c, world).to_dict() for c in cases]
+    del world  # its groups' last references go inside destroy, after the drain
     groups.destroy()  # a failure leaves it to agent's worker wrapper, with no drain
     return results
 
@@ -216,6 +170,5 @@ def run_check(cfg: CheckConfig, cases: list[Case] | None = None, port: int | Non
     if cfg.runtime == "local" and cfg.dp == 1:
         with exact_matmuls():
             return [run_case(cfg, c).to_dict() for c in cases]
-    nproc = cfg.dp * (cfg.stages * cfg.tp if cfg.runtime == "process" else 1)
-    results = agent.launch(worker, LaunchSpec(nproc, port=port), cfg, cases)
+    results = agent.launch(worker, LaunchSpec(_degrees(cfg).size, port=port), cfg, cases)
     return results[0]

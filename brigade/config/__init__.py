@@ -7,10 +7,10 @@
     precision.py  the precisions a run may name, and the autocast dtype each means
     world.py      `World`: the processes a launcher started
     elastic.py    --nnodes MIN:MAX: the worlds a run can reach, its accumulation in each
-    resolve.py    `resolve_layout`: dp from the world, derived once
+    resolve.py    `resolve_layout`: dp from the world, derived once; `degrees_of`: the world's degrees
 """
 
-from brigade.config.resolve import pipeline_shape, resolve_layout
+from brigade.config.resolve import degrees_of, pipeline_shape, resolve_layout
 from brigade.config.sections import (
     SECTIONS,
     DataConfig,
@@ -30,6 +30,7 @@ from brigade.config.world import World
 from brigade.host.net import parse_endpoint
 
 __all__ = ["SECTIONS", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",
-           "TrainConfig", "World", "add_flags", "build", "config_hash", "config_subset", "field_types",
+           "TrainConfig", "World", "add_flags", "build", "config_hash", "config_subset", "degrees_of",
+           "field_types",
            "load_toml", "parse_endpoint", "pipeline_shape", "resolve_layout", "section_classes", "to_toml",
            "validate"]

@@ -4,7 +4,7 @@ The pipeline depth pp is fixed; dp = world ÷ pp follows the nodes present. The 
 is fixed too: --grad-accum is the accumulation at the largest world (MAX nodes) and grows as
 nodes are lost, so a replica's chunk never grows and the optimizer sees the same batches.
 `config.resolve_layout` calls these; no torch import. (The line for a rendezvous that
-failed to meet MIN nodes is `brigade.launch.rendezvous.rendezvous_failed`.)
+failed to meet MIN nodes is `brigade.launcher.rendezvous.rendezvous_failed`.)
 
 Under brigade's launcher (`agent.launch` with min_nodes > 0) a lost node fails the others'
 workers; their agents restart them (one of --max-restarts) once MIN nodes meet again, waiting

@@ -9,6 +9,7 @@ from brigade.config import elastic
 from brigade.config.sections import ParallelConfig, RunConfig
 from brigade.config.world import World
 from brigade.errors import BrigadeError
+from brigade.world.degrees import Degrees
 
 
 def pipeline_shape(p: ParallelConfig) -> tuple[int, int]:
@@ -24,6 +25,12 @@ def pipeline_shape(p: ParallelConfig) -> tuple[int, int]:
     ranks = p.pp * p.local_stages
     virtual = schedule.SCHEDULES[schedule.check(p.schedule)].resolve_virtual(p.virtual)
     return (ranks, virtual) if ranks > 1 else (1, 1)
+
+
+def degrees_of(p: ParallelConfig) -> Degrees:
+    """The parallel degrees of a resolved layout (dp set): what `world.World` builds its mesh from.
+    Local stages are devices inside one process, not a degree of the world."""
+    return Degrees(dp=p.dp, shard=p.shard, pp=p.pp, tp=p.tp)
 
 
 def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection[str] = ()) -> RunConfig:
@@ -48,22 +55,10 @@ def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection
     if world is not None:
         (nproc, nnodes), size = _launcher_nodes(p, world, given), world.size
         where = f"set by {world.launcher}"
-    dp, cells = p.dp, p.pp * p.tp  # the processes of one replica
-    if size % p.tp:
-        raise BrigadeError(f"--tp {p.tp} does not divide the world size {size} ({where}): make the world "
-                           "a multiple of --tp")
-    if dp == 0:
-        if size % cells:
-            by = f"--pp {p.pp} × --tp {p.tp} = {cells}" if p.tp > 1 else f"--pp {p.pp}"
-            raise BrigadeError(f"world size {size} ({where}) is not divisible by {by}: make it a "
-                               "multiple of the pipeline stages" + (" × --tp" if p.tp > 1 else ""))
-        dp = size // cells
-    if dp * cells != size:
-        by = " ÷ --tp" if p.tp > 1 else ""
-        fix = "" if world is None else f", or leave --dp out to derive it ({size} ÷ --pp{by})"
-        tp = f" × --tp {p.tp}" if p.tp > 1 else ""
-        raise BrigadeError(f"--dp {dp} × --pp {p.pp}{tp} = {dp * cells} but the world size is {size} "
-                           f"({where}): the world size must equal dp × pp{' × tp' * (p.tp > 1)}{fix}")
+    by = " ÷ --tp" if p.tp > 1 else ""
+    hint = "" if world is None else f", or leave --dp out to derive it ({size} ÷ --pp{by})"
+    # --shard is checked with the batch (below), at every node count an elastic range reaches.
+    dp = Degrees.derive(size, dp=p.dp, pp=p.pp, tp=p.tp, where=f" ({where})", hint=hint).dp
     out = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp, nproc=nproc, nnodes=nnodes))
     if p.min_nodes:  # every node count the range can reach
         elastic.check_range(out.parallel, given, world is not None, lambda n, d: _check_batch(out, d, n))
@@ -90,10 +85,7 @@ def _check_batch(cfg: RunConfig, dp: int, nodes: int = 0) -> None:
     """The global batch must split evenly over replicas and accumulation, then micro-batches; the
     replicas into shard groups of --shard."""
     p, t, k = cfg.parallel, cfg.train, elastic.accumulation(cfg, dp)
-    if dp % p.shard:
-        on = f" on {nodes} node(s)" if nodes else ""
-        raise BrigadeError(f"--shard {p.shard} does not divide the data-parallel width dp {dp}{on}: give "
-                           f"--shard a divisor of {dp} (dp = --shard × replicas; 1: no sharding)")
+    Degrees(dp=dp, shard=p.shard).check(where=f" on {nodes} node(s)" if nodes else "")
     if t.batch_size % (dp * k):
         raise BrigadeError(f"--batch-size {t.batch_size} does not split evenly over dp {dp} × grad-accum "
                            f"{k}: use a multiple of {dp * k}")

@@ -3,7 +3,7 @@
 Shapes: B batch, T time (≤ block_size), C n_embd, V vocab_size.
 With `tie_embeddings` (the default) the head's output weight is the token embedding's: one
 parameter on the first and last block, which brigade keeps as one copy per stage with summed
-gradients (brigade.pipeline.stages.ties, brigade.train.ties).
+gradients (brigade.pipeline.stages.ties).
 
 Each block declares how tensor parallel splits it (`tp_plan`, read by brigade.parallel.tensor):
 attention's fused q/k/v column-wise and its output row-wise, by whole heads; the MLP's up

@@ -31,6 +31,7 @@ orders it; a model file may set a mode per block (`models.ModelSpec.recompute`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -240,14 +241,20 @@ def modes(blocks: list[nn.Module], mode: str) -> list[str]:
     return chosen
 
 
-def apply(blocks: list[nn.Module], mode: str) -> list[str]:
+def apply(blocks: list[nn.Module], mode: str, held: Iterable[int] | None = None) -> list[str]:
     """Set each block to recompute by its mode (`modes`), in place, before any data-parallel wrapper.
+
+    Args:
+        blocks: the whole model's blocks (a block's index names it in messages).
+        mode: the run's mode; a block may declare its own.
+        held: the indices of the blocks to set (those this process holds); None: all.
 
     Returns:
         each block's mode.
     """
     chosen = modes(blocks, mode)
+    held = set(range(len(blocks)) if held is None else held)
     for i, (block, m) in enumerate(zip(blocks, chosen)):
-        if m != "none" and not isinstance(block.forward, Recomputed):
+        if i in held and m != "none" and not isinstance(block.forward, Recomputed):
             block.forward = Recomputed(block, m, f"block {i} ({type(block).__name__})")
     return chosen

@@ -85,7 +85,7 @@ got["dtensor_step_s"] = max(0.0, (spread - plain) / k)
 
 import copy
 from brigade.parallel.shard import shard_stage
-from brigade.train.replicas import data_parallel
+from brigade.parallel.replicate import data_parallel
 torch.manual_seed(0)
 layers = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 16.8 MB of grads
 plain, wrapped = copy.deepcopy(layers), data_parallel(copy.deepcopy(layers), None, None)
@@ -169,7 +169,7 @@ def measure() -> dict[str, float]:
 
 
 def as_issued(fitted: dict[str, float], seconds: dict[str, float], grads: float) -> dict[str, float]:
-    """The collectives' bandwidths as training issues them: what DDP (`train.replicas.data_parallel`)
+    """The collectives' bandwidths as training issues them: what DDP (`parallel.replicate.data_parallel`)
     and FSDP2 (`parallel.shard.shard_stage`, 4 units) add to a forward and backward of 4 linear
     layers (`grads` bytes of gradients) over the plain step, priced as `_reduction` prices them
     (DDP: one all-reduce of `grads`; FSDP: per unit a reduce-scatter and an all-gather of its

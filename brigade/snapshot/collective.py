@@ -195,7 +195,7 @@ def _failed(error: str) -> bool:
 
 def _collective_device() -> torch.device:
     """Where the default group's tensors must live: NCCL takes only CUDA tensors, on the
-    device this process was bound to (`torch.cuda.set_device` in `brigade.launch.groups.init`)."""
+    device this process was bound to (`torch.cuda.set_device` in `brigade.launcher.groups.init`)."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -1,10 +1,11 @@
 """A shared parameter (a tied embedding and head) is stored once, under its canonical name.
 
 A model's state names a tie under each of its uses: `blocks.0.tok.weight` and its alias
-`blocks.3.out.weight`, one object (one process) or one copy per stage (brigade.train.ties). The
-optimizer's flattened state names it likewise (`state.blocks.3.out.weight.exp_avg`). A snapshot
-drops every alias key; a loader reads the canonical entry, into the alias's tensor when this
-rank holds only the alias, and fills every alias from it: so a snapshot resumes in any layout.
+`blocks.3.out.weight`, one object (one process) or one copy per stage
+(`pipeline.stages.ties.StageTies`). The optimizer's flattened state names it likewise
+(`state.blocks.3.out.weight.exp_avg`). A snapshot drops every alias key; a loader reads the
+canonical entry, into the alias's tensor when this rank holds only the alias, and fills every
+alias from it: so a snapshot resumes in any layout.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def aliases_of(model: nn.Module) -> dict[str, str]:
     """Alias parameter name → canonical name, for `model`'s shared parameters.
 
     Found by identity (one Parameter under two names), plus the module's own `aliases`
-    attribute where it has one (`train.layout.OwnedBlocks`: copies on different stages are
+    attribute where it has one (`parallel.assemble.OwnedBlocks`: copies on different stages are
     different objects, so identity cannot tell).
     """
     first: dict[int, str] = {}

@@ -23,9 +23,9 @@ from brigade.errors import BrigadeError
 from brigade.models import load_model
 from brigade.models.hf.deps import require
 from brigade.models.hf.weights import INDEX, materialize
+from brigade.parallel.assemble import OwnedBlocks
 from brigade.snapshot.collective import load_model_only
 from brigade.snapshot.format import resolve
-from brigade.train.layout import OwnedBlocks
 
 WEIGHTS = ("*.safetensors", INDEX, "*.bin", "*.bin.index.json")
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from brigade import forensics
 from brigade.config import RunConfig, pipeline_shape, resolve_layout
 from brigade.errors import BrigadeError, RunError
-from brigade.launch import agent, groups
-from brigade.launch.env import launcher_env, launcher_world, under_launcher
+from brigade.launcher import agent, groups
+from brigade.launcher.env import launcher_env, launcher_world, under_launcher
 from brigade.parallel import tensor
 from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
 from brigade.snapshot import collective

@@ -11,10 +11,10 @@ from torch import nn
 from brigade.config import ModelConfig
 from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt
+from brigade.parallel.assemble import OwnedBlocks
 from brigade.snapshot.collective import load_model_only
 from brigade.snapshot.format import Snapshot, resolve
 from brigade.train.data import Vocab
-from brigade.train.layout import OwnedBlocks
 
 
 @torch.no_grad()

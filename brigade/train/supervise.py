@@ -1,6 +1,6 @@
 """Supervising a run under the elastic agent: launch it, and say in one line what the agent does.
 
-`launch_with_events` starts the workers through `brigade.launch.agent.launch` and keeps the agent's
+`launch_with_events` starts the workers through `brigade.launcher.agent.launch` and keeps the agent's
 raw log in a file. torchelastic reports a dead worker with pages of frames. brigade turns each
 event into one line, e.g.
 
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from brigade import forensics
 from brigade.config import RunConfig, World, resolve_layout
 from brigade.config.elastic import accumulation
-from brigade.launch import agent
-from brigade.launch.rendezvous import LaunchSpec
+from brigade.launcher import agent
+from brigade.launcher.rendezvous import LaunchSpec
 from brigade.snapshot.format import latest_step
 from brigade.train import metrics
 

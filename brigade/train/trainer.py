@@ -1,7 +1,8 @@
 """The training loop: model-agnostic, the same in every layout.
 
 A Trainer takes blocks, a loss function, datasets and an optimizer factory;
-`ProcessModel` (layout.py) decides where blocks run. Each optimizer step:
+`ProcessModel` (process_model.py) holds this process's part of the model, `World` its
+place. Each optimizer step:
 
     global batch → this replica's slice → grad_accum chunks, each forward/backward (gradients add up)
     clip the whole model's gradient norm → optimizer step → LR schedule → metrics
@@ -30,13 +31,13 @@ from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, 
 from brigade.config.precision import autocast_dtype
 from brigade.dtensors import mesh_of
 from brigade.errors import RunError
-from brigade.launch import groups
+from brigade.launcher import groups
 from brigade.pipeline.stages import structure
 from brigade.train.data import Sampler
-from brigade.train.layout import ProcessModel, by_device, make_layout
 from brigade.train.memory import StepMemory
 from brigade.train.metrics import Metrics
 from brigade.train.precision import LossScaler
+from brigade.train.process_model import ProcessModel, by_device, world_of
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
@@ -113,22 +114,21 @@ class Trainer:
         self.optim_cfg = optim or OptimConfig()
         self.cfg = train or TrainConfig()
         if not dist.is_initialized():
-            groups.init(self.parallel.backend, self.parallel.threads,
-                                     local_stages=self.parallel.local_stages)
+            groups.init(self.parallel.backend, self.parallel.threads, local_stages=self.parallel.local_stages)
         self.info = groups.info(self.parallel.backend, self.parallel.local_stages)
         self._resolve_layout()
+        self.world = world_of(self.parallel, self.info.device)  # where this process sits, its groups
         # Every random stream is seeded, per rank: dropout (torch), and Python's / numpy's for user code.
-        # The tp processes of one stage share a stream: the activations they hold whole must get
-        # the same dropout masks on each (rank = cell · tp + tp rank, make_layout's order).
-        stream = self.cfg.seed + 1000 * (dist.get_rank() // self.parallel.tp)
+        # The tp processes of one stage share a stream (`World.stream`): the activations they hold
+        # whole must get the same dropout masks on each.
+        stream = self.cfg.seed + 1000 * self.world.stream
         torch.manual_seed(stream)
         random.seed(stream)
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed(stream)
-        self.layout = make_layout(self.parallel, self.info.device)
         autocast = autocast_dtype(self.cfg.precision, self.cfg.bf16, self.info.device.type)
         self.scaler = LossScaler() if autocast == torch.float16 else None
-        self.engine = ProcessModel(blocks, loss_fn, self.parallel, self.layout, autocast=autocast,
+        self.engine = ProcessModel(blocks, loss_fn, self.parallel, self.world, autocast=autocast,
                                    weights=weights)
         self.model = self.engine.owned
         self.optimizer = (optimizer or adamw(self.optim_cfg))(self.model)
@@ -150,8 +150,7 @@ class Trainer:
         self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps,
                                tensorboard=self.cfg.tensorboard)
         self.watchdog = forensics.start(self.parallel.hang_timeout, self.cfg.out,
-                                        f"dp{self.layout.dp_rank} pp{self.layout.pp_rank}"
-                                        + (f" tp{self.layout.tp_rank}" if self.layout.tp > 1 else ""))
+                                        self.world.place)
 
     def _resolve_layout(self) -> None:
         """dp = 0: derived from the process group's world by `config.resolve_layout`, the one owner;
@@ -163,13 +162,9 @@ class Trainer:
         accum = elastic.accumulation(dataclasses.replace(run, parallel=self.parallel), self.parallel.dp)
         self.optim_cfg = dataclasses.replace(self.optim_cfg, grad_accum=accum)
 
-    @property
-    def replica_batch(self) -> int:
-        return self.cfg.batch_size // (self.layout.dp * self.optim_cfg.grad_accum)
-
     def _replica_slice(self, indices: torch.Tensor) -> torch.Tensor:
         """This replica's part of a global batch, split further for gradient accumulation."""
-        return Sampler.shard(indices, self.layout.dp_rank, self.layout.dp)
+        return Sampler.shard(indices, self.world.coords.dp, self.world.degrees.dp)
 
     def train_step(self, memory: StepMemory | None = None, trace: bool = False) -> dict:
         """One optimizer step: one global batch in `grad_accum` chunks per replica; returns a record.
@@ -251,11 +246,11 @@ class Trainer:
             return None
         self.model.eval()
         g = torch.Generator().manual_seed(12345)
-        n = self.cfg.batch_size // self.layout.dp
+        n = self.cfg.batch_size // self.world.degrees.dp
         total = 0.0
         for _ in range(self.cfg.eval_batches):
             idx = torch.randint(len(self.val_data), (self.cfg.batch_size,), generator=g)
-            x, y = _batch(self.val_data, Sampler.shard(idx, self.layout.dp_rank, self.layout.dp)[:n])
+            x, y = _batch(self.val_data, Sampler.shard(idx, self.world.coords.dp, self.world.degrees.dp)[:n])
             total += float(self.engine.evaluate(x, y))
         self.model.train()
         return total / self.cfg.eval_batches
@@ -299,8 +294,8 @@ class Trainer:
         to rank 0, which logs it as one `memory` event, `rank{r}/{kind}` in bytes."""
         with StepMemory(list(self.model.parameters()), self.optimizer, self.info.device) as mem:
             record = self.train_step(mem)
-        mine = {**mem.report(), "dp_rank": self.layout.dp_rank, "pp_rank": self.layout.pp_rank,
-                "tp_rank": self.layout.tp_rank}
+        c = self.world.coords
+        mine = {**mem.report(), "dp_rank": c.dp, "pp_rank": c.pp, "tp_rank": c.tp}
         ranks: list = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
         self.memory_report = ranks

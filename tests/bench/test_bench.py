@@ -320,7 +320,7 @@ def rounds_worker(keys_of_rank1: list[str] | None) -> dict:
     import torch.distributed as dist
 
     from brigade.bench.timing import interleaved_rounds
-    from brigade.launch import groups
+    from brigade.launcher import groups
 
     info = groups.init("gloo", threads=1)
     calls: list[str] = []
@@ -338,7 +338,7 @@ def rounds_worker(keys_of_rank1: list[str] | None) -> dict:
 
 @pytest.mark.timeout(120)
 def test_interleaved_rounds_time_each_configuration_once_per_round_in_an_agreed_order():
-    from brigade.launch import agent
+    from brigade.launcher import agent
 
     got = agent.launch(rounds_worker, 2, None)
     calls = got[0]["calls"]

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, local_stages, unsupported
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 
 BATCH, M = 8, 4
 

@@ -141,7 +141,7 @@ def test_local_runtime_several_stages_per_device():
 def test_check_fails_when_a_replica_runs_the_wrong_slice(monkeypatch, user_model):
     """The grid can fail: a replica that runs another slice than its own must not pass."""
 
-    monkeypatch.setattr(check_run, "_replica", lambda t, where: t[: t.shape[0] // 2])
+    monkeypatch.setattr(check_run, "_replica", lambda t, world: t[: t.shape[0] // 2])
     (result,) = run_check(grid_config(user_model, 1, runtime="local"), [("1f1b", 2, 1)])
     assert not result["ok"] and result["max_abs_loss_diff"] > 1e-4
 
@@ -149,7 +149,9 @@ def test_check_fails_when_a_replica_runs_the_wrong_slice(monkeypatch, user_model
 def test_check_fails_when_tied_copies_are_not_summed(monkeypatch):
     """The tied GPT's embedding and head copies must each hold the sum of both gradients."""
 
-    monkeypatch.setattr(check_run, "sum_tied_grads", lambda ties, held, groups: None)
+    from brigade.pipeline.stages.ties import StageTies
+
+    monkeypatch.setattr(StageTies, "sum_grads", lambda self, held: None)
     (result,) = run_check(grid_config("gpt", 1, runtime="local"), [("1f1b", 1, 1)])
     assert not result["ok"] and result["max_abs_grad_diff"] > 1e-4
 
@@ -222,8 +224,8 @@ def test_tensor_parallel_with_replicas_and_no_pipeline():
 @pytest.mark.parametrize("flags, message", [
     (["--schedule", "1f1b", "--virtual", "2"], "--virtual 2: schedule 1f1b runs exactly 1 stage(s) per rank"),
     (["--schedule", "zbv", "--virtual", "3"], "--virtual 3: schedule zbv runs exactly 2"),
-    (["--dp", "0"], "--dp 0: need at least 1 replica"),
-    (["--dp", "-1"], "--dp -1: need at least 1 replica"),
+    (["--dp", "0"], "--dp 0: must be ≥ 1"),
+    (["--dp", "-1"], "--dp -1: must be ≥ 1"),
     (["--dp", "64"], "--dp 64 × --stages 2 = 128 workers but this machine should run at most"),
     (["--dp", "64", "--runtime", "local"], "--dp 64 × --stages 2 = 128 workers"),
     (["--stages", "1", "--dp", "3"], "--batch-size 8 does not split into --dp 3 equal replica batches"),
@@ -275,17 +277,19 @@ def test_exact_matmuls_turns_tf32_off_keeps_cudnn_deterministic_and_restores_it(
     (["cuda:0", "cuda:1"], "cpu"),
 ])
 def test_the_reference_runs_on_the_stages_device_when_they_share_one(devices, want):
-    from brigade.check.run import Where, _reference_device
+    from brigade.check.run import _reference_device
+    from brigade.world.degrees import Degrees
+    from brigade.world.mesh import World
 
-    cfg = CheckConfig(stages=len(devices), runtime="local", devices=devices)
-    assert _reference_device(cfg, Where()) == torch.device(want)
-    on_rank = Where(pp_rank=1, device=torch.device("cuda", 1))  # process runtime: the rank's GPU
-    assert _reference_device(CheckConfig(), on_rank) == torch.device("cuda", 1)
+    local = World(Degrees(), torch.device(devices[0]), devices)  # the local runtime: a device per rank
+    assert _reference_device(local) == torch.device(want)
+    on_rank = World(Degrees(), torch.device("cuda", 1))  # process runtime: the rank's GPU
+    assert _reference_device(on_rank) == torch.device("cuda", 1)
 
 
 def test_local_check_runs_under_exact_matmuls(monkeypatch):
     seen = []
-    monkeypatch.setattr("brigade.check.run.run_case", lambda cfg, case, where=None:
+    monkeypatch.setattr("brigade.check.run.run_case", lambda cfg, case, world=None:
                         seen.append(torch.backends.cudnn.allow_tf32) or _Result())
     run_check(CheckConfig(model="toy", stages=2, runtime="local", batch_size=4, microbatches=2))
     assert seen == [False]

@@ -96,7 +96,7 @@ def _every_schedule(runs: dict) -> dict:
     """Worker: for each schedule, the never-stopped run, the stopped run and its resume, and (local
     layouts) the never-stopped run again; {schedule: {run: params sha256}} on every rank."""
     from brigade import forensics
-    from brigade.launch import agent, groups
+    from brigade.launcher import agent, groups
     from brigade.train import run as train_run
 
     p = next(iter(runs.values()))["plain"].parallel
@@ -124,7 +124,7 @@ def worlds(tmp_path_factory):
     """Per layout, on first use: one spawned world that runs every schedule's three runs. Session
     scoped: an xdist worker runs other modules' tests between a layout's cases, and a module
     scoped fixture would be torn down (and its world started again) at each such switch."""
-    from brigade.launch import agent
+    from brigade.launcher import agent
 
     made: dict[str, tuple[Path, dict]] = {}
 

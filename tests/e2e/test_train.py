@@ -150,7 +150,7 @@ def _train_from_python(out: str) -> dict:
     """A user's own function under `brigade.launch`: the run's config, then `brigade.train.run.run`."""
     from brigade.cli import build_parser
     from brigade.config import build
-    from brigade.launch.env import launcher_world
+    from brigade.launcher.env import launcher_world
     from brigade.train.run import run
 
     args = build_parser().parse_args(["train", "--out", out, *TINY, "--pp", "2", "--max-steps", "3"])

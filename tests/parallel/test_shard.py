@@ -44,7 +44,7 @@ def _one_step(schedule: str, reshard: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from brigade.dtensors import full
-    from brigade.launch import groups
+    from brigade.launcher import groups
     from brigade.pipeline.pipe import Pipeline
 
     groups.init("gloo", threads=1)

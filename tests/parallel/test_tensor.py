@@ -79,7 +79,7 @@ def _shapes() -> dict:
     """Worker: a tiny GPT block split over 2 processes; its planned weights' local shapes."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from brigade.launch import groups
+    from brigade.launcher import groups
     from brigade.parallel.tensor import is_tp_sharded, parallelize
 
     groups.init("gloo", threads=1)

@@ -269,7 +269,7 @@ def _api_losses(config_toml: str, out: str) -> dict[str, list[float]]:
     from brigade import ParallelConfig, Trainer
     from brigade.config.sources import build as build_config
     from brigade.config.sources import load_toml
-    from brigade.launch import groups
+    from brigade.launcher import groups
     from brigade.train.data import build
 
     cfg = build_config(toml=load_toml(config_toml))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from brigade.check.run import CheckConfig, run_check
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
@@ -168,8 +168,8 @@ def zb_data_parallel_worker(bucket_caps: list[float | None]) -> list[dict[str, f
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from brigade.parallel.replicate import data_parallel
     from brigade.pipeline.runtime.reduce import GradientReducer
-    from brigade.train.replicas import data_parallel
 
     started: list[tuple[int, int]] = []  # (buckets already in flight when finish() began, buckets)
     finish = GradientReducer.finish

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brigade.errors import BrigadeError
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
 from brigade.pipeline.plans.schedule import SCHEDULES, placement
 from brigade.pipeline.stages.side_inputs import StageModule

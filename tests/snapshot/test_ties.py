@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.snapshot import collective
 from brigade.snapshot.compat import run_facts

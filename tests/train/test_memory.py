@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.train.data import load_text_data
 from brigade.train.memory import StepMemory, storage_bytes

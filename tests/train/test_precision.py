@@ -11,7 +11,7 @@ from brigade import config as bconfig
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
 from brigade.config.precision import autocast_dtype
 from brigade.errors import BrigadeError
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.pipe import LocalPipeline

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.train.data import load_text_data
 from brigade.train.trainer import Trainer, lr_at

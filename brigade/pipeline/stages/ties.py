@@ -9,8 +9,9 @@ Split over stages, each block that uses it needs its own copy on its own device:
     sum_tied_grads(ties, held, groups)  # every copy's grad := the sum over all copies
     optimizer.step()                  # identical grads, identical states: copies stay equal
 
-`groups` (a `TieGroups`, built on every rank in the same order) holds, per tie, a process
-group of exactly the ranks that hold a copy; copies in one process are summed locally first.
+`StageTies` does all of it for a model cut into stages. `groups` (a `TieGroups`, built on every
+rank in the same order) holds, per tie, a process group of exactly the ranks that hold a copy;
+copies in one process are summed locally first.
 A snapshot stores each tie once, under its canonical name (`aliases`).
 """
 
@@ -198,3 +199,52 @@ def sum_tied_grads(ties: Sequence[Tie], held: Mapping[int, nn.Module],
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # a DTensor's zeros are a DTensor like it
             local(p.grad).copy_(total)
+
+
+class StageTies:
+    """A model's ties once it is cut into stages: untied where they cross stages, with the groups
+    that sum their copies.
+
+    A tie whose users all sit on one stage needs nothing (autograd sums its uses). A tie across
+    stages is untied (each later stage gets its own copy, same values), and after each step's last
+    backward every copy's gradient becomes the sum over all copies:
+
+        pp 2, GPT tied:   rank 0 holds blocks.0.tok.weight      rank 1 holds blocks.3.out.weight
+                          grad := g0 + g1  (all-reduce over the tie's group {0, 1}, one per pipeline line)
+
+    The gradient norm counts a tie once (its canonical copy); snapshots store it once, under the
+    canonical name (`aliases`, read by brigade.snapshot.collective).
+
+    Built on every rank with the same arguments, after the default group is initialized and
+    before the blocks are moved, wrapped or handed to an optimizer.
+
+    Args:
+        blocks: the whole model's blocks (identical on every rank); changed in place.
+        balance: blocks per stage.
+        ranks: stage → pipeline rank (`plans.schedule.placement`).
+        lines: every pipeline line of the world, the global rank of each pipeline rank on it
+            (`world.World.tie_ranks`); None: every stage runs in this process (local stages, or
+            one pipeline rank), and copies are summed here.
+    """
+
+    def __init__(self, blocks: list[nn.Module], balance: Sequence[int], ranks: Sequence[int],
+                 lines: Sequence[Sequence[int]] | None):
+        found = find_shared(blocks)
+        stage = [s for s, n in enumerate(balance) for _ in range(n)]
+        self.ties: list[Tie] = [t for t in found if len({stage[b] for b in t.blocks}) > 1]
+        untie(blocks, self.ties)
+        # Every tie's aliases, crossing stages or not: a snapshot names each tie once either way.
+        self.aliases: dict[str, str] = aliases(found)
+        self.groups: TieGroups | None = None
+        if self.ties and lines is not None:
+            self.groups = TieGroups(self.ties, [{b: line[ranks[stage[b]]] for b in range(len(blocks))}
+                                                for line in lines])
+
+    def sum_grads(self, held: Mapping[int, nn.Module]) -> None:
+        """After the step's last backward: every copy's gradient := the sum over all copies.
+
+        Args:
+            held: this process's blocks, {block index: block}.
+        """
+        if self.ties:
+            sum_tied_grads(self.ties, held, self.groups)

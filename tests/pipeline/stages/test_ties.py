@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade.errors import BrigadeError
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
 from brigade.pipeline.stages import boundary
 from brigade.pipeline.stages import ties as stage_ties
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from brigade.errors import BrigadeError
-from brigade.launch import groups, rendezvous
+from brigade.launcher import groups, rendezvous
 
 
 def cuda(*indices):

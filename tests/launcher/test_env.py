@@ -14,7 +14,7 @@ import torch
 
 from brigade import config
 from brigade.errors import BrigadeError
-from brigade.launch.env import LauncherEnv, launcher_env, launcher_world, slurm_env
+from brigade.launcher.env import LauncherEnv, launcher_env, launcher_world, slurm_env
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")

@@ -1,4 +1,5 @@
-"""The layout, directly: rank → (dp, pp) place, owned blocks and their names, the one-process engine.
+"""This process's part of the model, directly: its world's place and groups, owned blocks and their
+names, the one-process engine.
 
 Most cases run in this process in a one-rank gloo group; one 2-process launch checks the
 rank mapping, the groups and the owned blocks' names of both dp × pp shapes of a world of 2,
@@ -17,9 +18,10 @@ from torch import nn
 
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
-from brigade.launch import agent, groups
+from brigade.launcher import agent, groups
+from brigade.parallel.assemble import OwnedBlocks
 from brigade.pipeline.plans.generate import Costs
-from brigade.train.layout import OwnedBlocks, ProcessModel, by_device, make_layout
+from brigade.train.process_model import ProcessModel, by_device, world_of
 
 CPU = torch.device("cpu")
 N_BLOCKS = 4
@@ -64,19 +66,29 @@ def test_owned_names_blocks_by_global_index():
     assert set(owned.state_dict()) == set(names)
 
 
-# make_layout in a one-rank group.
+# world_of in a one-rank group.
 
-def test_make_layout_single_process(world1):
-    layout = make_layout(ParallelConfig(dp=1, pp=1), CPU)
-    assert (layout.dp, layout.pp, layout.dp_rank, layout.pp_rank) == (1, 1, 0, 0)
-    assert dist.get_world_size(layout.dp_group) == dist.get_world_size(layout.pp_group) == 1
-    assert layout.device == CPU
+def test_world_of_a_single_process(world1):
+    world = world_of(ParallelConfig(dp=1, pp=1), CPU)
+    d, c = world.degrees, world.coords
+    assert (d.dp, d.pp, c.dp, c.pp) == (1, 1, 0, 0)
+    assert dist.get_world_size(world.group("dp")) == dist.get_world_size(world.group("pp")) == 1
+    assert world.device == CPU and not world.local
 
 
 @pytest.mark.parametrize("dp,pp", [(2, 1), (1, 3)])
-def test_make_layout_refuses_a_shape_that_is_not_the_world(world1, dp, pp):
-    with pytest.raises(BrigadeError, match=rf"dp {dp} × pp {pp} = {dp * pp} but the world size is 1"):
-        make_layout(ParallelConfig(dp=dp, pp=pp), CPU)
+def test_world_of_refuses_a_shape_that_is_not_the_world(world1, dp, pp):
+    with pytest.raises(BrigadeError, match=rf"^--dp {dp} × --pp {pp} = {dp * pp} but the world size is 1"):
+        world_of(ParallelConfig(dp=dp, pp=pp), CPU)
+
+
+def test_local_stages_refuse_a_group_bound_to_another_gpu(monkeypatch):
+    """LOCAL_RANK 1 with 2 local stages drives cuda:2 and cuda:3, not the cuda:1 of one GPU each."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(BrigadeError, match=r"^the process group is bound to cuda:1 but stage 0 of "
+                                           r"--local-stages 2 runs on cuda:2: pass local_stages=2"):
+        world_of(ParallelConfig(dp=2, local_stages=2), torch.device("cuda", 1))
 
 
 # ProcessModel with pp = 1, dp = 1: the plain model's loss and gradients.
@@ -86,7 +98,7 @@ def engine_and_reference(world1):
     blocks = make_blocks()
     reference = nn.Sequential(*copy.deepcopy(blocks))
     cfg = ParallelConfig(dp=1, pp=1, microbatches=4)
-    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, make_layout(cfg, CPU))
+    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, world_of(cfg, CPU))
     yield engine, reference
     engine.close()
 
@@ -138,7 +150,7 @@ def test_a_weight_tied_across_local_stages_has_a_copy_per_stage(world1):
     blocks[3][0].weight = blocks[0][0].weight
     reference = nn.Sequential(*copy.deepcopy(blocks))  # one deepcopy keeps the tie
     cfg = ParallelConfig(dp=1, pp=1, local_stages=2, microbatches=2, balance="2,2")
-    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, make_layout(cfg, CPU))
+    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, world_of(cfg, CPU))
     try:
         assert blocks[3][0].weight is not blocks[0][0].weight  # untied: each stage its own
         assert engine.owned.aliases == {"blocks.3.0.weight": "blocks.0.0.weight"}
@@ -157,7 +169,7 @@ def test_a_weight_tied_within_one_stage_stays_one_parameter(world1):
     blocks = make_blocks()
     blocks[1][0].weight = blocks[0][0].weight
     cfg = ParallelConfig(dp=1, pp=1, local_stages=2, microbatches=2, balance="2,2")
-    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, make_layout(cfg, CPU))
+    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, world_of(cfg, CPU))
     try:
         assert blocks[1][0].weight is blocks[0][0].weight and engine.ties.ties == []
         assert engine.owned.aliases == {"blocks.1.0.weight": "blocks.0.0.weight"}
@@ -189,16 +201,16 @@ def layouts_worker() -> dict:
     out: dict = {}
     for dp, pp in SHAPES:
         cfg = ParallelConfig(dp=dp, pp=pp, microbatches=2)
-        layout = make_layout(cfg, info.device)
-        engine = ProcessModel(make_blocks(), nn.functional.mse_loss, cfg, layout)
+        world = world_of(cfg, info.device)
+        engine = ProcessModel(make_blocks(), nn.functional.mse_loss, cfg, world)
         names = sorted({n.split(".")[1] for n, _ in engine.owned.named_parameters()}, key=int)
-        out[f"{dp}x{pp}"] = dict(place=(layout.dp_rank, layout.pp_rank),
-                                 dp_group=dist.get_process_group_ranks(layout.dp_group),
-                                 pp_group=dist.get_process_group_ranks(layout.pp_group),
+        out[f"{dp}x{pp}"] = dict(place=(world.coords.dp, world.coords.pp),
+                                 dp_group=dist.get_process_group_ranks(world.group("dp")),
+                                 pp_group=dist.get_process_group_ranks(world.group("pp")),
                                  blocks=[int(i) for i in names])
         engine.close()
     try:
-        make_layout(ParallelConfig(dp=2, pp=2), info.device)
+        world_of(ParallelConfig(dp=2, pp=2), info.device)
     except BrigadeError as exc:
         out["error"] = str(exc)
     out["replan"] = _replan_case(info.device)
@@ -213,7 +225,7 @@ def _replan_case(device) -> dict:
     cfg = ParallelConfig(dp=1, pp=2, microbatches=4, schedule="auto", virtual=2)
     blocks = [nn.Sequential(b, nn.Dropout(0.5)) for b in make_blocks()]
     torch.set_num_threads(1 + dist.get_rank())  # rank 1's stages want 2 cores: the two disagree
-    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, make_layout(cfg, device))
+    engine = ProcessModel(blocks, nn.functional.mse_loss, cfg, world_of(cfg, device))
     torch.set_num_threads(1)
 
     def step(trace: bool = False) -> list[torch.Tensor]:
@@ -260,7 +272,7 @@ def test_layouts_over_two_processes(launched):
         # Stages own consecutive, disjoint runs of the global indices, covering the model.
         assert [i for s in range(pp) for i in owners[s]] == list(range(N_BLOCKS))
     for got in results.values():
-        assert got["error"].startswith("dp 2 × pp 2 = 4 but the world size is 2")
+        assert got["error"].startswith("--dp 2 × --pp 2 = 4 but the world size is 2")
 
 
 @pytest.mark.xdist_group("layout-2proc")

@@ -4,7 +4,7 @@ torchrun (and any elastic agent) describes the world in RANK, WORLD_SIZE, LOCAL_
 LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; `srun` in SLURM_PROCID, SLURM_NTASKS,
 SLURM_LOCALID, SLURM_NTASKS_PER_NODE and SLURM_JOB_NODELIST. Whatever of these is set is
 checked here, so a bad value is one line naming it instead of a traceback somewhere deeper.
-No torch import: `launch.groups` builds on this; `launcher_world` feeds `config.resolve_layout`.
+No torch import: `launcher.groups` builds on this; `launcher_world` feeds `config.resolve_layout`.
 """
 
 from __future__ import annotations

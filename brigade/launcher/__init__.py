@@ -5,5 +5,5 @@
     env.py         what torchrun or Slurm told a process (no torch import)
     groups.py      a worker joins the process group on its device (`init`, `info`, `destroy`)
 
-This package's `__init__` imports nothing, so `launch.env` stays free of torch.
+This package's `__init__` imports nothing, so `launcher.env` stays free of torch.
 """

@@ -1,4 +1,4 @@
-"""brigade.launch.agent: how workers are started, and which failure the agent names."""
+"""brigade.launcher.agent: how workers are started, and which failure the agent names."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from brigade.launch import agent
+from brigade.launcher import agent
 
 
 def test_workers_are_forked_on_cpu_and_spawned_with_a_gpu(monkeypatch):

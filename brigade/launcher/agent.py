@@ -22,8 +22,8 @@ from typing import Any
 
 from brigade import forensics
 from brigade.errors import BrigadeError, RunError
-from brigade.launch import groups, rendezvous
-from brigade.launch.rendezvous import LaunchSpec
+from brigade.launcher import groups, rendezvous
+from brigade.launcher.rendezvous import LaunchSpec
 
 
 class Stopped(Exception):
@@ -42,7 +42,7 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec | int | None = None, *args: 
     same `spec.rdzv_endpoint` (node 0's HOST:PORT); node 0 hosts the store. Each node advertises
     `spec.local_addr`, by default the address that routes to node 0, and pins gloo (and NCCL's
     bootstrap) to that address's interface unless the environment already names one, so a
-    hostname that resolves to loopback or to nothing does not matter (`brigade.launch.rendezvous`).
+    hostname that resolves to loopback or to nothing does not matter (`brigade.launcher.rendezvous`).
     `fn` must be importable.
 
     Elastic (`spec.min_nodes` > 0): the agent trains on whichever of min_nodes..nnodes nodes
@@ -50,7 +50,7 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec | int | None = None, *args: 
     `spec.max_restarts`) once the rendezvous has min_nodes again, waiting `spec.last_call`
     seconds for more, up to `spec.rdzv_timeout`. A node that arrives while training runs makes
     every agent stop its workers (SIGTERM: step, snapshot, leave) and meet again with it (no
-    restart counted). Too few nodes in time: `brigade.launch.rendezvous.rendezvous_failed`.
+    restart counted). Too few nodes in time: `brigade.launcher.rendezvous.rendezvous_failed`.
 
     Args:
         spec: a `LaunchSpec` (`LaunchSpec.from_parallel` for a run), or just a process count.

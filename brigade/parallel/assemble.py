@@ -1,0 +1,183 @@
+"""The one stage assembler: a model's blocks, their cut and the parallel world in, this process's
+wrapped stages out. `brigade train`, `brigade check`, `brigade bench` and `brigade tune` all build
+their stages here, so what the check proves equal to one device is what training runs.
+
+    blocks ─ cut (blocks per stage, stage → pipeline rank) ─ ties across stages untied
+           ─ this process's stages kept ─ meta blocks given memory ─ moved to the device
+           ─ the wrappers, in ORDER:
+               1. tensor parallel   each held block's tp_plan over the world's "tp" mesh (parallel.tensor)
+               2. recompute         each held block's forward, by its mode (parallel.recompute)
+               3. shard / replicate each stage under FSDP2 over the world's shard mesh
+                                    (parallel.shard), or DDP over its data-parallel group
+                                    (parallel.replicate), where the stage has replicas
+           ─ weights read into what each process holds (hf:DIR: a DTensor's own part)
+
+This is torchtitan's order (tensor parallel, activation checkpointing, compile, FSDP): a wrapper
+that changes what a block computes comes before one that changes where its parameters live. The
+axes still to come take their places in it: sequence parallel with tensor parallel, context
+parallel after it, compile and float8 between recompute and sharding. Recompute only replaces a
+block's `forward` and runs its submodules again, tensor-parallel collectives included, so it may
+stand before or after tensor parallel; sharding must come last (FSDP2 takes the DTensors tensor
+parallel made and makes them 2-D).
+
+The pipeline that runs the stages (`Assembly.pipeline`) is built here too: one process per
+pipeline rank over the world's "pp" group, or every rank in this process (local stages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from brigade.models.hf.weights import materialize
+from brigade.parallel import recompute, tensor
+from brigade.parallel.replicate import data_parallel
+from brigade.parallel.shard import shard_stage
+from brigade.pipeline.pipe import LocalPipeline, Pipeline
+from brigade.pipeline.stages.partition import split
+from brigade.pipeline.stages.ties import StageTies, aliases, find_shared
+from brigade.world.mesh import World
+
+ORDER = ("tensor parallel", "recompute", "shard or replicate")  # the wrappers, first applied first
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A model cut into stages, and where each stage runs.
+
+    balance: blocks per stage, stage 0's first; ranks: stage → pipeline rank (the schedule's
+    placement, `plans.schedule.placement`); several stages on one rank under V > 1.
+    """
+
+    balance: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @property
+    def virtual(self) -> int:
+        """Stages per pipeline rank."""
+        return len(self.ranks) // len(set(self.ranks))
+
+    def blocks(self, stage: int) -> range:
+        """The indices of `stage`'s blocks in the whole model."""
+        start = sum(self.balance[:stage])
+        return range(start, start + self.balance[stage])
+
+
+class OwnedBlocks(nn.Module):
+    """The blocks this process holds, named by their index in the whole model.
+
+    Args:
+        blocks: the whole model's blocks; indices: those held here.
+        tied: every use of a shared parameter but its first → the first's name, as
+            `ties.aliases` gives them (default: found in `blocks`, which must still be tied).
+            A snapshot stores each shared parameter once, under its first name.
+    """
+
+    def __init__(self, blocks: list[nn.Module], indices: list[int], tied: dict[str, str] | None = None):
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): blocks[i] for i in indices})
+        self.aliases: dict[str, str] = aliases(find_shared(blocks)) if tied is None else dict(tied)
+
+
+@dataclass
+class Assembly:
+    """This process's part of the model, wrapped.
+
+    stages: {stage: module} for the stages this process runs (every stage under local stages),
+        each wrapped (DDP, FSDP2) where it has replicas; held: {block index: block} of those
+        stages, unwrapped (a block's parameters are DTensors under tensor parallel or sharding);
+        owned: the same blocks under their global names (what the optimizer and snapshots see);
+        ties: the shared weights, summed after each step's last backward (`ties.sum_grads(held)`);
+        modes: each block's recompute mode.
+    """
+
+    world: World
+    cut: Cut
+    stages: dict[int, nn.Module]
+    held: dict[int, nn.Module]
+    owned: OwnedBlocks
+    ties: StageTies
+    modes: list[str]
+    autocast: torch.dtype | None = None
+
+    def pipeline(self, schedule: str, n_microbatches: int, loss_fn, costs=None):
+        """The pipeline that runs these stages under `schedule`: a `Pipeline` over the world's "pp"
+        group, or a `LocalPipeline` over the world's devices (local stages)."""
+        if self.world.local:
+            stages = [self.stages[s] for s in range(len(self.cut.ranks))]
+            return LocalPipeline(stages, self.world.devices, schedule, n_microbatches, loss_fn,
+                                 autocast=self.autocast, virtual=self.cut.virtual, costs=costs)
+        return Pipeline(self.stages, schedule, n_microbatches, loss_fn, group=self.world.group("pp"),
+                        device=self.world.device, autocast=self.autocast, virtual=self.cut.virtual,
+                        costs=costs)
+
+
+def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: str = "none",
+             reshard: bool = False, autocast: torch.dtype | None = None,
+             weights: Callable[[dict[int, nn.Module], torch.device], None] | None = None) -> Assembly:
+    """This process's stages of `blocks`, cut by `cut`, wrapped for `world` in `ORDER`.
+
+    Called by every process with the same blocks (built from one seed) and cut.
+
+    Args:
+        blocks: the whole model's blocks; changed in place (untied, wrapped).
+        cut: the stages and their pipeline ranks.
+        world: this process's place (`world.World`).
+        recompute_mode: --recompute (a block may declare its own).
+        reshard: with sharding, free a stage's gathered parameters after each forward.
+        autocast: the run's autocast dtype (None: fp32), which its pipeline runs under.
+        weights: `(held blocks, device) -> None`, called once every wrapper is in place, for
+            blocks built on the meta device (an `hf:DIR` model): each process reads only its part.
+
+    Raises:
+        BrigadeError: a mode or plan a block refuses (`recompute.modes`, `tensor.parallelize`).
+    """
+    lines = world.tie_ranks() if not world.local and world.degrees.pp > 1 else None
+    ties = StageTies(blocks, cut.balance, cut.ranks, lines)
+    mine = [s for s, r in enumerate(cut.ranks) if world.local or r == world.coords.pp]
+    indices = [b for s in mine for b in cut.blocks(s)]
+    owned = OwnedBlocks(blocks, indices, ties.aliases)
+    materialize(owned, world.device)  # blocks built without memory: only those held here
+    owned.to(world.device)
+    held = {i: blocks[i] for i in indices}
+    if world.degrees.tp > 1:  # 1. tensor parallel
+        tensor.parallelize(list(held.values()), world.tp_mesh)
+    modes = recompute.apply(blocks, recompute_mode, held=indices)  # 2. recompute
+    stages = split(blocks, list(cut.balance))
+    wrapped = _local_stages(stages, cut, world) if world.local else \
+        {s: _replicated(stages[s], world, reshard) for s in mine}  # 3. shard or replicate
+    if weights is not None:  # after tensor parallel and sharding: each reads only its part
+        weights(held, world.device)
+    return Assembly(world, cut, wrapped, held, owned, ties, modes, autocast)
+
+
+def _replicated(module: nn.Module, world: World, reshard: bool) -> nn.Module:
+    """`module` under FSDP2 over the world's shard mesh (--shard; and under tensor parallel, whose
+    DTensor parameters DDP does not take, at --shard 1 too), else under DDP over the data-parallel
+    group, when the stage has replicas."""
+    d = world.degrees
+    if d.shard > 1 or (d.tp > 1 and d.dp > 1):
+        return shard_stage(module, world.shard_mesh, reshard)
+    if d.dp == 1:
+        return module
+    device = world.device
+    return data_parallel(module, world.group("dp"), [device] if device.type == "cuda" else None)
+
+
+def _local_stages(stages: list[nn.Module], cut: Cut, world: World) -> dict[int, nn.Module]:
+    """Every stage on its pipeline rank's device; under DDP over a group of its own where the
+    process has replicas (each device's thread issues its own stages' all-reduces)."""
+    devices = [world.devices[r] for r in cut.ranks]
+    if world.degrees.dp == 1:
+        return {s: module.to(devices[s]) for s, module in enumerate(stages)}
+    groups = [world.stage_group(d) for d in devices]  # every group first, in stage order
+    out = {}
+    for s, module in enumerate(stages):
+        device = devices[s]
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            out[s] = data_parallel(module.to(device), groups[s], [device] if device.type == "cuda" else None)
+    return out

@@ -1,0 +1,145 @@
+"""`World`: this process's place in the parallel world, and the one DeviceMesh every part asks.
+
+Built once per process from the run's `Degrees`, after the process group is joined
+(`launcher.groups.init`): one DeviceMesh over every dimension (`degrees.DIMS`, named, size-1
+dimensions included, so adding a degree changes no caller), the flattened data-parallel mesh
+beside it, and the groups of each. The trainer, `brigade check`, the benches and the tuner take
+their groups, sub-meshes and coordinates from here; nothing else builds a mesh or computes a
+rank from coordinates.
+
+    mesh ("replicate", "shard", "pp", "cp", "tp")
+      ├ "dp" = replicate × shard, flattened: DDP's group, the loss's mean over replicas
+      ├ shard_mesh: ("shard") or ("replicate", "shard"): what FSDP2 shards (and HSDP replicates) over
+      ├ "tp": parallelize_module's mesh (tensor parallel and FSDP2 from one root: 2-D DTensors)
+      ├ "pp": the pipeline's sends and receives, the gradient norm over stages
+      └ "ep": the expert groups, ep consecutive dp ranks each (made only where ep > 1)
+
+A world of one process without a process group (`brigade check --runtime local` in the calling
+process) has no mesh: it has nothing to communicate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from brigade.errors import BrigadeError
+from brigade.world.degrees import DIMS, FLATTENED, Coords, Degrees
+
+
+class World:
+    """This process's place among the degrees, and the mesh and groups of the run.
+
+    Args:
+        degrees: every dimension's size; checked against the process group's world size.
+        device: this process's device (stage 0's under local stages).
+        devices: the local stages' devices, one per pipeline rank this process drives (stage 0's
+            first, from `launcher.groups.local_devices`); None: [device].
+
+    Raises:
+        BrigadeError: degrees that do not make this world (`Degrees.check`).
+    """
+
+    def __init__(self, degrees: Degrees, device: torch.device, devices: list[torch.device] | None = None):
+        joined = dist.is_initialized()
+        degrees.check(dist.get_world_size() if joined else 1)
+        self.degrees, self.device = degrees, torch.device(device)
+        self.devices = [torch.device(d) for d in devices] if devices else [self.device]
+        self.rank = dist.get_rank() if joined else 0
+        self.coords: Coords = degrees.coords(self.rank)
+        self.mesh, self._flat, self._ep = None, {}, None
+        if joined:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(self.device.type, degrees.shape, mesh_dim_names=DIMS)
+            self._flat = {name: _flatten(self.mesh, dims, name, degrees) for name, dims in FLATTENED.items()}
+            if degrees.ep > 1:  # carved out of dp: no dimension of the mesh (made by every rank, in order)
+                self._ep = dist.new_subgroups_by_enumeration(degrees.groups("ep"))[0]
+
+    @property
+    def local(self) -> bool:
+        """Whether this process drives several pipeline ranks, one device each (--local-stages)."""
+        return len(self.devices) > 1
+
+    def group(self, dim: str):
+        """The process group of this rank along `dim`: a dimension of the mesh, "dp", or "ep"
+        (where ep > 1); None in a world without a process group."""
+        if self.mesh is None:
+            return None
+        if dim == "ep":
+            if self._ep is None:
+                raise ValueError(f"no expert groups in a world of ep {self.degrees.ep}")
+            return self._ep
+        if dim in FLATTENED:
+            return self._flat[dim].get_group()
+        return self.mesh[dim].get_group()
+
+    @property
+    def shard_mesh(self):
+        """What FSDP2 shards over: ("shard"), or ("replicate", "shard") where there are replicas
+        (HSDP; with --shard 1 under tensor parallel: replication only)."""
+        return self.mesh["shard"] if self.degrees.replicate == 1 else self.mesh["replicate", "shard"]
+
+    @property
+    def tp_mesh(self):
+        """parallelize_module's mesh: the "tp" dimension of the one root, which FSDP2 shares."""
+        return self.mesh["tp"]
+
+    def stage_group(self, device: torch.device):
+        """A new group over this rank's data-parallel replicas for one local stage, bound to that
+        stage's device (each device's thread issues its own stage's all-reduces).
+
+        A group created without `device_id` inherits the default group's binding; torch refuses
+        another. So `launcher.groups.init(local_stages=n)` leaves the default group unbound.
+
+        Raises:
+            BrigadeError: the default group is bound to one GPU.
+        """
+        ranks = self.degrees.group("dp", self.rank)
+        if device.type != "cuda":
+            return dist.new_group(ranks)
+        bound = dist.distributed_c10d._get_default_group().bound_device_id
+        if bound is not None:
+            raise BrigadeError(f"the process group is bound to {bound} but this process drives several "
+                               "GPUs: pass local_stages to brigade.launcher.groups.init")
+        with torch.cuda.device(device):  # the communicator and its first collective on this GPU
+            return dist.new_group(ranks, device_id=device)
+
+    def tie_ranks(self) -> list[list[int]]:
+        """Every pipeline line of the world: for each place off the pipeline (replica, shard, cp, tp),
+        the global rank of each pipeline rank. The processes holding copies of a weight tied across
+        stages are found on one line (`pipeline.stages.ties.StageTies`)."""
+        return self.degrees.groups("pp")
+
+    @property
+    def stream(self) -> int:
+        """The random stream this process draws from. The tp processes of one stage share one: the
+        activations they hold whole must get the same dropout masks on each."""
+        c = self.coords
+        return self.degrees.rank(replicate=c.replicate, shard=c.shard, pp=c.pp, cp=c.cp) // self.degrees.tp
+
+    @property
+    def place(self) -> str:
+        """This process's coordinates as the hang report names them: "dp1 pp0" (and "cp", "tp"
+        where those are split)."""
+        c, d = self.coords, self.degrees
+        return f"dp{c.dp} pp{c.pp}" + (f" cp{c.cp}" if d.cp > 1 else "") + (f" tp{c.tp}" if d.tp > 1 else "")
+
+
+def _flatten(mesh, dims: tuple[str, ...], name: str, degrees: Degrees):
+    """The sub-mesh over `dims` as one dimension `name` (torch ≥ 2.5's `_flatten`). A mesh that
+    cannot flatten (torch 2.4) gets a group per line instead, made by every rank in one order."""
+    sub = mesh[dims]
+    if hasattr(sub, "_flatten"):
+        return sub._flatten(name)
+    return _Lines(dist.new_subgroups_by_enumeration(degrees.groups(name))[0])
+
+
+class _Lines:
+    """A flattened dimension as a plain group, where DeviceMesh cannot flatten."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def get_group(self):
+        return self._group
