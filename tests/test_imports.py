@@ -10,12 +10,17 @@
 - pipeline/ is built in floors (plans, stages, batches, transport, runtime, lowest first; pipe.py
   on top): a module imports nothing from a floor above its own, and every plan module is pure.
 - No import circles inside brigade/ (modules importing each other, directly or round a loop),
-  counting imports inside functions and under TYPE_CHECKING too.
+  counting imports inside functions and under TYPE_CHECKING too; and none between rooms (brigade/'s
+  packages and top-level modules), so no arrow runs back up the house (`python scripts/house.py`
+  draws it).
+- One owner of the parallel world: only brigade/world/ builds a DeviceMesh or computes a rank from
+  coordinates (or coordinates from a rank).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import subprocess
 import sys
@@ -23,31 +28,16 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).parents[1] / "brigade"
+def _house():
+    """scripts/house.py: the one reader of brigade's imports (also a command: `python scripts/house.py`)."""
+    spec = importlib.util.spec_from_file_location("house", Path(__file__).parents[1] / "scripts" / "house.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _module(path: Path) -> str:
-    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-
-
-MODULES = {_module(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def _imports(name: str, path: Path) -> set[str]:
-    """The brigade modules `name` imports, wherever in the file (functions, TYPE_CHECKING included)."""
-    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                base = ".".join(up + ([node.module] if node.module else []))
-            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES}
-            found |= subs or {base}
-    return {m for m in found if m in MODULES and m != name}
+HOUSE = _house()
+PACKAGE, MODULES, _imports, _circles = HOUSE.PACKAGE, HOUSE.MODULES, HOUSE.imports, HOUSE.circles
 
 
 def _torch_free() -> list[str]:
@@ -132,38 +122,6 @@ def test_config_imports_nothing_that_runs_it():
     assert not {m: i for m, i in wrong.items() if i}, wrong
 
 
-def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
-
-
 def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -171,3 +129,85 @@ def test_the_circle_finder_finds_a_circle():
 def test_no_import_circles():
     graph = {m: _imports(m, p) for m, p in MODULES.items()}
     assert _circles(graph) == []
+
+
+def test_no_circle_of_rooms_so_no_arrow_runs_back_up():
+    """Rooms are brigade/'s packages and top-level modules; each stands above all it imports."""
+    house = HOUSE.house()
+    assert house["room_circles"] == [] and house["arrows_back_up"] == [], house["arrows_back_up"]
+
+
+MESH_MAKERS = {"init_device_mesh", "DeviceMesh", "._flatten", "new_subgroups_by_enumeration"}
+
+
+def _calls(path: Path) -> set[str]:
+    """The names a module calls; a method as `.name` (a mesh's `._flatten`, not a function of that name)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            names |= {f.id} if isinstance(f, ast.Name) else {f.attr, f".{f.attr}"} if isinstance(f, ast.Attribute) \
+                else set()
+    return names
+
+
+def test_only_the_world_builds_a_device_mesh():
+    """One owner of the parallel world (brigade/world/): no other module makes a DeviceMesh."""
+    wrong = {m: sorted(_calls(p) & MESH_MAKERS) for m, p in MODULES.items() if not m.startswith("brigade.world")}
+    assert not {m: c for m, c in wrong.items() if c}, wrong
+
+
+_RANK = re.compile(r"(^|_)rank$")
+_DEGREE = re.compile(r"^(dp|pp|tp|cp|ep|shard|replicas?|replicate)$")
+
+
+def _names(node: ast.AST):
+    for n in ast.walk(node):
+        if isinstance(n, (ast.Name, ast.Attribute)):
+            yield n.id if isinstance(n, ast.Name) else n.attr
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) == "get_rank":
+            yield "rank"
+
+
+def _rank_arithmetic(path: Path) -> list[str]:
+    """Expressions that take a rank apart (rank // pp, rank % tp) or put one together
+    ((row · pp + stage) · tp, dp_rank · pp)."""
+    def rank(node):
+        return any(_RANK.search(x.lower()) for x in _names(node))
+
+    def degree(node):
+        return any(_DEGREE.match(x) for x in _names(node))
+
+    def radix(node):  # (a · degree + b): one digit of a mixed-radix rank
+        return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and any(
+            isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult) and degree(n) for n in ast.walk(node))
+
+    found = []
+    for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(n, ast.BinOp):
+            continue
+        apart = isinstance(n.op, (ast.FloorDiv, ast.Mod)) and rank(n.left)
+        together = isinstance(n.op, ast.Mult) and any(
+            (rank(a) or radix(a)) and degree(b) for a, b in ((n.left, n.right), (n.right, n.left)))
+        if apart or together:
+            found.append((n.lineno, n.col_offset, f"{n.lineno}: {ast.unparse(n)}"))
+    return [text for *_, text in sorted(found)]
+
+
+# Ranks onto hardware, not onto the parallel grid: which GPU a local rank drives, which node of a
+# planned cluster a rank sits on.
+HARDWARE = {"brigade.launcher.groups", "brigade.planner.cluster"}
+
+
+def test_the_rank_finder_finds_rank_arithmetic(tmp_path):
+    code = tmp_path / "m.py"
+    code.write_text("a = rank // pp\nb = dist.get_rank() % tp\nc = (row * pp + stage) * tp + t\nd = dp_rank * pp\n"
+                    "e = ranks * virtual\nf = rank * per\n")
+    assert [line.split(":")[0] for line in _rank_arithmetic(code)] == ["1", "2", "3", "4"]
+
+
+def test_only_the_world_computes_a_rank_from_coordinates_or_back():
+    """brigade/world/ answers every rank ↔ coordinates question; no other module does the arithmetic."""
+    wrong = {m: _rank_arithmetic(p) for m, p in MODULES.items()
+             if not m.startswith("brigade.world") and m not in HARDWARE}
+    assert not {m: found for m, found in wrong.items() if found}, wrong
