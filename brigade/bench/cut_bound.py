@@ -13,7 +13,7 @@ costs, transfers and the runtime free. Where it is more than 2 % above `balanced
 schedule — hand-written or generated — comes within 2 % of it; the `brigade bench` rows the
 cases mirror (their models, batch and micro-batch sizes, p, V) are the `command` of each case.
 
-Costs: each block's forward, whole backward, W and I (`bench.predict.block_costs`, median of 9,
+Costs: each block's forward, whole backward, W and I (`measure.stages.block_costs`, median of 9,
 one thread), at the micro-batch size of the case. Placements: one stage per rank (V 1), and at
 V 2 the loop (interleaved, looped-BFS) and the V (ZB-V, DualPipeV, auto).
 """
@@ -79,7 +79,7 @@ def _block_costs(model: str, options: str, size: int) -> tuple:
 
     import torch
 
-    from brigade.bench.predict import block_costs
+    from brigade.measure.stages import block_costs
     from brigade.models import load_model
 
     threads = torch.get_num_threads()

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from brigade.bench.device import ddp
 from brigade.config import RunConfig, to_toml
 from brigade.errors import BrigadeError, RunError
 from brigade.launch import agent, groups
+from brigade.measure.device import ddp
 from brigade.train.data import Sampler, build
 from brigade.train.metrics import loop_seconds, read_records
 

@@ -9,31 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-import torch
-from torch import nn
-
-from brigade.bench.timing import stage_costs
 from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build
 from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.stages.partition import solve
 
 ANY_VIRTUAL = (1, 2)  # V tried for a schedule that takes any: more would need ≥ 3·p blocks
-
-
-def block_costs(blocks: list[nn.Module], x: torch.Tensor, loss_fn, y,
-                repeats: int = 3) -> list[tuple[float, ...]]:
-    """(forward, backward, weight, input) seconds of every block on input batch x (on x's device),
-    each the median of `repeats` timings."""
-    out = []
-    h = x
-    for i, block in enumerate(blocks):
-        last = i == len(blocks) - 1
-        out.append(stage_costs(block, h, loss_fn if last else None, y if last else None,
-                               first=i == 0, repeats=repeats))
-        with torch.no_grad():
-            h = block(h)
-    return out
 
 
 def interpolate(samples: dict[int, list], size: int) -> list[tuple[float, ...]]:

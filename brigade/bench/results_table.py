@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from brigade.bench.plot import headline, typical
-from brigade.bench.timing import ratio_ci
+from brigade.measure.stats import ratio_ci
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ on `DistInfo.device`). The ideal pipelined step is the makespan `simulate()` giv
 stage's measured per-micro-batch forward and backward costs; efficiency = ideal step time ÷
 measured step time. Single, brigade and torch are timed in interleaved rounds (`--repeats`
 rounds, `timing.interleaved_rounds`), each round's stage costs measured in that round; every
-ratio is the median of per-round ratios, with its 95 % CI (`timing.ratio_ci`).
+ratio is the median of per-round ratios, with its 95 % CI (`stats.ratio_ci`).
 """
 
 from __future__ import annotations
@@ -22,18 +22,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from brigade.bench.device import place_model
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, nearest_torch_schedule
-from brigade.bench.timing import (
-    Workload,
-    gathered_stage_costs,
-    interleaved_rounds,
-    median_ci_coverage,
-    pipeline_step,
-    ratio_ci,
-    train_step,
-)
 from brigade.launch import agent, groups
+from brigade.measure.device import place_model
+from brigade.measure.stages import gathered_stage_costs
+from brigade.measure.stats import median_ci_coverage, ratio_ci
+from brigade.measure.timing import Workload, interleaved_rounds, pipeline_step, train_step
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.schedule import DEFAULT, SCHEDULES, build, help_text

@@ -33,21 +33,15 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade.bench.choose import pick_trials, scores
-from brigade.bench.device import ddp, place_model
 from brigade.bench.experiments import BenchConfig, Worker, scaled_splits
 from brigade.bench.fit import keep_fitting, shared_costs
-from brigade.bench.predict import block_costs, ddp_row, plan_costs, predict, search_space
-from brigade.bench.timing import (
-    interleaved_rounds,
-    measure,
-    median_ci_coverage,
-    ping_pong,
-    pipeline_step,
-    ratio_ci,
-    train_step,
-)
+from brigade.bench.predict import ddp_row, plan_costs, predict, search_space
 from brigade.host.cores import shared_cores
 from brigade.launch import groups
+from brigade.measure.device import ddp, place_model
+from brigade.measure.stages import block_costs
+from brigade.measure.stats import median_ci_coverage, ratio_ci
+from brigade.measure.timing import interleaved_rounds, measure, ping_pong, pipeline_step, train_step
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.schedule import stages_on

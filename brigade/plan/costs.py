@@ -41,8 +41,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from brigade.bench.predict import block_costs, interpolate
+from brigade.bench.predict import interpolate
 from brigade.host import malloc
+from brigade.measure.stages import block_costs
 from brigade.models import ModelSpec
 from brigade.parallel import recompute
 from brigade.pipeline.runtime.backward import backward_split

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, fields
 
 from brigade.errors import BrigadeError
-from brigade.plan import gloo_probe
+from brigade.measure import gloo_probe
 
 GB = 1e9
 

@@ -1,7 +1,7 @@
 """What a replicated stage reduces over: DDP wrapped so the hang watchdog sees its buckets
 (`data_parallel`), and the process group a local stage's replicas reduce over (`stage_group`).
 `layout.ProcessModel` wraps its stages with them; the cpu probe times `data_parallel` as
-training issues it (`plan.gloo_probe`).
+training issues it (`measure.gloo_probe`).
 """
 
 from __future__ import annotations

@@ -40,25 +40,3 @@ def test_a_collective_inside_a_node_runs_at_what_the_device_says_it_achieves():
     assert comm.link(c, [0, 1], "all_gather") == (gloo.intra_bw, gloo.intra_latency)  # not given: the link's
     assert comm.link(c, [0, 1]) == (gloo.intra_bw, gloo.intra_latency)  # point to point
     assert comm.link(c, [0, 4], "all_reduce") == (gloo.inter_bw, gloo.inter_latency)  # across nodes
-
-
-def test_the_gloo_probe_fits_bandwidth_and_latency_through_two_sizes():
-    from brigade.plan.gloo_probe import fit
-
-    # 2 ring steps of 1 ms each, 1 GB/s: 1 MB takes 3 ms, 9 MB 11 ms
-    assert fit([3e-3, 11e-3], [1e6, 9e6], 2) == (pytest.approx(1e9), pytest.approx(1e-3))
-    assert fit([0.5e-3, 8.5e-3], [1e6, 9e6], 1)[1] == 0.0  # below the line: noise, read as none
-
-
-def test_the_probe_prices_collectives_as_ddp_and_fsdp_issue_them():
-    from brigade.plan.gloo_probe import as_issued
-
-    bare = {"coll_latency": 1e-3, "all_reduce_bw": 1e9, "reduce_scatter_bw": 1e9, "all_gather_bw": 0.5e9}
-    # DDP added 22 ms to a step of 16 MB of gradients: 16 MB ÷ (22 - 2·1) ms = 0.8 GB/s
-    # FSDP added 56 ms: 8 ms of latency, 48 ms against a bare 8 + 16 = 24 ms: both at half the rate
-    got = as_issued(bare, {"plain": 0.1, "ddp": 0.122, "fsdp": 0.156}, 16e6)
-    assert got == {"all_reduce_bw": pytest.approx(0.8e9), "reduce_scatter_bw": pytest.approx(0.5e9),
-                   "all_gather_bw": pytest.approx(0.25e9)}
-    # noise: nothing added, or less than the bare rates would take: the bare rates stand
-    assert as_issued(bare, {"plain": 0.1, "ddp": 0.099, "fsdp": 0.11}, 16e6) == {}
-    assert as_issued(bare, {"plain": 0.1, "ddp": 0.11, "fsdp": 0.11}, 16e6) == {}  # 2 GB/s: above bare

@@ -49,14 +49,6 @@ def test_the_runtimes_own_time_is_added_to_every_action_and_to_the_step():
     assert own["step_s"] - plain["step_s"] == pytest.approx(10 * 0.5 + 7.0)
 
 
-def test_the_probe_fits_the_runtimes_time_per_action_and_per_step():
-    from brigade.plan.gloo_probe import runtime
-
-    # 1F1B, 2 stages: 6 actions on the critical path at m 2, 18 at m 8
-    assert runtime([6 * 0.002 + 0.01, 18 * 0.002 + 0.01]) == (pytest.approx(0.002), pytest.approx(0.01))
-    assert runtime([0.05, 0.04]) == (0.0, 0.05)  # noise: no negative time
-
-
 def test_an_action_costs_the_crowded_figure_where_a_host_has_more_processes_than_cores():
     costs = _costs()
     pp = Layout(1, 1, 2, "1f1b", 1, 4, "none")

@@ -157,7 +157,7 @@ def measure() -> dict[str, float]:
     # at n = 2 a ring all-reduce moves the whole buffer in 2 steps, the others half of it in 1
     lats = []
     for kind, share, steps in (("all_reduce", 1.0, 2), ("all_gather", 0.5, 1), ("reduce_scatter", 0.5, 1)):
-        bw, lat = fit(got[kind], [share * s for s in _SIZES], steps)
+        bw, lat = fit_rates(got[kind], [share * s for s in _SIZES], steps)
         out[f"{kind}_bw"] = bw
         lats.append(lat)
     out["coll_latency"] = sorted(lats)[1]
@@ -201,7 +201,7 @@ def runtime(seconds: list[float]) -> tuple[float, float]:
     return per, max(0.0, seconds[0] - per * path[0])
 
 
-def fit(seconds: list[float], moved: list[float], steps: int) -> tuple[float, float]:
+def fit_rates(seconds: list[float], moved: list[float], steps: int) -> tuple[float, float]:
     """(bytes/s, seconds per step) of `seconds` = steps · latency + moved / bandwidth, through
     two points; a negative latency (noise) is read as 0."""
     bw = (moved[1] - moved[0]) / max(seconds[1] - seconds[0], 1e-9)

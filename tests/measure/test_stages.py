@@ -1,4 +1,4 @@
-"""`bench.timing.gathered_stage_costs`: every rank's stages gathered on every rank, measured all at
+"""`measure.stages.gathered_stage_costs`: every rank's stages gathered on every rank, measured all at
 once or, where ranks outnumber cores, one rank at a time (`turns`)."""
 
 import pytest
@@ -14,7 +14,7 @@ def _gather(rank: int, world: int, port: int, turns: bool, out) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    import brigade.bench.timing as timing
+    from brigade.measure import stages
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     spans = []
@@ -25,8 +25,8 @@ def _gather(rank: int, world: int, port: int, turns: bool, out) -> None:
         spans.append((start, time.monotonic()))
         return (rank + 1.0, rank + 2.0, rank + 3.0, rank + 4.0)
 
-    timing.stage_costs = measured
-    got = timing.gathered_stage_costs([nn.Identity()] * world, rank, torch.zeros(4, 2), torch.zeros(4), None,
+    stages.stage_costs = measured
+    got = stages.gathered_stage_costs([nn.Identity()] * world, rank, torch.zeros(4, 2), torch.zeros(4), None,
                                       m=2, turns=turns)
     out.put((rank, spans, got))
     dist.destroy_process_group()

@@ -1,16 +1,15 @@
-"""The benchmarks' GPU path, checked on CPU: clocks read after a device sync, the allocator's
-peak on CUDA, models, batches and DDP on the process's device, NCCL only with a GPU per process."""
+"""The measuring primitives' GPU path, checked on CPU: clocks read after a device sync, the
+allocator's peak on CUDA, models, batches and DDP on the process's device (that the benchmarks use
+NCCL only with a GPU per process: tests/bench/test_bench.py)."""
 
-import argparse
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from brigade.bench import device as bench_device
-from brigade.bench import memory, timing
-from brigade.bench.run import bench_config
+from brigade.measure import activations, stages, timing
+from brigade.measure import device as measure_device
 from brigade.models import load_model
 
 CUDA = torch.device("cuda", 1)
@@ -18,7 +17,7 @@ CUDA = torch.device("cuda", 1)
 
 @pytest.fixture
 def events(monkeypatch):
-    """Every device sync and every clock read in brigade.bench.timing, in order."""
+    """Every device sync and every clock read in brigade.measure.timing, in order."""
     log = []
     clock = iter(range(10**6))
     monkeypatch.setattr(timing, "_sync", lambda device: log.append(("sync", device)))
@@ -35,7 +34,7 @@ def _each_clock_follows_a_sync(log, device):
 
 def test_stage_costs_synchronise_before_every_clock_read(events):
     block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-    fwd, bwd, wgt, ing = timing.stage_costs(block, torch.randn(4, 8), repeats=2)
+    fwd, bwd, wgt, ing = stages.stage_costs(block, torch.randn(4, 8), repeats=2)
     _each_clock_follows_a_sync(events, torch.device("cpu"))
     # 2 × (repeats + 2) passes, alternately forward + backward (3 reads) and forward + weight (4 reads)
     assert events.count("clock") == 4 * 3 + 4 * 4
@@ -50,10 +49,8 @@ def test_measure_synchronises_before_every_clock_read(events):
 
 
 def test_block_costs_are_timed_through_the_synchronised_clock(events):
-    from brigade.bench.predict import block_costs
-
     blocks = [nn.Linear(8, 8), nn.Linear(8, 2)]
-    costs = block_costs(blocks, torch.randn(4, 8), nn.functional.mse_loss, torch.randn(4, 2))
+    costs = stages.block_costs(blocks, torch.randn(4, 8), nn.functional.mse_loss, torch.randn(4, 2))
     assert len(costs) == 2
     _each_clock_follows_a_sync(events, torch.device("cpu"))
 
@@ -74,8 +71,8 @@ def test_a_distributed_measure_needs_the_process_device():
 
 def test_the_cpu_meter_counts_saved_tensors():
     model = nn.Linear(16, 16)
-    meter = memory.stage_meter(torch.device("cpu"), exclude=list(model.parameters()))
-    assert isinstance(meter, memory.ActivationMeter) and meter.method == "saved-tensors"
+    meter = activations.stage_meter(torch.device("cpu"), exclude=list(model.parameters()))
+    assert isinstance(meter, activations.ActivationMeter) and meter.method == "saved-tensors"
     with meter:
         torch.tanh(model(torch.randn(4, 16))).sum().backward()
     assert meter.peak_bytes > 0
@@ -90,7 +87,7 @@ def test_the_cuda_meter_reads_the_allocator_peak_above_the_start(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["now"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
     allocated["peak"] = 99_999  # an earlier step's peak: reset on entry, not counted
-    meter = memory.stage_meter(CUDA)
+    meter = activations.stage_meter(CUDA)
     assert meter.method == "allocator"
     with meter:
         allocated["peak"] = 5000  # the step
@@ -100,7 +97,7 @@ def test_the_cuda_meter_reads_the_allocator_peak_above_the_start(monkeypatch):
 
 def test_a_model_and_its_batch_go_to_the_process_device():
     spec = load_model("toy", seed=0)
-    x, y = bench_device.place_model(spec, 4, 0, torch.device("meta"))
+    x, y = measure_device.place_model(spec, 4, 0, torch.device("meta"))
     assert x.device.type == y.device.type == "meta" and x.shape[0] == 4
     assert {p.device.type for b in spec.blocks for p in b.parameters()} == {"meta"}
 
@@ -108,7 +105,7 @@ def test_a_model_and_its_batch_go_to_the_process_device():
 @pytest.mark.parametrize("device,ids", [(CUDA, [CUDA]), (torch.device("cpu"), None)])
 def test_ddp_is_placed_and_told_its_device(monkeypatch, device, ids):
     made = {}
-    monkeypatch.setattr(bench_device, "DistributedDataParallel",
+    monkeypatch.setattr(measure_device, "DistributedDataParallel",
                         lambda m, device_ids: made.update(ids=device_ids) or m)
 
     class Module(nn.Module):
@@ -116,13 +113,5 @@ def test_ddp_is_placed_and_told_its_device(monkeypatch, device, ids):
             made["to"] = d
             return self
 
-    bench_device.ddp(Module(), device)
+    measure_device.ddp(Module(), device)
     assert made == {"to": device, "ids": ids}
-
-
-@pytest.mark.parametrize("gpus,backend", [(0, "gloo"), (1, "gloo"), (2, "nccl")])
-def test_bench_uses_nccl_only_with_a_gpu_per_process(monkeypatch, gpus, backend):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    args = argparse.Namespace(model="toy", image_size=None, batch_size=8, repeats=1, quick=True,
-                              splits="", schedules="1f1b")
-    assert bench_config(args).backend == backend
