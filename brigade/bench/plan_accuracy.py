@@ -5,7 +5,7 @@ for layouts this machine runs, each a real `brigade train` of a few steps.
     python -m brigade.bench.plan_accuracy --tiny --rounds 1 --out /tmp/p   (tests this script)
 
 The cluster is this machine (the "cpu" device, one node; 4 processes share its cores, which the
-planner models). Each layout is predicted (`plan.predict`) on costs the planner itself measures
+planner models). Each layout is predicted (`planner.predict`) on costs the planner itself measures
 and trained with the predicted cut (`--balance`). Measured: the median `step_time_s` of the steps
 after the second, and each rank's `peak` from the `memory` event (step 2). Errors are
 (predicted − measured) ÷ measured; memory's is the worst rank's.
@@ -33,7 +33,7 @@ from pathlib import Path
 from brigade.bench import script
 from brigade.bench.footprint import QUIET
 from brigade.errors import BrigadeError, RunError
-from brigade.plan.devices import cpu
+from brigade.planner.devices import cpu
 from brigade.train.metrics import events, read_records, training
 
 GPT = {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq_len": 64, "batch_size": 16}
@@ -106,9 +106,9 @@ def _costs(model: str, sizes: dict, cases: list[tuple], here):
     """The planner's costs of `model` (every micro-batch size and mode the cases need), measured
     on `here` (this machine's probed `DeviceSpec`)."""
     from brigade.config import ModelConfig
-    from brigade.plan.config import PlanConfig
-    from brigade.plan.costs import measure
-    from brigade.plan.run import load_spec, model_config
+    from brigade.planner.config import PlanConfig
+    from brigade.planner.costs import measure
+    from brigade.planner.run import load_spec, model_config
     from brigade.train.memory import quiet_stderr
 
     cfg = PlanConfig(model=model, batch_size=sizes["batch_size"], seq_len=sizes.get("seq_len", 0))
@@ -139,8 +139,8 @@ def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
 
     from brigade.pipeline.plans.generate import Costs
     from brigade.pipeline.plans.schedule import SCHEDULES, build
-    from brigade.plan.predict import predict
-    from brigade.plan.space import Layout
+    from brigade.planner.predict import predict
+    from brigade.planner.space import Layout
 
     model, rep, shard, pp, schedule, v, m, mode = case
     layout = Layout(rep, shard, pp, schedule, v, m, mode)
@@ -178,7 +178,7 @@ def one_round(k: int, cases: list[tuple], gpt: dict, steps: int, runs: dict[tupl
     """Round `k`: this machine probed again, then each case's costs measured and the case trained
     at once (module docstring), in an order turned by `k`; each result appended to `runs[case]`.
     Returns the round's probe of this machine."""
-    from brigade.plan.cluster import Cluster
+    from brigade.planner.cluster import Cluster
 
     cpu.cache_clear()
     where = Cluster(1, 4, cpu())  # this machine, with as many ranks as the largest case
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "mlp": {"batch_size": 32},
         "steps": args.steps,
         "rounds": args.rounds,
-        "devices": probed,  # each round's probe of this machine (`plan.devices.cpu`)
+        "devices": probed,  # each round's probe of this machine (`planner.devices.cpu`)
         "rows": rows,
         "summary": summary(rows),
         "command": "python -m brigade.bench.plan_accuracy" + (" --tiny" if args.tiny else "")

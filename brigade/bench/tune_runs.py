@@ -46,7 +46,7 @@ def row_of(run: int, written: dict, load_before: list[float], load_after: list[f
 
 
 def _label(row: dict) -> str:
-    from brigade.bench.tune import label
+    from brigade.planner.sweep import label
 
     return label(row)
 

@@ -1,8 +1,8 @@
-"""This host's gloo between two of its processes, measured for the "cpu" device (`devices.cpu`):
+"""This host's gloo between two of its processes, measured for the "cpu" device (`planner.devices.cpu`):
 
     point to point   bandwidth and latency one way (send/recv of 16 MiB and of 4 bytes)
     collectives      all-reduce, all-gather and reduce-scatter of a 256 KiB and a 16 MiB buffer,
-                     fitted to the ring formulas `plan.comm` prices them with: each kind's
+                     fitted to the ring formulas `planner.comm` prices them with: each kind's
                      bandwidth (bytes moved ÷ seconds, from the two sizes' difference) and one
                      latency per ring step. gloo copies and reduces on the same cores that
                      compute, so its collectives run far below its point-to-point bandwidth

@@ -8,7 +8,6 @@ import torch
 
 from brigade.bench.experiments import scaled_splits
 from brigade.bench.plot import table
-from brigade.bench.predict import interpolate, predict
 from brigade.models import load_model
 from tests.e2e.helpers import brigade
 
@@ -20,50 +19,6 @@ FIELDS = {"name", "schedule", "virtual", "stages", "microbatches", "split_size",
 def test_tutorial_splits_scale_to_the_batch():
     assert scaled_splits(120) == [1, 3, 5, 8, 10, 12, 20, 40, 60]
     assert scaled_splits(32) == [1, 2, 4, 8, 16]
-
-
-def test_prediction_balances_and_interpolates():
-    samples = {2: [(1.0, 2.0, 1.0, 1.2)] * 4, 8: [(4.0, 8.0, 4.0, 4.8)] * 4}
-    # one approx per block: pytest 9.2 refuses an approx nested in a list (a TypeError)
-    assert interpolate(samples, 5) == [pytest.approx((2.5, 5.0, 2.5, 3.0))] * 4
-    seconds, balance = predict(samples, batch=16, m=2, schedule="1f1b", ranks=2, comm_per_sample=0.0)
-    assert balance == [2, 2]
-    # size 8: each stage F = 8, B = 16; 1F1B over 2 stages and 2 micro-batches ends at 72
-    assert seconds == pytest.approx(72.0)
-
-
-def test_prediction_with_two_stages_per_rank_cuts_and_costs_p_times_v_stages():
-    samples = {1: [(1.0, 2.0, 1.0, 1.0)] * 4}
-    # one micro-batch runs every stage in turn: 4 F of 1 and 4 B of 2 = 12, plus a hop of 10
-    # per cut between ranks: 1 each way on 2 stages, 3 each way on 4 stages (ranks 0,1,0,1)
-    one = predict(samples, batch=1, m=1, schedule="looped-bfs", ranks=2, comm_per_sample=10.0)
-    two = predict(samples, batch=1, m=1, schedule="looped-bfs", ranks=2, comm_per_sample=10.0, virtual=2)
-    assert one == (pytest.approx(32.0), [2, 2])
-    assert two == (pytest.approx(72.0), [1, 1, 1, 1])
-
-
-def test_the_space_leaves_out_two_stages_per_rank_without_enough_blocks_and_says_why():
-    from brigade.bench.predict import search_space
-
-    rows, left_out = search_space(["1f1b", "interleaved", "zbv"], [2, 4], ranks=2, n_blocks=3)
-    assert {(r["schedule"], r["virtual"], r["microbatches"]) for r in rows} == {
-        (s, 1, m) for s in ("1f1b", "interleaved") for m in (2, 4)}
-    assert [(r["schedule"], r["virtual"]) for r in left_out] == [("interleaved", 2), ("zbv", 2)]
-    assert all("3 blocks: 4 stages" in r["reason"] for r in left_out)
-    rows, left_out = search_space(["1f1b", "interleaved", "zbv"], [2], ranks=2, n_blocks=4)
-    assert [(r["schedule"], r["virtual"]) for r in rows] == [("1f1b", 1), ("interleaved", 1),
-                                                             ("interleaved", 2), ("zbv", 2)]
-    assert left_out == [] and all(r["dp"] == 1 and r["pp"] == 2 for r in rows)
-
-
-def test_data_parallel_is_predicted_as_one_device_on_half_the_batch_plus_the_all_reduce():
-    from brigade.bench.predict import ddp_row
-
-    samples = {2: [(1.0, 2.0, 1.0)] * 4, 8: [(4.0, 8.0, 4.0)] * 4}
-    row = ddp_row(samples, batch=8, dp=2, allreduce_s=0.5)
-    # size 4 interpolates to F = 2, B = 4 per block: 4 blocks cost 24, then the all-reduce
-    assert row["predicted_s"] == pytest.approx(24.5)
-    assert (row["dp"], row["pp"], row["schedule"], row["balance"]) == (2, 1, None, None)
 
 
 @pytest.mark.timeout(300)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from brigade.plan.memory import rank_memory
+from brigade.planner.memory import rank_memory
 from brigade.train.metrics import events, read_records
 from tests.e2e.helpers import brigade
 
@@ -87,9 +87,9 @@ def test_the_table_names_its_columns_and_sources(cli):
 
 
 def test_memory_of_a_pipeline_rank_counts_its_stages_and_what_they_hold():
-    from brigade.plan.costs import ModeCosts, ModelCosts
-    from brigade.plan.devices import TABLE
-    from brigade.plan.space import Layout
+    from brigade.planner.costs import ModeCosts, ModelCosts
+    from brigade.planner.devices import TABLE
+    from brigade.planner.space import Layout
 
     mode = ModeCosts(
         {1: [(1.0,) * 4] * 4}, held=[10.0] * 4, working=[0.0, 5.0, 0.0, 0.0], transient=[1.0] * 4,

@@ -5,6 +5,10 @@ A layout is valid when dp × pp × tp is the world, shard divides dp, tp is a de
 plans allow and divides a node's devices (tp innermost: its all-reduces stay inside a node), the
 model has the p·V stages' blocks, and each replica's share of the batch divides into its
 micro-batches.
+
+The tuner's sweep (`search_space`) is the pipelines of its ranks alone, at the micro-batch counts it
+measures, with the (schedule, V) its model cannot take left out and why. Both try the same V per
+schedule (`virtuals`).
 """
 
 from __future__ import annotations
@@ -13,8 +17,6 @@ from dataclasses import asdict, dataclass
 
 from brigade.errors import BrigadeError
 from brigade.pipeline.plans.schedule import DEFAULT, DEFAULT_VIRTUAL, SCHEDULES
-
-ANY_VIRTUAL = (1, DEFAULT_VIRTUAL)  # V tried for a schedule that takes any
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,12 @@ def check(layout: Layout, world: int, n_blocks: int, batch: int) -> None:
         )
 
 
+def virtuals(schedule: str) -> tuple[int, ...]:
+    """The V tried for `schedule`: its fixed V, or, where it takes any, 1 and the default
+    (`DEFAULT_VIRTUAL`, 2; more would need ≥ 3·p blocks), never past the most it runs."""
+    return SCHEDULES[schedule].virtuals(DEFAULT_VIRTUAL)
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -122,8 +130,7 @@ def _layouts(cells: int, n_blocks: int, batch: int, recompute: list[str], schedu
         dp = cells // pp
         for shard in divisors(dp):
             for name in (schedules or list(SCHEDULES)) if pp > 1 else [DEFAULT]:
-                fixed = SCHEDULES[name].virtual
-                for v in ((fixed,) if fixed else ANY_VIRTUAL) if pp > 1 else (1,):
+                for v in virtuals(name) if pp > 1 else (1,):
                     if pp * v > n_blocks:
                         continue
                     for m in microbatches or _powers(4 * pp):
@@ -136,3 +143,26 @@ def _layouts(cells: int, n_blocks: int, batch: int, recompute: list[str], schedu
 
 def _powers(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
+
+
+def search_space(schedules: list[str], ms: list[int], ranks: int,
+                 n_blocks: int) -> tuple[list[dict], list[dict]]:
+    """The pipelined configurations to predict, and the (schedule, V) left out with why.
+
+    Args:
+        schedules: registry names. ms: micro-batch counts. ranks: pipeline ranks (p).
+        n_blocks: the model's blocks; p·V stages need as many.
+
+    Returns:
+        (rows with schedule, virtual, microbatches, dp = 1, pp = ranks; left_out rows with a reason).
+    """
+    rows, left_out = [], []
+    for name in schedules:
+        for v in virtuals(name):
+            if n_blocks < ranks * v:
+                left_out.append({"schedule": name, "virtual": v, "reason":
+                                 f"the model has {n_blocks} blocks: {ranks * v} stages (p={ranks} × V={v}) "
+                                 f"need as many"})
+                continue
+            rows += [{"schedule": name, "virtual": v, "microbatches": m, "dp": 1, "pp": ranks} for m in ms]
+    return rows, left_out

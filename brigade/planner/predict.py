@@ -29,6 +29,7 @@ optimizer step, which every rank runs at once, take ranks ÷ cores times as long
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 from brigade.host.cores import shared_cores
 from brigade.pipeline.plans.action import Plan
@@ -36,11 +37,11 @@ from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build
 from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.stages.partition import solve
-from brigade.plan import comm
-from brigade.plan.cluster import Cluster
-from brigade.plan.costs import ModelCosts
-from brigade.plan.memory import moments, rank_blocks, rank_memory, worst
-from brigade.plan.space import Layout
+from brigade.planner import comm
+from brigade.planner.cluster import Cluster
+from brigade.planner.costs import ModelCosts
+from brigade.planner.memory import moments, rank_blocks, rank_memory, worst
+from brigade.planner.space import Layout
 
 
 def predict(
@@ -58,18 +59,16 @@ def predict(
     groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
     times = _tensor_parallel(costs, costs.block_times(layout.recompute, mb), layout.tp, mb,
                              comm.link(cluster, groups["tp"], "all_reduce"))
-    n_stages = layout.pp * layout.virtual
-    balance = solve([f + b for f, b, *_ in times], n_stages) if n_stages > 1 else [costs.n_blocks]
-    bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
-    per = [[sum(c[j] for c in times[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(4)]
+    balance, per = cut(times, layout.pp * layout.virtual)
     slow = _shared(cluster, layout.world)
     own = _action_s(cluster, layout.world)  # the runtime's own time, per action
     per = [[t * slow + own for t in row] for row in per]
     bw, lat = comm.link(cluster, groups["pp"])
-    sent = max((costs.out_bytes[b - 1] for b in bounds[1:-1]), default=0.0) * mb
+    sent = max((costs.out_bytes[b - 1] for b in accumulate(balance[:-1])), default=0.0) * mb  # at each cut
     p2p = comm.p2p(sent, bw, lat) if layout.pp > 1 else 0.0
     cores = _pipeline_cores(layout, cluster)
-    plan = _plan(layout, per, p2p, cores)
+    plan = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual,
+                 costed(layout.schedule, per, p2p, cores))
     sim = simulate(plan, per[0], per[1], comm=p2p, weight=per[2], input_grad=per[3])
     alone = simulate(plan, per[0], per[1], weight=per[2], input_grad=per[3]).makespan
     makespan = sim.on_cores(cores)
@@ -101,6 +100,24 @@ def predict(
         "over_bytes": max(0.0, top["peak"] - limit),
         "source": costs.source,
     }
+
+
+def cut(times: list[tuple[float, ...]], n_stages: int) -> tuple[list[int], list[list[float]]]:
+    """The solver's cut of the blocks into `n_stages` stages, the slowest stage's forward +
+    backward as short as it can be, and each stage's costs: (balance, per) with per[j][s] the sum
+    of cost j (forward, backward, weight, input) over stage s's blocks `times`."""
+    balance = solve([f + b for f, b, *_ in times], n_stages) if n_stages > 1 else [len(times)]
+    bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
+    per = [[sum(c[j] for c in times[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(4)]
+    return balance, per
+
+
+def costed(schedule: str, per: list[list[float]], p2p: float, cores: float) -> Costs | None:
+    """What a costed schedule (`auto`) is planned on, as the runtime plans it: these per-stage
+    costs (`cut`), the transfer and the shared cores; None for the other schedules."""
+    if not SCHEDULES[schedule].costed:
+        return None
+    return Costs(tuple(per[0]), tuple(per[3]), tuple(per[2]), backward=tuple(per[1]), comm=p2p, cores=cores)
 
 
 def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: list[int],
@@ -170,16 +187,6 @@ def _shared(cluster: Cluster, world: int) -> float:
     if not d.cores or busy <= 1:
         return 1.0
     return 1 + (d.shared_slowdown - 1) * (min(busy, d.cores) - 1) / max(d.cores - 1, 1)
-
-
-def _plan(layout: Layout, per: list[list[float]], p2p: float, cores: float):
-    """The schedule's plan; a costed one (`auto`) planned on these per-stage costs, transfer and
-    shared cores, as the runtime plans it."""
-    costs = None
-    if SCHEDULES[layout.schedule].costed:
-        costs = Costs(tuple(per[0]), tuple(per[3]), tuple(per[2]), backward=tuple(per[1]), comm=p2p,
-                      cores=cores)
-    return build(layout.schedule, layout.pp, layout.microbatches, layout.virtual, costs)
 
 
 def _reduction(cluster: Cluster, layout: Layout, groups: dict, grads: float, units: int) -> float:

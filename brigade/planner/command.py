@@ -11,7 +11,7 @@ from pathlib import Path
 def add_plan(sub, option) -> None:
     """The subcommand; `option(parser, cls, name)` adds a documented field's flag (cli._option)."""
     from brigade.config import ModelConfig
-    from brigade.plan.config import PlanConfig
+    from brigade.planner.config import PlanConfig
 
     p = sub.add_parser(
         "plan",
@@ -29,9 +29,9 @@ def add_plan(sub, option) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     from brigade.config import ModelConfig, to_toml
     from brigade.fsutil import write_atomic
-    from brigade.plan.config import PlanConfig
-    from brigade.plan.report import table
-    from brigade.plan.run import plan, to_config
+    from brigade.planner.config import PlanConfig
+    from brigade.planner.report import table
+    from brigade.planner.run import plan, to_config
 
     cfg = PlanConfig(**{f.name: getattr(args, f.name) for f in fields(PlanConfig)})
     base = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)

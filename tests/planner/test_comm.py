@@ -2,9 +2,9 @@
 
 import pytest
 
-from brigade.plan import comm
-from brigade.plan.cluster import Cluster
-from brigade.plan.devices import TABLE
+from brigade.planner import comm
+from brigade.planner.cluster import Cluster
+from brigade.planner.devices import TABLE
 
 
 def test_ring_formulas():

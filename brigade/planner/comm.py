@@ -14,7 +14,7 @@ Ranks are placed as brigade's DeviceMesh orders them, (replicate, shard, pp, tp)
 
 from __future__ import annotations
 
-from brigade.plan.cluster import Cluster
+from brigade.planner.cluster import Cluster
 
 
 def link(cluster: Cluster, ranks: list[int], kind: str = "") -> tuple[float, float]:

@@ -50,8 +50,8 @@ from __future__ import annotations
 
 from brigade.pipeline.plans.action import B, F, I, Plan, W
 from brigade.pipeline.plans.schedule import compute_only, stages_on
-from brigade.plan.costs import ModeCosts, ModelCosts
-from brigade.plan.space import Layout
+from brigade.planner.costs import ModeCosts, ModelCosts
+from brigade.planner.space import Layout
 
 Moments = dict[int, set[tuple[int, int, int]]]  # stage -> every (held, of them past I, grads made)
 

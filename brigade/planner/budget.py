@@ -1,10 +1,11 @@
 """`brigade tune --memory-per-device`: what each configuration of the sweep would hold at its peak
 on its busiest process, and which fit.
 
-The figures are `brigade plan`'s memory model (`plan.memory.rank_memory`: parameters, gradients,
+The figures are `brigade plan`'s memory model (`planner.memory.rank_memory`: parameters, gradients,
 AdamW's two moments, the activations the plan holds at once per `simulate()`'s `peak_held`, a
 block's working set and temporaries, DDP's buckets), on bytes measured once here by rank 0
-(`plan.costs.measure_memory`) and shared, so every rank keeps the same configurations. A
+(`planner.costs.measure_memory`) and shared by the tuner (`bench.tune.shared_costs`), so every
+rank keeps the same configurations. A
 configuration that would not fit is never timed nor chosen; the JSON lists it with its figure.
 """
 
@@ -13,16 +14,13 @@ from __future__ import annotations
 import math
 import re
 
-import torch.distributed as dist
-
-from brigade.bench.predict import plan_costs
 from brigade.errors import BrigadeError
 from brigade.pipeline.plans.schedule import build
 from brigade.pipeline.plans.simulate import simulate
-from brigade.plan.costs import ModelCosts, measure_memory
-from brigade.plan.memory import moments, rank_memory, worst
-from brigade.plan.space import Layout
-from brigade.train.memory import quiet_stderr
+from brigade.planner.costs import ModelCosts
+from brigade.planner.memory import moments, rank_memory, worst
+from brigade.planner.space import Layout
+from brigade.planner.sweep import label, plan_costs
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -53,17 +51,6 @@ def size_text(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def shared_costs(spec, size: int, rank: int) -> ModelCosts:
-    """Rank 0's memory measurement of `spec` at micro-batch `size`, on every rank."""
-    if rank == 0:
-        with quiet_stderr():  # the profiler's start/stop lines
-            got = [measure_memory(spec, size, ["none"])]
-    else:
-        got = [None]
-    dist.broadcast_object_list(got, src=0)
-    return got[0]
-
-
 def peak_bytes(costs: ModelCosts, row: dict, batch: int) -> float:
     """The busiest process's predicted peak bytes for one configuration of the tuner's sweep."""
     if row["dp"] > 1:  # data parallel: the whole model on each process, its share of the batch
@@ -92,13 +79,6 @@ def keep_fitting(rows: list[dict], costs: ModelCosts, batch: int,
     if not fit:
         least = min(rows, key=lambda r: r["predicted_peak_bytes"])
         raise BrigadeError(f"--memory-per-device {size_text(limit)}: no configuration fits; the least "
-                           f"({_name(least)}) needs {size_text(least['predicted_peak_bytes'])} per "
+                           f"({label(least)}) needs {size_text(least['predicted_peak_bytes'])} per "
                            "process: allow more memory or a smaller --batch-size")
     return fit, [r for r in rows if r not in fit]
-
-
-def _name(row: dict) -> str:
-    if row["dp"] > 1:
-        return f"ddp, dp={row['dp']}"
-    return f"{row['schedule']}, V={row['virtual']}, m={row['microbatches']}"
-

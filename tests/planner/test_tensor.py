@@ -1,4 +1,4 @@
-"""`brigade plan` and tensor parallel (brigade/plan/tensor.py and its uses): what a tp split does
+"""`brigade plan` and tensor parallel (brigade/planner/tensor.py and its uses): what a tp split does
 to each block, the tp layouts of the space, their memory and time, and the refusals."""
 
 import pytest
@@ -7,9 +7,9 @@ import torch
 from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt
 from brigade.models.toy import mlp
-from brigade.plan import comm
-from brigade.plan.space import Layout, enumerate_layouts
-from brigade.plan.tensor import TensorFacts, facts
+from brigade.planner import comm
+from brigade.planner.space import Layout, enumerate_layouts
+from brigade.planner.tensor import TensorFacts, facts
 
 
 def _gpt_facts(n_head: int = 4) -> TensorFacts:
@@ -80,8 +80,8 @@ def test_a_tp_the_model_or_the_node_cannot_take_is_one_line(cli, flags, message)
 
 
 def test_a_plan_error_is_a_brigade_error():
-    from brigade.plan.config import PlanConfig
-    from brigade.plan.run import _tp_sizes
+    from brigade.planner.config import PlanConfig
+    from brigade.planner.run import _tp_sizes
 
     with pytest.raises(BrigadeError):
         _tp_sizes(PlanConfig(tp=3), _gpt_facts(), 4)

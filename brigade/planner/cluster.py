@@ -19,7 +19,7 @@ from pathlib import Path
 import tomllib
 
 from brigade.errors import BrigadeError
-from brigade.plan.devices import FIELDS, NAMES, OPTIONAL, TABLE, DeviceSpec, device
+from brigade.planner.devices import FIELDS, NAMES, OPTIONAL, TABLE, DeviceSpec, device
 
 TOP = ("nodes", "devices_per_node", "device")
 

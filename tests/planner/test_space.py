@@ -1,10 +1,11 @@
-"""The layout space covers every registered schedule and only valid layouts."""
+"""The layout space covers every registered schedule and only valid layouts; the tuner's sweep
+leaves out, and says why, what its model cannot take."""
 
 import pytest
 
 from brigade.errors import BrigadeError
 from brigade.pipeline.plans.schedule import SCHEDULES
-from brigade.plan.space import Layout, check, enumerate_layouts
+from brigade.planner.space import Layout, check, enumerate_layouts, search_space
 
 
 def test_every_registered_schedule_is_in_the_space():
@@ -34,3 +35,15 @@ def test_stages_never_exceed_the_blocks_and_micro_batches_divide():
 def test_a_layout_that_does_not_divide_is_one_line(layout, words):
     with pytest.raises(BrigadeError, match=words):
         check(layout, 4, 6, 16)
+
+
+def test_the_space_leaves_out_two_stages_per_rank_without_enough_blocks_and_says_why():
+    rows, left_out = search_space(["1f1b", "interleaved", "zbv"], [2, 4], ranks=2, n_blocks=3)
+    assert {(r["schedule"], r["virtual"], r["microbatches"]) for r in rows} == {
+        (s, 1, m) for s in ("1f1b", "interleaved") for m in (2, 4)}
+    assert [(r["schedule"], r["virtual"]) for r in left_out] == [("interleaved", 2), ("zbv", 2)]
+    assert all("3 blocks: 4 stages" in r["reason"] for r in left_out)
+    rows, left_out = search_space(["1f1b", "interleaved", "zbv"], [2], ranks=2, n_blocks=4)
+    assert [(r["schedule"], r["virtual"]) for r in rows] == [("1f1b", 1), ("interleaved", 1),
+                                                             ("interleaved", 2), ("zbv", 2)]
+    assert left_out == [] and all(r["dp"] == 1 and r["pp"] == 2 for r in rows)

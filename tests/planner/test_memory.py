@@ -1,4 +1,4 @@
-"""The memory model's split-backward term (`plan.memory`): what a stage keeps from a micro-batch's
+"""The memory model's split-backward term (`planner.memory`): what a stage keeps from a micro-batch's
 I to its W, measured per block as the gradient at each weight's output, counted for the
 micro-batches past their I at the stage's busiest moment; and 0 wherever every backward is whole."""
 
@@ -8,12 +8,12 @@ from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
 from brigade.pipeline.plans.action import Action, Op
 from brigade.pipeline.plans.schedule import build
-from brigade.plan.cluster import Cluster
-from brigade.plan.costs import ModeCosts, ModelCosts, measure_memory
-from brigade.plan.devices import TABLE
-from brigade.plan.memory import moments, rank_memory
-from brigade.plan.predict import predict
-from brigade.plan.space import Layout
+from brigade.planner.cluster import Cluster
+from brigade.planner.costs import ModeCosts, ModelCosts, measure_memory
+from brigade.planner.devices import TABLE
+from brigade.planner.memory import moments, rank_memory
+from brigade.planner.predict import predict
+from brigade.planner.space import Layout
 
 HELD, KEPT, OUT = 10.0, 6.0, 2.0  # bytes per sample of each block (hand-made costs below)
 
@@ -124,7 +124,7 @@ def test_the_optimizer_step_is_a_phase_of_its_own_its_temporaries_on_top_of_the_
 def test_optimizer_transient_is_measured_per_block_as_adamw_runs_here():
     from torch import nn
 
-    from brigade.plan.costs import optimizer_transient
+    from brigade.planner.costs import optimizer_transient
 
     blocks = [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 256)]
     per, foreach = optimizer_transient(blocks)

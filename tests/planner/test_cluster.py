@@ -3,8 +3,8 @@
 import pytest
 
 from brigade.errors import BrigadeError
-from brigade.plan import cluster
-from brigade.plan.devices import TABLE, device
+from brigade.planner import cluster
+from brigade.planner.devices import TABLE, device
 
 FULL = (
     "[device]\nname = 'mygpu'\npeak_bf16 = 1e15\npeak_fp32 = 6e13\nmemory = 8e10\nintra_bw = 4e11\n"

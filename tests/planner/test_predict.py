@@ -1,15 +1,15 @@
-"""`plan.predict`'s step: what sharding adds (per-block collectives at the device's collective
+"""`planner.predict`'s step: what sharding adds (per-block collectives at the device's collective
 bandwidth, DTensor's dispatch in the optimizer) and what crowded cores do to the step's phases."""
 
 from dataclasses import replace
 
 import pytest
 
-from brigade.plan.cluster import Cluster
-from brigade.plan.devices import TABLE
-from brigade.plan.predict import predict
-from brigade.plan.space import Layout
-from tests.plan.test_memory import _costs
+from brigade.planner.cluster import Cluster
+from brigade.planner.devices import TABLE
+from brigade.planner.predict import predict
+from brigade.planner.space import Layout
+from tests.planner.test_memory import _costs
 
 
 def _device(**fields):

@@ -28,8 +28,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.models import ModelSpec
-from brigade.plan.costs import FORMULA, ModeCosts, ModelCosts, foreach_transient
-from brigade.plan.devices import DeviceSpec
+from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts, foreach_transient
+from brigade.planner.devices import DeviceSpec
 
 ASSUMED_MFU = 0.5  # the share of peak a large model's blocks reach (Megatron-LM reports 40-55 %)
 ADAMW_BYTES_MOVED = 7  # per parameter byte: read p, g, exp_avg, exp_avg_sq; write p and both moments

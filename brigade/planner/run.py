@@ -1,5 +1,5 @@
 """`brigade plan`: measure the model here and scale to the target (or cost it from its shapes,
-`plan.formula`, when it is too large to run here), predict every layout, rank them.
+`planner.formula`, when it is too large to run here), predict every layout, rank them.
 
 The rows are ranked by step time, those that fit first; `--write-config` writes the best that
 fits as a train config (`to_config`), the way `brigade tune` writes its choice.
@@ -15,14 +15,14 @@ from brigade.config import ModelConfig, RunConfig
 from brigade.errors import BrigadeError
 from brigade.pipeline.plans.action import PlanError
 from brigade.pipeline.plans.schedule import SCHEDULES
-from brigade.plan import cluster as clusters
-from brigade.plan.config import PlanConfig
-from brigade.plan.costs import FORMULA, MEASURED, measure, scaled
-from brigade.plan.devices import cpu, host_memory
-from brigade.plan.formula import from_shapes
-from brigade.plan.predict import predict
-from brigade.plan.space import Layout, enumerate_layouts
-from brigade.plan.tensor import TensorFacts, facts
+from brigade.planner import cluster as clusters
+from brigade.planner.config import PlanConfig
+from brigade.planner.costs import FORMULA, MEASURED, measure, scaled
+from brigade.planner.devices import cpu, host_memory
+from brigade.planner.formula import from_shapes
+from brigade.planner.predict import predict
+from brigade.planner.space import Layout, enumerate_layouts
+from brigade.planner.tensor import TensorFacts, facts
 from brigade.train.memory import quiet_stderr
 
 
@@ -96,7 +96,7 @@ def layouts(cfg: PlanConfig, world: int, n_blocks: int, tensor: TensorFacts | No
 
 
 def _tp_sizes(cfg: PlanConfig, tensor: TensorFacts | None, per_node: int) -> tuple[int, ...]:
-    """The tp degrees to consider: the model's (`plan.tensor`); a --tp it cannot take, one line."""
+    """The tp degrees to consider: the model's (`planner.tensor`); a --tp it cannot take, one line."""
     sizes = tensor.sizes if tensor is not None else (1,)
     if cfg.tp > 1 and cfg.tp not in sizes:
         allowed = ", ".join(map(str, sizes[1:])) or "none: a block has no tp_plan"

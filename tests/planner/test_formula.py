@@ -1,4 +1,4 @@
-"""Costs from shapes (`plan.formula`): a model built on the meta device, its parameters and FLOPs
+"""Costs from shapes (`planner.formula`): a model built on the meta device, its parameters and FLOPs
 a real model's, its saved bytes from 3 % under to 25 % over what a real run measures (a tensor
 autograd saves twice counts twice), its times FLOPs over the
 assumed share of the target's peak; and a model far too large for this machine costed in seconds."""
@@ -10,9 +10,9 @@ import torch
 
 from brigade.models import load_model
 from brigade.models.gpt import GPTConfig
-from brigade.plan.costs import FORMULA, measure_memory
-from brigade.plan.devices import device
-from brigade.plan.formula import ASSUMED_MFU, from_shapes
+from brigade.planner.costs import FORMULA, measure_memory
+from brigade.planner.devices import device
+from brigade.planner.formula import ASSUMED_MFU, from_shapes
 
 SMALL = GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=64)
 
@@ -44,7 +44,7 @@ def test_shapes_give_the_flops_and_at_least_the_bytes_a_real_run_measures():
 def test_shapes_give_what_a_split_backward_keeps_from_i_to_w():
     costs = from_shapes(_meta(SMALL), 4, ["none", "full"], device("h100"))
     measured = measure_memory(load_model("gpt", seed=0, gpt_cfg=SMALL), 4, ["none", "full"])
-    # block 0's figure is never read (a first stage keeps its output's gradient: plan.memory)
+    # block 0's figure is never read (a first stage keeps its output's gradient: planner.memory)
     for b in range(1, costs.n_blocks):  # the output bytes of every weight: the kept gradients' exactly
         assert costs.modes["none"].kept[b] == measured.modes["none"].kept[b]
         # recomputed, the forward's tensors too, as autograd saves them (twice where it does): high

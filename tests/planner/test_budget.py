@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from brigade.bench.fit import keep_fitting, parse_bytes, peak_bytes, size_text
-from brigade.bench.predict import plan_costs
 from brigade.errors import BrigadeError
 from brigade.models import load_model
-from brigade.plan.costs import measure_memory
-from tests.bench.test_bench import brigade
+from brigade.planner.budget import keep_fitting, parse_bytes, peak_bytes, size_text
+from brigade.planner.costs import measure_memory
+from brigade.planner.sweep import plan_costs
+from tests.e2e.helpers import brigade
 
 
 @pytest.mark.parametrize("text, want", [("8GiB", 8 * 2**30), ("512MB", 512e6), ("1e9", 1e9),

@@ -3,7 +3,7 @@
 Measured here, one process of one thread, for each recompute mode asked:
 
     times        (forward, backward, weight, input) seconds of every block at a few micro-batch
-                 sizes (`bench.predict.block_costs`, interpolated by `bench.predict.interpolate`)
+                 sizes (`measure.stages.block_costs`, interpolated by `interpolate`)
     held         bytes each block holds for backward once its forward is done, per sample
                  (`parallel.held.Held`: under recompute, its input)
     working      what its backward holds on top of that at its most (a recompute's tensors)
@@ -41,14 +41,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from brigade.bench.predict import interpolate
 from brigade.host import malloc
 from brigade.measure.stages import block_costs
 from brigade.models import ModelSpec
 from brigade.parallel import recompute
 from brigade.pipeline.runtime.backward import backward_split
-from brigade.plan.devices import DeviceSpec
-from brigade.plan.tensor import TensorFacts
+from brigade.planner.devices import DeviceSpec
+from brigade.planner.tensor import TensorFacts
 from brigade.train.memory import StepMemory, cpu_peak, storage_bytes
 
 MEASURED, SCALED, FORMULA = "measured", "scaled", "formula"
@@ -81,7 +80,7 @@ class ModelCosts:
     scale: float = 1.0  # target seconds per second here (compute)
     mem_scale: float = 1.0  # the same for the optimizer's memory-bound step
     notes: list[str] = field(default_factory=list)
-    tensor: TensorFacts | None = None  # what tensor parallel does to the blocks (`plan.tensor`)
+    tensor: TensorFacts | None = None  # what tensor parallel does to the blocks (`planner.tensor`)
     # per block, the bytes AdamW's step allocates beyond its state when it steps that block alone;
     # `opt_foreach`: a step over several blocks allocates their sum (a foreach update), not the
     # largest (one tensor at a time)
@@ -116,6 +115,18 @@ class ModelCosts:
         return self.tensor.factor(block, tp) if self.tensor is not None and tp > 1 else 1.0
 
 
+def interpolate(samples: dict[int, list], size: int) -> list[tuple[float, ...]]:
+    """Per-block costs at micro-batch `size`, linear between the measured sizes (outside them,
+    in proportion to the nearest one)."""
+    sizes = sorted(samples)
+    lo = max([s for s in sizes if s <= size], default=sizes[0])
+    hi = min([s for s in sizes if s >= size], default=sizes[-1])
+    if lo == hi:
+        return [tuple(c * size / lo for c in block) for block in samples[lo]]
+    t = (size - lo) / (hi - lo)
+    return [tuple(a + t * (b - a) for a, b in zip(ca, cb)) for ca, cb in zip(samples[lo], samples[hi])]
+
+
 def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpec) -> ModelCosts:
     """Measure `spec`'s blocks here at micro-batch `sizes` under each recompute mode (one thread).
 
@@ -140,7 +151,7 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
 
 
 def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
-    """Only what the memory model reads (`plan.memory.rank_memory`): parameter bytes, output
+    """Only what the memory model reads (`planner.memory.rank_memory`): parameter bytes, output
     bytes and, per recompute mode, the held, working, transient and kept bytes per sample at
     micro-batch `size`; no times, FLOPs or device (the tuner's memory limit, which times on its
     own)."""
