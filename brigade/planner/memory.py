@@ -43,7 +43,7 @@ The first stage's input takes no gradient, so its I does nothing and its W the w
 Like activations, split is summed over a rank's stages at each one's busiest moment.
 
 All figures are the planner's model of what `brigade train` measures at step 2; the accuracy
-benchmark (`bench/plan_accuracy.py`) holds them against it.
+benchmark (`results/plan_accuracy.py`) holds them against it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pipeline step time on 2 CPU processes: single device vs brigade vs torch.distributed.pipelining.
 
-    python -m brigade.bench.speed --out results/speed        # MLP 8 × Linear(1024), batch 256
+    python -m brigade.results.speed --out results/speed        # MLP 8 × Linear(1024), batch 256
 
 Each process is one "device" with one thread (or its GPU, under NCCL: everything is placed
 on `DistInfo.device`). The ideal pipelined step is the makespan `simulate()` gives from each

@@ -1,10 +1,11 @@
-"""tune_runs: each run's figures from its tune.json, the worst of them, and the file it writes."""
+"""results.tune_robustness: each run's figures from its tune.json, the worst of them, and the file it
+writes."""
 
 import json
 
 import pytest
 
-from brigade.bench.tune_runs import main, row_of, summary
+from brigade.results.tune_robustness import main, row_of, summary
 
 
 def _written(within: float) -> dict:
@@ -39,7 +40,7 @@ def test_runs_in_a_row_write_one_file_with_the_command_that_made_it(tmp_path, ca
             "--out", str(out), "--work", str(tmp_path / "work")]
     assert main(args) == 0
     data = json.loads(out.read_text())
-    assert data["command"] == ("python -m brigade.bench.tune_runs --runs 1 "
+    assert data["command"] == ("python -m brigade.results.tune_robustness --runs 1 "
                                "--tune-args '--model toy --batch-size 8 --splits 4,2 --repeats 2'")
     assert len(data["rows"]) == 1 and data["summary"]["runs"] == 1
     assert (tmp_path / "work" / "tune1" / "tune.json").exists() and "worst of 1" in capsys.readouterr().out

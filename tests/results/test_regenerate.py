@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from brigade.bench.results import JOBS
-from brigade.bench.results_table import ROWS
+from brigade.results.regenerate import JOBS
+from brigade.results.table import ROWS
 from brigade.train.metrics import loop_seconds
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,8 +1,8 @@
 """Per-rank memory by kind and the step time of the GPT under each data-parallel layout and
 recompute mode; and what recompute costs the split backward's two passes.
 
-    python -m brigade.bench.footprint --out results/footprint            (about 5 minutes on 2 cores)
-    python -m brigade.bench.footprint --tiny --steps 3 --out /tmp/m    (tests this script)
+    python -m brigade.results.footprint --out results/footprint            (about 5 minutes on 2 cores)
+    python -m brigade.results.footprint --tiny --steps 3 --out /tmp/m    (tests this script)
 
 Layouts, 4 processes of one thread each: DDP dp 4, shard 4 (FSDP2), shard 2 × pp 2 (parameters
 gathered once a step, and with --reshard once a micro-batch), HSDP 2 × 2; each under --recompute
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from brigade.bench import script
 from brigade.config.recompute import MODES
 from brigade.errors import BrigadeError, RunError
+from brigade.results import script
 from brigade.train.memory import KINDS
 from brigade.train.metrics import events, read_records, training
 
@@ -222,7 +222,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m brigade.bench.footprint", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m brigade.results.footprint",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--out", default="results/footprint", help="folder for footprint.json and footprint.png")
     p.add_argument("--steps", type=int, default=8, help="training steps per configuration (≥ 3)")
     p.add_argument("--repeats", type=int, default=10, help="timed repeats of the split backward")
@@ -241,10 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                "tensor": tensor_comparison(runs)}
     result = {"model": "GPT " + " ".join(model), "steps": args.steps, "runs": runs, "split_backward": split,
               "targets": targets,
-              "command": "python -m brigade.bench.footprint" + (" --tiny" if args.tiny else "")}
+              "command": "python -m brigade.results.footprint" + (" --tiny" if args.tiny else "")}
     script.save(result, args.out, "footprint", plot)
     return 0
 
 
 if __name__ == "__main__":
-    script.run(main, "brigade.bench.footprint")
+    script.run(main, "brigade.results.footprint")

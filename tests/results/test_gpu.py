@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from brigade.bench.gpu import flops_per_token, peak_flops
+from brigade.results.gpu import flops_per_token, peak_flops
 
 
 def test_flops_per_token_counts_weights_and_attention():
@@ -25,6 +25,6 @@ def test_peak_flops_by_name_and_override(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this case is about a machine without a GPU")
 def test_without_a_gpu_one_line_and_non_zero_exit():
-    r = subprocess.run([sys.executable, "-m", "brigade.bench.gpu"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "brigade.results.gpu"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and "no GPU is visible" in r.stderr and "Traceback" not in r.stderr

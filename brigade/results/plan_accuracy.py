@@ -1,8 +1,8 @@
 """How close `brigade plan` comes: predicted against measured step time and per-rank peak memory
 for layouts this machine runs, each a real `brigade train` of a few steps.
 
-    python -m brigade.bench.plan_accuracy --out results/plan          (about 30 minutes on 2 cores)
-    python -m brigade.bench.plan_accuracy --tiny --rounds 1 --out /tmp/p   (tests this script)
+    python -m brigade.results.plan_accuracy --out results/plan          (about 30 minutes on 2 cores)
+    python -m brigade.results.plan_accuracy --tiny --rounds 1 --out /tmp/p   (tests this script)
 
 The cluster is this machine (the "cpu" device, one node; 4 processes share its cores, which the
 planner models). Each layout is predicted (`planner.predict`) on costs the planner itself measures
@@ -30,10 +30,10 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from brigade.bench import script
-from brigade.bench.footprint import QUIET
 from brigade.errors import BrigadeError, RunError
 from brigade.planner.devices import cpu
+from brigade.results import script
+from brigade.results.footprint import QUIET
 from brigade.train.metrics import events, read_records, training
 
 GPT = {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq_len": 64, "batch_size": 16}
@@ -263,7 +263,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m brigade.bench.plan_accuracy", description=__doc__.split("\n")[0]
+        prog="python -m brigade.results.plan_accuracy", description=__doc__.split("\n")[0]
     )
     p.add_argument("--out", default="results/plan", help="folder for accuracy.json and accuracy.png")
     p.add_argument("--steps", type=int, default=16, help="training steps per layout (≥ 4)")
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "devices": probed,  # each round's probe of this machine (`planner.devices.cpu`)
         "rows": rows,
         "summary": summary(rows),
-        "command": "python -m brigade.bench.plan_accuracy" + (" --tiny" if args.tiny else "")
+        "command": "python -m brigade.results.plan_accuracy" + (" --tiny" if args.tiny else "")
         + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else ""),
     }
     script.save(result, args.out, "accuracy", plot)
@@ -300,4 +300,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    script.run(main, "brigade.bench.plan_accuracy")
+    script.run(main, "brigade.results.plan_accuracy")

@@ -1,6 +1,6 @@
 """The whole `brigade train` loop against a raw torch DDP loop on the same model and batch.
 
-    python -m brigade.bench.overhead --out results/overhead
+    python -m brigade.results.overhead --out results/overhead
 
 brigade's side is `brigade train` itself, run as a user runs it (a subprocess, default
 GPT 4 × 128, context 128, global batch 32, dp = 2 on 2 processes of one thread): every step

@@ -1,12 +1,12 @@
-"""brigade.bench.cut_bound: every cut of the blocks is tried, the least lower bound is found, and
+"""brigade.results.cut_bound: every cut of the blocks is tried, the least lower bound is found, and
 the script writes its JSON and plot. (Its docs command runs, `--tiny`, in tests/e2e/test_readme.py.)"""
 
 import json
 import math
 
-from brigade.bench.cut_bound import WITHIN, best_cut, cuts, main
 from brigade.pipeline.plans.bounds import lower_bound
 from brigade.pipeline.plans.schedule import build
+from brigade.results.cut_bound import WITHIN, best_cut, cuts, main
 
 
 def test_every_contiguous_cut_into_non_empty_stages_is_listed_once():

@@ -1,6 +1,6 @@
 """The results table of docs/results.md, written from the JSON files in results/ and nothing else.
 
-    python -m brigade.bench.results --table      # prints it; paste it into docs/results.md
+    python -m brigade.results --table      # prints it; paste it into docs/results.md
 
 Each row names the file that holds its figures; `figure` renders them with the page's
 rounding. tests/test_results.py checks that docs/results.md holds exactly this table, so a
@@ -66,7 +66,7 @@ def _check(d: dict) -> str:
 
 
 @row("`brigade train`'s whole loop vs a raw torch DDP loop (same GPT, batch, AdamW, clipping)",
-     "overhead/overhead.json", "`python -m brigade.bench.overhead`")
+     "overhead/overhead.json", "`python -m brigade.results.overhead`")
 def _overhead(d: dict) -> str:
     # A file without "config" was written by the older bench, which timed Trainer.train_step only.
     what = "" if "config" in d else "; measured on Trainer.train_step alone, before the whole-loop bench"
@@ -75,7 +75,7 @@ def _overhead(d: dict) -> str:
 
 
 @row("MLP 8 × Linear(1024), batch 256, 2 stages, m = 2, zero-bubble", "speed/speed.json",
-     "`python -m brigade.bench.speed --schedule zb --microbatches 2`")
+     "`python -m brigade.results.speed --schedule zb --microbatches 2`")
 def _speed_zb(d: dict) -> str:
     c, f = d["cases"][0], _speed_figures(d)
     peer = c.get("torch_class", c["torch_schedule"].upper())  # files before torch_class: the name
@@ -84,7 +84,7 @@ def _speed_zb(d: dict) -> str:
 
 
 @row("same, 1F1B on both sides", "speed-1f1b/speed.json",
-     "`python -m brigade.bench.speed --schedule 1f1b --microbatches 2`")
+     "`python -m brigade.results.speed --schedule 1f1b --microbatches 2`")
 def _speed_1f1b(d: dict) -> str:
     f = _speed_figures(d)
     return f"brigade {f['ours']} ms vs torch {f['theirs']} ms (×{f['vs']}), efficiency {f['eff']}"
@@ -209,7 +209,7 @@ for _model, _source in (("GPT", _GPT), ("ResNet-50", _RESNET), ("MLP", _MLP), ("
 
 @row("the shortest step any schedule of whole blocks can take (least lower bound over every cut, "
      "transfers free) against the balanced bound, for the bench rows above", "bound/bound.json",
-     "`python -m brigade.bench.cut_bound`")
+     "`python -m brigade.results.cut_bound`")
 def _cut_bound(d: dict) -> str:
     parts = []
     for r in d["rows"]:
@@ -278,7 +278,7 @@ def _tune(d: dict) -> str:
 
 
 
-_FOOTPRINT = ("footprint/footprint.json", "`python -m brigade.bench.footprint`")
+_FOOTPRINT = ("footprint/footprint.json", "`python -m brigade.results.footprint`")
 _MIB = 2 ** 20
 
 
@@ -336,7 +336,7 @@ def _footprint_split(d: dict) -> str:
 
 @row("brigade plan against brigade train on this machine: GPT 4×256 (context 64, batch 16) and the MLP, "
      "dp, shard, HSDP, pp (1f1b, interleaved V = 2, zb, zbv, auto), dp × pp, recompute none and full",
-     "plan/accuracy.json", "`python -m brigade.bench.plan_accuracy`")
+     "plan/accuracy.json", "`python -m brigade.results.plan_accuracy`")
 def _plan_accuracy(d: dict) -> str:
     s = d["summary"]
     return (f"{s['layouts']} layouts: step time median error {100 * s['median_step_error']:.1f} %, worst "

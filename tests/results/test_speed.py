@@ -1,8 +1,8 @@
-"""brigade.bench.speed refuses what it cannot time, in one line, before starting any process."""
+"""brigade.results.speed refuses what it cannot time, in one line, before starting any process."""
 
 import pytest
 
-from brigade.bench import speed
+from brigade.results import speed
 
 
 @pytest.mark.parametrize("schedule, message", [

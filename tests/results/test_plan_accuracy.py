@@ -3,8 +3,8 @@ flags are one line. (Its whole run, `--tiny`, is the docs' command in tests/e2e/
 
 import pytest
 
-from brigade.bench.plan_accuracy import main, medians
 from brigade.errors import BrigadeError
+from brigade.results.plan_accuracy import main, medians
 
 
 def _round(predicted: float, measured: float, memory: float) -> dict:

@@ -1,8 +1,8 @@
 """How close any pipeline of a model's blocks can come to `balanced_bound`: the least
 `lower_bound` over every cut of the blocks into p·V stages, on per-block costs measured here.
 
-    python -m brigade.bench.cut_bound --out results/bound        (about 3 minutes on 2 cores)
-    python -m brigade.bench.cut_bound --tiny --out /tmp/b         (tests this script)
+    python -m brigade.results.cut_bound --out results/bound        (about 3 minutes on 2 cores)
+    python -m brigade.results.cut_bound --tiny --out /tmp/b         (tests this script)
 
 `balanced_bound` spreads the model's compute evenly over the ranks, as if the blocks could be cut
 anywhere; `lower_bound` holds for one cut and placement, whatever the schedule (every rank runs
@@ -24,7 +24,7 @@ import argparse
 import itertools
 from functools import cache
 
-from brigade.bench import script
+from brigade.results import script
 
 # (name, bench command the case mirrors, load_model options, batch, p, V, m)
 GPT = {"gpt_cfg": {"vocab_size": 96, "block_size": 128, "n_layer": 8, "n_head": 4, "n_embd": 256,
@@ -154,7 +154,8 @@ def plot(result: dict, path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m brigade.bench.cut_bound", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m brigade.results.cut_bound",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--out", default="results/bound", help="folder for bound.json and bound.png")
     p.add_argument("--tiny", action="store_true", help="a tiny GPT: tests the script, not the models")
     args = p.parse_args(argv)
@@ -164,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
               f"least lower bound {r['least_lower_bound_s'] * 1e3:8.1f} ms at cut {r['best_cut']}, "
               f"{r['ratio']:.3f} × balanced_bound ({r['cuts']} cuts)", flush=True)
     result = {"within": WITHIN, "repeats": REPEATS, "rows": rows,
-              "command": "python -m brigade.bench.cut_bound" + (" --tiny" if args.tiny else "")}
+              "command": "python -m brigade.results.cut_bound" + (" --tiny" if args.tiny else "")}
     script.save(result, args.out, "bound", plot)
     return 0
 
 
 if __name__ == "__main__":
-    script.run(main, "brigade.bench.cut_bound")
+    script.run(main, "brigade.results.cut_bound")

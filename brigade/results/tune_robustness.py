@@ -1,7 +1,7 @@
 """How far the tuner's choice lands from the sweep's best, over several `brigade tune` runs in a row.
 
-    python -m brigade.bench.tune_runs --runs 5                 # results/tune-robustness.json
-    python -m brigade.bench.tune_runs --runs 2 --tune-args "--model toy --batch-size 8 --splits 4,2"
+    python -m brigade.results.tune_robustness --runs 5                 # results/tune-robustness.json
+    python -m brigade.results.tune_robustness --runs 2 --tune-args "--model toy --batch-size 8 --splits 4,2"
 
 Each run is `brigade tune ARGS --verify --json` in a fresh process; the machine's load average
 is read before and after it (on a shared machine the figures mean little without it). Per run
@@ -79,7 +79,8 @@ def tune_once(run: int, tune_args: list[str], work: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m brigade.bench.tune_runs", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m brigade.results.tune_robustness",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=5, help="tune runs in a row (default: %(default)s)")
     p.add_argument("--tune-args", default=DEFAULT_TUNE,
                    help="brigade tune's arguments, --verify and --json added (default: %(default)s)")
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     out, work = Path(args.out), Path(args.work)
     out.parent.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", "-m", "brigade.bench.tune_runs", "--runs", str(args.runs),
+    command = shlex.join(["python", "-m", "brigade.results.tune_robustness", "--runs", str(args.runs),
                           "--tune-args", args.tune_args])
     rows = []
     for run in range(1, args.runs + 1):

@@ -1,6 +1,6 @@
 """What one GPU shows about the main model: step time, bf16 MFU and peak memory.
 
-    python -m brigade.bench.gpu [--steps 30] [--out results/gpu]
+    python -m brigade.results.gpu [--steps 30] [--out results/gpu]
 
 Trains the main job's GPT (the defaults of `brigade train`) in this process on cuda:0 with
 bf16 autocast, and reports the median step time, tokens per second, model FLOPs utilisation
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/gpu")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit(f"brigade.bench.gpu: error: {BrigadeError('no GPU is visible')}: "
+        raise SystemExit(f"brigade.results.gpu: error: {BrigadeError('no GPU is visible')}: "
                          "run it on a machine with CUDA")
     result = measure(args.steps)
     out = Path(args.out)

@@ -1,9 +1,9 @@
 """Regenerate every file in results/ with the current code, then print the results table (docs/results.md).
 
-    python -m brigade.bench.results                      # everything (about 25 minutes on 2 cores)
-    python -m brigade.bench.results --only overhead,restart
-    python -m brigade.bench.results --quick --out /tmp/r  # tiny sizes: tests this script, not brigade
-    python -m brigade.bench.results --table              # only print the table from the files
+    python -m brigade.results                      # everything (about 25 minutes on 2 cores)
+    python -m brigade.results --only overhead,restart
+    python -m brigade.results --quick --out /tmp/r  # tiny sizes: tests this script, not brigade
+    python -m brigade.results --table              # only print the table from the files
 
 Benchmarks write their own JSON (`--out results/NAME`). Figures that only a training run
 shows (loss, duration, snapshot seconds, restart and hang timing) are read from its
@@ -126,13 +126,13 @@ JOBS: dict[str, Job] = {
                         _transparency, takes_out=False),
     "check": Job("brigade check --model gpt --stages 4 --microbatches 8 --json", "check/check.json",
                  "brigade check --model toy --stages 2 --microbatches 2 --json", _check, takes_out=False),
-    "overhead": Job("python -m brigade.bench.overhead", "overhead/overhead.json",
-                    "python -m brigade.bench.overhead --tiny --steps 3 --rounds 1 --warmup 1"),
-    "speed": Job("python -m brigade.bench.speed --schedule zb --microbatches 2", "speed/speed.json",
-                 "python -m brigade.bench.speed --schedule zb --microbatches 2 --repeats 1"),
-    "speed-1f1b": Job("python -m brigade.bench.speed --schedule 1f1b --microbatches 2",
+    "overhead": Job("python -m brigade.results.overhead", "overhead/overhead.json",
+                    "python -m brigade.results.overhead --tiny --steps 3 --rounds 1 --warmup 1"),
+    "speed": Job("python -m brigade.results.speed --schedule zb --microbatches 2", "speed/speed.json",
+                 "python -m brigade.results.speed --schedule zb --microbatches 2 --repeats 1"),
+    "speed-1f1b": Job("python -m brigade.results.speed --schedule 1f1b --microbatches 2",
                       "speed-1f1b/speed.json",
-                      "python -m brigade.bench.speed --schedule 1f1b --microbatches 2 --repeats 1"),
+                      "python -m brigade.results.speed --schedule 1f1b --microbatches 2 --repeats 1"),
     "bench-gpt": Job("brigade bench --model gpt --quick", "bench-gpt/bench.json", f"brigade bench {TOY}"),
     "bench": Job("brigade bench --splits 4,2", "bench/bench.json", f"brigade bench {TOY}"),
     "bench-malloc": Job("brigade bench --splits 4 --schedules 1f1b --malloc-defaults",
@@ -146,8 +146,8 @@ JOBS: dict[str, Job] = {
                          "bench-mlp-pp4/bench.json", f"brigade bench {TOY_PP4}"),
     "bench-resnet-pp4": Job("brigade bench --splits 4,2 --ranks 4", "bench-resnet-pp4/bench.json",
                             f"brigade bench {TOY_PP4}"),
-    "bound": Job("python -m brigade.bench.cut_bound", "bound/bound.json",
-                 "python -m brigade.bench.cut_bound --tiny"),
+    "bound": Job("python -m brigade.results.cut_bound", "bound/bound.json",
+                 "python -m brigade.results.cut_bound --tiny"),
     "snapshot": Job("brigade train --max-steps 300", "train/snapshot.json",
                     f"brigade train {_T} --max-steps 8 --snapshot-every 2", _snapshot),
     "restart": Job("brigade train --max-steps 300 --inject-fault kill:rank=1:step=150 --max-restarts 1",
@@ -158,10 +158,10 @@ JOBS: dict[str, Job] = {
                 "--inject-fault stall:rank=1:step=3", _hang, expect_exit=1),
     "tune-gpt": Job("brigade tune --model gpt --quick --verify", "tune-gpt/tune.json",
                     "brigade tune --model toy --batch-size 8 --splits 8,4 --repeats 1 --verify"),
-    "footprint": Job("python -m brigade.bench.footprint", "footprint/footprint.json",
-                     "python -m brigade.bench.footprint --tiny --steps 3 --repeats 1"),
-    "plan": Job("python -m brigade.bench.plan_accuracy", "plan/accuracy.json",
-                "python -m brigade.bench.plan_accuracy --tiny --steps 4"),
+    "footprint": Job("python -m brigade.results.footprint", "footprint/footprint.json",
+                     "python -m brigade.results.footprint --tiny --steps 3 --repeats 1"),
+    "plan": Job("python -m brigade.results.plan_accuracy", "plan/accuracy.json",
+                "python -m brigade.results.plan_accuracy --tiny --steps 4"),
     "two-hosts": Job("", "two-hosts/two_hosts.json", needs_root=ROOT),
     "doctor-two-hosts": Job("", "two-hosts/doctor.json", needs_root=ROOT),
 }
@@ -212,14 +212,14 @@ def select(only: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m brigade.results", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results", help="the results folder (default: %(default)s)")
     parser.add_argument("--only", default="", help="comma-separated jobs: " + ", ".join(JOBS))
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to test this script")
     parser.add_argument("--table", action="store_true",
                         help="only print the results table (docs/results.md) from --out")
     args = parser.parse_args(argv)
-    from brigade.bench.results_table import table
+    from brigade.results.table import table
 
     try:
         names = select(args.only)
@@ -244,6 +244,3 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
