@@ -1,4 +1,4 @@
-"""What a benchmark run as `python -m brigade.bench.NAME` shares: its JSON and plot written side by
+"""What a benchmark run as `python -m brigade.results.NAME` shares: its JSON and plot written side by
 side, and its errors as one line with exit 2."""
 
 from __future__ import annotations
