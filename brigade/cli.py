@@ -277,7 +277,7 @@ def build_parser() -> Parser:
     parser.add_argument("--debug", action="store_true", help=_DEBUG)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     from brigade.bench.command import add_bench, add_tune
-    from brigade.plan.command import add_plan
+    from brigade.planner.command import add_plan
 
     for add in (_add_train, _add_generate, _add_export, _add_plot, _add_inspect, _add_schedule, _add_check,
                 lambda s: add_bench(s, _json_arg), lambda s: add_tune(s, _json_arg),

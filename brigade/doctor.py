@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from brigade.bench.timing import measure, ping_pong
 from brigade.config import ParallelConfig
 from brigade.config.fielddoc import doc, sentence
 from brigade.errors import BrigadeError, RunError
 from brigade.host import net
 from brigade.launcher import agent, groups
 from brigade.launcher.rendezvous import LaunchSpec
+from brigade.measure.timing import measure, ping_pong
 
 MAX_SKEW_S = 1.0
 

@@ -103,7 +103,7 @@ else
     }
     check one-gpu-2procs   refused "$PY" -m brigade train "${TINY[@]}" --nproc 2 --pp 2 --out "$OUT/pp2"
 fi
-check step-time-mfu   "$PY" -m brigade.bench.gpu --steps 30 --out "$OUT/gpu"
+check step-time-mfu   "$PY" -m brigade.results.gpu --steps 30 --out "$OUT/gpu"
 
 [ $FAILED -eq 0 ] && echo "gpu-check: all checks passed ($OUT)" || echo "gpu-check: some checks FAILED ($OUT)"
 exit $FAILED

@@ -124,7 +124,8 @@ def house() -> dict:
     rooms = room_graph(graph)
     at = floors(rooms)
     arrows = sorted((a, b) for a, targets in rooms.items() for b in targets)
-    return {"rooms": {r: {"floor": at[r], "lines": lines(r), "imports": sorted(rooms[r])} for r in sorted(rooms)},
+    return {"rooms": {r: {"floor": at[r], "lines": lines(r), "imports": sorted(rooms[r])}
+                      for r in sorted(rooms)},
             "floors": max(at.values()), "arrows": len(arrows),
             "arrows_back_up": [[a, b] for a, b in arrows if at[b] >= at[a]],
             "module_circles": circles(graph), "room_circles": circles(rooms)}

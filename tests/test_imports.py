@@ -3,10 +3,13 @@
 - A module whose docstring says it imports no torch imports none, not even through a package's
   `__init__`: checked in a fresh interpreter for every such module, found by its docstring.
 - Models know nothing of parallelism: brigade/models imports nothing from pipeline, parallel,
-  train, bench, check or config; parallel/ (what wraps a stage from outside) and pipeline/ import
-  nothing of what builds the stages (train, check, bench); and the configuration imports nothing
-  of what runs it (train, bench,
-  check, the CLI, the launcher).
+  train, measure, planner, bench, results, check or config; parallel/ (what wraps a stage from
+  outside) and pipeline/ import nothing of what builds or measures the stages (train, check,
+  measure, planner, bench, results); and the configuration imports nothing of what runs it
+  (train, measure, planner, bench, results, check, the CLI, the launcher).
+- Measuring, planning, the commands and the results scripts are floors, lowest first: measure/
+  imports nothing of planner, bench, results, the CLI or the doctor; planner/ nothing of bench or
+  results; bench/ nothing of results.
 - pipeline/ is built in floors (plans, stages, batches, transport, runtime, lowest first; pipe.py
   on top): a module imports nothing from a floor above its own, and every plan module is pure.
 - No import circles inside brigade/ (modules importing each other, directly or round a loop),
@@ -27,6 +30,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 
 def _house():
     """scripts/house.py: the one reader of brigade's imports (also a command: `python scripts/house.py`)."""
@@ -58,16 +62,18 @@ def test_a_module_that_says_it_imports_no_torch_imports_none(module):
 
 
 def test_models_import_nothing_of_parallelism():
-    banned = ("brigade.pipeline", "brigade.parallel", "brigade.train", "brigade.bench", "brigade.check",
-              "brigade.config")
+    banned = ("brigade.pipeline", "brigade.parallel", "brigade.train", "brigade.measure", "brigade.planner",
+              "brigade.bench", "brigade.results", "brigade.check", "brigade.config")
     wrong = {m: sorted(i for i in _imports(m, p) if i.startswith(banned))
              for m, p in MODULES.items() if m.startswith("brigade.models")}
     assert not {m: i for m, i in wrong.items() if i}, wrong
 
 
 def test_wrappers_and_the_pipeline_import_nothing_that_builds_the_stages():
-    """parallel/ wraps a stage and pipeline/ runs it; train, check and bench build them."""
-    banned = ("brigade.train", "brigade.bench", "brigade.check", "brigade.cli")
+    """parallel/ wraps a stage and pipeline/ runs it; train, check and bench build them, measure and
+    planner time and predict them, the results scripts run them all."""
+    banned = ("brigade.train", "brigade.measure", "brigade.planner", "brigade.bench", "brigade.results",
+              "brigade.check", "brigade.cli")
     wrong = {m: sorted(i for i in _imports(m, p) if i.startswith(banned))
              for m, p in MODULES.items() if m.startswith(("brigade.parallel", "brigade.pipeline"))}
     assert not {m: i for m, i in wrong.items() if i}, wrong
@@ -116,9 +122,29 @@ def test_every_plan_module_says_it_imports_no_torch():
 
 def test_config_imports_nothing_that_runs_it():
     """The configuration sits below training, benchmarks and checks: they read it, not it them."""
-    banned = ("brigade.train", "brigade.bench", "brigade.check", "brigade.cli", "brigade.launcher.agent")
+    banned = ("brigade.train", "brigade.measure", "brigade.planner", "brigade.bench", "brigade.results",
+              "brigade.check", "brigade.cli", "brigade.launcher.agent")
     wrong = {m: sorted(i for i in _imports(m, p) if i.startswith(banned))
              for m, p in MODULES.items() if m.startswith("brigade.config")}
+    assert not {m: i for m, i in wrong.items() if i}, wrong
+
+
+# What each of the measuring floors must not import: what sits above it.
+ABOVE = {
+    "brigade.measure": ("brigade.planner", "brigade.bench", "brigade.results", "brigade.cli",
+                        "brigade.doctor"),
+    "brigade.planner": ("brigade.bench", "brigade.results"),
+    "brigade.bench": ("brigade.results",),
+}
+
+
+@pytest.mark.parametrize("package", list(ABOVE))
+def test_measuring_planning_and_the_commands_import_nothing_above_them(package):
+    """measure/ times and counts, planner/ predicts on what it measures, bench/ holds the bench
+    and tune commands, results/ the scripts that write results/: each imports only downwards."""
+    wrong = {m: sorted(i for i in _imports(m, p) if i.startswith(ABOVE[package]))
+             for m, p in MODULES.items() if m == package or m.startswith(package + ".")}
+    assert len(wrong) > 1, f"{package} holds no modules: fix ABOVE"
     assert not {m: i for m, i in wrong.items() if i}, wrong
 
 
@@ -146,14 +172,17 @@ def _calls(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Call):
             f = node.func
-            names |= {f.id} if isinstance(f, ast.Name) else {f.attr, f".{f.attr}"} if isinstance(f, ast.Attribute) \
-                else set()
+            if isinstance(f, ast.Name):
+                names.add(f.id)
+            elif isinstance(f, ast.Attribute):
+                names |= {f.attr, f".{f.attr}"}
     return names
 
 
 def test_only_the_world_builds_a_device_mesh():
     """One owner of the parallel world (brigade/world/): no other module makes a DeviceMesh."""
-    wrong = {m: sorted(_calls(p) & MESH_MAKERS) for m, p in MODULES.items() if not m.startswith("brigade.world")}
+    wrong = {m: sorted(_calls(p) & MESH_MAKERS) for m, p in MODULES.items()
+             if not m.startswith("brigade.world")}
     assert not {m: c for m, c in wrong.items() if c}, wrong
 
 
@@ -201,8 +230,8 @@ HARDWARE = {"brigade.launcher.groups", "brigade.planner.cluster"}
 
 def test_the_rank_finder_finds_rank_arithmetic(tmp_path):
     code = tmp_path / "m.py"
-    code.write_text("a = rank // pp\nb = dist.get_rank() % tp\nc = (row * pp + stage) * tp + t\nd = dp_rank * pp\n"
-                    "e = ranks * virtual\nf = rank * per\n")
+    code.write_text("a = rank // pp\nb = dist.get_rank() % tp\nc = (row * pp + stage) * tp + t\n"
+                    "d = dp_rank * pp\ne = ranks * virtual\nf = rank * per\n")
     assert [line.split(":")[0] for line in _rank_arithmetic(code)] == ["1", "2", "3", "4"]
 
 

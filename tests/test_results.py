@@ -5,8 +5,8 @@ import json
 import re
 from pathlib import Path
 
-from brigade.bench.results import JOBS, main, select
-from brigade.bench.results_table import ROWS, table
+from brigade.results.regenerate import JOBS, main, select
+from brigade.results.table import ROWS, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def test_results_table_is_the_one_written_from_the_result_files():
     expected = table(ROOT / "results")
     assert expected in _results_section(), (
         "docs/results.md's table differs from the files: paste the output of "
-        "`python -m brigade.bench.results --table` there")
+        "`python -m brigade.results --table` there")
 
 
 def _first_run() -> list[str]:

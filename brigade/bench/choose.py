@@ -15,7 +15,7 @@ one looked best was decided by where the bursts fell. Every comparison here is t
 within rounds: a configuration's time in a round is divided by that round's median over the
 configurations compared (`relative`), and configurations are ranked by the median of those
 ratios over rounds (`scores`); how far one is from another is the median of their
-per-round ratios (`timing.ratio_ci`). Load common to a round cancels; what a burst does to a part of a round
+per-round ratios (`stats.ratio_ci`). Load common to a round cancels; what a burst does to a part of a round
 is noise the median over rounds absorbs.
 
 Which configurations are timed at all comes from predictions, and data parallel and the

@@ -26,20 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brigade.bench.device import ddp, place_model
-from brigade.bench.memory import stage_meter
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, local_stages, unsupported
-from brigade.bench.timing import (
-    Workload,
-    gathered_stage_costs,
-    interleaved_rounds,
-    pipeline_step,
-    train_step,
-)
 from brigade.errors import BrigadeError
 from brigade.host import malloc
 from brigade.host.cores import shared_cores
 from brigade.launcher import groups
+from brigade.measure.activations import stage_meter
+from brigade.measure.device import ddp, place_model
+from brigade.measure.stages import gathered_stage_costs
+from brigade.measure.timing import Workload, interleaved_rounds, pipeline_step, train_step
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.generate import Costs

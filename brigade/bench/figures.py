@@ -2,7 +2,7 @@
 
 Every comparison is a ratio taken within a round (both sides timed minutes, not hours, apart)
 and summarised by the median over rounds with an order-statistic confidence interval
-(`timing.median_ci`, 95 %). A comparison whose interval contains 1, or taken over fewer than 6
+(`stats.median_ci`, 95 %). A comparison whose interval contains 1, or taken over fewer than 6
 rounds (too few for a 95 % interval), cannot rank its two sides: its `*_ranked` field is
 False, and `brigade bench` says so instead of naming a winner.
 
@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 from brigade.bench.experiments import MP, OURS, PEER, SINGLE, BenchConfig, Case
 from brigade.bench.peers import TORCH_SCHEDULES
-from brigade.bench.timing import median_ci, median_ci_coverage, ratio_ci
+from brigade.measure.stats import median_ci, median_ci_coverage, ratio_ci
 from brigade.pipeline.plans.bounds import balanced_bound, lower_bound
 from brigade.pipeline.plans.schedule import build, names
 from brigade.pipeline.plans.simulate import simulate

@@ -196,11 +196,11 @@ def _bound_clause(best: dict) -> str:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from brigade.bench.fit import parse_bytes, size_text
-    from brigade.bench.tune import label
     from brigade.bench.tune import worker as tune_worker
     from brigade.config import to_toml
     from brigade.fsutil import write_atomic
+    from brigade.planner.budget import parse_bytes, size_text
+    from brigade.planner.sweep import label
 
     cfg = bench_config(args)
     cfg.memory_per_device = parse_bytes(args.memory_per_device)

@@ -33,25 +33,22 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade.bench.choose import pick_trials, scores
-from brigade.bench.device import ddp, place_model
 from brigade.bench.experiments import BenchConfig, Worker, scaled_splits
-from brigade.bench.fit import keep_fitting, shared_costs
-from brigade.bench.predict import block_costs, ddp_row, plan_costs, predict, search_space
-from brigade.bench.timing import (
-    interleaved_rounds,
-    measure,
-    median_ci_coverage,
-    ping_pong,
-    pipeline_step,
-    ratio_ci,
-    train_step,
-)
 from brigade.host.cores import shared_cores
 from brigade.launcher import groups
+from brigade.measure.device import ddp, place_model
+from brigade.measure.stages import block_costs
+from brigade.measure.stats import median_ci_coverage, ratio_ci
+from brigade.measure.timing import interleaved_rounds, measure, ping_pong, pipeline_step, train_step
 from brigade.models import load_model
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.schedule import stages_on
 from brigade.pipeline.stages.partition import split
+from brigade.planner.budget import keep_fitting
+from brigade.planner.costs import ModelCosts, measure_memory
+from brigade.planner.space import search_space
+from brigade.planner.sweep import ddp_row, label, plan_costs, predict_pipeline
+from brigade.train.memory import quiet_stderr
 
 TIMED = ("rounds_s", "mean_s", "relative", "final_rounds_s", "final_relative")  # what timing adds
 
@@ -61,13 +58,6 @@ def row_key(row: dict) -> str:
     if row["dp"] > 1:
         return f"ddp|dp{row['dp']}"
     return f"{row['schedule']}|V{row['virtual']}|m{row['microbatches']}"
-
-
-def label(row: dict) -> str:
-    """A configuration for people: "ddp, dp=2" or "interleaved, V=2, m=8"."""
-    if row["dp"] > 1:
-        return f"ddp, dp={row['dp']}"
-    return f"{row['schedule']}, V={row['virtual']}, m={row['microbatches']}"
 
 
 @dataclass
@@ -207,6 +197,18 @@ def _allreduce_s(blocks: list[nn.Module], device: torch.device) -> float:
     return statistics.median(timing.samples)
 
 
+def shared_costs(spec, size: int, rank: int) -> ModelCosts:
+    """Rank 0's memory measurement of `spec` at micro-batch `size`, on every rank: every rank then
+    leaves out the same configurations (`planner.budget.keep_fitting`)."""
+    if rank == 0:
+        with quiet_stderr():  # the profiler's start/stop lines
+            got = [measure_memory(spec, size, ["none"])]
+    else:
+        got = [None]
+    dist.broadcast_object_list(got, src=0)
+    return got[0]
+
+
 def _samples(t: _Tuner, sizes: list[int]) -> dict[int, list]:
     """Block costs at every size in `sizes`, measured by every rank at once, averaged over ranks.
 
@@ -249,8 +251,9 @@ def _tune(cfg: BenchConfig, info, verify: bool) -> dict:
     allreduce = _allreduce_s(spec.blocks, x.device)
     cores = shared_cores(t.ranks, t.ranks, torch.get_num_threads(), x.device.type)  # one host
     for r in rows:
-        r["predicted_s"], r["balance"] = predict(samples, cfg.batch_size, r["microbatches"], r["schedule"],
-                                                 t.ranks, comm, r["virtual"], row=r, cores=cores)
+        r["predicted_s"], r["balance"] = predict_pipeline(samples, cfg.batch_size, r["microbatches"],
+                                                          r["schedule"], t.ranks, comm, r["virtual"], row=r,
+                                                          cores=cores)
     predictions = sorted([*rows, ddp_row(samples, cfg.batch_size, t.ranks, allreduce)],
                          key=lambda r: r["predicted_s"])
     candidates, too_big = predictions, []

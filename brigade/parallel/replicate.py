@@ -3,7 +3,7 @@
 The stage assembler (`parallel.assemble`) wraps a stage with it where the stage has replicas and
 is not sharded; the group is the world's data-parallel group (`world.World.group("dp")`), or a
 local stage's own (`World.stage_group`). The cpu probe times `data_parallel` as training issues
-it (`plan.gloo_probe`).
+it (`measure.gloo_probe`).
 """
 
 from __future__ import annotations

@@ -5,12 +5,9 @@ import statistics
 
 import pytest
 import torch
-from torch import nn
 
 from brigade.bench.experiments import scaled_splits
-from brigade.bench.memory import ActivationMeter
 from brigade.bench.plot import table
-from brigade.bench.predict import interpolate, predict
 from brigade.models import load_model
 from tests.e2e.helpers import brigade
 
@@ -22,66 +19,6 @@ FIELDS = {"name", "schedule", "virtual", "stages", "microbatches", "split_size",
 def test_tutorial_splits_scale_to_the_batch():
     assert scaled_splits(120) == [1, 3, 5, 8, 10, 12, 20, 40, 60]
     assert scaled_splits(32) == [1, 2, 4, 8, 16]
-
-
-def test_activation_meter_sees_gpipe_hold_more_than_one_microbatch():
-    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
-    xs = [torch.randn(16, 64) for _ in range(4)]
-    with ActivationMeter(exclude=list(model.parameters())) as all_first:
-        outs = [model(x).sum() for x in xs]  # GPipe: every forward before any backward
-        for o in outs:
-            o.backward()
-    del outs
-    with ActivationMeter(exclude=list(model.parameters())) as one_by_one:
-        for x in xs:
-            model(x).sum().backward()  # 1F1B on one stage: one micro-batch in flight
-    assert one_by_one.peak_bytes > 0
-    assert all_first.peak_bytes == pytest.approx(4 * one_by_one.peak_bytes, rel=0.01)
-    assert one_by_one.now == 0  # every saved tensor released with its graph
-
-
-def test_prediction_balances_and_interpolates():
-    samples = {2: [(1.0, 2.0, 1.0, 1.2)] * 4, 8: [(4.0, 8.0, 4.0, 4.8)] * 4}
-    # one approx per block: pytest 9.2 refuses an approx nested in a list (a TypeError)
-    assert interpolate(samples, 5) == [pytest.approx((2.5, 5.0, 2.5, 3.0))] * 4
-    seconds, balance = predict(samples, batch=16, m=2, schedule="1f1b", ranks=2, comm_per_sample=0.0)
-    assert balance == [2, 2]
-    # size 8: each stage F = 8, B = 16; 1F1B over 2 stages and 2 micro-batches ends at 72
-    assert seconds == pytest.approx(72.0)
-
-
-def test_prediction_with_two_stages_per_rank_cuts_and_costs_p_times_v_stages():
-    samples = {1: [(1.0, 2.0, 1.0, 1.0)] * 4}
-    # one micro-batch runs every stage in turn: 4 F of 1 and 4 B of 2 = 12, plus a hop of 10
-    # per cut between ranks: 1 each way on 2 stages, 3 each way on 4 stages (ranks 0,1,0,1)
-    one = predict(samples, batch=1, m=1, schedule="looped-bfs", ranks=2, comm_per_sample=10.0)
-    two = predict(samples, batch=1, m=1, schedule="looped-bfs", ranks=2, comm_per_sample=10.0, virtual=2)
-    assert one == (pytest.approx(32.0), [2, 2])
-    assert two == (pytest.approx(72.0), [1, 1, 1, 1])
-
-
-def test_the_space_leaves_out_two_stages_per_rank_without_enough_blocks_and_says_why():
-    from brigade.bench.predict import search_space
-
-    rows, left_out = search_space(["1f1b", "interleaved", "zbv"], [2, 4], ranks=2, n_blocks=3)
-    assert {(r["schedule"], r["virtual"], r["microbatches"]) for r in rows} == {
-        (s, 1, m) for s in ("1f1b", "interleaved") for m in (2, 4)}
-    assert [(r["schedule"], r["virtual"]) for r in left_out] == [("interleaved", 2), ("zbv", 2)]
-    assert all("3 blocks: 4 stages" in r["reason"] for r in left_out)
-    rows, left_out = search_space(["1f1b", "interleaved", "zbv"], [2], ranks=2, n_blocks=4)
-    assert [(r["schedule"], r["virtual"]) for r in rows] == [("1f1b", 1), ("interleaved", 1),
-                                                             ("interleaved", 2), ("zbv", 2)]
-    assert left_out == [] and all(r["dp"] == 1 and r["pp"] == 2 for r in rows)
-
-
-def test_data_parallel_is_predicted_as_one_device_on_half_the_batch_plus_the_all_reduce():
-    from brigade.bench.predict import ddp_row
-
-    samples = {2: [(1.0, 2.0, 1.0)] * 4, 8: [(4.0, 8.0, 4.0)] * 4}
-    row = ddp_row(samples, batch=8, dp=2, allreduce_s=0.5)
-    # size 4 interpolates to F = 2, B = 4 per block: 4 blocks cost 24, then the all-reduce
-    assert row["predicted_s"] == pytest.approx(24.5)
-    assert (row["dp"], row["pp"], row["schedule"], row["balance"]) == (2, 1, None, None)
 
 
 @pytest.mark.timeout(300)
@@ -218,16 +155,6 @@ def test_verify_times_the_chosen_configuration_again_with_the_sweep():
     assert zbv["mean_s"] == 1.3 and zbv["search_mean_s"] == 1.0
 
 
-def test_median_ci_is_the_order_statistic_interval():
-    from brigade.bench.timing import median_ci, median_ci_coverage
-
-    assert median_ci([float(v) for v in range(10, 0, -1)]) == (5.5, 2.0, 9.0)  # x(2)..x(9) of 10
-    assert median_ci([1.0, 5.0, 2.0, 4.0, 3.0, 9.0, 7.0, 8.0]) == (4.5, 1.0, 9.0)  # 8: min..max
-    assert median_ci_coverage(10) >= 0.95 and median_ci_coverage(5) == pytest.approx(0.9375)
-    with pytest.raises(ValueError, match="no values"):
-        median_ci([])
-
-
 def _raw(ours: list[float], theirs: list[float], single: list[float]) -> dict:
     """A worker's result for single, brigade 1f1b and torch's 1f1b at m = 2 over len(ours) rounds."""
     from brigade.bench.experiments import Case
@@ -316,37 +243,13 @@ def test_quick_times_fewer_configurations_not_fewer_rounds():
     assert full.splits == [] and len(quick.splits) < len(scaled_splits(full.batch_size))
 
 
-def rounds_worker(keys_of_rank1: list[str] | None) -> dict:
-    import torch.distributed as dist
+@pytest.mark.parametrize("gpus,backend", [(0, "gloo"), (1, "gloo"), (2, "nccl")])
+def test_bench_uses_nccl_only_with_a_gpu_per_process(monkeypatch, gpus, backend):
+    from argparse import Namespace
 
-    from brigade.bench.timing import interleaved_rounds
-    from brigade.launcher import groups
+    from brigade.bench.run import bench_config
 
-    info = groups.init("gloo", threads=1)
-    calls: list[str] = []
-    keys = ["a", "b", "c", "d"] if keys_of_rank1 is None or info.rank == 0 else keys_of_rank1
-    steps = {k: (lambda k=k: calls.append(k)) for k in keys}
-    try:
-        times = interleaved_rounds(steps, rounds=3, warmup=1, device=info.device, seed=5)
-    except Exception as exc:  # noqa: BLE001 -- the test reads the message
-        dist.barrier()
-        groups.destroy()
-        return {"error": str(exc)}
-    groups.destroy()
-    return {"calls": calls, "times": times}
-
-
-@pytest.mark.timeout(120)
-def test_interleaved_rounds_time_each_configuration_once_per_round_in_an_agreed_order():
-    from brigade.launcher import agent
-
-    got = agent.launch(rounds_worker, 2, None)
-    calls = got[0]["calls"]
-    assert calls[:4] == ["a", "b", "c", "d"]  # warm-up, in turn
-    rounds = [calls[4 + 4 * r: 8 + 4 * r] for r in range(3)]
-    assert all(sorted(r) == ["a", "b", "c", "d"] for r in rounds) and len(calls) == 16
-    assert len({tuple(r) for r in rounds}) > 1  # shuffled, not one fixed order
-    assert got[1]["calls"] == calls and got[0]["times"] == got[1]["times"]  # the slowest rank's
-    assert all(len(t) == 3 for t in got[0]["times"].values())
-    bad = agent.launch(rounds_worker, 2, ["a", "b"])
-    assert "different configurations" in bad[0]["error"] and "different configurations" in bad[1]["error"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = Namespace(model="toy", image_size=None, batch_size=8, repeats=1, quick=True, splits="",
+                     schedules="1f1b")
+    assert bench_config(args).backend == backend

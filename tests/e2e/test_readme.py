@@ -39,10 +39,10 @@ SHORT = {
     "train": [*TINY, "--max-steps", "4"],
     "bench": _SMALL_SWEEP,
     "tune": _SMALL_SWEEP,
-    "brigade.bench.speed": ["--repeats", "1"],
-    "brigade.bench.overhead": ["--tiny", "", "--steps", "2", "--rounds", "1", "--warmup", "1"],
-    "brigade.bench.plan_accuracy": ["--tiny", "", "--rounds", "1"],
-    "brigade.bench.cut_bound": ["--tiny", ""],
+    "brigade.results.speed": ["--repeats", "1"],
+    "brigade.results.overhead": ["--tiny", "", "--steps", "2", "--rounds", "1", "--warmup", "1"],
+    "brigade.results.plan_accuracy": ["--tiny", "", "--rounds", "1"],
+    "brigade.results.cut_bound": ["--tiny", ""],
 }
 # What a command is meant to do when it does not succeed (its page says so beside it).
 # The GPU smoke test on a machine without one: its first check fails and it stops (exit 1).
@@ -130,7 +130,7 @@ def shorten(argv: list[str], out: Path) -> list[str]:
     fault = re.search(r"step=(\d+)", " ".join(argv))
     if sub == "train" and fault and "--max-steps" not in argv:  # run past the step the fault names
         extra[extra.index("--max-steps") + 1] = str(int(fault[1]) + 3)
-    if sub in ("train", "bench", "tune", "brigade.bench.speed", "brigade.bench.overhead") \
+    if sub in ("train", "bench", "tune", "brigade.results.speed", "brigade.results.overhead") \
             and "--out" not in argv and "--from" not in argv and "--help" not in argv:
         extra += ["--out", str(out)]
     if sub in ("bench", "tune") and "--ranks" in argv and "--batch-size" in extra:
@@ -198,8 +198,8 @@ COMMANDS = readme_commands()
 # benchmarks' and the tuner's commands, which measure (10-20 s each); and the commands that
 # start several processes through another launcher (torchrun, srun) or on two nodes (K), 20-35 s
 # each, which tests/e2e/test_train.py also runs in the default tier, each way once, checking more.
-BENCHMARKS = ("bench", "tune", "brigade.bench.overhead", "brigade.bench.speed", "brigade.bench.footprint",
-              "brigade.bench.plan_accuracy", "brigade.bench.cut_bound")
+BENCHMARKS = ("bench", "tune", "brigade.results.overhead", "brigade.results.speed",
+              "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound")
 LAUNCHERS = ("torchrun", "srun")
 
 

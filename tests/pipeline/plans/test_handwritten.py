@@ -117,7 +117,7 @@ def test_a_candidate_holding_more_than_the_limit_is_not_run_and_one_holding_it_i
 
 
 # ResNet-50 (64 px, micro-batch 4) cut 7, 6, 2, 3 at pp 4, each stage timed alone on one core
-# (`bench.timing.stage_costs`): I + W costs 1.04–1.35 × B, so a split backward is more work.
+# (`measure.stages.stage_costs`): I + W costs 1.04–1.35 × B, so a split backward is more work.
 RESNET_PP4 = Costs((0.0196, 0.0151, 0.0110, 0.0179), (0.0004, 0.0184, 0.0172, 0.0188),
                    (0.0291, 0.0289, 0.0330, 0.0349), backward=(0.0283, 0.0351, 0.0457, 0.0503))
 

@@ -1,0 +1,348 @@
+"""Per-block costs of a model, measured on this machine and scaled to a target device.
+
+Measured here, one process of one thread, for each recompute mode asked:
+
+    times        (forward, backward, weight, input) seconds of every block at a few micro-batch
+                 sizes (`measure.stages.block_costs`, interpolated by `interpolate`)
+    held         bytes each block holds for backward once its forward is done, per sample
+                 (`parallel.held.Held`: under recompute, its input)
+    working      what its backward holds on top of that at its most (a recompute's tensors)
+    transient    the allocator's peak over its forward and backward beyond its parameters, its
+                 gradients and `held` + `working`: temporaries (train.memory.StepMemory)
+    kept         what a split backward keeps from a micro-batch's input pass (I) to its weight
+                 pass (W) beyond `held`: the gradient at each weight's output (the grad_output
+                 a Linear's, a LayerNorm's, a Conv's weight gradient needs; `pipeline.runtime.
+                 backward` keeps it on the frontier nodes), and under recompute the tensors the
+                 input pass made again (kept until W frees the graph). Measured by running the
+                 runtime's own `backward_split` on the block, its input taking a gradient, as
+                 the allocator's net bytes over the input pass (its input gradient, sent on,
+                 and any weight gradient it made, counted as grads, aside)
+
+and, whatever the mode: each block's parameter bytes (by parameter, so a weight tied across
+blocks of one stage counts once there), FLOPs per sample of its forward and backward
+(torch.utils.flop_counter), its output's bytes per sample (what a pipeline sends), and seconds
+per byte of parameters for the optimizer step (AdamW, clipping, zeroing).
+
+Scaled to a target device: compute by the ratio of this machine's probed fp32 peak to the
+target's peak for the run's precision (the same fraction of peak there as here: "scaled";
+"measured" when the target is this machine), the optimizer step by memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
+
+from brigade.host import malloc
+from brigade.measure.stages import block_costs
+from brigade.models import ModelSpec
+from brigade.parallel import recompute
+from brigade.pipeline.runtime.backward import backward_split
+from brigade.planner.devices import DeviceSpec
+from brigade.planner.tensor import TensorFacts
+from brigade.train.memory import StepMemory, cpu_peak, storage_bytes
+
+MEASURED, SCALED, FORMULA = "measured", "scaled", "formula"
+REPEATS = 9  # timings per block and size, their median kept: on 2 shared cores 3 swung by a fifth
+
+
+@dataclass
+class ModeCosts:
+    """One recompute mode's measurements (module docstring); memory in bytes per sample."""
+
+    times: dict[int, list[tuple[float, ...]]]
+    held: list[float]
+    working: list[float]
+    transient: list[float]
+    kept: list[float]
+
+
+@dataclass
+class ModelCosts:
+    """Everything the planner knows of a model, per block (module docstring)."""
+
+    name: str
+    params: list[dict[int, int]]  # per block: parameter id -> bytes
+    flops: list[float]  # per sample, forward + backward
+    out_bytes: list[float]  # per sample
+    modes: dict[str, ModeCosts]
+    optimizer_s_per_byte: float
+    here: DeviceSpec | None  # None: memory only (`measure_memory`)
+    source: str = MEASURED
+    scale: float = 1.0  # target seconds per second here (compute)
+    mem_scale: float = 1.0  # the same for the optimizer's memory-bound step
+    notes: list[str] = field(default_factory=list)
+    tensor: TensorFacts | None = None  # what tensor parallel does to the blocks (`planner.tensor`)
+    # per block, the bytes AdamW's step allocates beyond its state when it steps that block alone;
+    # `opt_foreach`: a step over several blocks allocates their sum (a foreach update), not the
+    # largest (one tensor at a time)
+    opt_transient: list[float] = field(default_factory=list)
+    opt_foreach: bool = False
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.flops)
+
+    def block_times(self, mode: str, size: int) -> list[tuple[float, ...]]:
+        """(forward, backward, weight, input) target seconds of each block at micro-batch `size`."""
+        return [tuple(c * self.scale for c in b) for b in interpolate(self.modes[mode].times, size)]
+
+    def param_bytes(self, blocks: range, tp: int = 1) -> float:
+        """Bytes of the parameters of these blocks, a shared one once; on one of `tp` processes,
+        each block's split share divided by `tp`."""
+        seen: dict[int, float] = {}
+        for b in blocks:
+            f = self.tp_factor(b, tp)
+            seen.update({pid: n * f for pid, n in self.params[b].items()})
+        return sum(seen.values())
+
+    def opt_transient_bytes(self, blocks: list[int]) -> float:
+        """What AdamW's step over these blocks' parameters allocates beyond its state (0: not
+        measured)."""
+        got = [self.opt_transient[b] for b in blocks if b < len(self.opt_transient)]
+        return (sum(got) if self.opt_foreach else max(got)) if got else 0.0
+
+    def tp_factor(self, block: int, tp: int) -> float:
+        """A block's split work and parameters at degree `tp`, as a share of its whole (1 at tp 1)."""
+        return self.tensor.factor(block, tp) if self.tensor is not None and tp > 1 else 1.0
+
+
+def interpolate(samples: dict[int, list], size: int) -> list[tuple[float, ...]]:
+    """Per-block costs at micro-batch `size`, linear between the measured sizes (outside them,
+    in proportion to the nearest one)."""
+    sizes = sorted(samples)
+    lo = max([s for s in sizes if s <= size], default=sizes[0])
+    hi = min([s for s in sizes if s >= size], default=sizes[-1])
+    if lo == hi:
+        return [tuple(c * size / lo for c in block) for block in samples[lo]]
+    t = (size - lo) / (hi - lo)
+    return [tuple(a + t * (b - a) for a, b in zip(ca, cb)) for ca, cb in zip(samples[lo], samples[hi])]
+
+
+def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpec) -> ModelCosts:
+    """Measure `spec`'s blocks here at micro-batch `sizes` under each recompute mode (one thread).
+
+    With freed memory kept, as every training process keeps it (`brigade.host.malloc`, set for the
+    rest of this process): with malloc's defaults each fresh gradient page-faults in again, and
+    AdamW's step on the MLP's parameters measured 1.9-3.2 ms a MiB against 1.2-1.4 with it kept,
+    which the training steps run at (about 20 ms a step too much on the MLP's pipeline of two)."""
+    malloc.keep_freed_memory()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, y = spec.make_batch(max(sizes), torch.Generator().manual_seed(0))
+        per_mode = {m: _mode(spec, x, y, sizes, m) for m in modes}
+        flops, outs = _flops_and_outputs(spec, x[: min(sizes)], y[: min(sizes)])
+        params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
+        opt = _optimizer_s_per_byte(spec)
+        stepping, foreach = optimizer_transient(spec.blocks)
+    finally:
+        torch.set_num_threads(threads)
+    return ModelCosts(spec.name, params, flops, outs, per_mode, opt, here, opt_transient=stepping,
+                      opt_foreach=foreach)
+
+
+def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
+    """Only what the memory model reads (`planner.memory.rank_memory`): parameter bytes, output
+    bytes and, per recompute mode, the held, working, transient and kept bytes per sample at
+    micro-batch `size`; no times, FLOPs or device (the tuner's memory limit, which times on its
+    own)."""
+    x, y = spec.make_batch(size, torch.Generator().manual_seed(0))
+    per_mode = {}
+    for mode in modes:
+        blocks = copy.deepcopy(spec.blocks)
+        recompute.apply(blocks, mode)
+        per_mode[mode] = ModeCosts({}, *_memory(spec, blocks, x, y))
+    params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
+    stepping, foreach = optimizer_transient(spec.blocks)
+    return ModelCosts(spec.name, params, [0.0] * len(spec.blocks), _out_bytes(spec, x), per_mode, 0.0,
+                      here=None, opt_transient=stepping, opt_foreach=foreach)
+
+
+def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str) -> ModeCosts:
+    blocks = copy.deepcopy(spec.blocks)
+    recompute.apply(blocks, mode)
+    times = {s: block_costs(blocks, x[:s], spec.loss_fn, y[:s], repeats=REPEATS) for s in sizes}
+    s = min(sizes)
+    return ModeCosts(times, *_memory(spec, blocks, x[:s], y[:s]))
+
+
+def _memory(spec: ModelSpec, blocks, x, y) -> tuple[list[float], ...]:
+    """Per block, bytes per sample: (held, working, transient, kept) on batch x (`_block_memory`,
+    `_kept`)."""
+    s = len(x)
+    held, working, transient, kept = [], [], [], []
+    h = x
+    for i, block in enumerate(blocks):
+        loss_fn = spec.loss_fn if i == len(blocks) - 1 else None
+        f, p, t = _block_memory(block, h, loss_fn, y, first=i == 0)
+        held.append(f / s)
+        working.append(max(0.0, p - f) / s)
+        transient.append(max(0.0, t) / s)
+        kept.append(max(0, _kept(block, h, loss_fn, y, first=i == 0)) / s)
+        with torch.no_grad():
+            h = block(h)
+    return held, working, transient, kept
+
+
+def _block_memory(block, h, loss_fn, y, first: bool) -> tuple[int, int, int]:
+    """(held after forward, held at most, allocator peak beyond params, grads and held) bytes."""
+    params = list(block.parameters())
+    for _ in range(2):  # the second is measured: the first allocates what stays (lazy buffers)
+        block.zero_grad(set_to_none=True)
+        inp = h.detach().requires_grad_(h.is_floating_point() and not first)
+        with StepMemory(params, types.SimpleNamespace(state={}), h.device) as mem:
+            out = block(inp)
+            after = mem.held.now
+            if loss_fn is not None:
+                out = loss_fn(out, y)
+            torch.autograd.backward(out, None if loss_fn is not None else torch.ones_like(out))
+            mem.grads_ready([p.grad for p in params])
+            del out, inp
+        r = mem.report()
+    block.zero_grad(set_to_none=True)
+    return after, r["activations"], r["peak"] - r["params"] - r["grads"] - r["activations"]
+
+
+def _kept(block, h, loss_fn, y, first: bool) -> int:
+    """Bytes a split backward keeps from the input pass to the weight pass (module docstring).
+
+    What the runtime's `backward_split` leaves allocated when it returns, counted from the
+    allocator's events (as `train.memory` counts a CPU step's peak): the forward ran before, so
+    its tensors are not counted, and the gradient that comes back (made inside, as a received one
+    is) counts only where the input pass keeps it. Block 0's input takes no gradient, so its
+    figure is its output's gradient, which the runtime keeps whole until W (`_whole`).
+    """
+    params = [p for p in block.parameters() if p.requires_grad]
+    for _ in range(2):  # the second is measured: the first allocates what stays (lazy buffers)
+        block.zero_grad(set_to_none=True)
+        inp = h.detach().requires_grad_(h.is_floating_point() and not first)
+        out = block(inp)
+        top = loss_fn(out, y) if loss_fn is not None else out
+        gc.collect()  # no garbage of before (another caller's cycles) freed inside the count
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            grad = None if loss_fn is not None else torch.ones_like(out)
+            dx, weight_step = backward_split([top], [grad], [inp], params)
+            del dx, grad
+        made = storage_bytes(p.grad for p in params)  # a tied weight's, added in the input pass
+        del weight_step, top, out, inp  # W never runs: dropping the graph frees what it kept
+    block.zero_grad(set_to_none=True)
+    return _net_bytes(prof) - made
+
+
+def _net_bytes(prof) -> int:
+    """Bytes allocated and not freed while the profiler ran (its CPU memory events' sum)."""
+    return sum(e.nbytes() for e in prof.profiler.kineto_results.events()
+               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+
+
+def _out_bytes(spec: ModelSpec, x) -> list[float]:
+    """Each block's output bytes per sample (what a pipeline sends; a first stage's kept)."""
+    outs, h = [], x
+    with torch.no_grad():
+        for block in spec.blocks:
+            h = block(h)
+            outs.append(h.numel() * h.element_size() / len(x) if torch.is_tensor(h) else 0.0)
+    return outs
+
+
+def _flops_and_outputs(spec: ModelSpec, x, y) -> tuple[list[float], list[float]]:
+    """FLOPs (forward + backward) and output bytes, per sample, of each block."""
+    flops, outs = [], []
+    h = x
+    n = len(x)
+    for i, block in enumerate(spec.blocks):
+        last = i == len(spec.blocks) - 1
+        inp = h.detach().requires_grad_(h.is_floating_point() and i > 0)
+        with FlopCounterMode(display=False) as counter:
+            out = block(inp)
+            loss = spec.loss_fn(out, y) if last else out
+            torch.autograd.backward(loss, None if last else torch.ones_like(loss))
+        block.zero_grad(set_to_none=True)
+        flops.append(counter.get_total_flops() / n)
+        outs.append(out.numel() * out.element_size() / n if torch.is_tensor(out) else 0.0)
+        h = out.detach()
+    return flops, outs
+
+
+def _optimizer_s_per_byte(spec: ModelSpec, repeats: int = 5) -> float:
+    """Median seconds per parameter byte of AdamW's step, the gradient norm and zeroing."""
+    params = [
+        p.detach().clone().requires_grad_()
+        for p in {id(p): p for b in spec.blocks for p in b.parameters()}.values()
+    ]
+    if not params:
+        return 0.0
+    opt = torch.optim.AdamW(params)
+    times = []
+    for _ in range(repeats + 1):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return statistics.median(times[1:]) / nbytes
+
+
+def optimizer_transient(blocks) -> tuple[list[float], bool]:
+    """(per block, the bytes AdamW's second step allocates beyond its state, gradients and
+    parameters, clipping included; whether a step over several blocks allocates their sum).
+
+    The second step, because the first creates the state. Which of the two it is depends on
+    the update torch picks here (one tensor at a time on a CPU: about twice the largest
+    parameter; foreach: a copy of them all), so it is read from the whole model's step: the
+    sum when that step allocates more than half again the largest block's."""
+    per = [_step_bytes([p for p in b.parameters()]) for b in blocks]
+    whole = _step_bytes([p for p in {id(p): p for b in blocks for p in b.parameters()}.values()])
+    return per, sum(1 for x in per if x) > 1 and whole > 1.5 * max(per)
+
+
+def foreach_transient(params: list[dict[int, int]]) -> list[float]:
+    """Per block, what AdamW's foreach update (a GPU's default) allocates beyond its state: about
+    a copy of the block's parameters (`params`: per block, parameter id -> bytes)."""
+    return [float(sum(b.values())) for b in params]
+
+
+def _step_bytes(owned: list[torch.Tensor]) -> float:
+    """What one AdamW step (with clipping, as the trainer runs it) allocates on `owned`'s copies."""
+    params = [p.detach().clone().requires_grad_() for p in owned if p.requires_grad]
+    if not params:
+        return 0.0
+    opt = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    return float(cpu_peak(prof))
+
+
+def scaled(costs: ModelCosts, target: DeviceSpec, precision: str) -> ModelCosts:
+    """`costs` as the target device would run them (module docstring).
+
+    Raises:
+        BrigadeError: the target has no known peak for `precision` (DeviceSpec.peak).
+    """
+    peak = target.peak(precision)
+    if target.measured and target.name == costs.here.name and not precision:
+        return costs
+    here = costs.here.peak("")
+    out = copy.copy(costs)
+    out.scale, out.mem_scale = here / peak, costs.here.mem_bw / target.mem_bw
+    out.source = SCALED if costs.source == MEASURED else costs.source
+    if not target.cores:  # a GPU: AdamW's foreach update there
+        out.opt_transient, out.opt_foreach = foreach_transient(costs.params), True
+    return out

@@ -1,0 +1,149 @@
+"""Predicted memory of each rank by kind, the kinds `train/memory.py` measures:
+
+    params       its stages' parameter bytes (a tied weight once per rank), ÷ shard; under tp each
+                 block's split share ÷ tp (activations are counted whole: an upper bound there)
+    grads        the same
+    optimizer    AdamW: two fp32 moments per parameter, 2 × params
+    activations  Σ over its stages: held per sample × micro-batch size × the micro-batches the
+                 plan holds at once (simulate's peak_held), plus the largest working set one
+                 backward adds on top (a recompute's tensors)
+    split        under a split backward (a plan with I and W instead of B), Σ over its stages of
+                 what a micro-batch keeps from its I to its W beyond its activations (`kept`:
+                 the gradient at each weight's output, and under recompute what I made again)
+                 × micro-batch size × the micro-batches past their I but not their W at the
+                 stage's busiest moment (below); 0 when every backward is whole
+    peak         params + optimizer + the layout's extras (under DDP the reducer's flat buckets, a
+                 copy of the gradients; sharded, the gathered parameters of its stages, kept for
+                 the step) + the larger of two phases:
+                 backward   Σ over its stages of the busiest moment's activations, split and
+                            gradients (below) + the largest working set and transient of a block
+                            (a recompute's tensors, temporaries)
+                 optimizer  the reduced gradients + what AdamW's step allocates on top of its
+                            state (`opt_transient`, measured per block: on a CPU, where AdamW
+                            updates one tensor at a time, about twice the largest parameter; with
+                            its foreach update, as on a GPU, about a copy of the parameters)
+
+A stage's busiest moment comes from walking its rank's actions in the plan's order (`moments`):
+after each, n micro-batches are held (F done, B or W not), j ≤ n of them are past their I, and
+g is 1 once the stage has made its gradients (its first B or W: they stay, accumulated, to the
+optimizer step); the moment with the most n·held + j·kept + g·grads is the busiest. It is where
+n peaks (peak_held) unless one with fewer held has enough more past their I (zbv's stage 2 over
+3 ranks and 8 micro-batches, kept 0.7 × held as on the GPT, is busiest at 3,3 rather than 4,1),
+or, where a stage holds one micro-batch at a time (data parallel's whole model), the gradients
+outweigh its activations: a backward frees the activations as it makes the gradients, so one
+micro-batch's step peaks at the larger of the two, not at their sum. Sharded (FSDP2), the
+gradients count at every moment: measured, the sharded layouts' peaks hold both (counted the
+other way, shard 2, HSDP and shard 2 × pp 2 came out 12-17 % under). zb's last stage of two:
+
+    F0     I0     F1     I1     W0     F2     I2     W1 ...   (n held, j past I, g) after each
+    1,0,0  1,1,0  2,1,0  2,2,0  1,1,1  2,1,1  2,2,1  1,1,1    busiest 2,2,1: split = 2 × kept × mb
+
+The first stage's input takes no gradient, so its I does nothing and its W the whole backward
+(`pipeline.runtime.backward`): what it keeps from I to W is the gradient its output received.
+Like activations, split is summed over a rank's stages at each one's busiest moment.
+
+All figures are the planner's model of what `brigade train` measures at step 2; the accuracy
+benchmark (`results/plan_accuracy.py`) holds them against it.
+"""
+
+from __future__ import annotations
+
+from brigade.pipeline.plans.action import B, F, I, Plan, W
+from brigade.pipeline.plans.schedule import compute_only, stages_on
+from brigade.planner.costs import ModeCosts, ModelCosts
+from brigade.planner.space import Layout
+
+Moments = dict[int, set[tuple[int, int, int]]]  # stage -> every (held, of them past I, grads made)
+
+
+def rank_memory(
+    costs: ModelCosts, layout: Layout, balance: list[int], peak_held: dict[int, int], mb: int, pp_rank: int,
+    moments: Moments | None = None,
+) -> dict[str, float]:
+    """Bytes of each kind (and `peak`) on the ranks at pipeline position `pp_rank`.
+
+    Args:
+        peak_held: per stage, the most micro-batches it holds at once (`simulate`'s).
+        moments: per stage, what `moments(plan)` gives; None: each stage at its peak held with
+            its gradients made (an upper bound, and no split backward).
+    """
+    bounds = [0, *[sum(balance[: k + 1]) for k in range(len(balance))]]
+    stages = _stages(layout, pp_rank)
+    blocks = rank_blocks(layout, balance, pp_rank)
+    whole = costs.param_bytes(blocks, layout.tp)
+    mine = whole / layout.shard
+    mode = costs.modes[layout.recompute]
+    at = {s: (moments or {}).get(s) or {(peak_held.get(s, 1), 0, 1)} for s in stages}
+    if layout.shard > 1:  # FSDP2's gradient buffers stand beside the activations from the start
+        at = {s: {(n, j, 1) for n, j, _ in pairs} for s, pairs in at.items()}
+    # each stage's share of the rank's whole (unsharded) gradient: a weight tied between two of
+    # its stages counts once, as in `whole`
+    own = [costs.param_bytes(range(bounds[s], bounds[s + 1]), layout.tp) for s in stages]
+    grads = [whole * o / (sum(own) or 1.0) for o in own]
+    busiest = [_busiest(costs, mode, bounds, s, mb, peak_held.get(s, 1), g, at[s])
+               for s, g in zip(stages, grads)]
+    held = sum(sum(mode.held[bounds[s] : bounds[s + 1]]) * mb * peak_held.get(s, 1) for s in stages)
+    split = sum(b["split"] for b in busiest)
+    working = max(mode.working[b] for b in blocks) * mb
+    transient = max(mode.transient[b] for b in blocks) * mb
+    if layout.shard > 1:
+        extra = whole - mine  # the gathered parameters beyond its shard
+    elif layout.dp > 1:
+        extra = whole  # the reducer's buckets
+    else:
+        extra = 0.0
+    backward = sum(b["bytes"] for b in busiest) + working + transient
+    stepping = mine + costs.opt_transient_bytes(blocks) * (mine / (costs.param_bytes(blocks) or 1.0))
+    peak = mine + 2 * mine + extra + max(backward, stepping)
+    return {"params": mine, "grads": mine, "optimizer": 2 * mine, "activations": held + working,
+            "split": split, "optimizer_step": stepping - mine, "peak": peak}
+
+
+def _stages(layout: Layout, pp_rank: int) -> list[int]:
+    return stages_on(layout.schedule, layout.pp, pp_rank, layout.virtual) if layout.pp > 1 else [0]
+
+
+def rank_blocks(layout: Layout, balance: list[int], pp_rank: int) -> list[int]:
+    """The blocks of the stages at pipeline position `pp_rank`, under the cut `balance`."""
+    bounds = [0, *[sum(balance[: k + 1]) for k in range(len(balance))]]
+    return [b for s in _stages(layout, pp_rank) for b in range(bounds[s], bounds[s + 1])]
+
+
+def moments(plan: Plan) -> Moments:
+    """Per stage, every (held, past I, grads made) it passes through (module docstring): after
+    each of its compute actions, the micro-batches whose F is done and whose B or W is not, how
+    many of those are past their I, and 1 once one of its B or W has run (0 before). A plan
+    without I and W gives only (n, 0, g)."""
+    seen: Moments = {}
+    for acts in compute_only(plan).values():
+        held: dict[int, int] = {}
+        between: dict[int, int] = {}
+        made: dict[int, int] = {}
+        for a in acts:
+            s = a.stage
+            step = {F: (1, 0), I: (0, 1), B: (-1, 0), W: (-1, -1)}[a.op]
+            held[s], between[s] = held.get(s, 0) + step[0], between.get(s, 0) + step[1]
+            made[s] = 1 if a.op in (B, W) else made.get(s, 0)
+            seen.setdefault(s, set()).add((held[s], between[s], made[s]))
+    return seen
+
+
+def _busiest(costs: ModelCosts, mode: ModeCosts, bounds: list[int], s: int, mb: int, most: int,
+             grads: float, at: set[tuple[int, int, int]]) -> dict[str, float]:
+    """Stage s at its busiest moment (module docstring): `bytes`, its activations, split and
+    gradients then; `split`, what its split backward keeps there beyond its `most` held
+    micro-batches' activations (0 where no micro-batch is past its I)."""
+    held = sum(mode.held[bounds[s] : bounds[s + 1]]) * mb
+    if s == 0:  # I does nothing, W all: it keeps the gradient its output received (none if also last)
+        kept = costs.out_bytes[bounds[1] - 1] * mb if len(bounds) > 2 else 0.0
+    else:
+        kept = sum(mode.kept[bounds[s] : bounds[s + 1]]) * mb
+    split = 0.0
+    if any(j for _, j, _ in at):
+        split = max(0.0, max(n * held + j * kept for n, j, _ in at) - most * held)
+    return {"bytes": max(n * held + j * kept + g * grads for n, j, g in at), "split": split}
+
+
+def worst(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The rank with the highest peak."""
+    return max(per_rank, key=lambda r: r["peak"])

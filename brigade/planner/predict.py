@@ -1,0 +1,205 @@
+"""One layout's predicted step on a cluster: time from `simulate()` over the real plan, the
+data-parallel reduction, the optimizer step, tokens/s, MFU, bubble, communication share and each
+rank's memory (`memory.py`), and whether it fits.
+
+    step = makespan(plan; per-stage F, B, W, I; P2P)   one pipeline's micro-batches, simulated;
+                                                        under tp each block's split share ÷ tp,
+                                                        plus its all-reduces on the tp link; each
+                                                        action plus the runtime's own time for
+                                                        one (`DeviceSpec.action_s`; more on a
+                                                        host with more processes than cores,
+                                                        `crowded_action_s`)
+         + gradient reduction                           DDP: all-reduce; shard: reduce-scatter and
+                                                        the step's all-gather, per block; HSDP:
+                                                        then an all-reduce of the shard across
+                                                        replicas (each at what the device says
+                                                        that collective achieves: gloo's probed)
+         + optimizer step                               AdamW on this rank's parameters (or shards),
+                                                        and under shard or tp what DTensor's
+                                                        dispatch adds per parameter
+         + the runtime's own time per step              `DeviceSpec.runtime_step_s`
+
+Not overlapped: an upper bound where a GPU overlaps the reduction with the backward; on a CPU
+gloo's collectives take the same cores. Where more processes share a host than it has cores
+(`DeviceSpec.cores`), the work is time-shared: compute runs `shared_slowdown` slower with every
+core busy, the step takes at least all ranks' compute ÷ the cores, and the reduction and the
+optimizer step, which every rank runs at once, take ranks ÷ cores times as long.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import accumulate
+
+from brigade.host.cores import shared_cores
+from brigade.pipeline.plans.action import Plan
+from brigade.pipeline.plans.generate import Costs
+from brigade.pipeline.plans.schedule import SCHEDULES, build
+from brigade.pipeline.plans.simulate import simulate
+from brigade.pipeline.stages.partition import solve
+from brigade.planner import comm
+from brigade.planner.cluster import Cluster
+from brigade.planner.costs import ModelCosts
+from brigade.planner.memory import moments, rank_blocks, rank_memory, worst
+from brigade.planner.space import Layout
+
+
+def predict(
+    costs: ModelCosts, layout: Layout, cluster: Cluster, batch: int, seq_len: int, precision: str = "",
+    memory_plan: Plan | None = None,
+) -> dict:
+    """The figures of one layout (module docstring); every figure's `source` is the costs'.
+    `memory_plan`: the plan whose memory to predict, when a run holds memory on another plan than
+    the one it is timed on (`auto` before it replans; the accuracy benchmark's case).
+
+    Raises:
+        PlanError: a schedule that cannot run these sizes (the caller leaves the layout out).
+    """
+    mb = math.ceil(batch / (layout.dp * layout.microbatches))
+    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
+    times = _tensor_parallel(costs, costs.block_times(layout.recompute, mb), layout.tp, mb,
+                             comm.link(cluster, groups["tp"], "all_reduce"))
+    balance, per = cut(times, layout.pp * layout.virtual)
+    slow = _shared(cluster, layout.world)
+    own = _action_s(cluster, layout.world)  # the runtime's own time, per action
+    per = [[t * slow + own for t in row] for row in per]
+    bw, lat = comm.link(cluster, groups["pp"])
+    sent = max((costs.out_bytes[b - 1] for b in accumulate(balance[:-1])), default=0.0) * mb  # at each cut
+    p2p = comm.p2p(sent, bw, lat) if layout.pp > 1 else 0.0
+    cores = _pipeline_cores(layout, cluster)
+    plan = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual,
+                 costed(layout.schedule, per, p2p, cores))
+    sim = simulate(plan, per[0], per[1], comm=p2p, weight=per[2], input_grad=per[3])
+    alone = simulate(plan, per[0], per[1], weight=per[2], input_grad=per[3]).makespan
+    makespan = sim.on_cores(cores)
+    held = sim.peak_held if memory_plan is None else simulate(memory_plan, 1.0).peak_held
+    at = moments(memory_plan or plan)  # under a split backward, what each stage keeps from I to W too
+    memory = [rank_memory(costs, layout, balance, held, mb, r, at) for r in range(layout.pp)]
+    top = worst(memory)
+    reduce_s, opt_s = _after_pipeline(costs, layout, cluster, balance, memory)
+    step = makespan + reduce_s + opt_s + cluster.device.runtime_step_s
+    flops = sum(costs.flops) * batch
+    peak = cluster.device.peak(precision)
+    limit = cluster.device.memory
+    return {
+        "layout": layout.to_json(),
+        "label": layout.label(),
+        "balance": balance,
+        "microbatch_size": mb,
+        "step_s": step,
+        "pipeline_s": makespan,
+        "reduce_s": reduce_s,
+        "optimizer_s": opt_s,
+        "tokens_per_s": batch * max(seq_len, 1) / step,
+        "mfu": flops / (step * peak * layout.world),
+        "bubble": sim.bubble_fraction,
+        "comm_share": (reduce_s + sim.makespan - alone) / step,
+        "memory": top,
+        "memory_per_stage_rank": memory,
+        "fits": top["peak"] <= limit,
+        "over_bytes": max(0.0, top["peak"] - limit),
+        "source": costs.source,
+    }
+
+
+def cut(times: list[tuple[float, ...]], n_stages: int) -> tuple[list[int], list[list[float]]]:
+    """The solver's cut of the blocks into `n_stages` stages, the slowest stage's forward +
+    backward as short as it can be, and each stage's costs: (balance, per) with per[j][s] the sum
+    of cost j (forward, backward, weight, input) over stage s's blocks `times`."""
+    balance = solve([f + b for f, b, *_ in times], n_stages) if n_stages > 1 else [len(times)]
+    bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
+    per = [[sum(c[j] for c in times[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(4)]
+    return balance, per
+
+
+def costed(schedule: str, per: list[list[float]], p2p: float, cores: float) -> Costs | None:
+    """What a costed schedule (`auto`) is planned on, as the runtime plans it: these per-stage
+    costs (`cut`), the transfer and the shared cores; None for the other schedules."""
+    if not SCHEDULES[schedule].costed:
+        return None
+    return Costs(tuple(per[0]), tuple(per[3]), tuple(per[2]), backward=tuple(per[1]), comm=p2p, cores=cores)
+
+
+def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: list[int],
+                    memory: list[dict]) -> tuple[float, float]:
+    """(seconds of the gradient reduction, of the optimizer step) after the pipeline's makespan,
+    on the busiest rank; where more processes than cores share a host, every rank runs these at
+    once and they take turns (`_crowding`)."""
+    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
+    whole_grads = max(m["grads"] for m in memory) * layout.shard
+    blocks = [rank_blocks(layout, balance, r) for r in range(layout.pp)]
+    reduce_s = _reduction(cluster, layout, groups, whole_grads, 1 + max(map(len, blocks)))
+    opt_s = costs.optimizer_s_per_byte * costs.mem_scale * worst(memory)["params"]
+    if layout.shard > 1 or layout.tp > 1:  # FSDP2's parameters are DTensors: each op dispatches
+        count = max(len({p for b in bs for p in costs.params[b]}) for bs in blocks)
+        opt_s += cluster.device.dtensor_step_s * count
+    crowd = _crowding(layout, cluster)
+    return reduce_s * crowd, opt_s * crowd
+
+
+def _tensor_parallel(costs: ModelCosts, times: list[tuple[float, ...]], tp: int, mb: int,
+                     link: tuple[float, float]) -> list[tuple[float, ...]]:
+    """Each block's (forward, backward, weight, input) seconds on one of `tp` processes: its split
+    share ÷ tp, and per row-wise layer one all-reduce of its output in the forward and one of its
+    input gradient in the backward (B and I; W sends nothing). Unchanged at tp 1."""
+    if tp == 1:
+        return times
+    out = []
+    for b, (f, back, w, i) in enumerate(times):
+        k = costs.tp_factor(b, tp)
+        pairs = costs.tensor.pairs[b] if costs.tensor is not None else 0
+        reduce = pairs * comm.all_reduce(costs.out_bytes[b] * mb, tp, *link)
+        out.append((f * k + reduce, back * k + reduce, w * k, i * k + reduce))
+    return out
+
+
+def _pipeline_cores(layout: Layout, cluster: Cluster) -> float:
+    """The cores a pipeline's ranks share where a host has more processes than cores, in ranks'
+    worth (`generate.Costs.cores`; each of a rank's tp processes needs a core of its own); 0 on a
+    device without a core count (a GPU). `Simulation.on_cores` of it: the makespan, or at least
+    every rank's work on the host ÷ its cores."""
+    if not cluster.device.cores:
+        return 0.0
+    procs = min(layout.world, cluster.per_node)
+    return shared_cores(layout.pp, procs, cores=cluster.device.cores)
+
+
+def _crowding(layout: Layout, cluster: Cluster) -> float:
+    """How much longer the step's other phases (reduction, optimizer) take where a host has more
+    ranks than cores: every rank runs them at once, so they share the cores (1: not crowded)."""
+    procs = min(layout.world, cluster.per_node)
+    cores = cluster.device.cores
+    return procs / cores if cores and procs > cores else 1.0
+
+
+def _action_s(cluster: Cluster, world: int) -> float:
+    """The runtime's own seconds per action: more where a host has more processes than cores (a
+    rank woken by its neighbour's transfer waits for a core), where the device says how much."""
+    d = cluster.device
+    crowded = d.cores and min(world, cluster.per_node) > d.cores and d.crowded_action_s
+    return d.crowded_action_s if crowded else d.action_s
+
+
+def _shared(cluster: Cluster, world: int) -> float:
+    """How much slower compute runs when `world`'s ranks share a host's cores (1: not shared)."""
+    d = cluster.device
+    busy = min(world, cluster.per_node)
+    if not d.cores or busy <= 1:
+        return 1.0
+    return 1 + (d.shared_slowdown - 1) * (min(busy, d.cores) - 1) / max(d.cores - 1, 1)
+
+
+def _reduction(cluster: Cluster, layout: Layout, groups: dict, grads: float, units: int) -> float:
+    """Seconds of one step's gradient reduction (and a sharded stage's parameter all-gather). A
+    sharded stage reduces and gathers each of its `units` (fully_shard per block, then the
+    stage's root) in a collective of its own: the bytes are the same, the latency `units` times."""
+    if layout.dp == 1:
+        return 0.0
+    if layout.shard == 1:
+        return comm.all_reduce(grads, layout.dp, *comm.link(cluster, groups["dp"], "all_reduce"))
+    each = grads / units
+    t = comm.reduce_scatter(each, layout.shard, *comm.link(cluster, groups["shard"], "reduce_scatter"))
+    t += comm.all_gather(each, layout.shard, *comm.link(cluster, groups["shard"], "all_gather"))
+    t += comm.all_reduce(each / layout.shard, layout.replicate,
+                         *comm.link(cluster, groups["replicate"], "all_reduce"))
+    return units * t

@@ -1,0 +1,232 @@
+"""`brigade plan`: measure the model here and scale to the target (or cost it from its shapes,
+`planner.formula`, when it is too large to run here), predict every layout, rank them.
+
+The rows are ranked by step time, those that fit first; `--write-config` writes the best that
+fits as a train config (`to_config`), the way `brigade tune` writes its choice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from brigade.config import ModelConfig, RunConfig
+from brigade.errors import BrigadeError
+from brigade.pipeline.plans.action import PlanError
+from brigade.pipeline.plans.schedule import SCHEDULES
+from brigade.planner import cluster as clusters
+from brigade.planner.config import PlanConfig
+from brigade.planner.costs import FORMULA, MEASURED, measure, scaled
+from brigade.planner.devices import cpu, host_memory
+from brigade.planner.formula import from_shapes
+from brigade.planner.predict import predict
+from brigade.planner.space import Layout, enumerate_layouts
+from brigade.planner.tensor import TensorFacts, facts
+from brigade.train.memory import quiet_stderr
+
+
+def model_config(cfg: PlanConfig, base: ModelConfig | None = None) -> ModelConfig:
+    """The train config's model section for this plan (a GPT's context is the sequence length)."""
+    m = ModelConfig(**vars(base)) if base else ModelConfig()
+    m.model, m.context = cfg.model, cfg.seq_len
+    return m
+
+
+def load_spec(cfg: PlanConfig, m: ModelConfig):
+    """The model as `brigade train` builds it (a GPT sized to the default text's vocabulary)."""
+    from brigade.train.data import from_config, load_text_data
+
+    if cfg.model == "gpt":
+        vocab, _, _ = load_text_data("", cfg.seq_len, 0.1)
+        return from_config(m, 0, vocab_size=len(vocab))
+    if cfg.model.startswith("hf:"):  # the token ids alone, at the planned sequence length
+        return from_config(m, 0, block_size=cfg.seq_len, standalone=True)
+    return from_config(m, 0)
+
+
+def target(cfg: PlanConfig) -> clusters.Cluster:
+    if cfg.cluster:
+        return clusters.load(cfg.cluster)
+    return clusters.from_flags(cfg.nodes, cfg.gpus_per_node, cfg.device)
+
+
+def _names(text: str, flag: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def layouts(cfg: PlanConfig, world: int, n_blocks: int, tensor: TensorFacts | None = None,
+            per_node: int = 0) -> list[Layout]:
+    """The space asked for: every valid layout, narrowed by --dp, --pp, --shard, --tp, --schedules, ...
+    `tensor`: what tp does to the model (None: no tp); tp degrees divide `per_node` (0: any).
+
+    Raises:
+        BrigadeError: a --dp/--pp/--shard/--tp that cannot divide the world or the model, or no
+            layout left.
+    """
+    from brigade.config.recompute import MODES
+    from brigade.pipeline.plans.schedule import check as check_schedule
+
+    modes = _names(cfg.recompute, "--recompute")
+    for mode in modes:
+        if mode not in MODES:
+            raise BrigadeError(f"--recompute {mode!r}: unknown mode: expected {', '.join(MODES)}")
+    schedules = [check_schedule(s, "--schedules") for s in _names(cfg.schedules, "--schedules")]
+    try:
+        ms = [int(x) for x in _names(cfg.microbatches, "--microbatches")]
+    except ValueError:
+        raise BrigadeError(f"--microbatches {cfg.microbatches!r}: expected counts like 1,2,4") from None
+    _fixed(cfg, world, n_blocks)
+    sizes = _tp_sizes(cfg, tensor, per_node)
+    rows = [
+        lay
+        for lay in enumerate_layouts(world, n_blocks, cfg.batch_size, modes, schedules or None, ms or None,
+                                     sizes, per_node)
+        if (not cfg.dp or lay.dp == cfg.dp)
+        and (not cfg.pp or lay.pp == cfg.pp)
+        and (not cfg.shard or lay.shard == cfg.shard)
+        and (not cfg.tp or lay.tp == cfg.tp)
+    ]
+    if not rows:
+        raise BrigadeError(
+            f"no layout of {world} ranks divides batch {cfg.batch_size} and the model's "
+            f"{n_blocks} blocks as asked: change --batch-size, --microbatches or --dp/--pp"
+        )
+    return rows
+
+
+def _tp_sizes(cfg: PlanConfig, tensor: TensorFacts | None, per_node: int) -> tuple[int, ...]:
+    """The tp degrees to consider: the model's (`planner.tensor`); a --tp it cannot take, one line."""
+    sizes = tensor.sizes if tensor is not None else (1,)
+    if cfg.tp > 1 and cfg.tp not in sizes:
+        allowed = ", ".join(map(str, sizes[1:])) or "none: a block has no tp_plan"
+        raise BrigadeError(f"--tp {cfg.tp}: the model's tensor-parallel plans allow {allowed}; give one "
+                           "of them, or --tp 1")
+    if cfg.tp > 1 and per_node and per_node % cfg.tp:
+        raise BrigadeError(f"--tp {cfg.tp} does not divide a node's {per_node} devices: tensor parallel "
+                           f"stays inside a node; give a divisor of {per_node}")
+    return sizes
+
+
+def _fixed(cfg: PlanConfig, world: int, n_blocks: int) -> None:
+    """Refuse a --dp, --pp or --shard that cannot divide the world or the model, one line each."""
+    for flag, v in (("--dp", cfg.dp), ("--pp", cfg.pp)):
+        if v and world % v:
+            raise BrigadeError(
+                f"{flag} {v} does not divide the cluster's {world} ranks: give a divisor of {world}"
+            )
+    if cfg.dp and cfg.pp and cfg.dp * cfg.pp != world:
+        raise BrigadeError(
+            f"--dp {cfg.dp} × --pp {cfg.pp} = {cfg.dp * cfg.pp}, but the cluster has {world} "
+            "ranks: their product must be the world"
+        )
+    if cfg.pp > n_blocks:
+        raise BrigadeError(
+            f"--pp {cfg.pp}: the model has {n_blocks} blocks, fewer than the stages: give --pp ≤ {n_blocks}"
+        )
+    dp = cfg.dp or (world // cfg.pp if cfg.pp else 0)
+    if cfg.shard and dp and dp % cfg.shard:
+        raise BrigadeError(f"--shard {cfg.shard} does not divide dp {dp}: give a divisor of it")
+
+
+def sizes(rows: list[Layout], batch: int) -> list[int]:
+    """Micro-batch sizes to measure at: the smallest, the largest and one between (interpolated)."""
+    got = sorted({math.ceil(batch / (r.dp * r.microbatches)) for r in rows})
+    return sorted({got[0], got[len(got) // 2], got[-1]})
+
+
+def source(asked: str, shape) -> str:
+    """measured or formula: `asked`, or for auto formula when training the model here (parameters,
+    gradients and AdamW's two moments) would take more than half this machine's memory.
+
+    Raises:
+        BrigadeError: an unknown source.
+    """
+    if asked not in ("auto", MEASURED, FORMULA):
+        raise BrigadeError(f"--costs {asked!r}: expected auto, measured or formula")
+    if asked != "auto":
+        return asked
+    states = 4 * sum(p.numel() * p.element_size() for b in shape.blocks for p in b.parameters())
+    return FORMULA if states > host_memory() / 2 else MEASURED
+
+
+def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
+    """Every layout's prediction, ranked (module docstring), and what they were made from."""
+    where = target(cfg)
+    where.device.peak(cfg.precision)  # no known peak: refused before measuring anything
+    m = model_config(cfg, base)
+    with torch.device("meta"):  # shapes only: a model of any size costs nothing to build
+        shape = load_spec(cfg, m)
+    tensor = facts(shape.blocks)
+    rows = layouts(cfg, where.world, len(shape.blocks), tensor, where.per_node)
+    modes = sorted({r.recompute for r in rows})
+    at = sizes(rows, cfg.batch_size)
+    with quiet_stderr():
+        if source(cfg.costs, shape) == FORMULA:
+            costs = from_shapes(shape, min(at), modes, where.device, cfg.precision)
+        else:
+            costs = scaled(measure(load_spec(cfg, m), at, modes, cpu()), where.device, cfg.precision)
+    costs.tensor = tensor
+    out, left = _predict_all(cfg, costs, where, rows)
+    return {
+        "model": cfg.model,
+        "cluster": where.describe(),
+        "nodes": where.nodes,
+        "per_node": where.per_node,
+        "device": vars(where.device),
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "source": costs.source,
+        "rows": out,
+        "left_out": left,
+        "model_config": vars(m),
+    }
+
+
+COSTED_SHAPES = 16  # a costed schedule (auto) is predicted on the shapes of this many best rows
+
+
+def _predict_all(cfg: PlanConfig, costs, where, rows: list[Layout]) -> tuple[list[dict], list[dict]]:
+    """Every layout's prediction, ranked, and the layouts left out with why.
+
+    A costed schedule's search takes seconds per layout at pp 16, so it is predicted only in the
+    shapes (data parallel, pp, V, m, recompute) of the best `COSTED_SHAPES` rows of the others:
+    where it could rank first. Without other schedules in the space, in every shape.
+    """
+    seq = cfg.seq_len if cfg.model == "gpt" else 0
+    out, left = [], []
+
+    def run(lays: list[Layout]) -> None:
+        for lay in lays:
+            try:
+                out.append(predict(costs, lay, where, cfg.batch_size, seq, cfg.precision))
+            except PlanError as exc:
+                left.append({"label": lay.label(), "reason": str(exc)})
+
+    costed = [r for r in rows if SCHEDULES[r.schedule].costed and r.pp > 1]
+    run([r for r in rows if r not in costed])
+    out.sort(key=lambda r: (not r["fits"], r["step_s"]))
+    best = {_shape(Layout(**{k: v for k, v in r["layout"].items() if k != "dp"}))
+            for r in out[:COSTED_SHAPES]}
+    run([r for r in costed if not out or _shape(r) in best])
+    out.sort(key=lambda r: (not r["fits"], r["step_s"]))
+    return out, left
+
+
+def _shape(lay: Layout) -> tuple:
+    return lay.replicate, lay.shard, lay.pp, lay.virtual, lay.microbatches, lay.recompute, lay.tp
+
+
+def to_config(cfg: PlanConfig, row: dict, m: ModelConfig, nodes: int, per_node: int) -> RunConfig:
+    """The train config of one row (`brigade train --config` reads it)."""
+    run = RunConfig(model=m)
+    run.data.block_size = cfg.seq_len
+    lay = row["layout"]
+    p = run.parallel
+    p.nproc, p.nnodes, p.dp, p.pp, p.shard = per_node, nodes, lay["dp"], lay["pp"], lay["shard"]
+    p.schedule, p.virtual, p.microbatches = lay["schedule"], lay["virtual"], lay["microbatches"]
+    p.recompute, p.tp = lay["recompute"], lay.get("tp", 1)
+    if lay["pp"] > 1:
+        p.balance = ",".join(map(str, row["balance"]))
+    run.train.batch_size = cfg.batch_size
+    return run

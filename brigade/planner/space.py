@@ -1,0 +1,168 @@
+"""The layouts a cluster can run a model in: dp = replicate × shard, pp, tp, V and schedule (every
+schedule of the registry, so one added later is covered), micro-batches and recompute.
+
+A layout is valid when dp × pp × tp is the world, shard divides dp, tp is a degree the model's
+plans allow and divides a node's devices (tp innermost: its all-reduces stay inside a node), the
+model has the p·V stages' blocks, and each replica's share of the batch divides into its
+micro-batches.
+
+The tuner's sweep (`search_space`) is the pipelines of its ranks alone, at the micro-batch counts it
+measures, with the (schedule, V) its model cannot take left out and why. Both try the same V per
+schedule (`virtuals`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from brigade.errors import BrigadeError
+from brigade.pipeline.plans.schedule import DEFAULT, DEFAULT_VIRTUAL, SCHEDULES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run: `replicate` × `shard` data-parallel ranks (dp), each a pipeline of `pp`
+    ranks holding `virtual` stages each, each stage split over `tp` processes, `microbatches` per
+    replica's batch, `recompute` mode."""
+
+    replicate: int
+    shard: int
+    pp: int
+    schedule: str
+    virtual: int
+    microbatches: int
+    recompute: str
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def label(self) -> str:
+        dp = (
+            ("" if self.dp == 1 and self.pp > 1 else f"dp {self.dp}")
+            if self.shard == 1
+            else (f"shard {self.shard}" if self.replicate == 1 else f"HSDP {self.replicate}×{self.shard}")
+        )
+        pipe = (
+            f"{' × ' if dp else ''}pp {self.pp} {self.schedule}"
+            + (f" V{self.virtual}" if self.virtual > 1 else "")
+            if self.pp > 1
+            else ""
+        )
+        rc = f", recompute {self.recompute}" if self.recompute != "none" else ""
+        tp = f"{' × ' if dp or pipe else ''}tp {self.tp}" if self.tp > 1 else ""
+        return f"{dp}{pipe}{tp}, m {self.microbatches}{rc}"
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "dp": self.dp}
+
+
+def check(layout: Layout, world: int, n_blocks: int, batch: int) -> None:
+    """Refuse a layout that cannot divide the world, the model or the batch.
+
+    Raises:
+        BrigadeError: one line naming what does not divide and how to fix it.
+    """
+    if layout.world != world:
+        tp = f" × tp {layout.tp}" if layout.tp > 1 else ""
+        raise BrigadeError(
+            f"dp {layout.dp} × pp {layout.pp}{tp} = {layout.world} ranks, but the cluster has "
+            f"{world}: choose dp × pp{' × tp' if tp else ''} = {world}"
+        )
+    if layout.dp % layout.shard:
+        raise BrigadeError(f"--shard {layout.shard} does not divide dp {layout.dp}: give a divisor of it")
+    stages = layout.pp * layout.virtual
+    if stages > n_blocks:
+        raise BrigadeError(
+            f"pp {layout.pp} × V {layout.virtual} = {stages} stages, but the model has "
+            f"{n_blocks} blocks: use fewer stages or a deeper model"
+        )
+    if batch % layout.dp or (batch // layout.dp) % layout.microbatches:
+        raise BrigadeError(
+            f"batch {batch} does not divide into dp {layout.dp} replicas of "
+            f"{layout.microbatches} micro-batches: give a batch that is a multiple of "
+            f"{layout.dp * layout.microbatches}"
+        )
+
+
+def virtuals(schedule: str) -> tuple[int, ...]:
+    """The V tried for `schedule`: its fixed V, or, where it takes any, 1 and the default
+    (`DEFAULT_VIRTUAL`, 2; more would need ≥ 3·p blocks), never past the most it runs."""
+    return SCHEDULES[schedule].virtuals(DEFAULT_VIRTUAL)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(
+    world: int,
+    n_blocks: int,
+    batch: int,
+    recompute: list[str],
+    schedules: list[str] | None = None,
+    microbatches: list[int] | None = None,
+    tp_sizes: tuple[int, ...] = (1,),
+    per_node: int = 0,
+) -> list[Layout]:
+    """Every valid layout (module docstring) for `world` ranks; `schedules` default: the registry's,
+    `microbatches` default: powers of two up to 4 · pp (never more than a replica's batch), `tp_sizes`:
+    the degrees the model's plans allow, each kept to those that divide `per_node` (0: any). Without
+    a pipeline the schedule is the default one: it does not matter."""
+    out = []
+    for tp in tp_sizes:
+        if world % tp or (per_node and per_node % tp):
+            continue
+        out += _layouts(world // tp, n_blocks, batch, recompute, schedules, microbatches, tp)
+    return out
+
+
+def _layouts(cells: int, n_blocks: int, batch: int, recompute: list[str], schedules: list[str] | None,
+             microbatches: list[int] | None, tp: int) -> list[Layout]:
+    """`enumerate_layouts` at one tp degree, over the `cells` = world ÷ tp (dp × pp) positions."""
+    out = []
+    for pp in divisors(cells):
+        dp = cells // pp
+        for shard in divisors(dp):
+            for name in (schedules or list(SCHEDULES)) if pp > 1 else [DEFAULT]:
+                for v in virtuals(name) if pp > 1 else (1,):
+                    if pp * v > n_blocks:
+                        continue
+                    for m in microbatches or _powers(4 * pp):
+                        for mode in recompute:
+                            layout = Layout(dp // shard, shard, pp, name, v, m, mode, tp)
+                            if batch % dp == 0 and (batch // dp) % m == 0:
+                                out.append(layout)
+    return out
+
+
+def _powers(limit: int) -> list[int]:
+    return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
+
+
+def search_space(schedules: list[str], ms: list[int], ranks: int,
+                 n_blocks: int) -> tuple[list[dict], list[dict]]:
+    """The pipelined configurations to predict, and the (schedule, V) left out with why.
+
+    Args:
+        schedules: registry names. ms: micro-batch counts. ranks: pipeline ranks (p).
+        n_blocks: the model's blocks; p·V stages need as many.
+
+    Returns:
+        (rows with schedule, virtual, microbatches, dp = 1, pp = ranks; left_out rows with a reason).
+    """
+    rows, left_out = [], []
+    for name in schedules:
+        for v in virtuals(name):
+            if n_blocks < ranks * v:
+                left_out.append({"schedule": name, "virtual": v, "reason":
+                                 f"the model has {n_blocks} blocks: {ranks * v} stages (p={ranks} × V={v}) "
+                                 f"need as many"})
+                continue
+            rows += [{"schedule": name, "virtual": v, "microbatches": m, "dp": 1, "pp": ranks} for m in ms]
+    return rows, left_out

@@ -1,0 +1,30 @@
+"""This host's gloo probe (`measure.gloo_probe`): the rates fitted through two sizes, the
+collectives priced as DDP and FSDP issue them, and the runtime's own time per action and step."""
+
+import pytest
+
+from brigade.measure.gloo_probe import as_issued, fit_rates, runtime
+
+
+def test_the_gloo_probe_fits_bandwidth_and_latency_through_two_sizes():
+    # 2 ring steps of 1 ms each, 1 GB/s: 1 MB takes 3 ms, 9 MB 11 ms
+    assert fit_rates([3e-3, 11e-3], [1e6, 9e6], 2) == (pytest.approx(1e9), pytest.approx(1e-3))
+    assert fit_rates([0.5e-3, 8.5e-3], [1e6, 9e6], 1)[1] == 0.0  # below the line: noise, read as none
+
+
+def test_the_probe_prices_collectives_as_ddp_and_fsdp_issue_them():
+    bare = {"coll_latency": 1e-3, "all_reduce_bw": 1e9, "reduce_scatter_bw": 1e9, "all_gather_bw": 0.5e9}
+    # DDP added 22 ms to a step of 16 MB of gradients: 16 MB ÷ (22 - 2·1) ms = 0.8 GB/s
+    # FSDP added 56 ms: 8 ms of latency, 48 ms against a bare 8 + 16 = 24 ms: both at half the rate
+    got = as_issued(bare, {"plain": 0.1, "ddp": 0.122, "fsdp": 0.156}, 16e6)
+    assert got == {"all_reduce_bw": pytest.approx(0.8e9), "reduce_scatter_bw": pytest.approx(0.5e9),
+                   "all_gather_bw": pytest.approx(0.25e9)}
+    # noise: nothing added, or less than the bare rates would take: the bare rates stand
+    assert as_issued(bare, {"plain": 0.1, "ddp": 0.099, "fsdp": 0.11}, 16e6) == {}
+    assert as_issued(bare, {"plain": 0.1, "ddp": 0.11, "fsdp": 0.11}, 16e6) == {}  # 2 GB/s: above bare
+
+
+def test_the_probe_fits_the_runtimes_time_per_action_and_per_step():
+    # 1F1B, 2 stages: 6 actions on the critical path at m 2, 18 at m 8
+    assert runtime([6 * 0.002 + 0.01, 18 * 0.002 + 0.01]) == (pytest.approx(0.002), pytest.approx(0.01))
+    assert runtime([0.05, 0.04]) == (0.0, 0.05)  # noise: no negative time

@@ -1,0 +1,140 @@
+"""`brigade plan` as a user runs it: the table, --json, --write-config that brigade train accepts
+and whose measured peak the plan predicted; and each bad input one line, nothing written."""
+
+import json
+
+import pytest
+
+from brigade.planner.memory import rank_memory
+from brigade.train.metrics import events, read_records
+from tests.e2e.helpers import brigade
+
+pytestmark = pytest.mark.timeout(240)
+PLAN = [
+    "plan",
+    "--model",
+    "gpt",
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--gpus-per-node",
+    "2",
+    "--device",
+    "cpu",
+]
+QUIET = [
+    "--eval-every",
+    "1000",
+    "--eval-batches",
+    "1",
+    "--sample-tokens",
+    "0",
+    "--warmup-steps",
+    "2",
+    "--snapshot-every",
+    "0",
+]
+
+
+def test_json_then_write_config_that_train_runs_within_the_predicted_memory(cli, tmp_path):
+    toml = tmp_path / "plan.toml"
+    done = cli(
+        *PLAN,
+        "--dp",
+        "2",
+        "--shard",
+        "1",
+        "--microbatches",
+        "1",
+        "--recompute",
+        "none",
+        "--json",
+        "--write-config",
+        str(toml),
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    row = result["rows"][0]
+    assert row["label"] == "dp 2, m 1" and row["source"] == "measured" and row["fits"]
+    assert {"step_s", "tokens_per_s", "mfu", "bubble", "comm_share", "memory", "over_bytes"} <= set(row)
+    assert set(row["memory"]) == {"params", "grads", "optimizer", "activations", "split", "optimizer_step",
+                                  "peak"}
+    assert "dp = 2" in toml.read_text() and "batch_size = 8" in toml.read_text()
+    run = tmp_path / "run"
+    trained = brigade("train", "--config", toml, "--out", run, *QUIET, "--max-steps", "3")
+    assert trained.returncode == 0, trained.stderr
+    (mem,) = events(read_records(run), "memory")
+    for rank in (0, 1):
+        measured, predicted = mem[f"rank{rank}/peak"], row["memory"]["peak"]
+        assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
+        assert mem[f"rank{rank}/params"] == pytest.approx(row["memory"]["params"], rel=0.01)
+
+
+def test_the_table_names_its_columns_and_sources(cli):
+    done = cli(*PLAN, "--pp", "2", "--schedules", "1f1b,zb", "--microbatches", "2", "--top", "3")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "layouts, costs measured" in lines[0]
+    assert lines[1].split()[:3] == ["layout", "step", "ms"] and len(lines) == 2 + 3
+    assert all(line.rstrip().endswith("measured") for line in lines[2:])
+
+
+def test_memory_of_a_pipeline_rank_counts_its_stages_and_what_they_hold():
+    from brigade.planner.costs import ModeCosts, ModelCosts
+    from brigade.planner.devices import TABLE
+    from brigade.planner.space import Layout
+
+    mode = ModeCosts(
+        {1: [(1.0,) * 4] * 4}, held=[10.0] * 4, working=[0.0, 5.0, 0.0, 0.0], transient=[1.0] * 4,
+        kept=[0.0] * 4,
+    )
+    costs = ModelCosts(
+        "m",
+        [{1: 100}, {2: 100}, {3: 100}, {1: 100}],
+        [1.0] * 4,
+        [1.0] * 4,
+        {"none": mode},
+        0.0,
+        TABLE["h100"],
+    )
+    lay = Layout(1, 1, 2, "1f1b", 1, 4, "none")
+    first = rank_memory(costs, lay, [2, 2], {0: 2, 1: 1}, mb=3, pp_rank=0)
+    assert first["params"] == 200 and first["optimizer"] == 400
+    assert first["activations"] == 2 * 10 * 3 * 2 + 5 * 3  # 2 blocks × 10 B × 3 samples × 2 held, + working
+    last = rank_memory(costs, lay, [2, 2], {0: 2, 1: 1}, mb=3, pp_rank=1)
+    assert last["params"] == 200  # block 3's weight is block 0's, but on another rank: its own copy
+    shard = rank_memory(costs, Layout(1, 2, 2, "1f1b", 1, 4, "none"), [2, 2], {0: 2, 1: 1}, mb=3, pp_rank=0)
+    assert shard["params"] == 100
+
+
+BAD = [
+    ("missing field", ["--cluster", "{tmp}/c.toml"], "no device.mem_bw for device 'mygpu'"),
+    ("pp does not divide", ["--gpus-per-node", "4", "--device", "h100", "--pp", "3"],
+     "--pp 3 does not divide the cluster's 4 ranks"),
+    ("more stages than blocks", ["--gpus-per-node", "8", "--device", "h100", "--pp", "8"],
+     "--pp 8: the model has 4 blocks"),
+    ("unknown device", ["--device", "tpu"], "--device 'tpu': unknown device"),
+    ("no known peak", ["--cluster", "{tmp}/nobf16.toml", "--precision", "bf16"],
+     "device 'h100' has no known bf16 peak"),
+]
+
+
+@pytest.mark.parametrize("case, args, words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_one_line_exit_2_nothing_written(cli, tmp_path, case, args, words):
+    (tmp_path / "c.toml").write_text("nodes = 1\ndevices_per_node = 2\n[device]\nname = 'mygpu'\n"
+                                     "peak_fp32 = 1e12\npeak_bf16 = 0\nmemory = 1e9\nintra_bw = 1e9\n"
+                                     "intra_latency = 0\ninter_bw = 1e9\ninter_latency = 0\n")
+    (tmp_path / "nobf16.toml").write_text("nodes = 1\ndevices_per_node = 2\n[device]\nname = 'h100'\n"
+                                          "peak_bf16 = 0\n")
+    out = tmp_path / "out.toml"
+    argv = [*PLAN[:-4], *(a.format(tmp=tmp_path) for a in args), "--write-config", str(out)]
+    done = cli(*argv)
+    assert done.returncode == 2 and not out.exists()
+    assert len(done.stderr.strip().splitlines()) == 1 and words in done.stderr, done.stderr

@@ -1,0 +1,67 @@
+"""`planner.predict`'s step: what sharding adds (per-block collectives at the device's collective
+bandwidth, DTensor's dispatch in the optimizer) and what crowded cores do to the step's phases."""
+
+from dataclasses import replace
+
+import pytest
+
+from brigade.planner.cluster import Cluster
+from brigade.planner.devices import TABLE
+from brigade.planner.predict import predict
+from brigade.planner.space import Layout
+from tests.planner.test_memory import _costs
+
+
+def _device(**fields):
+    return replace(TABLE["h100"], intra_latency=0.0, **fields)
+
+
+def test_a_sharded_step_pays_each_blocks_collectives_and_dtensor_dispatch_per_parameter():
+    costs = _costs()  # four blocks of one 100-byte parameter; AdamW's step free
+    shard = Layout(1, 2, 1, "1f1b", 1, 1, "none")
+    plain = predict(costs, shard, Cluster(1, 2, _device()), batch=8, seq_len=1)
+    slow = _device(reduce_scatter_bw=1.0, all_gather_bw=2.0, coll_latency=0.5, dtensor_step_s=3.0)
+    row = predict(costs, shard, Cluster(1, 2, slow), batch=8, seq_len=1)
+    # 5 units (4 blocks, the root) of 80 bytes: RS ½·80/1 + 0.5, AG ½·80/2 + 0.5 each
+    assert row["reduce_s"] == pytest.approx(5 * (40 + 0.5 + 20 + 0.5))
+    assert row["optimizer_s"] - plain["optimizer_s"] == pytest.approx(4 * 3.0)  # four parameters
+    ddp = predict(costs, Layout(2, 1, 1, "1f1b", 1, 1, "none"), Cluster(1, 2, slow), batch=8, seq_len=1)
+    assert ddp["optimizer_s"] == plain["optimizer_s"] == 0.0  # plain tensors: no dispatch added
+
+
+def test_crowded_cores_take_turns_at_the_reduction_and_the_optimizer_step():
+    costs = replace(_costs(), optimizer_s_per_byte=1e-3)
+    cpu = _device(cores=2, all_reduce_bw=1.0)
+    hsdp = Layout(2, 2, 1, "1f1b", 1, 1, "none")
+    four = predict(costs, hsdp, Cluster(1, 4, cpu), batch=8, seq_len=1)
+    spread = predict(costs, hsdp, Cluster(1, 4, replace(cpu, cores=4)), batch=8, seq_len=1)
+    assert four["reduce_s"] == pytest.approx(2 * spread["reduce_s"]) and spread["reduce_s"] > 0
+    assert four["optimizer_s"] == pytest.approx(2 * spread["optimizer_s"]) and spread["optimizer_s"] > 0
+
+
+def test_the_runtimes_own_time_is_added_to_every_action_and_to_the_step():
+    costs = _costs()
+    pp = Layout(1, 1, 2, "1f1b", 1, 4, "none")
+    plain = predict(costs, pp, Cluster(1, 2, _device()), batch=8, seq_len=1)
+    own = predict(costs, pp, Cluster(1, 2, _device(action_s=0.5, runtime_step_s=7.0)), batch=8, seq_len=1)
+    # 1F1B over 2 stages at m 4: 10 actions on the critical path (2 (m + p - 1)), each 0.5 longer
+    assert own["pipeline_s"] - plain["pipeline_s"] == pytest.approx(10 * 0.5)
+    assert own["step_s"] - plain["step_s"] == pytest.approx(10 * 0.5 + 7.0)
+
+
+def test_an_action_costs_the_crowded_figure_where_a_host_has_more_processes_than_cores():
+    costs = _costs()
+    pp = Layout(1, 1, 2, "1f1b", 1, 4, "none")
+    spread = _device(action_s=0.5, crowded_action_s=2.0, cores=2)
+    base = predict(costs, pp, Cluster(1, 2, replace(spread, action_s=0.0, crowded_action_s=0.0)), batch=8,
+                   seq_len=1)
+    alone = predict(costs, pp, Cluster(1, 2, spread), batch=8, seq_len=1)  # 2 processes, 2 cores
+    assert alone["pipeline_s"] - base["pipeline_s"] == pytest.approx(10 * 0.5)  # 10 on the critical path
+    crowded = replace(spread, cores=1)
+    one = predict(costs, pp, Cluster(1, 2, crowded), batch=8, seq_len=1)
+    none = predict(costs, pp, Cluster(1, 2, replace(crowded, action_s=0.0, crowded_action_s=0.0)), batch=8,
+                   seq_len=1)
+    # on one core the step is both ranks' work: 16 actions, each 2.0 longer
+    assert one["pipeline_s"] - none["pipeline_s"] == pytest.approx(16 * 2.0)
+    unset = predict(costs, pp, Cluster(1, 2, replace(crowded, crowded_action_s=0.0)), batch=8, seq_len=1)
+    assert unset["pipeline_s"] - none["pipeline_s"] == pytest.approx(16 * 0.5)  # 0: action_s

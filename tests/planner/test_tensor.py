@@ -1,0 +1,87 @@
+"""`brigade plan` and tensor parallel (brigade/planner/tensor.py and its uses): what a tp split does
+to each block, the tp layouts of the space, their memory and time, and the refusals."""
+
+import pytest
+import torch
+
+from brigade.errors import BrigadeError
+from brigade.models.gpt import GPTConfig, gpt
+from brigade.models.toy import mlp
+from brigade.planner import comm
+from brigade.planner.space import Layout, enumerate_layouts
+from brigade.planner.tensor import TensorFacts, facts
+
+
+def _gpt_facts(n_head: int = 4) -> TensorFacts:
+    with torch.device("meta"):
+        return facts(gpt(GPTConfig(n_layer=2, n_head=n_head, n_embd=64)))
+
+
+def test_a_gpt_blocks_matmuls_split_and_its_embedding_and_head_stay_whole():
+    f = _gpt_facts()
+    assert f.split[0] == 0.0 and f.split[-1] == 0.0
+    # A block's parameters outside the split: two LayerNorms (4 × 64) and the two row-wise biases (2 × 64).
+    whole = 12 * 64 * 64 + 13 * 64  # qkv, proj, up, down weights and every bias and norm
+    assert f.split[1] == pytest.approx(1 - 6 * 64 / whole)
+    assert f.pairs == (0, 2, 2, 0) and f.sizes == (1, 2, 4)  # 4 heads: tp 8 does not divide them
+    assert f.factor(1, 2) == pytest.approx(1 - f.split[1] / 2) and f.factor(0, 2) == 1.0
+    assert f.factor(1, 1) == 1.0
+
+
+def test_a_model_without_plans_allows_no_tp():
+    assert facts(mlp(8, 2)).sizes == (1,)
+
+
+def test_tp_layouts_are_innermost_and_divide_a_nodes_devices():
+    rows = enumerate_layouts(8, 6, 16, ["none"], ["1f1b"], [2], tp_sizes=(1, 2, 4, 8), per_node=4)
+    assert {r.tp for r in rows} == {1, 2, 4}  # tp 8 would leave the node
+    assert all(r.world == 8 for r in rows)
+    row = Layout(2, 1, 2, "1f1b", 1, 2, "none", tp=2)
+    assert row in rows and row.label() == "dp 2 × pp 2 1f1b × tp 2, m 2"
+    assert Layout(1, 1, 2, "1f1b", 1, 2, "none", tp=4).label() == "pp 2 1f1b × tp 4, m 2"
+    assert Layout(2, 1, 1, "1f1b", 1, 1, "none", tp=4).label() == "dp 2 × tp 4, m 1"
+    assert Layout(1, 1, 1, "1f1b", 1, 1, "none", tp=8).label() == "dp 1 × tp 8, m 1"
+
+
+def test_the_tp_group_is_the_innermost_neighbours():
+    g = comm.groups(2, 1, 2, tp=4)
+    assert g["tp"] == [0, 1, 2, 3] and g["pp"] == [0, 4] and g["dp"] == [0, 8]
+
+
+def test_plan_ranks_tp_layouts_with_half_the_split_parameters(cli):
+    import json
+
+    out = cli("plan", "--model", "gpt", "--n-layer", "4", "--n-embd", "256", "--n-head", "4",
+              "--seq-len", "64", "--batch-size", "16", "--gpus-per-node", "4", "--device", "h100",
+              "--costs", "formula", "--pp", "1", "--microbatches", "1", "--recompute", "none", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {(r["layout"]["tp"], r["layout"]["shard"], r["layout"]["dp"]): r
+            for r in json.loads(out.stdout)["rows"]}
+    ddp, tp2, tp4 = rows[(1, 1, 4)], rows[(2, 1, 2)], rows[(4, 1, 1)]
+    assert tp2["label"] == "dp 2 × tp 2, m 1"
+    # The blocks' matmuls halve; the embedding, head and norms (a few % here) stay whole.
+    assert tp4["memory"]["params"] < tp2["memory"]["params"] < ddp["memory"]["params"]
+    assert ddp["memory"]["params"] / 2 < tp2["memory"]["params"] < 0.55 * ddp["memory"]["params"]
+    assert tp2["microbatch_size"] == 2 * ddp["microbatch_size"]  # half the replicas at the same world
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "8"], "--tp 8: the model's tensor-parallel plans allow 2, 4; give one of them, or --tp 1"),
+    (["--tp", "2", "--model", "mlp"], "--tp 2: the model's tensor-parallel plans allow none: a block has "
+                                      "no tp_plan"),
+    (["--tp", "4", "--gpus-per-node", "2", "--nodes", "2"], "--tp 4 does not divide a node's 2 devices"),
+])
+def test_a_tp_the_model_or_the_node_cannot_take_is_one_line(cli, flags, message):
+    base = ["plan", "--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "16",
+            "--batch-size", "8", "--gpus-per-node", "4", "--device", "h100", "--costs", "formula"]
+    out = cli(*base, *flags)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_plan_error_is_a_brigade_error():
+    from brigade.planner.config import PlanConfig
+    from brigade.planner.run import _tp_sizes
+
+    with pytest.raises(BrigadeError):
+        _tp_sizes(PlanConfig(tp=3), _gpt_facts(), 4)
