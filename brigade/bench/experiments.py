@@ -7,6 +7,10 @@
                      (`peers.TORCH_SCHEDULES`) at the same p, V and m, on the same stages
     ddp              DistributedDataParallel over the same 2 devices, half the batch each
 
+brigade's rows and the DDP row are built by the stage assembler `brigade train` uses
+(`parallel.assemble`), over the worker's two worlds of the same processes: one pipeline of them
+all, and as many data-parallel replicas (`world.World`).
+
 Every configuration is built first, then timed in interleaved rounds
 (`timing.interleaved_rounds`): each round times each configuration once, so drift on a
 shared machine hits all alike. Each round also measures every stage's per-micro-batch costs
@@ -32,15 +36,18 @@ from brigade.host import malloc
 from brigade.host.cores import shared_cores
 from brigade.launcher import groups
 from brigade.measure.activations import stage_meter
-from brigade.measure.device import ddp, place_model
+from brigade.measure.device import place_model
 from brigade.measure.stages import gathered_stage_costs
 from brigade.measure.timing import Workload, interleaved_rounds, pipeline_step, train_step
 from brigade.models import load_model
+from brigade.parallel.assemble import Cut, assemble
 from brigade.pipeline.pipe import Pipeline
 from brigade.pipeline.plans.generate import Costs
-from brigade.pipeline.plans.schedule import DEFAULT_VIRTUAL, SCHEDULES, names, stages_on
+from brigade.pipeline.plans.schedule import DEFAULT_VIRTUAL, SCHEDULES, names, placement, stages_on
 from brigade.pipeline.stages.partition import choose_balance, solve, split, time_costs
 from brigade.train.memory import storage_bytes
+from brigade.world.degrees import Degrees
+from brigade.world.mesh import World
 
 TUTORIAL_SPLITS = [1, 3, 5, 8, 10, 12, 20, 40, 60]  # of a batch of 120
 SINGLE, MP, OURS, PEER, DDP = "single", "model parallel", "brigade", "torch.distributed.pipelining", "ddp"
@@ -127,7 +134,9 @@ def cases(cfg: BenchConfig, ranks: int, n_blocks: int) -> tuple[list[Case], list
 
 @dataclass
 class Worker:
-    """What a bench or tuner worker builds its steps from: the run, the model, the batch, its rank."""
+    """What a bench or tuner worker builds its steps from: the run, the model, the batch, its rank,
+    and its two worlds over the same processes (`worlds`): `pipeline`, one pipeline rank each;
+    `replicas`, one data-parallel replica each."""
 
     cfg: BenchConfig
     spec: object
@@ -135,11 +144,40 @@ class Worker:
     y: torch.Tensor
     rank: int
     ranks: int
+    pipeline: World | None = None
+    replicas: World | None = None
+
+
+def worlds(ranks: int, device: torch.device) -> tuple[World, World]:
+    """(a pipeline of `ranks` ranks, `ranks` data-parallel replicas): the two layouts a bench or tune
+    worker builds its rows on, made in this order on every process."""
+    return World(Degrees(pp=ranks), device), World(Degrees(dp=ranks), device)
+
+
+def replica_step(w: Worker):
+    """One DDP step of the whole model, each replica on its slice of the batch, wrapped as
+    `brigade train` wraps it (the stage assembler over the `replicas` world)."""
+    blocks = copy.deepcopy(w.spec.blocks)
+    (model,) = assemble(blocks, Cut((len(blocks),), (0,)), w.replicas).stages.values()
+    d, c = w.replicas.degrees, w.replicas.coords
+    return train_step(model, w.spec.loss_fn, w.x.chunk(d.dp)[c.dp], w.y.chunk(d.dp)[c.dp])
+
+
+def brigade_pipeline(w: Worker, blocks: list[nn.Module], balance: list[int], schedule: str, virtual: int,
+                     m: int, costs: Costs | None = None) -> tuple[Pipeline, nn.ModuleList]:
+    """brigade's pipeline of `schedule` over the `pipeline` world, its stages cut from `blocks` by
+    `balance` and built by the stage assembler; and this rank's stages (what a step's gradients
+    are zeroed on)."""
+    cut = Cut(tuple(balance), tuple(placement(schedule, w.ranks, virtual)[1]))
+    built = assemble(blocks, cut, w.pipeline)
+    return built.pipeline(schedule, m, w.spec.loss_fn, costs), nn.ModuleList(built.stages.values())
 
 
 @dataclass
 class _Bench(Worker):
-    stages: dict[tuple[int, int], list[nn.Module]]  # (V, m) -> ranks × V stages (shared by rows)
+    balances: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (V, m) -> the cut
+    blocks: dict[tuple[int, int], list[nn.Module]] = field(default_factory=dict)  # (V, m) -> a copy (shared)
+    stages: dict[tuple[int, int], list[nn.Module]] = field(default_factory=dict)  # (V, m) -> its stages
     pipes: dict[Case, tuple[Pipeline, nn.Module]] = field(default_factory=dict)  # brigade's rows
     plan_costs: dict[tuple[int, int], Costs] = field(default_factory=dict)  # (V, m) -> what auto plans on
 
@@ -161,21 +199,21 @@ def _agreed_balances(b: Worker, shapes: list[tuple[int, int]]) -> dict[tuple[int
     return agreed[0]
 
 
-def _cut(blocks: list[nn.Module], balances: dict[tuple[int, int], list[int]]) -> dict:
-    """(V, m) -> the stages of a copy of `blocks` cut by that balance; equal balances share one."""
-    made: dict[tuple[int, ...], list[nn.Module]] = {}
-    for balance in balances.values():
+def _cut(b: _Bench) -> None:
+    """(V, m) -> a copy of the blocks for that balance, and its stages (for torch's rows and the
+    probes; brigade's rows cut the same copy through the assembler); equal balances share one."""
+    made: dict[tuple[int, ...], tuple[list[nn.Module], list[nn.Module]]] = {}
+    for shape, balance in b.balances.items():
         if tuple(balance) not in made:  # one deep copy per distinct cut, not per (V, m)
-            made[tuple(balance)] = split(copy.deepcopy(blocks), balance)
-    return {shape: made[tuple(balance)] for shape, balance in balances.items()}
+            blocks = copy.deepcopy(b.spec.blocks)
+            made[tuple(balance)] = blocks, split(blocks, balance)
+        b.blocks[shape], b.stages[shape] = made[tuple(balance)]
 
 
 def _ours(b: _Bench, case: Case):
-    held = stages_on(case.schedule, b.ranks, b.rank, case.virtual)
-    modules = {s: b.stages[case.virtual, case.microbatches][s] for s in held}
-    pipe = Pipeline(modules, case.schedule, case.microbatches, b.spec.loss_fn, device=b.x.device,
-                    virtual=case.virtual, costs=b.plan_costs.get((case.virtual, case.microbatches)))
-    mine = nn.ModuleList(modules[s] for s in held)  # what a step's gradients are zeroed on
+    shape = (case.virtual, case.microbatches)
+    pipe, mine = brigade_pipeline(b, b.blocks[shape], b.balances[shape], case.schedule, case.virtual,
+                                  case.microbatches, b.plan_costs.get(shape))
     b.pipes[case] = pipe, mine
     return pipeline_step(pipe, mine, b.x, b.y)
 
@@ -187,8 +225,7 @@ def _step(b: _Bench, case: Case):
             return lambda: None
         return train_step(nn.Sequential(*copy.deepcopy(b.spec.blocks)), b.spec.loss_fn, b.x, b.y)
     if case.name == DDP:
-        wrapped = ddp(nn.Sequential(*copy.deepcopy(b.spec.blocks)), b.x.device)
-        return train_step(wrapped, b.spec.loss_fn, b.x.chunk(b.ranks)[b.rank], b.y.chunk(b.ranks)[b.rank])
+        return replica_step(b)
     if case.name in (OURS, MP):
         return _ours(b, case)
     stages, placement = b.stages[case.virtual, case.microbatches], TORCH_SCHEDULES[case.schedule].placement
@@ -282,8 +319,10 @@ def _measure(cfg: BenchConfig, info) -> dict:
     x, y = place_model(spec, cfg.batch_size, cfg.seed, info.device)
     todo, skipped = cases(cfg, info.world_size, len(spec.blocks))
     shapes = sorted({(c.virtual, c.microbatches) for c in todo if c.name in (MP, OURS, PEER)})
-    balances = _agreed_balances(Worker(cfg, spec, x, y, info.rank, info.world_size), shapes)
-    b = _Bench(cfg, spec, x, y, info.rank, info.world_size, _cut(spec.blocks, balances))
+    pipeline, replicas = worlds(info.world_size, info.device)
+    b = _Bench(cfg, spec, x, y, info.rank, info.world_size, pipeline, replicas)
+    b.balances = balances = _agreed_balances(b, shapes)
+    _cut(b)
     b.plan_costs = measured_costs(b, todo)
     steps = _steps(b, todo, skipped)
     todo = [c for c in todo if c.key in steps]

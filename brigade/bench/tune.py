@@ -33,17 +33,21 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade.bench.choose import pick_trials, scores
-from brigade.bench.experiments import BenchConfig, Worker, scaled_splits
+from brigade.bench.experiments import (
+    BenchConfig,
+    Worker,
+    brigade_pipeline,
+    replica_step,
+    scaled_splits,
+    worlds,
+)
 from brigade.host.cores import shared_cores
 from brigade.launcher import groups
-from brigade.measure.device import ddp, place_model
+from brigade.measure.device import place_model
 from brigade.measure.stages import block_costs
 from brigade.measure.stats import median_ci_coverage, ratio_ci
-from brigade.measure.timing import interleaved_rounds, measure, ping_pong, pipeline_step, train_step
+from brigade.measure.timing import interleaved_rounds, measure, ping_pong, pipeline_step
 from brigade.models import load_model
-from brigade.pipeline.pipe import Pipeline
-from brigade.pipeline.plans.schedule import stages_on
-from brigade.pipeline.stages.partition import split
 from brigade.planner.budget import keep_fitting
 from brigade.planner.costs import ModelCosts, measure_memory
 from brigade.planner.space import search_space
@@ -62,24 +66,22 @@ def row_key(row: dict) -> str:
 
 @dataclass
 class _Tuner(Worker):
-    """Stages cut once per balance and shared by rows."""
+    """Blocks copied once per balance and shared by rows."""
 
-    stages: dict[tuple[int, ...], list[nn.Module]] = field(default_factory=dict)
+    blocks: dict[tuple[int, ...], list[nn.Module]] = field(default_factory=dict)
 
 
 def _step(t: _Tuner, row: dict):
-    """The callable every rank runs for one timed step of `row` (built now, timed later)."""
+    """The callable every rank runs for one timed step of `row` (built now, timed later), its
+    stages built by the assembler `brigade train` uses."""
     if row["dp"] > 1:
-        model = ddp(nn.Sequential(*copy.deepcopy(t.spec.blocks)), t.x.device)
-        return train_step(model, t.spec.loss_fn, t.x.chunk(t.ranks)[t.rank], t.y.chunk(t.ranks)[t.rank])
+        return replica_step(t)
     cut = tuple(row["balance"])
-    if cut not in t.stages:  # copies stay on the blocks' device, x's
-        t.stages[cut] = split(copy.deepcopy(t.spec.blocks), list(cut))
-    held = stages_on(row["schedule"], t.ranks, t.rank, row["virtual"])
-    modules = {s: t.stages[cut][s] for s in held}
-    pipe = Pipeline(modules, row["schedule"], row["microbatches"], t.spec.loss_fn, device=t.x.device,
-                    virtual=row["virtual"], costs=plan_costs(row))
-    return pipeline_step(pipe, nn.ModuleList(modules[s] for s in held), t.x, t.y)
+    if cut not in t.blocks:  # copies stay on the blocks' device, x's
+        t.blocks[cut] = copy.deepcopy(t.spec.blocks)
+    pipe, mine = brigade_pipeline(t, t.blocks[cut], list(cut), row["schedule"], row["virtual"],
+                                  row["microbatches"], plan_costs(row))
+    return pipeline_step(pipe, mine, t.x, t.y)
 
 
 def _timer(t: _Tuner, rounds: int):
@@ -241,7 +243,7 @@ def _tune(cfg: BenchConfig, info, verify: bool) -> dict:
     """The worker's body: everything it builds is freed when this returns."""
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, info.device)
-    t = _Tuner(cfg, spec, x, y, info.rank, info.world_size)
+    t = _Tuner(cfg, spec, x, y, info.rank, info.world_size, *worlds(info.world_size, info.device))
     ms = sorted({math.ceil(cfg.batch_size / s) for s in cfg.splits or scaled_splits(cfg.batch_size)})
     rows, left_out = search_space(cfg.schedules, ms, t.ranks, len(spec.blocks))
     dp_size = math.ceil(cfg.batch_size / t.ranks)  # what one data-parallel process steps on

@@ -2,7 +2,9 @@
 
 Every bench worker (bench, tune, speed, overhead) takes its device from one place, the
 `DistInfo.device` that `brigade.launcher.groups.init()` returns (cuda:local_rank under NCCL, the CPU
-under gloo), and places everything through these functions.
+under gloo), and places its model and batch through `place_model`. `ddp` is the tutorial's plain
+DDP, the baseline `results.overhead` holds brigade's loop against; brigade's own rows are built
+by the stage assembler, as `brigade train` builds them (`bench.experiments.worlds`).
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@
                      (2 processes here: all-reduce ~0.8, all-gather ~0.6, reduce-scatter ~0.3
                      GB/s against ~2 GB/s point to point), and pricing them at the latter
                      predicted sharded data parallel 30 % fast
-    as issued        what DDP (brigade's `data_parallel`) and FSDP2 (`shard_stage`, one unit per
-                     layer) add to a forward and backward of 4 linear layers of 1024 (16.8 MB of
-                     gradients), timed in turn with the plain step: the collectives' rates as
+    as issued        what DDP and FSDP2 (one unit per layer), as the stage assembler wraps a stage
+                     (`parallel.assemble`), add to a forward and backward of 4 linear layers of
+                     1024 (16.8 MB of gradients), timed in turn with the plain step: the rates as
                      training issues them, bucket copies and hooks included (`as_issued`). Priced
                      at the bare all-reduce's rate, DDP's reduction read 1.3-1.7 × too fast
     DTensor step     what AdamW's step adds per parameter when the parameters are DTensors (a
@@ -70,9 +70,13 @@ for n in (1 << 16, 1 << 22):  # elements of the whole buffer: 256 KiB and 16 MiB
     got.setdefault("all_gather", []).append(timed(lambda: dist.all_gather_into_tensor(out, half)))
     got.setdefault("reduce_scatter", []).append(timed(lambda: dist.reduce_scatter_tensor(half, x)))
 
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-mesh = init_device_mesh("cpu", (2,))
+from brigade.parallel.assemble import Cut, assemble
+from brigade.world.degrees import Degrees
+from brigade.world.mesh import World
+cpu = torch.device("cpu")
+sharding, replicas, pipeline = (World(d, cpu) for d in (Degrees(dp=2, shard=2), Degrees(dp=2), Degrees(pp=2)))
+mesh = sharding.shard_mesh
 def step(params):
     opt = torch.optim.AdamW(params)
     for p in params:
@@ -84,12 +88,11 @@ spread = step([torch.nn.Parameter(distribute_tensor(torch.zeros(128), mesh, [Sha
 got["dtensor_step_s"] = max(0.0, (spread - plain) / k)
 
 import copy
-from brigade.parallel.shard import shard_stage
-from brigade.parallel.replicate import data_parallel
 torch.manual_seed(0)
 layers = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 16.8 MB of grads
-plain, wrapped = copy.deepcopy(layers), data_parallel(copy.deepcopy(layers), None, None)
-sharded = shard_stage(copy.deepcopy(layers), mesh)
+def wrapped_as_trained(world):  # the stage assembler's DDP or FSDP2, as `brigade train` wraps a stage
+    return assemble(list(copy.deepcopy(layers)), Cut((4,), (0,)), world).stages[0]
+plain, wrapped, sharded = copy.deepcopy(layers), wrapped_as_trained(replicas), wrapped_as_trained(sharding)
 batch = torch.randn(8, 1024)
 issued = {"plain": [], "ddp": [], "fsdp": []}
 for k in range(3 + 12):  # in turn, so that a slow moment slows all three
@@ -102,9 +105,8 @@ for k in range(3 + 12):  # in turn, so that a slow moment slows all three
 got["issued"] = {name: statistics.median(ts[3:]) for name, ts in issued.items()}
 got["issued_bytes"] = sum(p.numel() * p.element_size() for p in layers.parameters())
 
-from brigade.pipeline.pipe import Pipeline
-stage = torch.nn.Linear(8, 8)
-pipes = {m: (Pipeline(stage, "1f1b", m, torch.nn.functional.mse_loss), torch.randn(4 * m, 8),
+two = assemble([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)], Cut((1, 1), (0, 1)), pipeline)
+pipes = {m: (two.pipeline("1f1b", m, torch.nn.functional.mse_loss), torch.randn(4 * m, 8),
              torch.randn(4 * m, 8)) for m in (2, 8)}  # steps of two stages of almost nothing
 def stepped(rounds):
     steps = {m: [] for m in pipes}

@@ -8,13 +8,14 @@ The usual bandwidth-optimal ring formulas over n ranks, each sending `bytes` of 
     point to point               bytes / bw  +          latency
 
 A group's link is the slowest among its ranks: inter-node when they sit on more than one node.
-Ranks are placed as brigade's DeviceMesh orders them, (replicate, shard, pp, tp) with tp innermost
-(train/layout.py): rank = ((replica · shard + shard_rank) · pp + stage) · tp + tp_rank.
+Ranks are placed as brigade's DeviceMesh orders them (`world.degrees`: replicate, shard, pp, cp,
+tp, with tp innermost), so a group's ranks are the world's own.
 """
 
 from __future__ import annotations
 
 from brigade.planner.cluster import Cluster
+from brigade.world.degrees import Degrees
 
 
 def link(cluster: Cluster, ranks: list[int], kind: str = "") -> tuple[float, float]:
@@ -46,22 +47,8 @@ def p2p(nbytes: float, bw: float, latency: float) -> float:
     return nbytes / bw + latency
 
 
-def rank_of(replica: int, shard_rank: int, stage: int, shard: int, pp: int, tp_rank: int = 0,
-            tp: int = 1) -> int:
-    """The global rank of a (replica, shard rank, pipeline stage, tp rank) position of the mesh."""
-    return ((replica * shard + shard_rank) * pp + stage) * tp + tp_rank
-
-
 def groups(replicate: int, shard: int, pp: int, tp: int = 1) -> dict[str, list[int]]:
     """Rank 0's groups (the slowest are alike by symmetry): its pipeline, its shard group, its
     replicas, its whole data-parallel group (all of stage 0's ranks) and its tp group."""
-    def at(r: int, k: int, s: int, t: int = 0) -> int:
-        return rank_of(r, k, s, shard, pp, t, tp)
-
-    return {
-        "pp": [at(0, 0, s) for s in range(pp)],
-        "shard": [at(0, k, 0) for k in range(shard)],
-        "replicate": [at(r, 0, 0) for r in range(replicate)],
-        "dp": [at(r, k, 0) for r in range(replicate) for k in range(shard)],
-        "tp": [at(0, 0, 0, t) for t in range(tp)],
-    }
+    degrees = Degrees(dp=replicate * shard, shard=shard, pp=pp, tp=tp)
+    return {dim: degrees.group(dim, 0) for dim in ("pp", "shard", "replicate", "dp", "tp")}
