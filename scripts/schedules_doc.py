@@ -6,8 +6,8 @@
 
 Everything about a schedule on the page is asked of its owner: the names, placements, stages per
 rank and one-line descriptions of `brigade.pipeline.plans.registry.SCHEDULES` (in registration order),
-the plans of `schedule.build`, and the bubble, peak memory and grids of `plan.simulate` and
-`plan.render` under unit costs. A schedule registered later appears here by construction;
+the plans of `schedule.build`, and the bubble, peak memory and grids of `simulate.simulate` and
+`simulate.render` under unit costs. A schedule registered later appears here by construction;
 tests/test_docs.py fails until the page is regenerated. The only hand-written facts are the
 closed-form bubble and memory formulas below, which no code derives; a schedule without one
 says so in the table (its simulated figures still appear).
@@ -80,8 +80,8 @@ rank's time forward at once, and a free rank starts the oldest input-gradient pa
 gradient has arrived, else a forward if it holds fewer micro-batch activations than the limit,
 else a deferred weight pass (W) or stage 0's whole backward, else waits. A few variants of these
 rules and the least activation limit that keeps the plan shortest (found by bisection) are
-searched, and the plan that `plan.simulate` finds shortest is kept. It is a heuristic search
-(no ILP): with equal costs it meets `plan.lower_bound` wherever m ≥ p + V − 1, and it is never
+searched, and the plan that `simulate.simulate` finds shortest is kept. It is a heuristic search
+(no ILP): with equal costs it meets `bounds.lower_bound` wherever m ≥ p + V − 1, and it is never
 longer than the hand-written plans of its placement (both tested for p ≤ 5, m ≤ 11): where
 one of those is shorter on the costs, auto runs it, and of equally short plans the one that
 holds fewer activations (so at p 4, V 2, m 8 on equal costs it runs as DualPipeV, in the grid
@@ -189,7 +189,7 @@ def page() -> str:
         "in the order `brigade schedule --help` lists them:\n",
         registry_table() + "\n",
         f"What each costs. The formulas are written by hand; the last two columns are "
-        f"`plan.simulate` under unit costs (F = B = 1, I = W = ½) at p = {RANKS}, m = {MICROBATCHES}, "
+        f"`simulate.simulate` under unit costs (F = B = 1, I = W = ½) at p = {RANKS}, m = {MICROBATCHES}, "
         "V = the schedule's default:\n",
         costs_table() + "\n",
         SPLIT_NOTE.format(split=", ".join(split) if split else "none registered now"),

@@ -87,11 +87,11 @@ def test_build_does_not_change_what_validate_sees():
     (["--nproc", "4", "--pp", "2"], None, (4, 1, 2, 2)),
     (["--nproc", "2", "--nnodes", "2", "--pp", "2", "--rdzv-endpoint", "h:1"], None, (2, 2, 2, 2)),
     (["--nproc", "2", "--local-stages", "2"], None, (2, 1, 2, 1)),  # local stages live in a process
-    (["--pp", "2"], config.World(4, 4, "torchrun"), (4, 1, 2, 2)),  # the launcher's 4, not --nproc 2
-    (["--pp", "2"], config.World(4, 2, "torchrun"), (2, 2, 2, 2)),  # two agents, 2 processes each
-    (["--pp", "2"], config.World(4, None, "Slurm"), (4, 1, 2, 2)),
-    (["--dp", "2", "--pp", "2", "--nproc", "4"], config.World(4, 4, "torchrun"), (4, 1, 2, 2)),
-    (["--local-stages", "2"], config.World(2, 2, "torchrun"), (2, 1, 2, 1)),
+    (["--pp", "2"], config.Launched(4, 4, "torchrun"), (4, 1, 2, 2)),  # the launcher's 4, not --nproc 2
+    (["--pp", "2"], config.Launched(4, 2, "torchrun"), (2, 2, 2, 2)),  # two agents, 2 processes each
+    (["--pp", "2"], config.Launched(4, None, "Slurm"), (4, 1, 2, 2)),
+    (["--dp", "2", "--pp", "2", "--nproc", "4"], config.Launched(4, 4, "torchrun"), (4, 1, 2, 2)),
+    (["--local-stages", "2"], config.Launched(2, 2, "torchrun"), (2, 1, 2, 1)),
 ])
 def test_layout_is_derived_from_the_world(argv, world, expected):
     p = parse(*argv, world=world).parallel
@@ -101,24 +101,24 @@ def test_layout_is_derived_from_the_world(argv, world, expected):
 def test_resolve_layout_is_pure_and_idempotent():
     cfg = config.RunConfig()
     cfg.parallel.pp = 2
-    world = config.World(4, 4, "torchrun")
+    world = config.Launched(4, 4, "torchrun")
     once = config.resolve_layout(cfg, world)
     assert cfg.parallel.dp == 0 and cfg.parallel.nproc == 2  # the input is untouched
     assert once.parallel.dp == 2 and config.resolve_layout(once, world) == once
 
 
 @pytest.mark.parametrize("argv,world,message", [
-    (["--nproc", "2", "--pp", "2"], config.World(4, 4, "torchrun"),
+    (["--nproc", "2", "--pp", "2"], config.Launched(4, 4, "torchrun"),
      r"^--nproc 2 but torchrun started 4 processes on this node: leave --nproc out under torchrun"),
-    (["--nproc", "4", "--pp", "2"], config.World(4, None, "Slurm"), None),  # agrees: no error
-    (["--dp", "1", "--pp", "2"], config.World(4, 4, "torchrun"),
+    (["--nproc", "4", "--pp", "2"], config.Launched(4, None, "Slurm"), None),  # agrees: no error
+    (["--dp", "1", "--pp", "2"], config.Launched(4, 4, "torchrun"),
      r"^--dp 1 × --pp 2 = 2 but the world size is 4 \(set by torchrun\): the world size must equal dp × pp,"
      r" or leave --dp out"),
-    (["--pp", "3"], config.World(4, 4, "Slurm"),
+    (["--pp", "3"], config.Launched(4, 4, "Slurm"),
      r"^world size 4 \(set by Slurm\) is not divisible by --pp 3: make it a multiple"),
-    (["--nnodes", "1", "--pp", "2"], config.World(4, 2, "torchrun"),
+    (["--nnodes", "1", "--pp", "2"], config.Launched(4, 2, "torchrun"),
      r"^--nnodes 1 but torchrun started 4 processes, 2 per node: leave --nnodes out under torchrun"),
-    (["--pp", "2", "--batch-size", "6"], config.World(8, 8, "torchrun"),
+    (["--pp", "2", "--batch-size", "6"], config.Launched(8, 8, "torchrun"),
      r"^--batch-size 6 does not split evenly over dp 4"),
 ])
 def test_flags_that_contradict_the_launcher(argv, world, message):
@@ -134,7 +134,7 @@ def test_a_config_file_counts_as_given(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text("[parallel]\nnproc = 2\npp = 2\n")
     with pytest.raises(BrigadeError, match="--nproc 2 but torchrun started 4"):
-        parse("--config", str(f), world=config.World(4, 4, "torchrun"))
+        parse("--config", str(f), world=config.Launched(4, 4, "torchrun"))
 
 
 # --- elastic ranges: --nnodes MIN:MAX (brigade/config/elastic.py) -----------------------------------------
@@ -169,7 +169,7 @@ def test_bad_elastic_ranges(argv, message):
 
 def test_an_elastic_range_the_launcher_contradicts():
     with pytest.raises(BrigadeError, match=r"^--nnodes 1:2 but torchrun started 6 processes, 2 per node"):
-        parse("--nnodes", "1:2", "--pp", "2", world=config.World(6, 2, "torchrun"))
+        parse("--nnodes", "1:2", "--pp", "2", world=config.Launched(6, 2, "torchrun"))
 
 
 @pytest.mark.parametrize("argv", [["--nnodes", "2:1"], ["--nnodes", "0:2"], ["--nnodes", "two"],
@@ -192,7 +192,7 @@ def test_bad_elastic_ranges_on_the_command_line(argv, capsys, tmp_path):
      (2, 4, 4, {2: 2, 3: 2, 4: 1})),
     (["--nnodes", "1:2", "--nproc", "1", "--pp", "2", *ELASTIC], None, (1, 2, 1, {1: 1})),  # waits for 2
     (["--nnodes", "2:2", "--rdzv-endpoint", "h:1"], None, (0, 2, 4, {4: 1})),  # MIN = MAX: not elastic
-    (["--nnodes", "1:2", "--pp", "2"], config.World(2, 2, "torchrun"), (1, 2, 1, {1: 2, 2: 1})),
+    (["--nnodes", "1:2", "--pp", "2"], config.Launched(2, 2, "torchrun"), (1, 2, 1, {1: 2, 2: 1})),
 ])
 def test_elastic_layout_and_accumulation(argv, world, expected):
     from brigade.config.elastic import accumulation, first_nodes, reachable

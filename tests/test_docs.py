@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
-README_MAX_LINES = 220  # "The README is one screen" (DESIGN.md, rule 12): the rest lives in docs/
+README_MAX_LINES = 220  # "The README is one screen" (the design notes, rule 12): the rest lives in docs/
 
 
 def _schedules_doc():

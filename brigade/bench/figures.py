@@ -10,7 +10,7 @@ False, and `brigade bench` says so instead of naming a winner.
     speedup_vs_single = median_k(single_k / ours_k)     efficiency = median_k(ideal_k / ours_k)
     vs_torch          = median_k(torch_k / ours_k)      (> 1: brigade faster)
 
-How far any schedule could go (transfers free, `plan.lower_bound`): each brigade row's
+How far any schedule could go (transfers free, `bounds.lower_bound`): each brigade row's
 `lower_bound_s` over its own cut and placement, and `balanced_bound_s`, its compute spread
 evenly over the ranks (any cut, any V). The best pair's `bound_vs_torch` and
 `balanced_bound_vs_torch` divide torch's best step by the lowest of them: a brigade step ×X

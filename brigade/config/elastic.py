@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 from brigade.errors import BrigadeError
 
 if TYPE_CHECKING:
+    from brigade.config.launched import Launched
     from brigade.config.sections import ParallelConfig, RunConfig
-    from brigade.config.world import World
 
 
 def parse_nodes(text: str | int) -> tuple[int, int]:
@@ -97,7 +97,7 @@ def check_range(p: ParallelConfig, given: Collection[str], under_launcher: bool,
         check_batch(nodes, dp)
 
 
-def launcher_nodes(p: ParallelConfig, world: World) -> tuple[int, int]:
+def launcher_nodes(p: ParallelConfig, world: Launched) -> tuple[int, int]:
     """(processes per node, MAX) for an elastic run under a launcher whose world is `world`.
 
     Raises:

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Collection
 
 from brigade.config import elastic
+from brigade.config.launched import Launched
 from brigade.config.sections import ParallelConfig, RunConfig
-from brigade.config.world import World
 from brigade.errors import BrigadeError
 from brigade.world.degrees import Degrees
 
@@ -33,7 +33,7 @@ def degrees_of(p: ParallelConfig) -> Degrees:
     return Degrees(dp=p.dp, shard=p.shard, pp=p.pp, tp=p.tp)
 
 
-def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection[str] = ()) -> RunConfig:
+def resolve_layout(cfg: RunConfig, world: Launched | None = None, given: Collection[str] = ()) -> RunConfig:
     """The one place the layout is derived: dp = world ÷ (pp × tp) when --dp is 0. Pure.
 
     Local stages live inside one process, so they do not divide the world. Under a launcher
@@ -66,7 +66,7 @@ def resolve_layout(cfg: RunConfig, world: World | None = None, given: Collection
     return out
 
 
-def _launcher_nodes(p: ParallelConfig, world: World, given: Collection[str]) -> tuple[int, int]:
+def _launcher_nodes(p: ParallelConfig, world: Launched, given: Collection[str]) -> tuple[int, int]:
     """(processes on this node, nodes) as the launcher started them; a given flag must agree."""
     local = world.local or world.size
     if "nproc" in given and p.nproc != local:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from brigade.config import elastic
 from brigade.config.fielddoc import flag_help, help_of
-from brigade.config.resolve import World, resolve_layout
+from brigade.config.resolve import Launched, resolve_layout
 from brigade.config.sections import SECTIONS, RunConfig, field_types, section_classes
 from brigade.config.validate import validate
 from brigade.errors import BrigadeError
@@ -98,7 +98,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace | None = None, toml: dict[str, dict] | None = None,
-          world: World | None = None) -> RunConfig:
+          world: Launched | None = None) -> RunConfig:
     """Defaults ← TOML ← flags, then `validate`, then `resolve_layout` for `world`.
 
     Args:

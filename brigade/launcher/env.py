@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from brigade.config import World
+from brigade.config import Launched
 from brigade.errors import BrigadeError
 
 
@@ -135,14 +135,14 @@ def expand_nodelist(text: str) -> list[str]:
     return hosts
 
 
-def launcher_world(env: Mapping[str, str] | None = None) -> World | None:
+def launcher_world(env: Mapping[str, str] | None = None) -> Launched | None:
     """The launcher's world as `config.resolve_layout` takes it; None when brigade starts the processes.
 
     Raises:
         BrigadeError: a launcher variable that is not an integer or out of range.
     """
     found = launcher_env(env)
-    return None if found is None else World(found.world_size, found.local_world_size, found.launcher)
+    return None if found is None else Launched(found.world_size, found.local_world_size, found.launcher)
 
 
 def under_launcher(env: Mapping[str, str] | None = None) -> bool:

@@ -216,7 +216,7 @@ def _infer_batch(blocks: list[nn.Module]) -> Callable[[int, torch.Generator], Ba
 def _chain_output(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     """The last block's output for the inferred input `x`, block by block, so that a misfit names
     its block. (Models know nothing of pipelines: the stage-by-stage checks of structures and side
-    inputs are `pipeline.partition.check_chain`'s, which every command runs before any work.)
+    inputs are `pipeline.stages.partition.check_chain`'s, which every command runs before any work.)
 
     Raises:
         BrigadeError: a block that cannot take its predecessor's output, or one whose output is

@@ -1,5 +1,12 @@
-"""What wraps a stage's blocks from outside: data parallel (DDP, or FSDP2's sharding).
+"""What wraps a stage's blocks from outside, and the one assembler that applies it.
 
-Models know nothing of parallelism; the pipeline runtime only interprets plans. Here a stage's
-module is wrapped where it is built (train's layout, the check), the same way in both.
+    assemble.py   blocks, cut and world → this process's wrapped stages, in one order (`ORDER`)
+    tensor.py     tensor parallel: each block's tp_plan over the world's "tp" mesh
+    recompute.py  activation recompute, full or selective, per block
+    shard.py      FSDP2 (and HSDP) over the world's shard mesh
+    replicate.py  DDP over the data-parallel group, its buckets told to the hang watchdog
+    held.py       the bytes a step holds for backward (what recompute saves is counted there)
+
+Models know nothing of parallelism; the pipeline runtime only interprets plans. A stage's module
+is wrapped where it is built, by `assemble`, for training, the check, the bench and the tuner alike.
 """

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from brigade import forensics
-from brigade.config import RunConfig, World, resolve_layout
+from brigade.config import Launched, RunConfig, resolve_layout
 from brigade.config.elastic import accumulation
 from brigade.launcher import agent
 from brigade.launcher.rendezvous import LaunchSpec
@@ -124,7 +124,7 @@ def this_round(cfg: RunConfig) -> RunConfig:
     if not p.min_nodes:
         return cfg
     local = int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc))
-    world = World(dist.get_world_size(), local, "the elastic agent")
+    world = Launched(dist.get_world_size(), local, "the elastic agent")
     return resolve_layout(dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=0)), world)
 
 

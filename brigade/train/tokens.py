@@ -15,7 +15,7 @@ into one stream of ids, the tokenizer's end-of-sequence token between them when 
 
 Sampling: example k is the window of block_size + 1 ids starting at k * block_size, so the
 windows tile the stream (each id is a target once per epoch), unlike the character windows
-of `data.CharDataset`, which start at every position. The same `Sampler` draws them.
+of `text.CharDataset`, which start at every position. The same `Sampler` draws them.
 
 Split: the validation set is the last `val_fraction` of the packed stream, cut at a fixed
 token position as `data.load_text_data` cuts characters; the training set is the rest.
@@ -96,7 +96,7 @@ def read_documents(path: str, field: str = "text") -> list[str]:
         The documents, in file order; JSON objects with an empty text are left out.
 
     Raises:
-        BrigadeError: the file is missing, empty or not text (as `data.read_text`), or a JSON
+        BrigadeError: the file is missing, empty or not text (as `text.read_text`), or a JSON
             line is not valid JSON, not an object, or has no string `field`; or no line has text.
     """
     text = read_text(path)
@@ -153,7 +153,7 @@ def pack(docs: list[list[int]], eos: int | None) -> torch.Tensor:
 class TokenDataset(CharDataset):
     """Packed sequences: example k is ids[k*T : k*T + T + 1], inputs and next-token targets.
 
-    Works wherever `data.CharDataset` does (`len`, `batch(indices) -> (inputs, targets)`); its
+    Works wherever `text.CharDataset` does (`len`, `batch(indices) -> (inputs, targets)`); its
     windows tile the stream (stride None: the block size) instead of starting everywhere.
     """
 

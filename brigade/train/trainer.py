@@ -27,7 +27,15 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade import forensics
-from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig, World, elastic, resolve_layout
+from brigade.config import (
+    Launched,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    elastic,
+    resolve_layout,
+)
 from brigade.config.precision import autocast_dtype
 from brigade.dtensors import mesh_of
 from brigade.errors import RunError
@@ -157,7 +165,7 @@ class Trainer:
         gradient accumulation for that dp by `elastic.accumulation` (an elastic run keeps its
         global batch: fewer replicas, more accumulation steps)."""
         run = RunConfig(parallel=self.parallel, optim=self.optim_cfg, train=self.cfg)
-        world = World(dist.get_world_size(), launcher="the process group")
+        world = Launched(dist.get_world_size(), launcher="the process group")
         self.parallel = resolve_layout(run, world).parallel
         accum = elastic.accumulation(dataclasses.replace(run, parallel=self.parallel), self.parallel.dp)
         self.optim_cfg = dataclasses.replace(self.optim_cfg, grad_accum=accum)

@@ -123,7 +123,7 @@ def test_launcher_env_reads_the_world(variables, expected):
 def test_launcher_world_and_slurm_translation():
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x2)",
            "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234"}
-    assert launcher_world(env) == config.World(4, 2, "Slurm")
+    assert launcher_world(env) == config.Launched(4, 2, "Slurm")
     assert slurm_env(env) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                               "MASTER_ADDR": "gpu07", "MASTER_PORT": "29734"}
 

@@ -30,10 +30,6 @@ PREFIX = "hf:"
 IGNORE = -100  # a target transformers' loss skips
 
 
-def is_hf(name: str) -> bool:
-    return name.startswith(PREFIX)
-
-
 def directory_of(name: str) -> Path:
     return Path(name[len(PREFIX):]).expanduser()
 

@@ -32,7 +32,7 @@ rank, so a bubble is nearly free while a split backward's extra work (I + W > B)
 and a whole-backward schedule (1F1B) may win. Of equally short plans, the one holding fewer
 activations wins (auto's own on a full tie).
 
-    p = 2, V = 1, m = 4, unit costs (F = B = 1, I = W = ½), no memory limit, `plan.render`:
+    p = 2, V = 1, m = 4, unit costs (F = B = 1, I = W = ½), no memory limit, `simulate.render`:
 
     t      | 0   1   2   3   4   5   6   7   8   9   10  11  12  13  14  15  16  17
     rank 0 | 0F0 ~   0F1 ~   .   0B0 ~   0F2 ~   0B1 ~   0F3 ~   0B2 ~   .   0B3 ~

@@ -11,7 +11,7 @@ rank, P·V stages in all), placed by the schedule's placement, stage → rank:
 
 The placement is also written in the plan itself (`stage_ranks`): every stage's
 compute actions sit in its rank's list. Plans are data: they are built, checked
-(`plan.validate`), costed (`plan.simulate`) and drawn (`plan.render`) without torch
+(`validate.validate`), costed (`simulate.simulate`) and drawn (`simulate.render`) without torch
 and without processes. The runtime only interprets them.
 
 Every schedule is registered (`registry.SCHEDULES`, by `@register`, with its placement and the V

@@ -4,16 +4,16 @@ as pure plans.
 `--stages P` ranks each hold V stages, so the model is cut into P·V pieces; the placement
 (`schedule.place`) says which rank runs which stage. Every builder here is registered in
 `schedule.SCHEDULES` and returns `{rank: [Action(global stage, op, mb)]}`, checked by
-`plan.validate` like the one-stage-per-rank schedules.
+`validate.validate` like the one-stage-per-rank schedules.
 
     interleaved, p=2, V=2, m=4 (loop placement: stages 0, 2 on rank 0; 1, 3 on rank 1),
-    unit costs (`plan.render`):
+    unit costs (`simulate.render`):
 
     rank 0 | 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 .   2B2 .   2B3 0B2 0B3
     rank 1 | .   1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3 .
 
 Every rank walks its stages in one order shared by all ranks (`forward_order`), so the two
-ends of every link agree on the order of what crosses it (`plan.validate`), and each plan
+ends of every link agree on the order of what crosses it (`validate.validate`), and each plan
 runs under NCCL's posting (`nccl.check`). The V schedules (zbv, dualpipev) are written per
 rank instead, as phases over a count of each stage's forwards and backwards. No torch import.
 """

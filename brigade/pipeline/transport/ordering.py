@@ -6,7 +6,7 @@ their ranks' streams: the rules, and the proof, are in `nccl`). Gloo has no such
 constraint: its receives can wait ahead of time without blocking sends.
 
 `posting(actions, policy)` is the one place that decides, for one rank's action
-list (with comms, from `schedule.validate`), which operations are issued, in
+list (with comms, from `validate.validate`), which operations are issued, in
 which batches and after which of the rank's comm actions. `P2PTransport`
 issues exactly these batches; `nccl.check(plan, policy)` simulates them as NCCL
 runs them. The NCCL policy is therefore checked, not assumed.
@@ -130,7 +130,7 @@ def posting(plan: Plan, rank: int, policy: str) -> list[Issue]:
     """The batches `rank` issues for one step of `plan`, in issue order.
 
     Args:
-        plan: every rank's actions with comms inserted (`plan.validate`): the grouped
+        plan: every rank's actions with comms inserted (`validate.validate`): the grouped
             policy orders messages by one clock over the whole plan.
         rank: whose batches.
         policy: "grouped" (every rank issues its operations in the order of one global

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class World:
+class Launched:
     """The processes of a run as a launcher started them.
 
     size: processes in all; local: on this node (None: the launcher does not say);
