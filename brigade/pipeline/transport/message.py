@@ -1,7 +1,7 @@
 """What one P2P message carries: a tensor, or a structure's tensors and, when it must travel,
 the structure's description. Pure bookkeeping for `p2p.P2PTransport`: no communication here.
 
-A message's `Layout` is its `structure.Spec` and each tensor's (dtype, shape). The receiver
+A message's `MessageLayout` is its `structure.Spec` and each tensor's (dtype, shape). The receiver
 knows it either from the previous step (predicted) or from what precedes the payload:
 
     meta  int64[META_LEN], fixed size, so it can be received before anything is known:
@@ -26,12 +26,12 @@ from brigade.pipeline.transport import wire
 from brigade.pipeline.transport.wire import HEADER_LEN, decode_header, encode_header
 
 Shape = tuple[torch.dtype, tuple[int, ...]]
-Layout = tuple[structure.Spec, tuple[Shape, ...]]
+MessageLayout = tuple[structure.Spec, tuple[Shape, ...]]
 META_LEN = 1 + HEADER_LEN
 SAME = -1  # meta[0]: the layout the receiver predicted
 
 
-def layout_of(obj: Any) -> tuple[list[torch.Tensor], Layout]:
+def layout_of(obj: Any) -> tuple[list[torch.Tensor], MessageLayout]:
     """The tensors to send (detached, contiguous) and the layout that describes them.
 
     Raises:
@@ -42,18 +42,18 @@ def layout_of(obj: Any) -> tuple[list[torch.Tensor], Layout]:
     return tensors, (spec, tuple((t.dtype, tuple(t.shape)) for t in tensors))
 
 
-def key_of(obj: Any) -> Layout:
+def key_of(obj: Any) -> MessageLayout:
     """The layout of `obj` without copying anything (for comparing steps)."""
     tensors, spec = structure.flatten(obj)
     return spec, tuple((t.dtype, tuple(t.shape)) for t in tensors)
 
 
-def build(tensors: list[torch.Tensor], layout: Layout) -> Any:
+def build(tensors: list[torch.Tensor], layout: MessageLayout) -> Any:
     """The received object: a tensor, or the structure rebuilt around the tensors."""
     return structure.unflatten(tensors, layout[0])
 
 
-def plain(layout: Layout) -> bool:
+def plain(layout: MessageLayout) -> bool:
     """A single tensor, described inline by the meta header (no description to send)."""
     return layout[0] == structure.TENSOR
 
@@ -62,7 +62,7 @@ def _tensor_header(shape: Shape) -> list[int]:
     return encode_header(torch.empty(shape[1], dtype=shape[0], device="meta"))
 
 
-def meta(layout: Layout, same: bool = False) -> list[int]:
+def meta(layout: MessageLayout, same: bool = False) -> list[int]:
     """The fixed-size header announcing a message (see the module docstring)."""
     if same:
         return [SAME] + [0] * HEADER_LEN
@@ -71,13 +71,13 @@ def meta(layout: Layout, same: bool = False) -> list[int]:
     return [len(describe(layout))] + [0] * HEADER_LEN
 
 
-def describe(layout: Layout) -> list[int]:
+def describe(layout: MessageLayout) -> list[int]:
     """The description that follows a structure's meta header."""
     codes = wire.encode(layout[0])
     return [len(codes), *codes, *(v for s in layout[1] for v in _tensor_header(s))]
 
 
-def read_meta(values: list[int]) -> Layout | int | None:
+def read_meta(values: list[int]) -> MessageLayout | int | None:
     """A received meta header: the layout of a plain tensor, a description's length, or None (SAME)."""
     if values[0] == SAME:
         return None
@@ -86,7 +86,7 @@ def read_meta(values: list[int]) -> Layout | int | None:
     return values[0]
 
 
-def read_description(values: list[int]) -> Layout:
+def read_description(values: list[int]) -> MessageLayout:
     """The layout from a received description.
 
     Raises:
@@ -102,13 +102,13 @@ def read_description(values: list[int]) -> Layout:
     return spec, shapes
 
 
-def buffers(layout: Layout, device: torch.device, zeros: bool = False) -> list[torch.Tensor]:
+def buffers(layout: MessageLayout, device: torch.device, zeros: bool = False) -> list[torch.Tensor]:
     """Receive buffers (or zero placeholders) for a layout's tensors."""
     make = torch.zeros if zeros else torch.empty
     return [make(shape, dtype=dtype, device=device) for dtype, shape in layout[1]]
 
 
-def show(layout: Layout | None) -> str:
+def show(layout: MessageLayout | None) -> str:
     """A layout for messages: `tuple(float32 (4, 8), int64 (4,))`."""
     if layout is None:
         return "nothing"

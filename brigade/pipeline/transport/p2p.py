@@ -62,7 +62,7 @@ import torch.distributed as dist
 from brigade.errors import RunError
 from brigade.pipeline.plans.action import COMM_OPS, RECV_F, SEND_B, SEND_F, Action, Plan
 from brigade.pipeline.transport import message
-from brigade.pipeline.transport.message import META_LEN, Layout
+from brigade.pipeline.transport.message import META_LEN, MessageLayout
 from brigade.pipeline.transport.nccl import discovery_batches
 from brigade.pipeline.transport.ordering import (
     BEGIN,
@@ -112,7 +112,7 @@ class P2PTransport:
         self._flag = torch.zeros(1, dtype=torch.int64, device=device)
         self._flag_work: dist.Work | None = None  # the first stage's broadcast of this step's mode
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._known: dict[tuple[int, int, str, int], Layout] = {}  # (stage, peer, F|B, mb) -> layout
+        self._known: dict[tuple[int, int, str, int], MessageLayout] = {}  # (stage, peer, F|B, mb) -> layout
         self._headers: dict[tuple, torch.Tensor] = {}  # meta header or description, on device
         self._staged: dict[Action, tuple] = {}  # send -> (tensors, layout) until its batch is issued
         self._posted: dict[Action, tuple] = {}  # recv -> policy-specific receive state
@@ -197,7 +197,7 @@ class P2PTransport:
         self._sends += [(w, op.tensor) for op, w in zip(ops, works) if op.op is dist.isend]
         return works  # sends are kept alive until flush()
 
-    def _header(self, layout: Layout, part: str = "meta", same: bool = False) -> torch.Tensor:
+    def _header(self, layout: MessageLayout, part: str = "meta", same: bool = False) -> torch.Tensor:
         """The meta header or description of `layout`, on the device (copied once per layout)."""
         key = (layout, part, same)
         if key not in self._headers:
