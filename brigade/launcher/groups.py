@@ -96,9 +96,6 @@ def init(backend: str | None = None, threads: int | None = None,
     # previous attempt's address and times out. Connecting each pair on first use avoids it.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     if not dist.is_initialized():
-        # A group this process left may still hold its store's port: a DeviceMesh and the sub-mesh
-        # flattened from it point at each other, and only a collection frees them (and the port).
-        gc.collect()
         kwargs = {"device_id": device} if device_type == "cuda" and local_stages == 1 else {}
         if timeout_s:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)

@@ -2,13 +2,14 @@
 
 Built once per process from the run's `Degrees`, after the process group is joined
 (`launcher.groups.init`): one DeviceMesh over every dimension (`degrees.DIMS`, named, size-1
-dimensions included, so adding a degree changes no caller), the flattened data-parallel mesh
-beside it, and the groups of each. The trainer, `brigade check`, the benches and the tuner take
+dimensions included, so adding a degree changes no caller), the groups of the dimensions that
+span several of the mesh's (the data-parallel one: replicate × shard) beside it, and the groups
+of each. The trainer, `brigade check`, the benches and the tuner take
 their groups, sub-meshes and coordinates from here; nothing else builds a mesh or computes a
 rank from coordinates.
 
     mesh ("replicate", "shard", "pp", "cp", "tp")
-      ├ "dp" = replicate × shard, flattened: DDP's group, the loss's mean over replicas
+      ├ "dp" = replicate × shard, one group: DDP's group, the loss's mean over replicas
       ├ shard_mesh: ("shard") or ("replicate", "shard"): what FSDP2 shards (and HSDP replicates) over
       ├ "tp": parallelize_module's mesh (tensor parallel and FSDP2 from one root: 2-D DTensors)
       ├ "pp": the pipeline's sends and receives, the gradient norm over stages
@@ -52,9 +53,13 @@ class World:
             from torch.distributed.device_mesh import init_device_mesh
 
             self.mesh = init_device_mesh(self.device.type, degrees.shape, mesh_dim_names=DIMS)
-            self._flat = {name: _flatten(self.mesh, dims, name, degrees) for name, dims in FLATTENED.items()}
-            if degrees.ep > 1:  # carved out of dp: no dimension of the mesh (made by every rank, in order)
-                self._ep = dist.new_subgroups_by_enumeration(degrees.groups("ep"))[0]
+            # Groups over several dimensions, made by every rank in one order. Not DeviceMesh's
+            # `_flatten`: a flattened mesh and its root point at each other, and the groups they
+            # hold outlive the process group until a garbage collection, which in a process forked
+            # from this one (the launcher forks on CPU) runs their destructors without their threads.
+            self._flat = {name: _groups(degrees, name) for name in FLATTENED}
+            if degrees.ep > 1:  # carved out of dp: no dimension of the mesh
+                self._ep = _groups(degrees, "ep")
 
     @property
     def local(self) -> bool:
@@ -71,7 +76,7 @@ class World:
                 raise ValueError(f"no expert groups in a world of ep {self.degrees.ep}")
             return self._ep
         if dim in FLATTENED:
-            return self._flat[dim].get_group()
+            return self._flat[dim]
         return self.mesh[dim].get_group()
 
     @property
@@ -126,20 +131,6 @@ class World:
         return f"dp{c.dp} pp{c.pp}" + (f" cp{c.cp}" if d.cp > 1 else "") + (f" tp{c.tp}" if d.tp > 1 else "")
 
 
-def _flatten(mesh, dims: tuple[str, ...], name: str, degrees: Degrees):
-    """The sub-mesh over `dims` as one dimension `name` (torch ≥ 2.5's `_flatten`). A mesh that
-    cannot flatten (torch 2.4) gets a group per line instead, made by every rank in one order."""
-    sub = mesh[dims]
-    if hasattr(sub, "_flatten"):
-        return sub._flatten(name)
-    return _Lines(dist.new_subgroups_by_enumeration(degrees.groups(name))[0])
-
-
-class _Lines:
-    """A flattened dimension as a plain group, where DeviceMesh cannot flatten."""
-
-    def __init__(self, group):
-        self._group = group
-
-    def get_group(self):
-        return self._group
+def _groups(degrees: Degrees, dim: str):
+    """This rank's group along `dim`, every group of it made in `Degrees.groups`' order."""
+    return dist.new_subgroups_by_enumeration(degrees.groups(dim))[0]

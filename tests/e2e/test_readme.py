@@ -1,8 +1,9 @@
 """Every command the README and the pages of docs/ show runs as written.
 
 The commands are collected from the pages themselves (README.md, then docs/*.md in name order):
-every command line in their code blocks and every command in their tables (`brigade …`,
-`python -m brigade…`, `torchrun …`, `srun …`); one that several pages show runs once.
+every command line in their code blocks and every command in their tables (`brigade …`, the
+project's `python scripts/…`, `python -m brigade…`, `torchrun …`, `srun …`); one that several
+pages show runs once.
 Each runs as shown, shortened only by flags: a tiny model and few steps for `train`, small
 sizes for `bench` and `tune`, a temporary `--out`. Placeholders become local values
 (`node0:29500` and `HOST:PORT` a free loopback port, `/shared/run` and `runs/latest` a temporary
@@ -30,7 +31,8 @@ from tests.e2e.helpers import TINY
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # every page's commands run
-PREFIXES = ("brigade ", "python -m brigade", "torchrun ", "srun ", "scripts/setup.sh && ")
+PREFIXES = ("brigade ", "python -m brigade", "python scripts/", "torchrun ", "srun ",
+            "scripts/setup.sh && ")
 
 # Flags that shorten a command without changing what it shows.
 _SMALL_SWEEP = ["--quick", "", "--repeats", "1", "--batch-size", "4", "--splits", "2", "--image-size", "32",
@@ -166,6 +168,8 @@ def processes(cmd: str, out: Path) -> list[tuple[list[str], dict]]:
     argv = shorten(shlex.split(localise(cmd, out, port)), out)
     if argv[0].startswith("scripts/"):  # the project's own scripts, wherever the command runs
         argv[0] = str(ROOT / argv[0])
+    if argv[0] == "python" and argv[1].startswith("scripts/"):
+        argv[1] = str(ROOT / argv[1])
     if argv[0] == "srun":
         return [(_python(a), env) for a, env in _slurm(argv, port)]
     if "K" in argv:

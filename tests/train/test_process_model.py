@@ -19,7 +19,6 @@ from torch import nn
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
 from brigade.launcher import agent, groups
-from brigade.parallel.assemble import OwnedBlocks
 from brigade.pipeline.plans.generate import Costs
 from brigade.train.process_model import ProcessModel, by_device, world_of
 
@@ -47,7 +46,7 @@ def world1():
     groups.destroy()
 
 
-# by_device and OwnedBlocks need no process group.
+# by_device needs no process group.
 
 def test_by_device_groups_in_first_seen_order():
     a, c = torch.zeros(1), torch.zeros(2)
@@ -55,15 +54,6 @@ def test_by_device_groups_in_first_seen_order():
     groups = by_device([a, b, c, d])
     assert [[id(t) for t in g] for g in groups] == [[id(a), id(c)], [id(b), id(d)]]
     assert by_device([]) == []
-
-
-def test_owned_names_blocks_by_global_index():
-    blocks = make_blocks()
-    owned = OwnedBlocks(blocks, [1, 3])
-    names = dict(owned.named_parameters())
-    assert set(names) == {f"blocks.{i}.0.{p}" for i in (1, 3) for p in ("weight", "bias")}
-    assert names["blocks.3.0.weight"] is blocks[3][0].weight  # the blocks themselves, not copies
-    assert set(owned.state_dict()) == set(names)
 
 
 # world_of in a one-rank group.

@@ -98,6 +98,27 @@ def test_the_same_block_twice_is_refused():
         stage_ties.untie([layer, layer])
 
 
+def test_stage_ties_untie_only_across_stages_and_group_each_pipeline_line(monkeypatch):
+    """Blocks 0, 1 on stage 0 (rank 0), block 2 on stage 1 (rank 1), two pipeline lines (dp 2): the
+    tie crosses stages, so every block but the first gets its own copy (copies in one process are
+    summed there); one placement per line, each block on its stage's rank of that line. A tie
+    inside one stage is left as it is."""
+    made = []
+    monkeypatch.setattr(stage_ties, "TieGroups", lambda ties, placements: made.append(placements) or "groups")
+    blocks = model()
+    st = stage_ties.StageTies(blocks, [2, 1], [0, 1], lines=[[0, 1], [2, 3]])
+    assert [t.blocks for t in st.ties] == [(0, 1, 2)]
+    assert blocks[2].out.weight is not blocks[0].tok.weight and blocks[1].table is not blocks[0].tok
+    assert st.aliases == {"blocks.1.table.weight": "blocks.0.tok.weight",
+                          "blocks.2.out.weight": "blocks.0.tok.weight"}
+    assert made == [[{0: 0, 1: 0, 2: 1}, {0: 2, 1: 2, 2: 3}]] and st.groups == "groups"
+    local = stage_ties.StageTies(model(), [2, 1], [0, 1], lines=None)  # every stage in this process
+    assert local.groups is None and len(made) == 1
+    one = model()
+    inside = stage_ties.StageTies(one, [3], [0], lines=[[0], [1]])  # one stage: autograd sums the uses
+    assert inside.ties == [] and one[2].out.weight is one[0].tok.weight and len(made) == 1
+
+
 def test_copies_in_one_process_are_summed_locally():
     ref = reference()
     blocks = model()
