@@ -34,8 +34,9 @@ class World:
     Args:
         degrees: every dimension's size; checked against the process group's world size.
         device: this process's device (stage 0's under local stages).
-        devices: the local stages' devices, one per pipeline rank this process drives (stage 0's
-            first, from `launcher.groups.local_devices`); None: [device].
+        devices: the devices of the pipeline ranks this process drives itself, one each (local
+            stages, stage 0's first, from `launcher.groups.local_devices`); None: one pipeline
+            rank, on `device`.
 
     Raises:
         BrigadeError: degrees that do not make this world (`Degrees.check`).
@@ -46,6 +47,7 @@ class World:
         degrees.check(dist.get_world_size() if joined else 1)
         self.degrees, self.device = degrees, torch.device(device)
         self.devices = [torch.device(d) for d in devices] if devices else [self.device]
+        self.local = devices is not None  # it drives its pipeline ranks itself (a LocalPipeline)
         self.rank = dist.get_rank() if joined else 0
         self.coords: Coords = degrees.coords(self.rank)
         self.mesh, self._flat, self._ep = None, {}, None
@@ -60,11 +62,6 @@ class World:
             self._flat = {name: _groups(degrees, name) for name in FLATTENED}
             if degrees.ep > 1:  # carved out of dp: no dimension of the mesh
                 self._ep = _groups(degrees, "ep")
-
-    @property
-    def local(self) -> bool:
-        """Whether this process drives several pipeline ranks, one device each (--local-stages)."""
-        return len(self.devices) > 1
 
     def group(self, dim: str):
         """The process group of this rank along `dim`: a dimension of the mesh, "dp", or "ep"

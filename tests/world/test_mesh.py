@@ -79,6 +79,12 @@ def test_a_world_of_one_needs_no_process_group():
         World(Degrees(dp=2), torch.device("cpu"))
 
 
+def test_one_local_stage_is_still_a_local_pipeline():
+    """`--runtime local --stages 1`: one device given, and the process still drives it itself."""
+    assert World(Degrees(), torch.device("cpu"), ["cpu"]).local
+    assert not World(Degrees(), torch.device("cpu")).local
+
+
 TWO_REPLICAS = SimpleNamespace(degrees=Degrees(dp=2), rank=0)  # what `World.stage_group` reads
 
 
