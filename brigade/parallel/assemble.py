@@ -12,6 +12,12 @@ their stages here, so what the check proves equal to one device is what training
                                     (parallel.replicate), where the stage has replicas
            ─ weights read into what each process holds (hf:DIR: a DTensor's own part)
 
+A run's precision (bf16, fp16) is applied here too, the one way each layout allows: where its
+stages are sharded (FSDP2), by FSDP2's mixed precision (fp32 shards, bf16 gathered weights and
+activations, fp32 reductions: `parallel.shard`) and the pipeline runs without autocast; elsewhere
+(DDP, a pipeline or tensor parallel without replicas, local stages) the parameters stay fp32 and
+the pipeline runs its forwards under autocast (`precision`, `Assembly.autocast`).
+
 This is torchtitan's order (tensor parallel, activation checkpointing, compile, FSDP): a wrapper
 that changes what a block computes comes before one that changes where its parameters live. The
 axes still to come take their places in it: sequence parallel with tensor parallel, context
@@ -102,7 +108,8 @@ class Assembly:
     owned: OwnedBlocks
     ties: StageTies
     modes: list[str]
-    autocast: torch.dtype | None = None
+    autocast: torch.dtype | None = None  # what the pipeline runs its forwards under
+    mixed: torch.dtype | None = None  # the sharded stages' gathered-weight dtype (FSDP2's policy)
 
     def pipeline(self, schedule: str, n_microbatches: int, loss_fn, costs=None):
         """The pipeline that runs these stages under `schedule`: a `Pipeline` over the world's "pp"
@@ -129,7 +136,8 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
         world: this process's place (`world.World`).
         recompute_mode: --recompute (a block may declare its own).
         reshard: with sharding, free a stage's gathered parameters after each forward.
-        autocast: the run's autocast dtype (None: fp32), which its pipeline runs under.
+        autocast: the run's precision, bf16 or fp16 (None: fp32): FSDP2's mixed precision where
+            the stages are sharded, else the autocast dtype the pipeline runs under (`precision`).
         weights: `(held blocks, device) -> None`, called once every wrapper is in place, for
             blocks built on the meta device (an `hf:DIR` model): each process reads only its part.
 
@@ -148,20 +156,34 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
         tensor.parallelize(list(held.values()), world.tp_mesh)
     modes = recompute.apply(blocks, recompute_mode, held=indices)  # 2. recompute
     stages = split(blocks, list(cut.balance))
+    run_under, mixed = precision(world, autocast)
     wrapped = _local_stages(stages, cut, world) if world.local else \
-        {s: _replicated(stages[s], world, reshard) for s in mine}  # 3. shard or replicate
+        {s: _replicated(stages[s], world, reshard, mixed) for s in mine}  # 3. shard or replicate
     if weights is not None:  # after tensor parallel and sharding: each reads only its part
         weights(held, world.device)
-    return Assembly(world, cut, wrapped, held, owned, ties, modes, autocast)
+    return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed)
 
 
-def _replicated(module: nn.Module, world: World, reshard: bool) -> nn.Module:
-    """`module` under FSDP2 over the world's shard mesh (--shard; and under tensor parallel, whose
-    DTensor parameters DDP does not take, at --shard 1 too), else under DDP over the data-parallel
-    group, when the stage has replicas."""
+def sharded(world: World) -> bool:
+    """Whether this world's stages go under FSDP2: --shard, and tensor parallel with replicas
+    (whose DTensor parameters DDP does not take, at --shard 1 too); never local stages."""
     d = world.degrees
-    if d.shard > 1 or (d.tp > 1 and d.dp > 1):
-        return shard_stage(module, world.shard_mesh, reshard)
+    return not world.local and (d.shard > 1 or (d.tp > 1 and d.dp > 1))
+
+
+def precision(world: World, dtype: torch.dtype | None) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(the pipeline's autocast dtype, the sharded stages' gathered-weight dtype) of a run at
+    precision `dtype` (None: fp32): FSDP2's mixed precision where the stages are sharded, autocast
+    elsewhere (the module docstring)."""
+    return (None, dtype) if dtype is not None and sharded(world) else (dtype, None)
+
+
+def _replicated(module: nn.Module, world: World, reshard: bool, mixed: torch.dtype | None) -> nn.Module:
+    """`module` under FSDP2 over the world's shard mesh (`sharded`), gathering its weights as
+    `mixed` where given, else under DDP over the data-parallel group, when the stage has replicas."""
+    d = world.degrees
+    if sharded(world):
+        return shard_stage(module, world.shard_mesh, reshard, mixed)
     if d.dp == 1:
         return module
     device = world.device

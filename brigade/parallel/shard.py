@@ -14,10 +14,22 @@ By default the parameters stay gathered from the step's first forward to that re
 stage all-gathers once per step and not once per micro-batch (`reshard_after_forward=False`,
 as torchtitan does under a pipeline); `reshard=True` frees them after each forward, for less
 memory and one all-gather per micro-batch more.
+
+Mixed precision (`--precision bf16` or fp16 under sharding) is FSDP2's own policy, as torchtitan
+and every large run use it: the shards stay fp32 (the master weights, their gradients and AdamW's
+moments: 16 bytes a parameter, ÷ shard), the all-gather casts them to bf16, so the gathered weights
+a stage computes with are bf16 copies, its activations are bf16, and the gradients are reduced
+(reduce-scattered, all-reduced over HSDP's replicas) in fp32. The pipeline then runs without
+autocast: every matmul is bf16 already, and autocast would only keep norms and softmaxes, and so
+the residual stream, in fp32. The loss stays fp32 (`pipeline.runtime.handlers._loss`).
+
+    shard (fp32) ─ all-gather as bf16 ─► gathered bf16 ─► forward, backward in bf16
+    bf16 gradient ─ cast to fp32 ─ reduce-scatter ─► shard's gradient (fp32) ─► AdamW (fp32)
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -31,7 +43,8 @@ def _shared_within(blocks: list[nn.Module]) -> set[int]:
     return {pid for pid, k in seen.items() if k == -1}
 
 
-def shard_stage(module: nn.Module, mesh, reshard: bool = False) -> nn.Module:
+def shard_stage(module: nn.Module, mesh, reshard: bool = False,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
     """Wrap a stage's blocks and then the stage with `fully_shard` over `mesh`, in place.
 
     A block holding a parameter another block of the stage also holds is left to the root (one
@@ -41,17 +54,21 @@ def shard_stage(module: nn.Module, mesh, reshard: bool = False) -> nn.Module:
         module: the stage (an nn.Sequential or StageModule of blocks).
         mesh: the data-parallel DeviceMesh: 1-D (shard) or 2-D (replicate, shard).
         reshard: free the gathered parameters after each forward (see the module docstring).
+        param_dtype: the gathered weights' dtype, bf16 or fp16 (FSDP2's mixed precision: the
+            shards stay fp32, gradients are reduced in fp32); None: fp32 throughout.
 
     Returns:
         `module`, now an FSDPModule whose parameters are sharded DTensors.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
+        if param_dtype is not None else MixedPrecisionPolicy()
     blocks = list(module.children())
     shared = _shared_within(blocks)
     for block in blocks:
         params = list(block.parameters())
         if params and not any(id(p) in shared for p in params):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     return module

@@ -56,7 +56,8 @@ def calls(monkeypatch) -> list[tuple[str, object]]:
     monkeypatch.setattr(assembler.recompute, "apply",
                         lambda bs, mode, held=None: seen.append(("recompute", mode)) or real(bs, mode, held))
     monkeypatch.setattr(assembler, "shard_stage",
-                        lambda module, mesh, reshard: seen.append(("shard or replicate", mesh)) or module)
+                        lambda module, mesh, reshard, mixed:
+                        seen.append(("shard or replicate", mesh)) or module)
     monkeypatch.setattr(assembler, "data_parallel",
                         lambda module, group, ids: seen.append(("shard or replicate", group)) or module)
     return seen
@@ -82,6 +83,28 @@ def test_the_wrappers_come_in_their_one_order(calls):
 def test_a_stage_with_replicas_is_sharded_or_replicated(calls, degrees, wrapper):
     assemble(blocks(), Cut((2, 2), (0, 1)), world(degrees))
     assert [w for what, w in calls if what == "shard or replicate"] == ([wrapper] if wrapper else [])
+
+
+@pytest.mark.parametrize("degrees,local,under,mixed", [
+    (Degrees(dp=2, shard=2), False, None, torch.bfloat16),   # sharded: FSDP2's mixed precision
+    (Degrees(dp=2, tp=2), False, None, torch.bfloat16),      # FSDP2 over tp's replicas too
+    (Degrees(dp=2), False, torch.bfloat16, None),            # DDP: autocast over fp32 weights
+    (Degrees(pp=2, tp=2), False, torch.bfloat16, None),      # no replicas: autocast
+    (Degrees(dp=2), True, torch.bfloat16, None),             # local stages: autocast
+])
+def test_bf16_is_fsdp2_mixed_precision_where_sharded_and_autocast_elsewhere(degrees, local, under, mixed):
+    w = world(degrees, devices=[CPU, CPU] if local else None)
+    assert assembler.precision(w, torch.bfloat16) == (under, mixed)
+    assert assembler.precision(w, None) == (None, None)  # fp32: neither
+
+
+def test_a_sharded_stage_is_handed_the_runs_precision(monkeypatch):
+    got = []
+    monkeypatch.setattr(assembler, "shard_stage",
+                        lambda module, mesh, reshard, mixed: got.append(mixed) or module)
+    w = world(Degrees(dp=2, shard=2, pp=2))
+    built = assemble(blocks(), Cut((2, 2), (0, 1)), w, autocast=torch.float16)
+    assert got == [torch.float16] and built.autocast is None and built.mixed == torch.float16
 
 
 def test_local_stages_sit_on_their_devices_each_with_a_group_of_its_own(calls):

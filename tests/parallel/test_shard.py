@@ -86,3 +86,59 @@ def test_a_parameter_two_blocks_share_is_left_to_the_stage():
     blocks = [nn.Sequential(shared), nn.Linear(3, 3), nn.Sequential(shared, nn.ReLU())]
     assert _shared_within(blocks) == {id(shared.weight), id(shared.bias)}
     assert _shared_within([nn.Linear(2, 2), copy.deepcopy(nn.Linear(2, 2))]) == set()
+
+
+def _dtypes(calls: dict):
+    """Wrap the single-tensor all-gather and reduce-scatter to record the dtypes they move."""
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        real = getattr(dist, name)
+
+        def seen(output, input, *args, _real=real, _name=name, **kw):
+            calls.setdefault(_name, set()).add(input.dtype)
+            return _real(output, input, *args, **kw)
+        setattr(dist, name, seen)
+
+
+def _mixed_step(schedule: str) -> dict:
+    """Worker: one bf16 step of the sharded one-stage pipeline (FSDP2's mixed precision): the
+    dtypes the blocks compute with and the collectives move, the shards' and gradients' dtypes,
+    and the worst gradient difference from one fp32 device, relative to the largest gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from brigade.dtensors import full
+    from brigade.launcher import groups
+    from brigade.pipeline.pipe import Pipeline
+
+    groups.init("gloo", threads=1)
+    rank = dist.get_rank()
+    ref, stage = _stage(), _stage()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+    _loss(ref(x), y).backward()
+    shard_stage(stage, init_device_mesh("cpu", (2,)), param_dtype=torch.bfloat16)
+    computed = set()
+    stage[1].register_forward_pre_hook(lambda m, args: computed.update({m.weight.dtype, args[0].dtype}))
+    pipe = Pipeline({0: stage}, schedule, M, _loss, group=dist.new_group([rank]), device=torch.device("cpu"))
+    moved: dict = {}
+    _dtypes(moved)
+    loss = pipe.step(x.chunk(2)[rank], y.chunk(2)[rank])
+    top = max(q.grad.abs().max().item() for q in ref.parameters())
+    worst = max((full(p.grad) - q.grad).abs().max().item()
+                for p, q in zip(stage.parameters(), ref.parameters())) / top
+    kept = {str(p.dtype) for p in stage.parameters()} | {str(p.grad.dtype) for p in stage.parameters()}
+    groups.destroy()
+    return {"computed": sorted(map(str, computed)), "loss": str(loss.dtype), "kept": sorted(kept),
+            "moved": {k: sorted(map(str, v)) for k, v in moved.items()}, "worst": worst}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_bf16_under_sharding_gathers_bf16_and_keeps_fp32_shards_and_reductions(schedule):
+    from brigade import launch
+
+    got = launch(_mixed_step, 2, schedule)[0]
+    assert got["computed"] == ["torch.bfloat16"], got  # the gathered weight and the input
+    assert got["moved"] == {"all_gather_single": ["torch.bfloat16"],
+                            "reduce_scatter_single": ["torch.float32"]}, got
+    assert got["kept"] == ["torch.float32"] and got["loss"] == "torch.float32", got
+    assert got["worst"] < 2e-2, got  # bf16's 8 bits of mantissa, against one fp32 device

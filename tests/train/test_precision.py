@@ -1,4 +1,5 @@
-"""Mixed precision on CPU autocast: the loss in fp32 under bf16/fp16, fp16's loss scaling."""
+"""Mixed precision: the loss in fp32 under bf16/fp16 (CPU autocast), fp16's loss scaling, and bf16
+under sharding as FSDP2's mixed precision (bf16 gathered weights and activations, fp32 shards)."""
 
 import argparse
 
@@ -194,3 +195,39 @@ def test_fp16_resume_restores_the_loss_scale_bit_for_bit(tmp_path):
     assert whole["scales"][:4] == [(True, 2.0 ** 19), (True, 2.0 ** 18), (False, 2.0 ** 17),
                                    (False, 2.0 ** 17)]
     assert resumed == whole
+
+
+def sharded_bf16_run(shard: int, precision: str) -> dict:
+    """4 steps of a tiny GPT over 2 processes (shard 2: FSDP2; shard 1: DDP): losses, rank 0's
+    memory by kind on step 2, and the dtypes its blocks' weights had during a forward."""
+    vocab, train, _ = load_text_data("", 32, 0.1)
+    torch.manual_seed(0)
+    blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+    info = groups.init(threads=1)
+    par = ParallelConfig(nproc=info.world_size, dp=info.world_size, shard=shard)
+    trainer = Trainer(blocks, gpt_loss, train, None, parallel=par, optim=OptimConfig(warmup_steps=2),
+                      train=TrainConfig(max_steps=4, batch_size=8, precision=precision), metrics=False)
+    seen = set()
+    blocks[1].register_forward_pre_hook(lambda m, args: seen.add(str(next(m.parameters()).dtype)))
+    history = trainer.fit()
+    kept = {str(p.dtype) for p in trainer.model.parameters()}
+    memory = trainer.memory_report[0]
+    trainer.close()
+    groups.destroy()
+    return {"losses": [r["loss"] for r in history if "loss" in r and "step" in r], "memory": memory,
+            "computed": sorted(seen), "kept": sorted(kept)}
+
+
+@pytest.mark.timeout(240)
+def test_bf16_under_sharding_computes_in_bf16_over_fp32_shards_and_trains_as_autocast_does():
+    """FSDP2's mixed precision: the blocks compute with bf16 weights and the shards stay fp32; the
+    losses follow DDP's bf16 autocast, and the activations take about half of fp32's bytes."""
+    mixed = agent.launch(sharded_bf16_run, 2, 2, "bf16")[0]
+    fp32 = agent.launch(sharded_bf16_run, 2, 2, "fp32")[0]
+    autocast = agent.launch(sharded_bf16_run, 2, 1, "bf16")[0]
+    assert mixed["computed"] == ["torch.bfloat16"] and mixed["kept"] == ["torch.float32"], mixed
+    assert autocast["computed"] == ["torch.float32"] and fp32["computed"] == ["torch.float32"]
+    assert mixed["losses"] == pytest.approx(autocast["losses"], abs=2e-3)
+    assert mixed["losses"] != autocast["losses"]  # not the same computation
+    assert mixed["memory"]["activations"] < 0.6 * fp32["memory"]["activations"], (mixed, fp32)
+    assert mixed["memory"]["params"] == fp32["memory"]["params"]  # fp32 shards: 4 bytes a parameter
