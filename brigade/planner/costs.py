@@ -45,8 +45,10 @@ from brigade.host import malloc
 from brigade.measure.stages import block_costs
 from brigade.models import ModelSpec
 from brigade.parallel import recompute
+from brigade.pipeline.batches import microbatch
 from brigade.pipeline.runtime.backward import backward_split
 from brigade.planner.devices import DeviceSpec
+from brigade.planner.sample import runnable, take
 from brigade.planner.tensor import TensorFacts
 from brigade.train.memory import StepMemory, cpu_peak, storage_bytes
 
@@ -140,7 +142,7 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
     try:
         x, y = spec.make_batch(max(sizes), torch.Generator().manual_seed(0))
         per_mode = {m: _mode(spec, x, y, sizes, m) for m in modes}
-        flops, outs = _flops_and_outputs(spec, x[: min(sizes)], y[: min(sizes)])
+        flops, outs = _flops_and_outputs(spec, take(x, min(sizes)), take(y, min(sizes)))
         params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
         opt = _optimizer_s_per_byte(spec)
         stepping, foreach = optimizer_transient(spec.blocks)
@@ -160,27 +162,30 @@ def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
     for mode in modes:
         blocks = copy.deepcopy(spec.blocks)
         recompute.apply(blocks, mode)
-        per_mode[mode] = ModeCosts({}, *_memory(spec, blocks, x, y))
+        per_mode[mode] = ModeCosts({}, *_memory(spec, blocks, x, y, size))
     params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
     stepping, foreach = optimizer_transient(spec.blocks)
-    return ModelCosts(spec.name, params, [0.0] * len(spec.blocks), _out_bytes(spec, x), per_mode, 0.0,
+    return ModelCosts(spec.name, params, [0.0] * len(spec.blocks), _out_bytes(spec, x, size), per_mode, 0.0,
                       here=None, opt_transient=stepping, opt_foreach=foreach)
 
 
 def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str) -> ModeCosts:
     blocks = copy.deepcopy(spec.blocks)
     recompute.apply(blocks, mode)
-    times = {s: block_costs(blocks, x[:s], spec.loss_fn, y[:s], repeats=REPEATS) for s in sizes}
+    times = {}
+    for s in sizes:
+        h, bound = runnable(blocks, take(x, s))
+        times[s] = block_costs(bound, h, spec.loss_fn, take(y, s), repeats=REPEATS)
     s = min(sizes)
-    return ModeCosts(times, *_memory(spec, blocks, x[:s], y[:s]))
+    return ModeCosts(times, *_memory(spec, blocks, x, y, s))
 
 
-def _memory(spec: ModelSpec, blocks, x, y) -> tuple[list[float], ...]:
-    """Per block, bytes per sample: (held, working, transient, kept) on batch x (`_block_memory`,
-    `_kept`)."""
-    s = len(x)
+def _memory(spec: ModelSpec, blocks, x, y, s: int) -> tuple[list[float], ...]:
+    """Per block, bytes per sample: (held, working, transient, kept) on the first `s` samples of
+    the batch x, y (`_block_memory`, `_kept`)."""
+    h, blocks = runnable(blocks, take(x, s))
+    y = take(y, s)
     held, working, transient, kept = [], [], [], []
-    h = x
     for i, block in enumerate(blocks):
         loss_fn = spec.loss_fn if i == len(blocks) - 1 else None
         f, p, t = _block_memory(block, h, loss_fn, y, first=i == 0)
@@ -244,23 +249,25 @@ def _net_bytes(prof) -> int:
                if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
 
 
-def _out_bytes(spec: ModelSpec, x) -> list[float]:
-    """Each block's output bytes per sample (what a pipeline sends; a first stage's kept)."""
-    outs, h = [], x
+def _out_bytes(spec: ModelSpec, x, n: int) -> list[float]:
+    """Each block's output bytes per sample (what a pipeline sends; a first stage's kept), on the
+    batch x of `n` samples."""
+    h, blocks = runnable(spec.blocks, x)
+    outs = []
     with torch.no_grad():
-        for block in spec.blocks:
+        for block in blocks:
             h = block(h)
-            outs.append(h.numel() * h.element_size() / len(x) if torch.is_tensor(h) else 0.0)
+            outs.append(h.numel() * h.element_size() / n if torch.is_tensor(h) else 0.0)
     return outs
 
 
 def _flops_and_outputs(spec: ModelSpec, x, y) -> tuple[list[float], list[float]]:
     """FLOPs (forward + backward) and output bytes, per sample, of each block."""
     flops, outs = [], []
-    h = x
-    n = len(x)
-    for i, block in enumerate(spec.blocks):
-        last = i == len(spec.blocks) - 1
+    h, blocks = runnable(spec.blocks, x)
+    n = microbatch.batch_size_of(h)
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
         inp = h.detach().requires_grad_(h.is_floating_point() and i > 0)
         with FlopCounterMode(display=False) as counter:
             out = block(inp)

@@ -28,8 +28,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.models import ModelSpec
+from brigade.pipeline.batches.feed import to
 from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts, foreach_transient
 from brigade.planner.devices import DeviceSpec
+from brigade.planner.sample import runnable
 
 ASSUMED_MFU = 0.5  # the share of peak a large model's blocks reach (Megatron-LM reports 40-55 %)
 ADAMW_BYTES_MOVED = 7  # per parameter byte: read p, g, exp_avg, exp_avg_sq; write p and both moments
@@ -38,12 +40,13 @@ ADAMW_BYTES_MOVED = 7  # per parameter byte: read p, g, exp_avg, exp_avg_sq; wri
 def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec,
                 precision: str = "") -> ModelCosts:
     """Costs of `spec` (built on the meta device) on `target`, from a meta micro-batch of `size`."""
-    x, y = (t.to("meta") for t in spec.make_batch(size, torch.Generator().manual_seed(0)))
+    x, y = (to(t, "meta") for t in spec.make_batch(size, torch.Generator().manual_seed(0)))
     rate = target.peak(precision) * ASSUMED_MFU
     times, held, kept, flops, outs = [], [], [], [], []
+    x, blocks = runnable(spec.blocks, x)
     h = x
-    for i, block in enumerate(spec.blocks):
-        last = i == len(spec.blocks) - 1
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
         f, b, saved, at_weights, out = _run(block, h, spec.loss_fn if last else None, y, first=i == 0)
         times.append((f / rate, b / rate, b / 2 / rate, b / 2 / rate))  # (forward, backward, W, I)
         held.append(saved / size)

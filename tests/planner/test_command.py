@@ -138,3 +138,13 @@ def test_bad_input_is_one_line_exit_2_nothing_written(cli, tmp_path, case, args,
     done = cli(*argv)
     assert done.returncode == 2 and not out.exists()
     assert len(done.stderr.strip().splitlines()) == 1 and words in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("costs", ["measured", "formula"])
+def test_a_model_whose_batch_is_a_structure_plans(cli, costs):
+    """examples/llama.py: inputs {"tokens", "padding_mask"}, the mask a side input of every decoder."""
+    done = cli("plan", "--model", "examples/llama.py:model", "--nodes", "1", "--gpus-per-node", "4",
+               "--device", "h100", "--top", "2", *(["--costs", "formula"] if costs == "formula" else []))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 4 and lines[2].rstrip().endswith("formula" if costs == "formula" else "scaled")
