@@ -31,7 +31,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from brigade.fsutil import write_atomic
     from brigade.planner.config import PlanConfig
     from brigade.planner.report import table
-    from brigade.planner.run import plan, to_config
+    from brigade.planner.run import model_config, plan, to_config
 
     cfg = PlanConfig(**{f.name: getattr(args, f.name) for f in fields(PlanConfig)})
     base = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
@@ -45,7 +45,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 "no layout fits the device's memory: nothing written; try --recompute full, "
                 "a smaller batch or more devices"
             )
-        run = to_config(cfg, fit, ModelConfig(**result["model_config"]), result["nodes"], result["per_node"])
+        run = to_config(cfg, fit, model_config(cfg, base), result["nodes"], result["per_node"])
         write_atomic(Path(cfg.write_config), to_toml(run))
         result["config_file"], result["chosen"] = cfg.write_config, fit["label"]
     if args.json:

@@ -21,6 +21,7 @@ from brigade.planner.costs import FORMULA, MEASURED, measure, scaled
 from brigade.planner.devices import cpu, host_memory
 from brigade.planner.formula import from_shapes
 from brigade.planner.predict import predict
+from brigade.planner.sample import tokens_per_sample
 from brigade.planner.space import Layout, enumerate_layouts
 from brigade.planner.tensor import TensorFacts, facts
 from brigade.train.memory import quiet_stderr
@@ -34,14 +35,16 @@ def model_config(cfg: PlanConfig, base: ModelConfig | None = None) -> ModelConfi
 
 
 def load_spec(cfg: PlanConfig, m: ModelConfig):
-    """The model as `brigade train` builds it (a GPT sized to the default text's vocabulary)."""
+    """The model as `brigade train` builds it (a GPT sized to the default text's vocabulary). An
+    `hf:DIR` directory needs its weights only when built with memory (measured costs): on the
+    meta device its config.json is enough."""
     from brigade.train.data import from_config, load_text_data
 
     if cfg.model == "gpt":
         vocab, _, _ = load_text_data("", cfg.seq_len, 0.1)
         return from_config(m, 0, vocab_size=len(vocab))
     if cfg.model.startswith("hf:"):  # the token ids alone, at the planned sequence length
-        return from_config(m, 0, block_size=cfg.seq_len, standalone=True)
+        return from_config(m, 0, block_size=cfg.seq_len, standalone=True, weights=False)
     return from_config(m, 0)
 
 
@@ -137,17 +140,22 @@ def sizes(rows: list[Layout], batch: int) -> list[int]:
 
 def source(asked: str, shape) -> str:
     """measured or formula: `asked`, or for auto formula when training the model here (parameters,
-    gradients and AdamW's two moments) would take more than half this machine's memory.
+    gradients and AdamW's two moments) would take more than half this machine's memory, or when
+    it has no weights to measure with (a Hugging Face directory with config.json alone).
 
     Raises:
-        BrigadeError: an unknown source.
+        BrigadeError: an unknown source; measured costs of a directory without weights.
     """
     if asked not in ("auto", MEASURED, FORMULA):
         raise BrigadeError(f"--costs {asked!r}: expected auto, measured or formula")
+    weightless = shape.hf is not None and shape.hf.checkpoint is None
+    if asked == MEASURED and weightless:
+        raise BrigadeError(f"--costs measured: {shape.hf.directory} has config.json but no weights to "
+                           "measure with: plan it with --costs formula (or auto), or add its safetensors")
     if asked != "auto":
         return asked
-    states = 4 * sum(p.numel() * p.element_size() for b in shape.blocks for p in b.parameters())
-    return FORMULA if states > host_memory() / 2 else MEASURED
+    states = 16 * sum(p.numel() for b in shape.blocks for p in b.parameters())  # fp32 master, as trained
+    return FORMULA if weightless or states > host_memory() / 2 else MEASURED
 
 
 def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
@@ -167,7 +175,7 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
         else:
             costs = scaled(measure(load_spec(cfg, m), at, modes, cpu()), where.device, cfg.precision)
     costs.tensor = tensor
-    out, left = _predict_all(cfg, costs, where, rows)
+    out, left = _predict_all(cfg, costs, where, rows, tokens_per_sample(shape))
     return {
         "model": cfg.model,
         "cluster": where.describe(),
@@ -179,27 +187,29 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
         "source": costs.source,
         "rows": out,
         "left_out": left,
-        "model_config": vars(m),
+        # the model planned: the train config's model section, or a directory's own config.json
+        "model_config": vars(m) if shape.hf is None else {"model": m.model, **shape.hf.config.to_dict()},
     }
 
 
 COSTED_SHAPES = 16  # a costed schedule (auto) is predicted on the shapes of this many best rows
 
 
-def _predict_all(cfg: PlanConfig, costs, where, rows: list[Layout]) -> tuple[list[dict], list[dict]]:
+def _predict_all(cfg: PlanConfig, costs, where, rows: list[Layout],
+                 tokens: int) -> tuple[list[dict], list[dict]]:
     """Every layout's prediction, ranked, and the layouts left out with why.
 
     A costed schedule's search takes seconds per layout at pp 16, so it is predicted only in the
     shapes (data parallel, pp, V, m, recompute) of the best `COSTED_SHAPES` rows of the others:
-    where it could rank first. Without other schedules in the space, in every shape.
+    where it could rank first. Without other schedules in the space, in every shape. `tokens`:
+    per sample (`sample.tokens_per_sample`), what tokens/s counts.
     """
-    seq = cfg.seq_len if cfg.model == "gpt" else 0
     out, left = [], []
 
     def run(lays: list[Layout]) -> None:
         for lay in lays:
             try:
-                out.append(predict(costs, lay, where, cfg.batch_size, seq, cfg.precision))
+                out.append(predict(costs, lay, where, cfg.batch_size, tokens, cfg.precision))
             except PlanError as exc:
                 left.append({"label": lay.label(), "reason": str(exc)})
 

@@ -64,3 +64,13 @@ def runnable(blocks: list[nn.Module], inputs: Any) -> tuple[Any, list[nn.Module]
         names = side_inputs.declared(block, i)
         out.append(Bound(block, {name: side[name] for name in names}) if names else block)
     return main, out
+
+
+def tokens_per_sample(spec) -> int:
+    """Tokens in one sample of `spec`'s batches: the length of its main input where that is a
+    sequence of token ids (B, T) of integers (a language model's); 1 otherwise (images, features:
+    tokens/s is then samples/s). Read from a batch of one, on the meta device where built there."""
+    x, _ = spec.make_batch(1, torch.Generator().manual_seed(0))
+    main, _ = runnable(spec.blocks, x)
+    ids = isinstance(main, torch.Tensor) and main.dim() == 2 and not main.is_floating_point()
+    return int(main.shape[1]) if ids else 1

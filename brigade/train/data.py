@@ -196,7 +196,8 @@ class TextInputs:
 
 
 def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None,
-                block_size: int | None = None, meta: bool = False, standalone: bool = False) -> ModelSpec:
+                block_size: int | None = None, meta: bool = False, standalone: bool = False,
+                weights: bool = True) -> ModelSpec:
     """The model a run's configuration names: the one builder for training and its checks.
 
     Args:
@@ -208,6 +209,8 @@ def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None,
         meta: an `hf:DIR` model's blocks without memory (a training rank fills its own); its
             dropout probabilities are set from `m.dropout`.
         standalone: an `hf:DIR` model's blocks without side inputs (`models.hf.model.load_hf`).
+        weights: False: an `hf:DIR` directory built on the meta device may have config.json
+            alone (the planner, from the shapes).
 
     Raises:
         BrigadeError: as `load_model`.
@@ -215,7 +218,7 @@ def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None,
     """
     if m.model.startswith("hf:"):
         return load_model(m.model, seed=seed, meta=meta, dropout=m.dropout, standalone=standalone,
-                          **({"block_size": block_size} if block_size else {}))
+                          weights=weights, **({"block_size": block_size} if block_size else {}))
     if m.model != "gpt":
         text = {"vocab_size": vocab_size, "block_size": block_size} if ":" in m.model else {}
         return load_model(m.model, seed=seed, **{k: v for k, v in text.items() if v is not None})

@@ -148,3 +148,43 @@ def test_a_model_whose_batch_is_a_structure_plans(cli, costs):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 4 and lines[2].rstrip().endswith("formula" if costs == "formula" else "scaled")
+
+
+@pytest.fixture
+def config_only(tmp_path) -> str:
+    """A Hugging Face directory with config.json alone (a tiny Llama's): no weights, no tokenizer."""
+    import shutil
+
+    from tests.models.hf.dirs import tiny_dir
+
+    out = tmp_path / "config-only"
+    out.mkdir()
+    shutil.copy(f"{tiny_dir('llama')}/config.json", out / "config.json")
+    return f"hf:{out}"
+
+
+def test_a_directory_with_config_json_alone_plans_from_its_shapes(cli, config_only):
+    done = cli("plan", "--model", config_only, "--nodes", "1", "--gpus-per-node", "8", "--device", "h100",
+               "--batch-size", "16", "--seq-len", "64", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["source"] == "formula"  # auto: no weights to measure with
+    row = result["rows"][0]
+    assert row["tokens_per_s"] == pytest.approx(16 * 64 / row["step_s"])  # tokens, not samples
+    config = result["model_config"]  # the directory's own, not the built-in GPT's
+    assert config["model"] == config_only and config["hidden_size"] == 32 and "n_layer" not in config
+
+
+def test_measured_costs_of_a_directory_without_weights_is_one_line(cli, config_only):
+    done = cli("plan", "--model", config_only, "--gpus-per-node", "2", "--device", "h100",
+               "--costs", "measured")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "has config.json but no weights to measure with: plan it with --costs formula" in done.stderr
+
+
+def test_tokens_per_sample_is_a_language_models_sequence_and_one_otherwise():
+    from brigade.models import load_model
+    from brigade.planner.sample import tokens_per_sample
+
+    assert tokens_per_sample(load_model("examples/llama.py:model")) == 32  # its batch()'s block_size
+    assert tokens_per_sample(load_model("toy")) == 1

@@ -56,7 +56,28 @@ def read_config(directory: Path) -> dict:
     if family not in FAMILIES:
         raise BrigadeError(f"{path}: model_type {family!r} is not a family brigade cuts into blocks: "
                            f"supported are {', '.join(sorted(FAMILIES))}")
+    _check_heads(raw, path)
     return raw
+
+
+def _check_heads(raw: dict, path: Path) -> None:
+    """Refuse heads that do not divide the hidden size, as transformers' own validator does (its
+    message names neither the file nor the fix), and key/value heads that do not divide the heads
+    (transformers builds such a model and fails in its first forward).
+
+    Raises:
+        BrigadeError: such a config, naming both numbers.
+    """
+    hidden = raw.get("n_embd" if raw.get("model_type") == "gpt2" else "hidden_size")
+    heads = raw.get("n_head" if raw.get("model_type") == "gpt2" else "num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and (heads <= 0 or hidden % heads):
+        raise BrigadeError(f"{path}: {heads} attention heads do not divide the hidden size {hidden}: "
+                           "give a head count that divides it")
+    kv = raw.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and (kv <= 0 or heads % kv):
+        raise BrigadeError(f"{path}: {kv} key/value heads do not divide the {heads} attention heads "
+                           "(each key/value head serves a whole group of them): give a divisor of "
+                           f"{heads}")
 
 
 def check_config(config, directory: Path) -> Family:

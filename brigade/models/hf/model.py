@@ -23,7 +23,7 @@ from brigade.errors import BrigadeError
 from brigade.models.hf import blocks as hb
 from brigade.models.hf import families
 from brigade.models.hf.deps import require
-from brigade.models.hf.weights import Checkpoint, check_blocks, load_blocks, materialize
+from brigade.models.hf.weights import Checkpoint, check_blocks, has_weights, load_blocks, materialize
 from brigade.models.spec import ModelSpec
 
 PREFIX = "hf:"
@@ -41,7 +41,7 @@ class HFModel:
     directory: Path
     config: object  # transformers.PretrainedConfig
     family: families.Family
-    checkpoint: Checkpoint
+    checkpoint: Checkpoint | None  # None: a config-only directory, planned from its shapes
     rotary: nn.Module | None = None
     dropout: float = 0.0
 
@@ -80,8 +80,9 @@ def _config(directory: Path, dropout: float):
     transformers = require("transformers")
     try:
         config = transformers.AutoConfig.for_model(**raw)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise BrigadeError(f"{directory}/config.json: transformers cannot read it ({exc}): write it "
+    except Exception as exc:  # noqa: BLE001 -- transformers' and huggingface_hub's own kinds too
+        cause = " ".join(str(exc).split())  # its validators' messages run over several lines
+        raise BrigadeError(f"{directory}/config.json: transformers cannot read it ({cause}): write it "
                            "again with save_pretrained") from None
     family = families.check_config(config, directory)
     for key in family.dropouts:
@@ -114,7 +115,7 @@ def _rotary(base: nn.Module, config) -> nn.Module:
 
 
 def load_hf(name: str, seed: int = 0, meta: bool = False, dropout: float = 0.0,
-            block_size: int = 16, standalone: bool = False, **_) -> ModelSpec:
+            block_size: int = 16, standalone: bool = False, weights: bool = True, **_) -> ModelSpec:
     """The directory of `name` ("hf:DIR") as blocks.
 
     Args:
@@ -124,6 +125,9 @@ def load_hf(name: str, seed: int = 0, meta: bool = False, dropout: float = 0.0,
         block_size: sequence length of the synthetic batches `make_batch` draws (check, bench).
         standalone: blocks that take no side inputs, each decoder making its own rotary and
             mask (blocks.py): a batch is then the token ids alone (bench, tune, plan).
+        weights: whether the directory must hold weights; False (plan, from the shapes): a
+            directory with config.json alone is enough (`checkpoint` None), and weights that
+            are there are still checked against the config.
 
     Raises:
         BrigadeError: no directory, config.json or weights; an unsupported family or field; a
@@ -132,7 +136,8 @@ def load_hf(name: str, seed: int = 0, meta: bool = False, dropout: float = 0.0,
     directory = directory_of(name)
     meta = meta or torch.empty(0).is_meta  # under `with torch.device("meta")` (plan): shapes only
     config, family = _config(directory, dropout)
-    checkpoint = Checkpoint(directory, families.tied(config, family))
+    needed = weights or not meta or has_weights(directory)  # blocks with memory need their values
+    checkpoint = Checkpoint(directory, families.tied(config, family)) if needed else None
     transformers = require("transformers")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -141,7 +146,8 @@ def load_hf(name: str, seed: int = 0, meta: bool = False, dropout: float = 0.0,
     if family.kind == "llama" and not standalone:
         rotary = _rotary(getattr(model, family.base), config)  # real: (cos, sin) per batch
     hf = HFModel(directory, config, family, checkpoint, rotary, dropout)
-    check_blocks(blocks, checkpoint)  # every tensor there, of its shape: from the headers alone
+    if checkpoint is not None:
+        check_blocks(blocks, checkpoint)  # every tensor there, of its shape: from the headers alone
     if not meta:
         hf.load(dict(enumerate(blocks)), "cpu")
     vocab = config.vocab_size

@@ -24,6 +24,11 @@ from brigade.models.hf.deps import require
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
 
+def has_weights(directory: str | Path) -> bool:
+    """Whether `directory` holds safetensors weights (model.safetensors or an index of shards)."""
+    return (Path(directory) / INDEX).is_file() or (Path(directory) / SINGLE).is_file()
+
+
 class Checkpoint:
     """The tensors of a `save_pretrained` directory, by name.
 
@@ -55,9 +60,19 @@ class Checkpoint:
                                    "directory: copy every shard the index lists")
 
     def _handle(self, file: str):
+        """The open safetensors file (memory-mapped: nothing read until a tensor is).
+
+        Raises:
+            BrigadeError: a file that cannot be mapped (larger than the memory the machine lets a
+                process map) or whose header is cut short or broken (a truncated download).
+        """
         if file not in self._open:
             safetensors = require("safetensors")
-            self._open[file] = safetensors.safe_open(str(self.directory / file), framework="pt")
+            path = self.directory / file
+            try:
+                self._open[file] = safetensors.safe_open(str(path), framework="pt")
+            except Exception as exc:  # noqa: BLE001 -- safetensors' own error, or the mmap's RuntimeError
+                raise BrigadeError(_unreadable(path, exc)) from None
         return self._open[file]
 
     def stored_as(self, name: str) -> str:
@@ -82,6 +97,17 @@ class Checkpoint:
         stored = self.stored_as(name)
         part = self._handle(self.files[stored]).get_slice(stored)
         return part[index] if index else part[:]
+
+
+def _unreadable(path: Path, exc: Exception) -> str:
+    """The one line for a weight file safetensors cannot open."""
+    size = path.stat().st_size / 1e9
+    if "mmap" in str(exc) or "Cannot allocate memory" in str(exc):
+        return (f"{path} ({size:.1f} GB) cannot be mapped into memory ({exc}): this machine lets a "
+                "process map less; write the weights as shards of a few GB (save_pretrained(..., "
+                "max_shard_size='5GB') writes them with model.safetensors.index.json)")
+    return (f"{path} ({size:.1f} GB) is not a whole safetensors file ({exc}): a download cut "
+            "short? copy it again, or write it again with save_pretrained")
 
 
 def _part(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:

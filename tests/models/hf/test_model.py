@@ -116,7 +116,18 @@ BAD = {
     "unsupported family": (lambda d: _edit_config(d, model_type="bert") or d,
                            "model_type 'bert' is not a family"),
     "refused field": (lambda d: _edit_config(d, attention_chunk_size=8) or d, "sets attention_chunk_size"),
+    "heads do not divide": (lambda d: _edit_config(d, num_attention_heads=5) or d,
+                            "5 attention heads do not divide the hidden size 32"),
+    "kv heads do not divide": (lambda d: _edit_config(d, num_key_value_heads=3) or d,
+                               "3 key/value heads do not divide the 4 attention heads"),
+    "truncated weights": (lambda d: _truncate(d / "model.safetensors") or d,
+                          r"model.safetensors \(0.0 GB\) is not a whole safetensors file \(.*\): a "
+                          "download cut short"),
 }
+
+
+def _truncate(path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -125,6 +136,22 @@ def test_bad_directories_get_one_line(tmp_path, case):
     directory = make(_copy(tmp_path))
     with pytest.raises(BrigadeError, match=message) as info:
         load_model(f"hf:{directory}")
+    assert "\n" not in str(info.value)
+
+
+def test_a_weight_file_too_large_to_map_is_one_line(tmp_path, monkeypatch):
+    """What safetensors raises for a 141 GB model.safetensors on a machine that cannot map it (the
+    message is the one it gave here for a sparse file of that size)."""
+    import safetensors
+
+    def refuse(path, framework):
+        raise RuntimeError(f"unable to mmap 151397597304 bytes from file <{path}>: "
+                           "Cannot allocate memory (12)")
+
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    with pytest.raises(BrigadeError, match=r"model.safetensors \(0.0 GB\) cannot be mapped into memory "
+                                           r"\(.*\): .* max_shard_size='5GB'") as info:
+        load_model(f"hf:{_copy(tmp_path)}")
     assert "\n" not in str(info.value)
 
 
