@@ -38,6 +38,19 @@ def _counting(calls: dict):
         setattr(dist, name, counted)
 
 
+def _joined():
+    """Join the 2-process world; (rank, one device's stage after a backward on the whole batch,
+    the same stage untouched, the batch)."""
+    from brigade.launcher import groups
+
+    groups.init("gloo", threads=1)
+    ref, stage = _stage(), _stage()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+    _loss(ref(x), y).backward()
+    return dist.get_rank(), ref, stage, x, y
+
+
 def _one_step(schedule: str, reshard: bool) -> dict:
     """Worker: one step of a sharded one-stage pipeline over 2 ranks; the worst gradient difference
     from one device and the collectives of the step."""
@@ -47,12 +60,7 @@ def _one_step(schedule: str, reshard: bool) -> dict:
     from brigade.launcher import groups
     from brigade.pipeline.pipe import Pipeline
 
-    groups.init("gloo", threads=1)
-    rank = dist.get_rank()
-    ref, stage = _stage(), _stage()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
-    _loss(ref(x), y).backward()
+    rank, ref, stage, x, y = _joined()
     shard_stage(stage, init_device_mesh("cpu", (2,)), reshard=reshard)
     solo = dist.new_group([rank])  # the pipeline's own group: one stage, this rank alone
     pipe = Pipeline({0: stage}, schedule, M, _loss, group=solo, device=torch.device("cpu"))
@@ -109,12 +117,7 @@ def _mixed_step(schedule: str) -> dict:
     from brigade.launcher import groups
     from brigade.pipeline.pipe import Pipeline
 
-    groups.init("gloo", threads=1)
-    rank = dist.get_rank()
-    ref, stage = _stage(), _stage()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
-    _loss(ref(x), y).backward()
+    rank, ref, stage, x, y = _joined()
     shard_stage(stage, init_device_mesh("cpu", (2,)), param_dtype=torch.bfloat16)
     computed = set()
     stage[1].register_forward_pre_hook(lambda m, args: computed.update({m.weight.dtype, args[0].dtype}))
