@@ -29,8 +29,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.models import ModelSpec
 from brigade.pipeline.batches.feed import to
-from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts, foreach_transient
+from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts
 from brigade.planner.devices import DeviceSpec
+from brigade.planner.optimizer import foreach_transient
 from brigade.planner.sample import runnable
 
 ASSUMED_MFU = 0.5  # the share of peak a large model's blocks reach (Megatron-LM reports 40-55 %)

@@ -124,7 +124,7 @@ def test_the_optimizer_step_is_a_phase_of_its_own_its_temporaries_on_top_of_the_
 def test_optimizer_transient_is_measured_per_block_as_adamw_runs_here():
     from torch import nn
 
-    from brigade.planner.costs import optimizer_transient
+    from brigade.planner.optimizer import optimizer_transient
 
     blocks = [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 256)]
     per, foreach = optimizer_transient(blocks)
