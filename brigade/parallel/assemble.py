@@ -165,10 +165,8 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
 
 
 def sharded(world: World) -> bool:
-    """Whether this world's stages go under FSDP2: --shard, and tensor parallel with replicas
-    (whose DTensor parameters DDP does not take, at --shard 1 too); never local stages."""
-    d = world.degrees
-    return not world.local and (d.shard > 1 or (d.tp > 1 and d.dp > 1))
+    """Whether this world's stages go under FSDP2 (`Degrees.sharded`); never local stages."""
+    return not world.local and world.degrees.sharded
 
 
 def precision(world: World, dtype: torch.dtype | None) -> tuple[torch.dtype | None, torch.dtype | None]:

@@ -116,6 +116,12 @@ class ModelCosts:
         return self.tensor.factor(block, tp) if self.tensor is not None and tp > 1 else 1.0
 
 
+def master_bytes(blocks) -> list[dict[int, int]]:
+    """Per block, parameter id -> the bytes of its fp32 master copy, 4 a parameter: what every
+    layout keeps, whatever dtype the model was built in (`planner.memory`)."""
+    return [{id(p): p.numel() * 4 for p in b.parameters()} for b in blocks]
+
+
 def interpolate(samples: dict[int, list], size: int) -> list[tuple[float, ...]]:
     """Per-block costs at micro-batch `size`, linear between the measured sizes (outside them,
     in proportion to the nearest one)."""
@@ -142,7 +148,7 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
         x, y = spec.make_batch(max(sizes), torch.Generator().manual_seed(0))
         per_mode = {m: _mode(spec, x, y, sizes, m) for m in modes}
         flops, outs = _flops_and_outputs(spec, take(x, min(sizes)), take(y, min(sizes)))
-        params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
+        params = master_bytes(spec.blocks)
         opt = seconds_per_byte(spec)
         stepping, foreach = optimizer_transient(spec.blocks)
     finally:
@@ -162,7 +168,7 @@ def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
         blocks = copy.deepcopy(spec.blocks)
         recompute.apply(blocks, mode)
         per_mode[mode] = ModeCosts({}, *_memory(spec, blocks, x, y, size))
-    params = [{id(p): p.numel() * p.element_size() for p in b.parameters()} for b in spec.blocks]
+    params = master_bytes(spec.blocks)
     stepping, foreach = optimizer_transient(spec.blocks)
     return ModelCosts(spec.name, params, [0.0] * len(spec.blocks), _out_bytes(spec, x, size), per_mode, 0.0,
                       here=None, opt_transient=stepping, opt_foreach=foreach)

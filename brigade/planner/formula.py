@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.models import ModelSpec
 from brigade.pipeline.batches.feed import to
-from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts
+from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts, master_bytes
 from brigade.planner.devices import DeviceSpec
 from brigade.planner.optimizer import foreach_transient
 from brigade.planner.sample import runnable
@@ -63,7 +63,7 @@ def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec
     again_kept = [k + s for k, s in zip(kept, held)]
     per_mode = {m: ModeCosts({size: times}, held, [0.0] * len(held), transient, kept) if m == "none" else
                 ModeCosts({size: again}, inputs, held, transient, again_kept) for m in modes}
-    params = [{id(p): p.numel() * p.element_size() for p in blk.parameters()} for blk in spec.blocks]
+    params = master_bytes(spec.blocks)
     costs = ModelCosts(spec.name, params, flops, outs, per_mode, ADAMW_BYTES_MOVED / target.mem_bw,
                        here=None, source=FORMULA, opt_transient=foreach_transient(params), opt_foreach=True)
     costs.notes.append(f"times from FLOPs at {ASSUMED_MFU:.0%} of {target.name}'s peak; memory from "

@@ -74,7 +74,7 @@ def predict(
     makespan = sim.on_cores(cores)
     held = sim.peak_held if memory_plan is None else simulate(memory_plan, 1.0).peak_held
     at = moments(memory_plan or plan)  # under a split backward, what each stage keeps from I to W too
-    memory = [rank_memory(costs, layout, balance, held, mb, r, at) for r in range(layout.pp)]
+    memory = [rank_memory(costs, layout, balance, held, mb, r, at, precision) for r in range(layout.pp)]
     top = worst(memory)
     reduce_s, opt_s = _after_pipeline(costs, layout, cluster, balance, memory)
     step = makespan + reduce_s + opt_s + cluster.device.runtime_step_s

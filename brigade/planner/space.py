@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 from brigade.errors import BrigadeError
 from brigade.pipeline.plans.schedule import DEFAULT, DEFAULT_VIRTUAL, SCHEDULES
+from brigade.world.degrees import Degrees
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.pp * self.tp
+
+    @property
+    def degrees(self) -> Degrees:
+        """The world's degrees this layout runs on."""
+        return Degrees(dp=self.dp, shard=self.shard, pp=self.pp, tp=self.tp)
 
     def label(self) -> str:
         dp = (

@@ -66,6 +66,13 @@ class Degrees:
         return self.dp // self.shard
 
     @property
+    def sharded(self) -> bool:
+        """Whether a stage's replicas go under FSDP2: --shard, and tensor parallel with replicas
+        (whose DTensor parameters DDP does not take, at --shard 1 too). Its mixed precision, its
+        gathered copies and its gradient buffers follow (`parallel.assemble`, `planner.memory`)."""
+        return self.shard > 1 or (self.tp > 1 and self.dp > 1)
+
+    @property
     def size(self) -> int:
         """The processes of the whole world."""
         return self.dp * self.pp * self.cp * self.tp

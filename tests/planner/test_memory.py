@@ -143,3 +143,37 @@ def test_sharded_stages_count_their_gradients_beside_their_activations_at_every_
     sharded = rank_memory(_costs(), Layout(1, 2, 1, "1f1b", 1, 1, "none"), [4], {0: 1}, mb, 0, one)
     mine = 400 / 2
     assert sharded["peak"] == 3 * mine + (400 - mine) + 4 * HELD * mb + 400 + 1.0 * mb
+
+
+def _parts(layout: Layout, precision: str) -> dict:
+    return rank_memory(_costs(), layout, [4], {0: 1}, mb=2, pp_rank=0, precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_under_sharding_halves_activations_and_gathers_a_half_copy(precision):
+    """FSDP2's mixed precision (shard 2): fp32 states ÷ shard as in fp32, activations half, the
+    gathered copy a whole half-precision one, the backward's gradients the fp32 ones."""
+    shard = Layout(1, 2, 1, "1f1b", 1, 1, "none")
+    fp32, half = _parts(shard, ""), _parts(shard, precision)
+    whole = 4 * 100  # four blocks of 100 fp32 bytes
+    assert half["params"] == fp32["params"] == whole / 2 and half["optimizer"] == whole
+    assert half["activations"] == fp32["activations"] / 2 == 4 * HELD * 2 / 2
+    # peak = params + optimizer + gathered + the backward (activations, gradients, a block's transient)
+    assert fp32["peak"] == whole / 2 + whole + whole / 2 + (4 * HELD * 2 + whole + 1.0 * 2)
+    assert half["peak"] == whole / 2 + whole + whole / 2 + (4 * HELD * 2 / 2 + whole + 1.0 * 2 / 2)
+
+
+def test_half_precision_without_sharding_is_autocast_and_counted_as_fp32():
+    for layout in (Layout(2, 1, 1, "1f1b", 1, 1, "none"), Layout(1, 1, 2, "1f1b", 1, 2, "none")):
+        balance = [4] if layout.pp == 1 else [2, 2]
+        args = (_costs(), layout, balance, {0: 1, 1: 1}, 2, 0)
+        assert rank_memory(*args, precision="bf16") == rank_memory(*args, precision="")
+
+
+def test_a_formula_costs_parameters_at_fp32_whatever_the_model_was_built_in():
+    import torch
+
+    from brigade.planner.costs import master_bytes
+
+    built = [torch.nn.Linear(4, 4).to(torch.bfloat16)]
+    assert list(master_bytes(built)[0].values()) == [16 * 4, 4 * 4]  # weight, bias: 4 bytes each

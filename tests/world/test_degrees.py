@@ -105,3 +105,11 @@ def test_a_rank_or_coordinate_outside_the_world_is_refused():
         d.rank(pp=2)
     with pytest.raises(ValueError):
         d.groups("sp")
+
+
+@pytest.mark.parametrize("degrees,sharded", [
+    (Degrees(dp=2, shard=2), True), (Degrees(dp=4, shard=2), True), (Degrees(dp=2, tp=2), True),
+    (Degrees(dp=2), False), (Degrees(pp=2, tp=2), False), (Degrees(), False),
+])
+def test_sharded_is_fsdp2s_layouts_shard_or_tensor_parallel_with_replicas(degrees, sharded):
+    assert degrees.sharded is sharded
