@@ -8,6 +8,8 @@ Layouts, 4 processes of one thread each: DDP dp 4, shard 4 (FSDP2), shard 2 × p
 gathered once a step, and with --reshard once a micro-batch), HSDP 2 × 2; each under --recompute
 none, full and selective. Tensor parallel at the same world size: tp 2 × pp 2, tp 2 × dp 2 and
 tp 2 × shard 2, each held against the layout without tp that has the same pipeline (`TENSOR`).
+bf16 (FSDP2's mixed precision) on shard 4 and shard 2 × pp 2, against the same layouts in fp32
+(`PRECISION`).
 Each is `brigade train` as a user runs it: its `memory` event (train/memory.py: parameters,
 gradients, optimizer state, activations and peak, per rank, measured on step 2) and the median
 step time of the steps after the second. The GPT
@@ -46,12 +48,16 @@ LAYOUTS = {"DDP dp 4": ["--nproc", "4"], "shard 4": ["--nproc", "4", "--shard", 
            "HSDP 2 × 2": ["--nproc", "4", "--shard", "2"],
            "tp 2 × pp 2": ["--nproc", "4", "--pp", "2", "--tp", "2"],
            "tp 2 × dp 2": ["--nproc", "4", "--tp", "2"],
-           "tp 2 × shard 2": ["--nproc", "4", "--tp", "2", "--shard", "2"]}
+           "tp 2 × shard 2": ["--nproc", "4", "--tp", "2", "--shard", "2"],
+           "shard 4, bf16": ["--nproc", "4", "--shard", "4", "--precision", "bf16"],
+           "shard 2 × pp 2, bf16": ["--nproc", "4", "--pp", "2", "--shard", "2", "--precision", "bf16"]}
 # Each sharded layout, its shard degree and the DDP layout of the same pipeline it is held against.
 SHARDED = {"shard 4": (4, "DDP dp 4"), "shard 2 × pp 2": (2, "DDP dp 2 × pp 2"),
            "shard 2 × pp 2, reshard": (2, "DDP dp 2 × pp 2"), "HSDP 2 × 2": (2, "DDP dp 4")}
 # Each tensor-parallel layout and the layout of 4 processes without tp it is held against.
 TENSOR = {"tp 2 × pp 2": "DDP dp 2 × pp 2", "tp 2 × dp 2": "DDP dp 4", "tp 2 × shard 2": "shard 4"}
+# Each bf16 layout (FSDP2's mixed precision) and the same layout in fp32 it is held against.
+PRECISION = {"shard 4, bf16": "shard 4", "shard 2 × pp 2, bf16": "shard 2 × pp 2"}
 RUNS = [(layout, mode) for layout in LAYOUTS for mode in MODES if mode == "none" or layout in SHARDED]
 GPT = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--context", "64", "--block-size", "64",
        "--batch-size", "8", "--microbatches", "2"]
@@ -135,14 +141,15 @@ def states_target(runs: list[dict], tiny: bool) -> list[dict]:
     return out
 
 
-def tensor_comparison(runs: list[dict]) -> list[dict]:
-    """Per tensor-parallel run (no recompute): its largest rank's states (parameters, gradients,
+def tensor_comparison(runs: list[dict], pairs: dict[str, str] = TENSOR) -> list[dict]:
+    """Per run of `pairs` (no recompute): its largest rank's states (parameters, gradients,
     optimizer), activations and peak, and its step time, each as a ratio to the same figure of
-    the layout without tp it is held against (`TENSOR`). The planned matmuls' states halve under
-    tp 2; the embedding, head and norms stay whole, and so do the activations between blocks."""
+    the layout it is held against. `TENSOR`: the planned matmuls' states halve under tp 2; the
+    embedding, head and norms stay whole, and so do the activations between blocks. `PRECISION`:
+    bf16 under FSDP2 keeps the fp32 states and halves the activations."""
     at = {(r["layout"], r["recompute"]): r for r in runs}
     out = []
-    for layout, base in TENSOR.items():
+    for layout, base in pairs.items():
         mine, theirs = at[(layout, "none")], at[(base, "none")]
         row = {"layout": layout, "against": base}
         for name, kinds in (("states", ("params", "grads", "optimizer")), ("activations", ("activations",)),
@@ -239,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{layout:>24}, recompute {mode:<9}  step {runs[-1]['step_s'] * 1e3:6.1f} ms", flush=True)
     split = {mode: split_passes(mode, args.tiny, args.repeats) for mode in MODES}
     targets = {"states": states_target(runs, args.tiny), "activations_full": activations_target(args.tiny),
-               "tensor": tensor_comparison(runs)}
+               "tensor": tensor_comparison(runs), "precision": tensor_comparison(runs, PRECISION)}
     result = {"model": "GPT " + " ".join(model), "steps": args.steps, "runs": runs, "split_backward": split,
               "targets": targets,
               "command": "python -m brigade.results.footprint" + (" --tiny" if args.tiny else "")}

@@ -326,6 +326,17 @@ def _footprint_tensor(d: dict) -> str:
                      for t in d["targets"]["tensor"])
 
 
+@row("bf16 under sharding (FSDP2's mixed precision; 4 processes, no recompute): the largest rank's states, "
+     "activations, peak and step time, against the same layout in fp32", *_FOOTPRINT)
+def _footprint_precision(d: dict) -> str:
+    return "; ".join(f"{t['layout']} vs {t['against']}: states {t['states'] / _MIB:.1f} vs "
+                     f"{t['states_against'] / _MIB:.1f} MiB, activations {t['activations'] / _MIB:.2f} vs "
+                     f"{t['activations_against'] / _MIB:.2f} MiB (×{t['activations_ratio']:.2f}), peak "
+                     f"{t['peak'] / _MIB:.1f} vs {t['peak_against'] / _MIB:.1f} MiB, step "
+                     f"{t['step_s'] * 1e3:.0f} vs {t['step_s_against'] * 1e3:.0f} ms"
+                     for t in d["targets"]["precision"])
+
+
 @row("split backward (one stage of 4 GPT blocks, batch 8): forward, input pass I, weight pass W",
      *_FOOTPRINT)
 def _footprint_split(d: dict) -> str:
