@@ -32,9 +32,9 @@ through its backward stay the fp32 ones (FSDP2 casts each unit's half-precision 
 fp32 copy as the unit's backward ends, and frees it), and the gathered copy is a half-precision
 one. Measured on the GPT of `results/footprint` (4 × 256, shard 2, batch 8): activations 8.38 MiB
 against 8.32 predicted, the peak 39.5 MiB against 45.2 (+15 %; fp32: 50.2 against 53.8, +7 %).
-Elsewhere (DDP, no replicas) they are autocast over fp32
-parameters, and activations count as measured in fp32: an upper bound, as autocast keeps the
-outputs of norms and softmax, and the residual stream after them, in fp32.
+Elsewhere (DDP, no replicas) they are autocast over fp32 parameters, and activations count as
+measured in fp32: an upper bound, as autocast keeps the outputs of norms and softmax, and the
+residual stream after them, in fp32.
 
 A stage's busiest moment comes from walking its rank's actions in the plan's order (`moments`):
 after each, n micro-batches are held (F done, B or W not), j ≤ n of them are past their I, and
