@@ -318,23 +318,25 @@ def _footprint_recompute(d: dict) -> str:
      "gradients + AdamW state, activations, peak and step time, against the same layout without tp",
      *_FOOTPRINT)
 def _footprint_tensor(d: dict) -> str:
-    return "; ".join(f"{t['layout']} vs {t['against']}: states {t['states'] / _MIB:.1f} vs "
-                     f"{t['states_against'] / _MIB:.1f} MiB (×{t['states_ratio']:.2f}), activations "
-                     f"{t['activations'] / _MIB:.2f} vs {t['activations_against'] / _MIB:.2f} MiB, peak "
-                     f"{t['peak'] / _MIB:.1f} vs {t['peak_against'] / _MIB:.1f} MiB, step "
-                     f"{t['step_s'] * 1e3:.0f} vs {t['step_s_against'] * 1e3:.0f} ms"
-                     for t in d["targets"]["tensor"])
+    return "; ".join(_held_against(t, ratio="states") for t in d["targets"]["tensor"])
+
+
+def _held_against(t: dict, ratio: str) -> str:
+    """One layout against another (`footprint.tensor_comparison`): states, activations, peak and
+    step, each beside the other's; the ratio shown for the figure `ratio` names."""
+    def pair(name: str, digits: int) -> str:
+        shown = f" (×{t[name + '_ratio']:.2f})" if name == ratio else ""
+        return f"{t[name] / _MIB:.{digits}f} vs {t[name + '_against'] / _MIB:.{digits}f} MiB{shown}"
+
+    return (f"{t['layout']} vs {t['against']}: states {pair('states', 1)}, activations "
+            f"{pair('activations', 2)}, peak {pair('peak', 1)}, step {t['step_s'] * 1e3:.0f} vs "
+            f"{t['step_s_against'] * 1e3:.0f} ms")
 
 
 @row("bf16 under sharding (FSDP2's mixed precision; 4 processes, no recompute): the largest rank's states, "
      "activations, peak and step time, against the same layout in fp32", *_FOOTPRINT)
 def _footprint_precision(d: dict) -> str:
-    return "; ".join(f"{t['layout']} vs {t['against']}: states {t['states'] / _MIB:.1f} vs "
-                     f"{t['states_against'] / _MIB:.1f} MiB, activations {t['activations'] / _MIB:.2f} vs "
-                     f"{t['activations_against'] / _MIB:.2f} MiB (×{t['activations_ratio']:.2f}), peak "
-                     f"{t['peak'] / _MIB:.1f} vs {t['peak_against'] / _MIB:.1f} MiB, step "
-                     f"{t['step_s'] * 1e3:.0f} vs {t['step_s_against'] * 1e3:.0f} ms"
-                     for t in d["targets"]["precision"])
+    return "; ".join(_held_against(t, ratio="activations") for t in d["targets"]["precision"])
 
 
 @row("split backward (one stage of 4 GPT blocks, batch 8): forward, input pass I, weight pass W",
