@@ -4,7 +4,8 @@ on top of the house: they may import the commands, the planner and the measuring
 and nothing imports them but each other and their tests.
 
     regenerate       every job of results/, run and written, then the table (`__main__`)
-    table            docs/results.md's table, from the JSON files alone
+    table            docs/results.md's table, from the JSON files alone (rows: one row's shape;
+                     memory_rows: the memory and planner-accuracy rows)
     script           what every script shares: its JSON and plot side by side, errors in one line
     overhead         brigade train's whole loop against a raw torch DDP loop
     speed            one schedule against torch.distributed.pipelining's on the same stages

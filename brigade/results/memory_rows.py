@@ -1,0 +1,87 @@
+"""The memory rows of the results table (docs/results.md): what results/footprint/ and results/plan/
+hold, each rendered with the page's rounding (`rows.Row`). The last rows of the table, in this order."""
+
+from __future__ import annotations
+
+from brigade.results.rows import Row, adder
+
+ROWS: list[Row] = []  # in the order of the figure functions below
+row = adder(ROWS)
+
+_FOOTPRINT = ("footprint/footprint.json", "`python -m brigade.results.footprint`")
+_MIB = 2 ** 20
+
+
+def _largest(run: dict, *kinds: str) -> float:
+    """MiB of `kinds` together on the rank that holds the most of them."""
+    return max(sum(r[k] for k in kinds) for r in run["ranks"]) / _MIB
+
+
+@row("memory per rank, GPT 4×256, context 64, batch 8, 4 processes: parameters + gradients + "
+     "AdamW state (largest rank), peak, step time; no recompute", *_FOOTPRINT)
+def _footprint_layouts(d: dict) -> str:
+    runs = [r for r in d["runs"] if r["recompute"] == "none"]
+    within = all(t["within"] for t in d["targets"]["states"])
+    parts = [f"{r['layout']} {_largest(r, 'params', 'grads', 'optimizer'):.1f} MiB, peak "
+             f"{_largest(r, 'peak'):.1f} MiB, {r['step_s'] * 1e3:.0f} ms" for r in runs]
+    return "; ".join(parts) + (f" — every sharded rank within 1/S of DDP's plus one block's states: "
+                               f"{'yes' if within else 'NO'}")
+
+
+@row("activation recompute (none / full / selective): activations held (largest rank) and step time",
+     *_FOOTPRINT)
+def _footprint_recompute(d: dict) -> str:
+    parts = []
+    for layout in dict.fromkeys(r["layout"] for r in d["runs"] if r["recompute"] != "none"):
+        modes = {r["recompute"]: r for r in d["runs"] if r["layout"] == layout}
+        parts.append(f"{layout}: " + " / ".join(f"{_largest(modes[m], 'activations'):.2f} MiB "
+                                                f"{modes[m]['step_s'] * 1e3:.0f} ms"
+                                                for m in ("none", "full", "selective")))
+    a = d["targets"]["activations_full"]
+    bound = (f"full recompute, {a['microbatches_in_flight']} micro-batches in flight: "
+             f"{a['held_peak'] / _MIB:.2f} MiB held ≤ {a['bound'] / _MIB:.2f} MiB (their block inputs + "
+             f"one block's working set): {'yes' if a['within'] else 'NO'}")
+    return "; ".join(parts) + "; " + bound
+
+
+@row("tensor parallel at equal world size (4 processes, no recompute): the largest rank's parameters + "
+     "gradients + AdamW state, activations, peak and step time, against the same layout without tp",
+     *_FOOTPRINT)
+def _footprint_tensor(d: dict) -> str:
+    return "; ".join(_held_against(t, ratio="states") for t in d["targets"]["tensor"])
+
+
+def _held_against(t: dict, ratio: str) -> str:
+    """One layout against another (`footprint.tensor_comparison`): states, activations, peak and
+    step, each beside the other's; the ratio shown for the figure `ratio` names."""
+    def pair(name: str, digits: int) -> str:
+        shown = f" (×{t[name + '_ratio']:.2f})" if name == ratio else ""
+        return f"{t[name] / _MIB:.{digits}f} vs {t[name + '_against'] / _MIB:.{digits}f} MiB{shown}"
+
+    return (f"{t['layout']} vs {t['against']}: states {pair('states', 1)}, activations "
+            f"{pair('activations', 2)}, peak {pair('peak', 1)}, step {t['step_s'] * 1e3:.0f} vs "
+            f"{t['step_s_against'] * 1e3:.0f} ms")
+
+
+@row("bf16 under sharding (FSDP2's mixed precision; 4 processes, no recompute): the largest rank's states, "
+     "activations, peak and step time, against the same layout in fp32", *_FOOTPRINT)
+def _footprint_precision(d: dict) -> str:
+    return "; ".join(_held_against(t, ratio="activations") for t in d["targets"]["precision"])
+
+
+@row("split backward (one stage of 4 GPT blocks, batch 8): forward, input pass I, weight pass W",
+     *_FOOTPRINT)
+def _footprint_split(d: dict) -> str:
+    return "; ".join(f"{mode}: F {s['forward_ms']:.1f} ms, I {s['input_ms']:.1f} ms, W {s['weight_ms']:.1f} "
+                     f"ms, forwards run again per block {s['recomputes_per_block']:.0f}"
+                     for mode, s in d["split_backward"].items())
+
+
+@row("brigade plan against brigade train on this machine: GPT 4×256 (context 64, batch 16) and the MLP, "
+     "dp, shard, HSDP, pp (1f1b, interleaved V = 2, zb, zbv, auto), dp × pp, recompute none and full",
+     "plan/accuracy.json", "`python -m brigade.results.plan_accuracy`")
+def _plan_accuracy(d: dict) -> str:
+    s = d["summary"]
+    return (f"{s['layouts']} layouts: step time median error {100 * s['median_step_error']:.1f} %, worst "
+            f"{100 * s['worst_step_error']:.1f} %; per-rank peak memory median "
+            f"{100 * s['median_memory_error']:.1f} %, worst {100 * s['worst_memory_error']:.1f} %")
