@@ -40,12 +40,13 @@ class Parser(argparse.ArgumentParser):
 
 def _option(p: argparse.ArgumentParser, cls: type, name: str, **kw) -> None:
     """`--name` for field `name` of dataclass `cls`: its default and its sentence as the help
-    (an int or float field's type, a bool field a switch, unless `kw` says otherwise)."""
+    (an int or float field's type, a bool field a switch — `--name / --no-name` where it is on
+    by default —, unless `kw` says otherwise)."""
     f = field_of(cls, name)
     kind = typing.get_type_hints(cls)[name]
     kw.setdefault("default", default_of(f))
     if kind is bool:
-        kw.setdefault("action", "store_true")
+        kw.setdefault("action", argparse.BooleanOptionalAction if kw["default"] else "store_true")
     else:
         kw.setdefault("type", kind if kind in (int, float) else None)
     p.add_argument("--" + name.replace("_", "-"), help=flag_help(f, kw["default"]), **kw)
@@ -101,8 +102,9 @@ def _add_check(sub) -> None:
     from brigade.config.recompute import MODES
 
     closed = {"runtime": ["process", "local"], "balance_by": ["params", "time"], "recompute": list(MODES)}
-    for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "tp", "reshard",
-                 "recompute", "runtime", "devices", "batch_size", "balance", "balance_by", "seed", "atol"):
+    for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "tp",
+                 "sequence_parallel", "reshard", "recompute", "runtime", "devices", "batch_size", "balance",
+                 "balance_by", "seed", "atol"):
         _option(p, CheckConfig, name, **({"choices": closed[name]} if name in closed else {}))
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     _json_arg(p)
@@ -125,7 +127,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         atol=args.atol, model_options=options, balance_by=args.balance_by,
         devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
         virtual=args.virtual, dp=args.dp, shard=args.shard, reshard=args.reshard,
-        recompute=args.recompute, tp=args.tp,
+        recompute=args.recompute, tp=args.tp, sequence_parallel=args.sequence_parallel,
     )
     result = run_check(cfg, port=args.port)[0]
     print(json.dumps(result) if args.json else "\n".join(report.lines(cfg, result)))

@@ -7,8 +7,9 @@ Shapes: B batch, T time, C n_embd, H n_head, K n_kv_head, D head size, V vocab_s
 Nothing here knows about parallelism: the blocks declare the side input they take, and the
 head shares the embedding's weight; brigade delivers the mask and keeps the copies equal. Each
 block also declares how tensor parallel (--tp) may split it (`tp_plan`): q, the fused k/v and
-the SwiGLU's gate and up column-wise, by whole heads; the attention output and down row-wise.
-Attention reads how many heads it holds from the tensor's shape.
+the SwiGLU's gate and up column-wise, by whole heads; the attention output and down row-wise;
+the two norms on a part of the sequence (sequence parallel, where x is (B, T/tp, C)). Attention
+reads how many heads it holds, and the sequence's length, from q's shape.
 """
 
 import torch
@@ -58,23 +59,25 @@ class Decoder(nn.Module):
         self.gate, self.up = nn.Linear(n_embd, hidden, bias=False), nn.Linear(n_embd, hidden, bias=False)
         self.down = nn.Linear(hidden, n_embd, bias=False)
         self.tp_plan = {"q": ("colwise", n_head), "kv": ("colwise", n_kv_head), "o": ("rowwise", n_head),
-                        "gate": "colwise", "up": "colwise", "down": "rowwise"}
+                        "gate": "colwise", "up": "colwise", "down": "rowwise",
+                        "attn_norm": "sequence", "mlp_norm": "sequence"}
         angles = torch.outer(torch.arange(block_size), theta ** (-torch.arange(0, self.d, 2) / self.d))
         self.register_buffer("cos", angles.cos(), persistent=False)  # (block_size, D/2)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x, *, padding_mask):  # (B, T, C), (B, T) bool -> (B, T, C)
-        b, t, _ = x.shape
         h = self.attn_norm(x)
-        q = self.q(h).view(b, t, -1, self.d).transpose(1, 2)  # (B, H, T, D); H: the heads held here
+        q = self.q(h)  # (B, T, H * D): the whole sequence even where x holds a part of it
+        b, t, _ = q.shape
+        q = q.view(b, t, -1, self.d).transpose(1, 2)  # (B, H, T, D); H: the heads held here
         # Rows of kv are head-major, each head's k and v adjacent: a split hands out whole heads.
         kv = self.kv(h).view(b, t, -1, 2, self.d)  # (B, T, K, 2, D)
         k, v = (kv[..., i, :].transpose(1, 2) for i in range(2))  # (B, K, T, D) each
         q, k = rotate(q, self.cos[:t], self.sin[:t]), rotate(k, self.cos[:t], self.sin[:t])
         k, v = (z.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for z in (k, v))  # (B, H, T, D)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         # Attend to earlier real tokens, and always to itself: a padded row never has no key.
-        mask = (causal & padding_mask[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=x.device)
+        mask = (causal & padding_mask[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=q.device)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
         x = x + self.o(y.transpose(1, 2).reshape(b, t, -1))
         h = self.mlp_norm(x)

@@ -72,6 +72,9 @@ CASES = [
     ("tp elastic", ["train", "--nnodes", "1:2", "--tp", "2", "--max-restarts", "1"],
      "--tp 2 with an elastic --nnodes 1:2: not supported yet", 2),
     ("tp zero", ["train", "--tp", "0"], "--tp 0: must be ≥ 1", 2),
+    ("sequence parallel length", ["train", "--nproc", "2", "--tp", "2", "--block-size", "33"],
+     "--block-size 33 does not split into --tp 2 equal parts, which sequence parallel needs: use a "
+     "--block-size that 2 divides, or --no-sequence-parallel", 2),
     ("microbatches > batch", ["train", "--pp", "2", "--microbatches", "64"],
      "--microbatches 64 is larger than each replica's batch (32)", 2),
     ("balance vs blocks", ["train", "--pp", "2", "--balance", "1,1"],

@@ -39,6 +39,7 @@ class CheckConfig:
     tp: int = doc(1, sentence(ParallelConfig, "tp") + " (dp × stages × tp processes)")
     recompute: str = doc("none", sentence(ParallelConfig, "recompute"), choices=RECOMPUTES)
     reshard: bool = doc(False, sentence(ParallelConfig, "reshard"))
+    sequence_parallel: bool = doc(True, sentence(ParallelConfig, "sequence_parallel"))
 
 
 @dataclass
@@ -60,6 +61,7 @@ class CheckResult:
     shard: int = 1
     recompute: str = "none"
     tp: int = 1
+    sequence_parallel: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -10,7 +10,8 @@ def lines(cfg: CheckConfig, result: dict) -> list[str]:
     """The console lines for `result` (a `CheckResult.to_dict()`) of a check run with `cfg`."""
     verdict = "OK" if result["ok"] else "MISMATCH"
     sharded = f" (shard {cfg.shard})" if cfg.shard > 1 else ""
-    sharded += f", tp={cfg.tp}" if cfg.tp > 1 else ""
+    sharded += f", tp={cfg.tp}" + (" (sequence parallel)" if result.get("sequence_parallel") else "") \
+        if cfg.tp > 1 else ""
     sharded += f", recompute {cfg.recompute}" if cfg.recompute != "none" else ""
     out = [f"{verdict}: {cfg.model} on {cfg.stages} stages ({cfg.runtime}), {cfg.schedule}, "
            f"V={result['virtual']}, dp={cfg.dp}{sharded}, m={cfg.microbatches}, "

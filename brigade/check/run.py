@@ -93,7 +93,7 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     ref_loss, ref_grads, ref_state, ref_kind = reference(spec, x, y, m, lr, ref_device)
     cut = _cut(cfg, spec, schedule, v, x, world.device)
     # the same assembler as brigade train's (the reference, a deep copy, ran unwrapped)
-    built = assemble(spec.blocks, cut, world, mode, cfg.reshard)
+    built = assemble(spec.blocks, cut, world, mode, cfg.reshard, sequence_parallel=cfg.sequence_parallel)
     loss = _step(built, schedule, m, spec.loss_fn, x, y)
     held = built.held
     grad_diff = _max_diff([p.grad for b in held.values() for p in b.parameters()],
@@ -108,7 +108,8 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     d = diffs.tolist()
     return CheckResult(schedule, m, cfg.stages, cfg.runtime, list(cut.balance), loss, d[0], d[1], d[2],
                        ref_kind, ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp,
-                       reference_device=str(ref_device), shard=cfg.shard, recompute=mode, tp=cfg.tp)
+                       reference_device=str(ref_device), shard=cfg.shard, recompute=mode, tp=cfg.tp,
+                       sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel)
 
 
 def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y) -> float:
@@ -121,7 +122,7 @@ def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y) -> float:
     finally:
         if world.local:
             pipe.close()
-    built.ties.sum_grads(built.held)
+    built.settle_grads()
     if world.degrees.dp > 1:
         total = torch.tensor(loss, dtype=torch.float64, device=world.device)
         dist.all_reduce(total, group=world.group("dp"))

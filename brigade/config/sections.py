@@ -57,6 +57,10 @@ class ParallelConfig:
     tp: int = doc(1, "tensor-parallel processes each block's matmuls are split over (DTensor), the "
                      "innermost mesh dimension, so on the fastest links; the model's blocks say how "
                      "(a tp_plan); 1: none")
+    sequence_parallel: bool = doc(True, "with --tp: split the norms, residual stream and dropout "
+                                        "along the sequence where the blocks' plans allow (1/tp of "
+                                        "their activations and of what the pipeline sends); "
+                                        "--no-sequence-parallel keeps them whole on every tp process")
     reshard: bool = doc(False, "with --shard: free a stage's gathered parameters after each forward "
                                "(less memory; an all-gather per micro-batch, not per step)")
     recompute: str = doc("none", "activation recomputation of every block ({choices}); a model file's "

@@ -7,8 +7,9 @@ gradients (brigade.pipeline.stages.ties).
 
 Each block declares how tensor parallel splits it (`tp_plan`, read by brigade.parallel.tensor):
 attention's fused q/k/v column-wise and its output row-wise, by whole heads; the MLP's up
-column-wise and its down row-wise. The embedding and head declare an empty plan: whole on every
-tensor-parallel process.
+column-wise and its down row-wise; under sequence parallel its two norms run on a part of the
+sequence and the attention and the MLP each gather their input once. The embedding and head
+declare an empty plan: whole on every tensor-parallel process.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class Block(nn.Module):
             nn.Dropout(cfg.dropout),
         )
         self.tp_plan = {"attn.qkv": ("colwise", cfg.n_head), "attn.proj": ("rowwise", cfg.n_head),
-                        "mlp.0": "colwise", "mlp.2": "rowwise"}
+                        "mlp.0": "colwise", "mlp.2": "rowwise",
+                        "ln1": "sequence", "ln2": "sequence", "attn": "gather", "mlp": "gather"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         x = x + self.attn(self.ln1(x))

@@ -5,7 +5,10 @@ their stages here, so what the check proves equal to one device is what training
     blocks ─ cut (blocks per stage, stage → pipeline rank) ─ ties across stages untied
            ─ this process's stages kept ─ meta blocks given memory ─ moved to the device
            ─ the wrappers, in ORDER:
-               1. tensor parallel   each held block's tp_plan over the world's "tp" mesh (parallel.tensor)
+               1. tensor parallel   each held block's tp_plan over the world's "tp" mesh (parallel.tensor),
+                                    sequence parallel where a plan allows it and the run wants
+                                    it, with the boundaries between parts and whole blocks
+                                    (parallel.sequence)
                2. recompute         each held block's forward, by its mode (parallel.recompute)
                3. shard / replicate each stage under FSDP2 over the world's shard mesh
                                     (parallel.shard), or DDP over its data-parallel group
@@ -20,11 +23,11 @@ the pipeline runs its forwards under autocast (`precision`, `Assembly.autocast`)
 
 This is torchtitan's order (tensor parallel, activation checkpointing, compile, FSDP): a wrapper
 that changes what a block computes comes before one that changes where its parameters live. The
-axes still to come take their places in it: sequence parallel with tensor parallel, context
-parallel after it, compile and float8 between recompute and sharding. Recompute only replaces a
-block's `forward` and runs its submodules again, tensor-parallel collectives included, so it may
-stand before or after tensor parallel; sharding must come last (FSDP2 takes the DTensors tensor
-parallel made and makes them 2-D).
+axes still to come take their places in it: context parallel after tensor parallel, compile
+and float8 between recompute and sharding. Recompute only replaces a block's `forward` and runs
+its submodules again, tensor-parallel collectives included, so it may stand before or after
+tensor parallel; sharding must come last (FSDP2 takes the DTensors tensor parallel made and
+makes them 2-D).
 
 The pipeline that runs the stages (`Assembly.pipeline`) is built here too: one process per
 pipeline rank over the world's "pp" group, or every rank in this process (local stages).
@@ -40,7 +43,7 @@ import torch
 from torch import nn
 
 from brigade.models.hf.weights import materialize
-from brigade.parallel import recompute, tensor
+from brigade.parallel import recompute, sequence, tensor
 from brigade.parallel.replicate import data_parallel
 from brigade.parallel.shard import shard_stage
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
@@ -111,6 +114,17 @@ class Assembly:
     autocast: torch.dtype | None = None  # what the pipeline runs its forwards under
     mixed: torch.dtype | None = None  # the sharded stages' gathered-weight dtype (FSDP2's policy)
 
+    def settle_grads(self) -> None:
+        """After the step's last backward: every copy of a shared weight given the sum of their
+        gradients (`ties`), and every gradient tensor parallel left partial summed over tp
+        (`sequence.reduce_partial_grads`, `tensor.sum_per_head_grads`). What the gradient norm,
+        clipping and the optimizer read is then one gradient per weight, the same wherever it
+        is held."""
+        self.ties.sum_grads(self.held)
+        if self.world.degrees.tp > 1:
+            sequence.reduce_partial_grads(self.held.values())
+            tensor.sum_per_head_grads(self.held.values(), self.world.group("tp"))
+
     def pipeline(self, schedule: str, n_microbatches: int, loss_fn, costs=None):
         """The pipeline that runs these stages under `schedule`: a `Pipeline` over the world's "pp"
         group, or a `LocalPipeline` over the world's devices (local stages)."""
@@ -125,7 +139,8 @@ class Assembly:
 
 def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: str = "none",
              reshard: bool = False, autocast: torch.dtype | None = None,
-             weights: Callable[[dict[int, nn.Module], torch.device], None] | None = None) -> Assembly:
+             weights: Callable[[dict[int, nn.Module], torch.device], None] | None = None,
+             sequence_parallel: bool = True) -> Assembly:
     """This process's stages of `blocks`, cut by `cut`, wrapped for `world` in `ORDER`.
 
     Called by every process with the same blocks (built from one seed) and cut.
@@ -140,6 +155,8 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
             the stages are sharded, else the autocast dtype the pipeline runs under (`precision`).
         weights: `(held blocks, device) -> None`, called once every wrapper is in place, for
             blocks built on the meta device (an `hf:DIR` model): each process reads only its part.
+        sequence_parallel: under tp > 1, split along the sequence what the blocks whose plan
+            allows it would hold whole on every tp process (`parallel.sequence`).
 
     Raises:
         BrigadeError: a mode or plan a block refuses (`recompute.modes`, `tensor.parallelize`).
@@ -152,8 +169,10 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     materialize(owned, world.device)  # blocks built without memory: only those held here
     owned.to(world.device)
     held = {i: blocks[i] for i in indices}
-    if world.degrees.tp > 1:  # 1. tensor parallel
-        tensor.parallelize(list(held.values()), world.tp_mesh)
+    if world.degrees.tp > 1:  # 1. tensor parallel, sequence parallel where it may
+        tensor.parallelize(list(held.values()), world.tp_mesh, sequence_parallel)
+        parts = [sequence_parallel and sequence.takes_part(b, tensor.plan_of(b)) for b in blocks]
+        sequence.boundaries(blocks, parts, indices, world.tp_mesh)
     modes = recompute.apply(blocks, recompute_mode, held=indices)  # 2. recompute
     stages = split(blocks, list(cut.balance))
     run_under, mixed = precision(world, autocast)

@@ -19,6 +19,23 @@ and one in the backward, the Megatron-LM pattern.
 
     block input (whole) ─► colwise: local heads / hidden slice ─► rowwise ─► all-reduce ─► whole
 
+Under sequence parallel (on by default, `parallel.sequence`) two more styles say where a block's
+positions may be split instead of kept whole:
+
+    "sequence"           a norm: it runs on this process's part of the sequence, its weight
+                         replicated; the block then takes and gives parts, (B, T/tp, C), its
+                         rowwise outputs are reduce-scattered into parts and its colwise inputs
+                         gathered (with sequence parallel off, both entries are left out)
+    "gather"             a module whose colwise layers share one input (an attention, an MLP):
+                         its input is gathered once, for all of them, as a replicated DTensor
+
+One more style is for a module that runs on the heads a process holds but whose weight all heads
+share (Qwen3's norms of q and k, applied per head):
+
+    "per-head"           its weight stays whole on every tp process, and its gradient, which
+                         sees only this process's heads, is summed over tp after the step's
+                         last backward (`sum_per_head_grads`)
+
 An empty plan `{}` keeps a block whole on every tp process (the replicated path: the built-in
 GPT's embedding and head, which are small next to its blocks at the sizes brigade trains). A
 block without a plan is refused under tp > 1, rather than silently computed tp times over.
@@ -38,7 +55,9 @@ from torch import nn
 
 from brigade.errors import BrigadeError
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise")  # split a module's weights
+SEQUENCE_STYLES = ("sequence", "gather")  # place a module in a sequence-parallel block
+WHOLE_STYLES = ("per-head",)  # keep a module whole, its gradient summed over tp
 
 
 def plan_of(block: nn.Module) -> dict | None:
@@ -67,13 +86,16 @@ def _split_size(module: nn.Module, style: str) -> int | None:
 
 def _check_entry(where: str, block: nn.Module, name: str, entry, tp: int) -> None:
     style, units = style_of(entry)
-    if style not in STYLES:
-        raise BrigadeError(f"{where}'s tp_plan gives {name} the style {style}: expected "
-                           f"'colwise' or 'rowwise', or (style, units) like ('colwise', 4)")
+    if style not in STYLES + SEQUENCE_STYLES + WHOLE_STYLES or (units is not None and style not in STYLES):
+        raise BrigadeError(f"{where}'s tp_plan gives {name} the style {style}: expected 'colwise', "
+                           "'rowwise', (style, units) like ('colwise', 4), 'sequence', 'gather' or "
+                           "'per-head'")
     module = dict(block.named_modules()).get(name)
     if module is None:
         raise BrigadeError(f"{where}'s tp_plan names {name!r}, which the block does not have: name "
                            "its submodules as named_modules() does, like 'attn.qkv'")
+    if style in SEQUENCE_STYLES + WHOLE_STYLES:
+        return
     size = _split_size(module, style)
     if size is None:
         raise BrigadeError(f"{where}'s tp_plan splits {name}, a {type(module).__name__}: tensor "
@@ -107,16 +129,56 @@ def check_plans(blocks: list[nn.Module], tp: int, model: str = "the model") -> N
             _check_entry(where, block, name, entry, tp)
 
 
-def parallelize(blocks: list[nn.Module], mesh) -> None:
+def parallelize(blocks: list[nn.Module], mesh, sequence: bool = True) -> None:
     """Split each block's planned submodules over the 1-D tp `mesh`, in place (see the module
-    docstring); blocks with an empty plan stay as they are. Call `check_plans` first."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    docstring); blocks with an empty plan stay as they are. `sequence`: the blocks whose plan
+    names a "sequence" entry take part in sequence parallelism (`parallel.sequence`); the
+    assembler puts the boundaries between them and whole blocks. Call `check_plans` first."""
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    from brigade.parallel import sequence as sp
+
     for block in blocks:
         plan = plan_of(block) or {}
-        if plan:
-            parallelize_module(block, mesh, {name: styles[style_of(e)[0]]() for name, e in plan.items()})
+        parts = sequence and sp.takes_part(block, plan)
+        styles = {name: _style(name, style_of(e)[0], plan, parts) for name, e in plan.items()}
+        styles = {name: s for name, s in styles.items() if s is not None}
+        if styles:
+            parallelize_module(block, mesh, styles)
+        for name, e in plan.items():
+            if parts and style_of(e)[0] == "gather":
+                block.get_submodule(name).register_forward_pre_hook(sp.gathering(mesh), with_kwargs=True)
+
+
+def _style(name: str, style: str, plan: dict, parts: bool):
+    """torch's ParallelStyle for one entry of a block's plan; None for an entry that is not one
+    (a "gather", which is a hook; a sequence entry without sequence parallel)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if style == "sequence":
+        return SequenceParallel(use_local_output=True) if parts else None
+    if style in ("gather", "per-head"):
+        return None
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=Shard(1)) if parts else RowwiseParallel()
+    gathered = any(name.startswith(g + ".") for g, e in plan.items() if style_of(e)[0] == "gather")
+    return ColwiseParallel(input_layouts=Shard(1)) if parts and not gathered else ColwiseParallel()
+
+
+def sum_per_head_grads(blocks, group) -> None:
+    """Every "per-head" module's gradients (each saw only this process's heads) := their sum over
+    the tp processes of `group`, so the weight stays the same on each."""
+    import torch.distributed as dist
+
+    from brigade.dtensors import local
+
+    for block in blocks:
+        for name, entry in (plan_of(block) or {}).items():
+            if style_of(entry)[0] == "per-head":
+                for p in block.get_submodule(name).parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(local(p.grad), group=group)
 
 
 def is_tp_sharded(t) -> bool:

@@ -7,7 +7,9 @@ recompute mode; and what recompute costs the split backward's two passes.
 Layouts, 4 processes of one thread each: DDP dp 4, shard 4 (FSDP2), shard 2 × pp 2 (parameters
 gathered once a step, and with --reshard once a micro-batch), HSDP 2 × 2; each under --recompute
 none, full and selective. Tensor parallel at the same world size: tp 2 × pp 2, tp 2 × dp 2 and
-tp 2 × shard 2, each held against the layout without tp that has the same pipeline (`TENSOR`).
+tp 2 × shard 2, each held against the layout without tp that has the same pipeline (`TENSOR`);
+and on the same replica batch, tp 2 × pp 2 with and without sequence parallel against pp 2 (2
+processes), 4 micro-batches each (`SEQUENCE`).
 bf16 (FSDP2's mixed precision) on shard 4 and shard 2 × pp 2, against the same layouts in fp32
 (`PRECISION`).
 Each is `brigade train` as a user runs it: its `memory` event (train/memory.py: parameters,
@@ -50,7 +52,11 @@ LAYOUTS = {"DDP dp 4": ["--nproc", "4"], "shard 4": ["--nproc", "4", "--shard", 
            "tp 2 × dp 2": ["--nproc", "4", "--tp", "2"],
            "tp 2 × shard 2": ["--nproc", "4", "--tp", "2", "--shard", "2"],
            "shard 4, bf16": ["--nproc", "4", "--shard", "4", "--precision", "bf16"],
-           "shard 2 × pp 2, bf16": ["--nproc", "4", "--pp", "2", "--shard", "2", "--precision", "bf16"]}
+           "shard 2 × pp 2, bf16": ["--nproc", "4", "--pp", "2", "--shard", "2", "--precision", "bf16"],
+           "pp 2, m 4": ["--nproc", "2", "--pp", "2", "--microbatches", "4"],
+           "tp 2 × pp 2, m 4": ["--nproc", "4", "--pp", "2", "--tp", "2", "--microbatches", "4"],
+           "tp 2 × pp 2, m 4, no sequence parallel": ["--nproc", "4", "--pp", "2", "--tp", "2",
+                                                      "--microbatches", "4", "--no-sequence-parallel"]}
 # Each sharded layout, its shard degree and the DDP layout of the same pipeline it is held against.
 SHARDED = {"shard 4": (4, "DDP dp 4"), "shard 2 × pp 2": (2, "DDP dp 2 × pp 2"),
            "shard 2 × pp 2, reshard": (2, "DDP dp 2 × pp 2"), "HSDP 2 × 2": (2, "DDP dp 4")}
@@ -58,6 +64,9 @@ SHARDED = {"shard 4": (4, "DDP dp 4"), "shard 2 × pp 2": (2, "DDP dp 2 × pp 2"
 TENSOR = {"tp 2 × pp 2": "DDP dp 2 × pp 2", "tp 2 × dp 2": "DDP dp 4", "tp 2 × shard 2": "shard 4"}
 # Each bf16 layout (FSDP2's mixed precision) and the same layout in fp32 it is held against.
 PRECISION = {"shard 4, bf16": "shard 4", "shard 2 × pp 2, bf16": "shard 2 × pp 2"}
+# Tensor parallel on the same replica batch (pp 2, 4 micro-batches; 2 processes against 4), with
+# and without sequence parallel: what each rank holds for backward at tp 2 against tp 1.
+SEQUENCE = {"tp 2 × pp 2, m 4": "pp 2, m 4", "tp 2 × pp 2, m 4, no sequence parallel": "pp 2, m 4"}
 RUNS = [(layout, mode) for layout in LAYOUTS for mode in MODES if mode == "none" or layout in SHARDED]
 GPT = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--context", "64", "--block-size", "64",
        "--batch-size", "8", "--microbatches", "2"]
@@ -146,7 +155,8 @@ def tensor_comparison(runs: list[dict], pairs: dict[str, str] = TENSOR) -> list[
     optimizer), activations and peak, and its step time, each as a ratio to the same figure of
     the layout it is held against. `TENSOR`: the planned matmuls' states halve under tp 2; the
     embedding, head and norms stay whole, and so do the activations between blocks. `PRECISION`:
-    bf16 under FSDP2 keeps the fp32 states and halves the activations."""
+    bf16 under FSDP2 keeps the fp32 states and halves the activations. `SEQUENCE`: sequence
+    parallel splits the activations between blocks too."""
     at = {(r["layout"], r["recompute"]): r for r in runs}
     out = []
     for layout, base in pairs.items():
@@ -246,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{layout:>24}, recompute {mode:<9}  step {runs[-1]['step_s'] * 1e3:6.1f} ms", flush=True)
     split = {mode: split_passes(mode, args.tiny, args.repeats) for mode in MODES}
     targets = {"states": states_target(runs, args.tiny), "activations_full": activations_target(args.tiny),
-               "tensor": tensor_comparison(runs), "precision": tensor_comparison(runs, PRECISION)}
+               "tensor": tensor_comparison(runs), "precision": tensor_comparison(runs, PRECISION),
+               "sequence": tensor_comparison(runs, SEQUENCE)}
     result = {"model": "GPT " + " ".join(model), "steps": args.steps, "runs": runs, "split_backward": split,
               "targets": targets,
               "command": "python -m brigade.results.footprint" + (" --tiny" if args.tiny else "")}

@@ -110,7 +110,8 @@ class ProcessModel:
                  autocast: torch.dtype | None = None, weights=None):
         self.world = world
         cut, schedule, m = cut_of(blocks, cfg)
-        self.assembly = assemble(blocks, cut, world, cfg.recompute, cfg.reshard, autocast, weights)
+        self.assembly = assemble(blocks, cut, world, cfg.recompute, cfg.reshard, autocast, weights,
+                                 cfg.sequence_parallel)
         self.balance, self.owned, self.held = list(cut.balance), self.assembly.owned, self.assembly.held
         self.ties, self.recompute = self.assembly.ties, self.assembly.modes
         # A costed schedule (auto) plans on unit costs until `replan` gives it measured ones.
@@ -137,11 +138,12 @@ class ProcessModel:
         """This batch's mean loss, averaged over data-parallel replicas, on every process.
 
         With `sync` (the step's last chunk) the copies of a shared parameter then hold the sum
-        of their gradients. `trace`: time every action (what `replan` reads).
+        of their gradients, and sequence parallel's partial ones their sum over tp
+        (`Assembly.settle_grads`). `trace`: time every action (what `replan` reads).
         """
         loss = self.pipe.step(x, y, loss_scale=loss_scale, sync=sync, trace=trace)
         if sync:
-            self.ties.sum_grads(self.held)
+            self.assembly.settle_grads()
         return self._dp_mean(loss)
 
     @torch.no_grad()

@@ -21,7 +21,7 @@ from brigade.config import RunConfig, pipeline_shape, resolve_layout
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.env import launcher_env, launcher_world, under_launcher
-from brigade.parallel import tensor
+from brigade.parallel import sequence, tensor
 from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
 from brigade.snapshot import collective
 from brigade.snapshot.compat import check_compatible, run_facts
@@ -71,6 +71,7 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     if cfg.model.model != "gpt" and weights is None:
         check_chain(blocks, train.batch(torch.arange(2))[0])
     tensor.check_plans(blocks, p.tp, cfg.model.model)
+    sequence.check_length(blocks, p.tp, cfg.data.block_size, p.sequence_parallel)
     ranks, virtual = pipeline_shape(p)
     choose_balance(blocks, ranks * virtual, balance=parse_balance(p.balance) if p.balance else None)
     if p.nnodes > 1 and not launched:

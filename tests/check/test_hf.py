@@ -40,9 +40,10 @@ def test_every_schedule_equals_transformers_in_every_family(family, dp):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_by_pipeline_2_equals_transformers():
-    results = _check(hf("llama"), stages=2, tp=2)
-    assert {r["tp"] for r in results} == {2}
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: its q and k norms are "per-head"
+def test_tensor_parallel_2_by_pipeline_2_equals_transformers(family):
+    results = _check(hf(family), stages=2, tp=2)
+    assert {(r["tp"], r["sequence_parallel"]) for r in results} == {(2, True)}
 
 
 def test_a_wrong_cut_fails_the_check(monkeypatch):

@@ -21,3 +21,9 @@ def test_a_failure_across_device_kinds_says_why_it_may_not_be_the_pipeline():
     cfg = CheckConfig(runtime="local", devices=["cpu", "cuda:0"])
     assert "a CPU and a GPU, whose fp32 arithmetic rounds differently" in lines(cfg, RESULT)[-1]
     assert len(lines(cfg, {**RESULT, "ok": True})) == 2
+
+
+def test_tensor_parallel_says_whether_the_sequence_was_split():
+    cfg = CheckConfig(stages=2, schedule="1f1b", tp=2)
+    assert ", tp=2 (sequence parallel), m=4" in lines(cfg, {**RESULT, "sequence_parallel": True})[0]
+    assert ", tp=2, m=4" in lines(cfg, {**RESULT, "sequence_parallel": False})[0]

@@ -196,7 +196,19 @@ def test_tensor_parallel_2_by_pipeline_2_on_every_schedule(model):
     cfg.tp = 2
     cases = TP_GRID if model == "gpt" else [c for c in TP_GRID if 2 * c[2] <= 6]
     results = run_check(cfg, cases)
-    assert _failures(results, cases) == [] and {r["tp"] for r in results} == {2}
+    assert _failures(results, cases) == []
+    assert {(r["tp"], r["sequence_parallel"]) for r in results} == {(2, True)}
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_without_sequence_parallel():
+    """tp 2 × pp 2 with --no-sequence-parallel: the norms and the residual stream whole on both tp
+    processes again (the plans' sequence entries left out), a whole and a split backward, V 2."""
+    cases = [("1f1b", 3, 1), ("zbv", 3, 2, "full")]
+    cfg = grid_config("gpt", 1)
+    cfg.tp, cfg.sequence_parallel = 2, False
+    results = run_check(cfg, cases)
+    assert _failures(results, cases) == [] and {r["sequence_parallel"] for r in results} == {False}
 
 
 @pytest.mark.timeout(400)

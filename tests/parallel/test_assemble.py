@@ -51,7 +51,7 @@ def calls(monkeypatch) -> list[tuple[str, object]]:
     """Every wrapper `assemble` applies, in the order it applies them."""
     seen: list[tuple[str, object]] = []
     monkeypatch.setattr(assembler.tensor, "parallelize",
-                        lambda held, mesh: seen.append(("tensor parallel", mesh)))
+                        lambda held, mesh, sequence=True: seen.append(("tensor parallel", mesh)))
     real = assembler.recompute.apply
     monkeypatch.setattr(assembler.recompute, "apply",
                         lambda bs, mode, held=None: seen.append(("recompute", mode)) or real(bs, mode, held))

@@ -23,7 +23,8 @@ def test_the_gpt_ships_a_plan_for_every_block():
     embedding, block, head = _tiny_gpt()
     assert plan_of(embedding) == {} and plan_of(head) == {}
     assert plan_of(block) == {"attn.qkv": ("colwise", 2), "attn.proj": ("rowwise", 2),
-                              "mlp.0": "colwise", "mlp.2": "rowwise"}
+                              "mlp.0": "colwise", "mlp.2": "rowwise",
+                              "ln1": "sequence", "ln2": "sequence", "attn": "gather", "mlp": "gather"}
     check_plans(_tiny_gpt(), 2)  # 2 heads of 4, hidden 32: tp 2 divides both
 
 
@@ -42,7 +43,10 @@ class _Planned(nn.Module):
     ([nn.Linear(4, 4)], 2, "block 0 (Linear) of m has no tensor-parallel plan, so --tp 2 cannot split it: "
                            "give the block a tp_plan"),
     ([_Planned({"fc": "diagonal"})], 2, "block 0 (_Planned) of m's tp_plan gives fc the style diagonal: "
-                                        "expected 'colwise' or 'rowwise'"),
+                                        "expected 'colwise', 'rowwise', (style, units) like ('colwise', 4), "
+                                        "'sequence', 'gather' or 'per-head'"),
+    ([_Planned({"act": ("sequence", 2)})], 2, "gives act the style sequence: expected"),
+    ([_Planned({"norm": "sequence"})], 2, "tp_plan names 'norm', which the block does not have"),
     ([_Planned({"fc": ("colwise", "x")})], 2, "gives fc the style ('colwise', 'x')"),
     ([_Planned({"out": "colwise"})], 2, "tp_plan names 'out', which the block does not have"),
     ([_Planned({"act": "colwise"})], 2, "tp_plan splits act, a ReLU: tensor parallel splits nn.Linear and "
@@ -75,7 +79,7 @@ def test_a_model_file_gives_plans_by_block_index(tmp_path):
         load_model(f"{f}:make")
 
 
-def _shapes() -> dict:
+def _shapes(sequence: bool) -> dict:
     """Worker: a tiny GPT block split over 2 processes; its planned weights' local shapes."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -84,7 +88,7 @@ def _shapes() -> dict:
 
     groups.init("gloo", threads=1)
     blocks = _tiny_gpt()
-    parallelize(blocks, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    parallelize(blocks, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence)
     out = {n: (tuple(p.to_local().shape) if hasattr(p, "to_local") else None, is_tp_sharded(p))
            for n, p in blocks[1].named_parameters()}
     out["embedding"] = [type(p).__name__ for p in blocks[0].parameters()]
@@ -93,15 +97,17 @@ def _shapes() -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_planned_weights_are_split_in_half_and_the_rest_stays_whole():
+@pytest.mark.parametrize("sequence", [True, False], ids=["sequence-parallel", "off"])
+def test_planned_weights_are_split_in_half_and_the_rest_stays_whole(sequence):
     from brigade import launch
 
-    got = launch(_shapes, 2)[0]
+    got = launch(_shapes, 2, sequence)[0]
     assert got["attn.qkv.weight"] == ((12, 8), True)  # 3 × 8 rows: a head's q, k, v on each process
     assert got["attn.proj.weight"] == ((8, 4), True)  # its input columns: the heads held here
     assert got["attn.proj.bias"] == ((8,), False)  # added once, after the partial sums
     assert got["mlp.0.weight"] == ((16, 8), True) and got["mlp.2.weight"] == ((8, 16), True)
-    assert got["ln1.weight"] == (None, False)  # a plain tensor, whole on both
+    # whole on both: a DTensor replicated over tp under sequence parallel, else a plain tensor
+    assert got["ln1.weight"] == (((8,), False) if sequence else (None, False))
     assert got["embedding"] == ["Parameter", "Parameter"]
 
 

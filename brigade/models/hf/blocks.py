@@ -106,12 +106,19 @@ class Decoder(Renamed):
         self.hf_prefixes = {"layer.": prefix}
         # How --tp splits it: q, k, v by whole (key/value) heads, o row-wise; the MLP's gate and
         # up column-wise, down row-wise. The attention reads its heads from the tensor's shape.
+        # Sequence parallel: the two norms on a part of the sequence, the attention and the MLP
+        # each given the whole sequence once (as a DTensor, which only their projections read).
         self.tp_plan = {"layer.self_attn.q_proj": ("colwise", heads),
                         "layer.self_attn.k_proj": ("colwise", kv_heads),
                         "layer.self_attn.v_proj": ("colwise", kv_heads),
                         "layer.self_attn.o_proj": ("rowwise", heads),
                         "layer.mlp.gate_proj": "colwise", "layer.mlp.up_proj": "colwise",
-                        "layer.mlp.down_proj": "rowwise"}
+                        "layer.mlp.down_proj": "rowwise",
+                        "layer.input_layernorm": "sequence", "layer.post_attention_layernorm": "sequence",
+                        "layer.self_attn": "gather", "layer.mlp": "gather"}
+        for norm in ("q_norm", "k_norm"):  # Qwen3: one weight for every head, held whole
+            if hasattr(layer.self_attn, norm):
+                self.tp_plan[f"layer.self_attn.{norm}"] = "per-head"
 
     def forward(self, x: torch.Tensor, *, position_embeddings=None, attention_mask=None) -> torch.Tensor:
         if attention_mask is None:  # standalone

@@ -1,0 +1,142 @@
+"""Sequence parallel: under tensor parallel, what a block keeps whole on every tp process (its
+norms, its residual stream, the dropout after its projections) is split along the sequence
+instead, each tp process holding T / tp positions (Megatron-LM's sequence parallelism, torch's
+`SequenceParallel`).
+
+A block takes part when its plan (`parallel.tensor`) names a submodule "sequence" (a norm). Such a
+block takes and gives this process's part of the sequence, (B, T/tp, C), and inside it:
+
+    part ─► norm ("sequence": on the part, its weight replicated) ─► gather ─► colwise ─► …
+         ─► rowwise ─► reduce-scatter: a part ─► + residual (a part) ─► part
+
+The gather (an all-gather along the sequence) is where a "gather" entry names it (the module
+whose input the colwise layers share: an attention, an MLP), else at each colwise layer's input.
+The rowwise output's all-reduce of plain tensor parallel becomes a reduce-scatter, so the two
+collectives move what plain tensor parallel's one did, and everything between blocks (and what
+the pipeline sends) is 1/tp of it.
+
+Between a whole block (an embedding, a head: an empty plan) and a sequence-parallel one the
+assembler puts a boundary (`boundaries`): whole → part keeps this process's slice (its backward
+gathers the gradient, so the whole block's weights get the same gradient on every tp process);
+part → whole all-gathers (its backward keeps this process's slice of a gradient that is the
+same on every tp process). The last block's output, which the loss reads, is always whole.
+
+The norms' weights see only this process's positions, so their gradients come back `Partial`
+(a sum still to be taken over tp): `reduce_partial_grads`, after the step's last backward, takes
+it (one all-reduce per such weight; FSDP2 already does it in its reduce-scatter), so the
+gradient norm, clipping and the optimizer see one gradient, the same on every tp process.
+
+The sequence length must divide by tp. Dropout on a part draws from the stage's stream, which
+the tp processes share (`World.stream`): each part of a sequence gets the same mask pattern.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from brigade.errors import BrigadeError
+
+
+def takes_part(block: nn.Module, plan: dict | None) -> bool:
+    """Whether `block`'s plan makes it sequence-parallel (a "sequence" entry)."""
+    return any(entry == "sequence" for entry in (plan or {}).values())
+
+
+def check_length(blocks: list[nn.Module], tp: int, length: int, enabled: bool = True) -> None:
+    """Before a run: a sequence length that tp divides, where some block would split it.
+
+    Raises:
+        BrigadeError: --block-size not a multiple of --tp under sequence parallel.
+    """
+    if tp > 1 and enabled and length % tp and any(takes_part(b, getattr(b, "tp_plan", None)) for b in blocks):
+        raise BrigadeError(f"--block-size {length} does not split into --tp {tp} equal parts, which "
+                           f"sequence parallel needs: use a --block-size that {tp} divides, or "
+                           "--no-sequence-parallel")
+
+
+def _length(x: torch.Tensor, tp: int, where: str) -> None:
+    if x.dim() < 2 or x.shape[1] % tp:
+        raise BrigadeError(f"{where}: sequence parallel splits dimension 1 of a {tuple(x.shape)} "
+                           f"tensor over --tp {tp}, which does not divide it: use a sequence length "
+                           "(--block-size) that --tp divides, or --no-sequence-parallel")
+
+
+def to_part(x: torch.Tensor, mesh, where: str = "a block") -> torch.Tensor:
+    """This process's part of the sequence of `x` (whole, the same on every tp process): a slice,
+    whose gradient is gathered from every part in the backward."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    _length(x, mesh.size(), where)
+    whole = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return whole.redistribute(mesh, [Shard(1)]).to_local()
+
+
+def to_whole(x: torch.Tensor, mesh) -> torch.Tensor:
+    """The whole sequence from each process's part `x` (an all-gather along dimension 1); the
+    backward keeps this process's slice of the gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    part = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+    return part.redistribute(mesh, [Replicate()]).to_local()
+
+
+def _convert(convert, where: str):
+    """A forward pre-hook that converts a block's first positional input with `convert`."""
+    def hook(module: nn.Module, args: tuple):
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise BrigadeError(f"{where} is at a sequence-parallel boundary but its first input is not "
+                               "a tensor: pass the hidden states (B, T, C) first, or --no-sequence-parallel")
+        return (convert(args[0]), *args[1:])
+    return hook
+
+
+def boundaries(blocks: list[nn.Module], parts: list[bool], held: list[int], mesh) -> None:
+    """Hooks on the held blocks where the whole model changes between whole and parts.
+
+    Args:
+        blocks: the whole model's blocks; parts: which of them are sequence-parallel
+            (`takes_part`); held: the indices this process holds; mesh: the 1-D tp mesh.
+    """
+    for i in held:
+        gets = i > 0 and parts[i - 1]  # the model's input (block 0's) is whole
+        where = f"block {i} ({type(blocks[i]).__name__})"
+        if parts[i] and not gets:
+            blocks[i].register_forward_pre_hook(_convert(lambda x, w=where: to_part(x, mesh, w), where))
+        elif gets and not parts[i]:
+            blocks[i].register_forward_pre_hook(_convert(lambda x: to_whole(x, mesh), where))
+        if parts[i] and i == len(blocks) - 1:  # the loss reads whole outputs
+            blocks[i].register_forward_hook(lambda module, args, out: to_whole(out, mesh))
+
+
+def reduce_partial_grads(modules) -> None:
+    """Every gradient left `Partial` (a sequence-parallel norm's, summed over only this process's
+    positions) made the sum over its mesh, in the placements of its parameter."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    for module in modules:
+        for p in module.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+                p.grad = g.redistribute(g.device_mesh, p.placements)
+
+
+def gathering(mesh):
+    """A forward pre-hook (`with_kwargs`) that hands a module the whole sequence of its input
+    (its first positional argument, or `hidden_states=`) as a DTensor replicated over tp: its
+    colwise layers take it as it is, and their input gradients, summed in it, go back as one
+    reduce-scatter into parts."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def whole(x):
+        part = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return part.redistribute(mesh, [Replicate()])
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if args and isinstance(args[0], torch.Tensor):
+            return (whole(args[0]), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
+        raise BrigadeError(f"a 'gather' entry's {type(module).__name__} got no tensor to gather: its "
+                           "input must come first or as hidden_states=; or --no-sequence-parallel")
+    return hook
