@@ -25,7 +25,11 @@ per byte of parameters for the optimizer step (AdamW, clipping, zeroing).
 
 Scaled to a target device: compute by the ratio of this machine's probed fp32 peak to the
 target's peak for the run's precision (the same fraction of peak there as here: "scaled";
-"measured" when the target is this machine), the optimizer step by memory bandwidth.
+"measured" when the target is this machine), the optimizer step by memory bandwidth. Planned for
+this machine in bf16 or fp16, the times are measured on a copy of the blocks in that dtype
+(`measure(precision=)`): a CPU's half-precision kernels are no fixed fraction of its fp32 ones
+(here a bf16 matmul took 60 times an fp32 one, a GPT block's step 6 to 9 times). Memory is
+always measured in fp32 and halved by the memory model where the run computes in half precision.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class ModelCosts:
     # largest (one tensor at a time)
     opt_transient: list[float] = field(default_factory=list)
     opt_foreach: bool = False
+    precision: str = ""  # the dtype the times were measured in ("": fp32)
 
     @property
     def n_blocks(self) -> int:
@@ -111,6 +116,24 @@ class ModelCosts:
         got = [self.opt_transient[b] for b in blocks if b < len(self.opt_transient)]
         return (sum(got) if self.opt_foreach else max(got)) if got else 0.0
 
+    def part(self, block: int, tp: int) -> float:
+        """The share of a block's output one of `tp` processes holds: 1/tp under sequence
+        parallel (what the pipeline sends, a first stage keeps), else the whole."""
+        return 1 / tp if tp > 1 and self.tensor is not None and self.tensor.sequence(block) else 1.0
+
+    def held(self, mode: str, block: int, tp: int = 1) -> float:
+        """Bytes per sample `block` holds for its backward under recompute `mode`, on one of `tp`
+        processes. Whole but under sequence parallel: there the block's input is a part (all
+        full recompute holds) and so is the rest, but for the whole copies of the sequence its
+        matmuls hold (`TensorFacts.gathered`) in place of its norms' outputs (`normed`)."""
+        h = self.modes[mode].held[block]
+        if self.part(block, tp) == 1.0:
+            return h
+        if mode == "full":
+            return h / tp
+        t, out = self.tensor, self.out_bytes[block]
+        return max(h / tp, (h - t.normed[block] * out) / tp + t.gathered[block] * out)
+
     def tp_factor(self, block: int, tp: int) -> float:
         """A block's split work and parameters at degree `tp`, as a share of its whole (1 at tp 1)."""
         return self.tensor.factor(block, tp) if self.tensor is not None and tp > 1 else 1.0
@@ -134,8 +157,10 @@ def interpolate(samples: dict[int, list], size: int) -> list[tuple[float, ...]]:
     return [tuple(a + t * (b - a) for a, b in zip(ca, cb)) for ca, cb in zip(samples[lo], samples[hi])]
 
 
-def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpec) -> ModelCosts:
-    """Measure `spec`'s blocks here at micro-batch `sizes` under each recompute mode (one thread).
+def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpec,
+            precision: str = "") -> ModelCosts:
+    """Measure `spec`'s blocks here at micro-batch `sizes` under each recompute mode (one thread),
+    timed in `precision` ("bf16", "fp16": on a copy in that dtype; module docstring).
 
     With freed memory kept, as every training process keeps it (`brigade.host.malloc`, set for the
     rest of this process): with malloc's defaults each fresh gradient page-faults in again, and
@@ -146,7 +171,7 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
     torch.set_num_threads(1)
     try:
         x, y = spec.make_batch(max(sizes), torch.Generator().manual_seed(0))
-        per_mode = {m: _mode(spec, x, y, sizes, m) for m in modes}
+        per_mode = {m: _mode(spec, x, y, sizes, m, HALF.get(precision)) for m in modes}
         flops, outs = _flops_and_outputs(spec, take(x, min(sizes)), take(y, min(sizes)))
         params = master_bytes(spec.blocks)
         opt = seconds_per_byte(spec)
@@ -154,7 +179,7 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
     finally:
         torch.set_num_threads(threads)
     return ModelCosts(spec.name, params, flops, outs, per_mode, opt, here, opt_transient=stepping,
-                      opt_foreach=foreach)
+                      opt_foreach=foreach, precision=precision if precision in HALF else "")
 
 
 def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
@@ -174,12 +199,19 @@ def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
                       here=None, opt_transient=stepping, opt_foreach=foreach)
 
 
-def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str) -> ModeCosts:
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str, dtype: torch.dtype | None = None) -> ModeCosts:
+    """One recompute mode's times (in `dtype`, on a copy: None, fp32) and memory (in fp32)."""
     blocks = copy.deepcopy(spec.blocks)
     recompute.apply(blocks, mode)
+    timed = blocks if dtype is None else [copy.deepcopy(b).to(dtype) for b in blocks]
     times = {}
     for s in sizes:
-        h, bound = runnable(blocks, take(x, s))
+        h, bound = runnable(timed, take(x, s))
+        if dtype is not None and h.is_floating_point():
+            h = h.to(dtype)
         times[s] = block_costs(bound, h, spec.loss_fn, take(y, s), repeats=REPEATS)
     s = min(sizes)
     return ModeCosts(times, *_memory(spec, blocks, x, y, s))
@@ -292,8 +324,9 @@ def scaled(costs: ModelCosts, target: DeviceSpec, precision: str) -> ModelCosts:
         BrigadeError: the target has no known peak for `precision` (DeviceSpec.peak).
     """
     peak = target.peak(precision)
-    if target.measured and target.name == costs.here.name and not precision:
-        return costs
+    if target.measured and target.name == costs.here.name and \
+            (precision if precision in HALF else "") == costs.precision:
+        return costs  # measured here, in the run's precision
     here = costs.here.peak("")
     out = copy.copy(costs)
     out.scale, out.mem_scale = here / peak, costs.here.mem_bw / target.mem_bw

@@ -132,6 +132,7 @@ def cpu() -> DeviceSpec:
     torch.set_num_threads(1)
     try:
         _, fastest = _matmul_seconds(1)
+        half = _half_matmul_seconds()
         alone, together = _shared_slowdown(min(cores, 8))
         gloo = gloo_probe.measure()
     finally:
@@ -141,7 +142,7 @@ def cpu() -> DeviceSpec:
     bw, latency = gloo.pop("intra_bw"), gloo.pop("intra_latency")
     return DeviceSpec(
         "cpu",
-        0.0,
+        2 * _N**3 / half,
         flops,
         host_memory(),
         bw,
@@ -182,6 +183,20 @@ def _matmul_seconds(n_threads: int, repeats: int = 30) -> tuple[float, float]:
         w.join()
     got = [t for ts in times for t in ts[2:]]
     return statistics.median(got), min(got)
+
+
+def _half_matmul_seconds(repeats: int = 6) -> float:
+    """The fastest of a few bf16 matmuls of the probe's size (the bf16 peak, for MFU: a CPU
+    without bf16 units takes tens of times an fp32 one; `costs.measure` times bf16 blocks)."""
+    import torch
+
+    a = torch.randn(_N, _N, dtype=torch.bfloat16)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ a
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
 
 
 _MATMULS = """

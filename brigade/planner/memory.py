@@ -1,13 +1,16 @@
 """Predicted memory of each rank by kind, the kinds `train/memory.py` measures:
 
     params       its stages' parameter bytes (a tied weight once per rank), ÷ shard; under tp each
-                 block's split share ÷ tp (activations are counted whole: an upper bound there).
+                 block's split share ÷ tp
                  fp32 whatever the precision: every layout keeps fp32 master weights
     grads        the same (fp32: the reduced gradients the optimizer reads)
     optimizer    AdamW: two fp32 moments per parameter, 2 × params: 16 bytes a parameter in all
     activations  Σ over its stages: held per sample × micro-batch size × the micro-batches the
                  plan holds at once (simulate's peak_held), plus the largest working set one
-                 backward adds on top (a recompute's tensors)
+                 backward adds on top (a recompute's tensors). Under tp, a block under sequence
+                 parallel holds 1/tp of it but for the whole copies of the sequence its matmuls
+                 gather (`ModelCosts.held`); a block under plain tp is counted whole (an upper
+                 bound), and so are the working sets
     split        under a split backward (a plan with I and W instead of B), Σ over its stages of
                  what a micro-batch keeps from its I to its W beyond its activations (`kept`:
                  the gradient at each weight's output, and under recompute what I made again)
@@ -63,7 +66,7 @@ from __future__ import annotations
 
 from brigade.pipeline.plans.action import B, F, I, Plan, W
 from brigade.pipeline.plans.schedule import compute_only, stages_on
-from brigade.planner.costs import ModeCosts, ModelCosts
+from brigade.planner.costs import ModelCosts
 from brigade.planner.space import Layout
 
 Moments = dict[int, set[tuple[int, int, int]]]  # stage -> every (held, of them past I, grads made)
@@ -99,9 +102,9 @@ def rank_memory(
     # its stages counts once, as in `whole`
     own = [costs.param_bytes(range(bounds[s], bounds[s + 1]), layout.tp) for s in stages]
     grads = [whole * o / (sum(own) or 1.0) for o in own]
-    busiest = [_busiest(costs, mode, bounds, s, amb, peak_held.get(s, 1), g, at[s])
+    busiest = [_busiest(costs, layout, bounds, s, amb, peak_held.get(s, 1), g, at[s])
                for s, g in zip(stages, grads)]
-    held = sum(sum(mode.held[bounds[s] : bounds[s + 1]]) * amb * peak_held.get(s, 1) for s in stages)
+    held = sum(_held(costs, layout, bounds, s) * amb * peak_held.get(s, 1) for s in stages)
     split = sum(b["split"] for b in busiest)
     working = max(mode.working[b] for b in blocks) * amb
     transient = max(mode.transient[b] for b in blocks) * amb
@@ -149,16 +152,23 @@ def moments(plan: Plan) -> Moments:
     return seen
 
 
-def _busiest(costs: ModelCosts, mode: ModeCosts, bounds: list[int], s: int, mb: int, most: int,
+def _held(costs: ModelCosts, layout: Layout, bounds: list[int], s: int) -> float:
+    """Bytes per sample stage s holds for one micro-batch's backward (`ModelCosts.held`)."""
+    return sum(costs.held(layout.recompute, b, layout.tp) for b in range(bounds[s], bounds[s + 1]))
+
+
+def _busiest(costs: ModelCosts, layout: Layout, bounds: list[int], s: int, mb: int, most: int,
              grads: float, at: set[tuple[int, int, int]]) -> dict[str, float]:
     """Stage s at its busiest moment (module docstring): `bytes`, its activations, split and
     gradients then; `split`, what its split backward keeps there beyond its `most` held
     micro-batches' activations (0 where no micro-batch is past its I)."""
-    held = sum(mode.held[bounds[s] : bounds[s + 1]]) * mb
+    mode, tp = costs.modes[layout.recompute], layout.tp
+    held = _held(costs, layout, bounds, s) * mb
     if s == 0:  # I does nothing, W all: it keeps the gradient its output received (none if also last)
-        kept = costs.out_bytes[bounds[1] - 1] * mb if len(bounds) > 2 else 0.0
+        last = bounds[1] - 1
+        kept = costs.out_bytes[last] * costs.part(last, tp) * mb if len(bounds) > 2 else 0.0
     else:
-        kept = sum(mode.kept[bounds[s] : bounds[s + 1]]) * mb
+        kept = sum(mode.kept[b] * costs.part(b, tp) for b in range(bounds[s], bounds[s + 1])) * mb
     split = 0.0
     if any(j for _, j, _ in at):
         split = max(0.0, max(n * held + j * kept for n, j, _ in at) - most * held)

@@ -64,7 +64,8 @@ def predict(
     own = _action_s(cluster, layout.world)  # the runtime's own time, per action
     per = [[t * slow + own for t in row] for row in per]
     bw, lat = comm.link(cluster, groups["pp"])
-    sent = max((costs.out_bytes[b - 1] for b in accumulate(balance[:-1])), default=0.0) * mb  # at each cut
+    sent = max((costs.out_bytes[b - 1] * costs.part(b - 1, layout.tp) for b in accumulate(balance[:-1])),
+               default=0.0) * mb  # at each cut: a part of the sequence under sequence parallel
     p2p = comm.p2p(sent, bw, lat) if layout.pp > 1 else 0.0
     cores = _pipeline_cores(layout, cluster)
     plan = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual,

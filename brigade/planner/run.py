@@ -173,7 +173,9 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
         if source(cfg.costs, shape) == FORMULA:
             costs = from_shapes(shape, min(at), modes, where.device, cfg.precision)
         else:
-            costs = scaled(measure(load_spec(cfg, m), at, modes, cpu()), where.device, cfg.precision)
+            timed_in = cfg.precision if where.device.measured else ""  # this machine: its own bf16
+            costs = scaled(measure(load_spec(cfg, m), at, modes, cpu(), timed_in), where.device,
+                           cfg.precision)
     costs.tensor = tensor
     out, left = _predict_all(cfg, costs, where, rows, tokens_per_sample(shape))
     return {

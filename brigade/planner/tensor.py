@@ -9,6 +9,12 @@ Read from the blocks' plans (`brigade.parallel.tensor`), on the meta device or r
     pairs    per block: its row-wise layers, each one all-reduce of the block's output in the
              forward and one of its input gradient in the backward (the Megatron-LM pattern)
     sizes    the tp degrees every block's plan divides (powers of two); (1,) without plans
+    normed   per block under sequence parallel (a plan with "sequence" entries; 0: the block is
+             whole or plain tensor parallel): its norms, each of whose outputs one device holds
+             once for the matmuls after it
+    gathered per such block: the whole copies of the sequence its matmuls hold for their
+             backward instead ("gather" entries, and column-wise layers outside one, which
+             gather their own input): the rest of what it holds is split by tp
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from brigade.errors import BrigadeError
-from brigade.parallel.tensor import check_plans, plan_of, style_of
+from brigade.parallel.tensor import STYLES, check_plans, plan_of, style_of
 
 MOST = 64  # the largest degree tried: a node's devices
 
@@ -28,6 +34,12 @@ class TensorFacts:
     split: tuple[float, ...]
     pairs: tuple[int, ...]
     sizes: tuple[int, ...] = (1,)
+    normed: tuple[int, ...] = ()
+    gathered: tuple[int, ...] = ()
+
+    def sequence(self, block: int) -> bool:
+        """Whether the block splits its sequence under tp (sequence parallel)."""
+        return bool(self.normed) and self.normed[block] > 0
 
     def factor(self, block: int, tp: int) -> float:
         """What a block's split work and parameters become at degree `tp`, as a share of tp 1's."""
@@ -40,6 +52,8 @@ def _split_bytes(block: nn.Module, plan: dict) -> float:
     total = 0
     for name, entry in plan.items():
         module, style = modules[name], style_of(entry)[0]
+        if style not in STYLES:  # a norm, a gathered module, a per-head weight: whole
+            continue
         for pname, p in module.named_parameters(recurse=False):
             if style == "colwise" or pname == "weight":
                 total += p.numel() * p.element_size()
@@ -50,12 +64,14 @@ def facts(blocks: list[nn.Module]) -> TensorFacts:
     """The model's `TensorFacts` (module docstring)."""
     if any(plan_of(b) is None for b in blocks):
         return TensorFacts(tuple(0.0 for _ in blocks), tuple(0 for _ in blocks))
-    split, pairs = [], []
+    split, pairs, normed, gathered = [], [], [], []
     for b in blocks:
         plan = plan_of(b)
         whole = sum(p.numel() * p.element_size() for p in b.parameters())
         split.append(_split_bytes(b, plan) / whole if whole else 0.0)
         pairs.append(sum(style_of(e)[0] == "rowwise" for e in plan.values()))
+        normed.append(sum(e == "sequence" for e in plan.values()))
+        gathered.append(_gathered(plan) if normed[-1] else 0)
     sizes = [1]
     t = 2
     while t <= MOST:
@@ -65,4 +81,12 @@ def facts(blocks: list[nn.Module]) -> TensorFacts:
             break
         sizes.append(t)
         t *= 2
-    return TensorFacts(tuple(split), tuple(pairs), tuple(sizes))
+    return TensorFacts(tuple(split), tuple(pairs), tuple(sizes), tuple(normed), tuple(gathered))
+
+
+def _gathered(plan: dict) -> int:
+    """The whole copies of the sequence a sequence-parallel block's matmuls hold (`gathered`)."""
+    gathers = [n for n, e in plan.items() if e == "gather"]
+    own = [n for n, e in plan.items() if style_of(e)[0] == "colwise"
+           and not any(n.startswith(g + ".") for g in gathers)]
+    return len(gathers) + len(own)

@@ -5,7 +5,10 @@ for layouts this machine runs, each a real `brigade train` of a few steps.
     python -m brigade.results.plan_accuracy --tiny --rounds 1 --out /tmp/p   (tests this script)
 
 The cluster is this machine (the "cpu" device, one node; 4 processes share its cores, which the
-planner models). Each layout is predicted (`planner.predict`) on costs the planner itself measures
+planner models). The layouts: the GPT, the MLP and examples/llama.py (a structured input) under
+data parallel (DDP, FSDP2, HSDP), pipelines of every kind of schedule, recompute, tensor parallel
+with sequence parallel (tp 2 × pp 2, tp 2 × shard 2) and FSDP2's bf16 (its costs timed in bf16,
+`planner.costs.measure`). Each layout is predicted (`planner.predict`) on costs the planner itself measures
 and trained with the predicted cut (`--balance`). Measured: the median `step_time_s` of the steps
 after the second, and each rank's `peak` from the `memory` event (step 2). Errors are
 (predicted − measured) ÷ measured; memory's is the worst rank's.
@@ -38,7 +41,9 @@ from brigade.train.metrics import events, read_records, training
 
 GPT = {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq_len": 64, "batch_size": 16}
 GPT_TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 32, "batch_size": 8}
-# (model, replicate, shard, pp, schedule, V, m, recompute)
+LLAMA = "examples/llama.py:model"  # a structured input (tokens and a padding mask), a tied head
+SIZES = {"mlp": {"batch_size": 32}, LLAMA: {"batch_size": 16}}  # the GPT's: GPT or GPT_TINY
+# (model, replicate, shard, pp, schedule, V, m, recompute[, tp, precision]): tp 1 and fp32 unless given
 CASES = [
     ("gpt", 1, 1, 1, "1f1b", 1, 1, "none"),
     ("gpt", 2, 1, 1, "1f1b", 1, 1, "none"),
@@ -56,9 +61,21 @@ CASES = [
     ("mlp", 2, 1, 1, "1f1b", 1, 1, "none"),
     ("mlp", 1, 1, 2, "1f1b", 1, 4, "none"),
     ("mlp", 1, 1, 2, "zb", 1, 4, "full"),
+    ("gpt", 1, 2, 1, "1f1b", 1, 1, "none", 1, "bf16"),  # FSDP2's mixed precision
+    ("gpt", 1, 1, 2, "1f1b", 1, 4, "none", 2, ""),  # tp 2 × pp 2, sequence parallel
+    ("gpt", 1, 2, 1, "1f1b", 1, 1, "none", 2, ""),  # tp 2 × shard 2
+    (LLAMA, 2, 1, 1, "1f1b", 1, 1, "none"),
+    (LLAMA, 1, 1, 2, "1f1b", 1, 4, "none"),
 ]
-TINY_CASES = [CASES[1], CASES[4], CASES[13]]  # dp 2; pp 2 1f1b; the MLP under dp 2
-ROUNDS = 5  # rounds of costs and training whose medians a row holds (module docstring)
+# dp 2; pp 2 1f1b; the MLP under dp 2; tp 2 × pp 2
+TINY_CASES = [CASES[1], CASES[4], CASES[13], CASES[17]]
+
+
+def _case(case: tuple) -> tuple:
+    """A case with its tp and precision: (model, replicate, shard, pp, schedule, V, m, recompute,
+    tp, precision)."""
+    return (*case, 1, "")[:10] if len(case) == 8 else case
+ROUNDS = 3  # rounds of costs and training whose medians a row holds (module docstring)
 
 
 def train(args: list[str], steps: int) -> dict:
@@ -103,12 +120,14 @@ def _model_args(model: str, sizes: dict) -> list[str]:
 
 
 def _costs(model: str, sizes: dict, cases: list[tuple], here):
-    """The planner's costs of `model` (every micro-batch size and mode the cases need), measured
-    on `here` (this machine's probed `DeviceSpec`)."""
+    """The planner's costs of `model` (every micro-batch size and mode the cases need, timed in
+    their precision), measured on `here` (this machine's probed `DeviceSpec`), with what tensor
+    parallel does to its blocks."""
     from brigade.config import ModelConfig
     from brigade.planner.config import PlanConfig
     from brigade.planner.costs import measure
     from brigade.planner.run import load_spec, model_config
+    from brigade.planner.tensor import facts
     from brigade.train.memory import quiet_stderr
 
     cfg = PlanConfig(model=model, batch_size=sizes["batch_size"], seq_len=sizes.get("seq_len", 0))
@@ -117,8 +136,11 @@ def _costs(model: str, sizes: dict, cases: list[tuple], here):
     )
     spec = load_spec(cfg, model_config(cfg, base))
     mbs = sorted({sizes["batch_size"] // (c[1] * c[2] * c[6]) for c in cases})
+    (precision,) = {_case(c)[9] for c in cases}
     with quiet_stderr():
-        return measure(spec, mbs, sorted({c[7] for c in cases}), here)
+        costs = measure(spec, mbs, sorted({c[7] for c in cases}), here, precision)
+    costs.tensor = facts(spec.blocks)
+    return costs
 
 
 def fresh_costs(model: str, sizes: dict, cases: list[tuple], here):
@@ -142,27 +164,30 @@ def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
     from brigade.planner.predict import predict
     from brigade.planner.space import Layout
 
-    model, rep, shard, pp, schedule, v, m, mode = case
-    layout = Layout(rep, shard, pp, schedule, v, m, mode)
+    model, rep, shard, pp, schedule, v, m, mode, tp, precision = _case(case)
+    layout = Layout(rep, shard, pp, schedule, v, m, mode, tp=tp)
     here = replace(where, per_node=layout.world)
     # train measures memory on step 2, before a costed schedule (auto) plans again on its times:
     # on the plan of unit costs it starts with, which is the one to predict the memory of.
     unit = (build(schedule, pp, m, v, Costs.unit(pp * v)) if SCHEDULES[schedule].costed and pp > 1
             else None)
-    row = predict(costs, layout, here, sizes["batch_size"], sizes.get("seq_len", 0), memory_plan=unit)
+    row = predict(costs, layout, here, sizes["batch_size"], sizes.get("seq_len", 0), precision,
+                  memory_plan=unit)
     args = [*_model_args(model, sizes), *_flags({"nproc": layout.world, "pp": pp, "shard": shard,
                                                   "schedule": schedule, "virtual": v, "microbatches": m,
-                                                  "recompute": mode})]
+                                                  "recompute": mode, "tp": tp})]
+    args += ["--precision", precision] if precision else []
     if pp > 1:
         args += ["--balance", ",".join(map(str, row["balance"]))]
     got = train(args, steps)
-    predicted = [row["memory_per_stage_rank"][r % pp]["peak"] for r in range(layout.world)]
+    # rank = (dp rank · pp + pp rank) · tp + tp rank: tp innermost (`world.degrees`)
+    predicted = [row["memory_per_stage_rank"][(r // tp) % pp]["peak"] for r in range(layout.world)]
     mem_err = max((p - g) / g for p, g in zip(predicted, got["peak"]))
     mem_err = max(mem_err, min((p - g) / g for p, g in zip(predicted, got["peak"])), key=abs)
     return {
         "model": model,
         "layout": layout.to_json(),
-        "label": layout.label(),
+        "label": layout.label() + (f", {precision}" if precision else ""),
         "balance": row["balance"],
         "predicted_step_s": row["step_s"],
         "measured_step_s": got["step_s"],
@@ -183,7 +208,7 @@ def one_round(k: int, cases: list[tuple], gpt: dict, steps: int, runs: dict[tupl
     cpu.cache_clear()
     where = Cluster(1, 4, cpu())  # this machine, with as many ranks as the largest case
     for model in dict.fromkeys(c[0] for c in cases):
-        sizes = gpt if model == "gpt" else {"batch_size": 32}
+        sizes = gpt if model == "gpt" else SIZES[model]
         mine = [c for c in cases if c[0] == model]
         for case in mine[k % len(mine):] + mine[: k % len(mine)]:
             costs = fresh_costs(model, sizes, [case], where.device)
@@ -286,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [medians(runs[c]) for c in cases]
     result = {
         "gpt": gpt,
-        "mlp": {"batch_size": 32},
+        **{name: s for name, s in SIZES.items()},
         "steps": args.steps,
         "rounds": args.rounds,
         "devices": probed,  # each round's probe of this machine (`planner.devices.cpu`)
