@@ -87,6 +87,20 @@ def _footprint_split(d: dict) -> str:
                      for mode, s in d["split_backward"].items())
 
 
+@row("brigade plan of Llama 3.1 from config.json alone, H100 80 GB, sequence 8192, bf16: the busiest "
+     "rank's parameters + gradients + AdamW state, activations and peak, whether it fits; the public "
+     "figure beside it where known", "plan/big_plans.json", "`python -m brigade.results.big_plans`")
+def _big_plans(d: dict) -> str:
+    parts = []
+    for r in d["rows"]:
+        m = {k: v / 2**30 for k, v in r["memory"].items()}
+        public = f" (torchtitan {r['public_peak_gib']:.1f} GiB)" if r["public_peak_gib"] else ""
+        states, fits = m["params"] + m["grads"] + m["optimizer"], "yes" if r["fits"] else "no"
+        parts.append(f"{r['model']} on {r['gpus']}, {r['label']}: states {states:.1f}, activations "
+                     f"{m['activations']:.1f}, peak {m['peak']:.1f} GiB{public}, fits: {fits}")
+    return "; ".join(parts)
+
+
 @row("brigade plan against brigade train on this machine: GPT 4×256 (context 64, batch 16), the MLP and "
      "examples/llama.py; dp, shard, HSDP, pp (1f1b, interleaved V = 2, zb, zbv, auto), dp × pp, tp 2 × pp 2 "
      "(sequence parallel), tp 2 × shard 2, shard 2 in bf16; recompute none and full",

@@ -162,6 +162,8 @@ JOBS: dict[str, Job] = {
                      "python -m brigade.results.footprint --tiny --steps 3 --repeats 1"),
     "plan": Job("python -m brigade.results.plan_accuracy", "plan/accuracy.json",
                 "python -m brigade.results.plan_accuracy --tiny --steps 4"),
+    "big-plans": Job("python -m brigade.results.big_plans", "plan/big_plans.json",
+                     "python -m brigade.results.big_plans --tiny"),
     "two-hosts": Job("", "two-hosts/two_hosts.json", needs_root=ROOT),
     "doctor-two-hosts": Job("", "two-hosts/doctor.json", needs_root=ROOT),
 }

@@ -46,6 +46,7 @@ SHORT = {
     "brigade.results.overhead": ["--tiny", "", "--steps", "2", "--rounds", "1", "--warmup", "1"],
     "brigade.results.plan_accuracy": ["--tiny", "", "--rounds", "1"],
     "brigade.results.cut_bound": ["--tiny", ""],
+    "brigade.results.big_plans": ["--tiny", ""],
     # its 21 runs (11 layouts) at full size took 6+ minutes on a slow day (bf16 steps are 6-9x fp32's on CPU)
     "brigade.results.footprint": ["--tiny", "", "--steps", "3", "--repeats", "2"],
 }
@@ -206,7 +207,8 @@ COMMANDS = readme_commands()
 # start several processes through another launcher (torchrun, srun) or on two nodes (K), 20-35 s
 # each, which tests/e2e/test_train.py also runs in the default tier, each way once, checking more.
 BENCHMARKS = ("bench", "tune", "brigade.results.overhead", "brigade.results.speed",
-              "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound")
+              "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound",
+              "brigade.results.big_plans")
 LAUNCHERS = ("torchrun", "srun")
 
 
