@@ -13,7 +13,6 @@ GPUs as its performance page states it (FSDP, local batch 2, selective recompute
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -90,16 +89,12 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title("brigade plan, bf16, sequence 8192: bars, the states and activations; up to the peak, the "
                  "gathered weights, the gradients a step holds whole, temporaries", fontsize=8)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    script.close(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m brigade.results.big_plans",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="results/plan", help="folder for big_plans.json and big_plans.png")
-    p.add_argument("--tiny", action="store_true", help="a tiny Llama: tests the script, not the planner")
+    p = script.parser("python -m brigade.results.big_plans", __doc__, "results/plan",
+                      "big_plans.json and big_plans.png", "a tiny Llama, tests the script, not the planner")
     args = p.parse_args(argv)
     sizes, cases, seq = (TINY, TINY_CASES, 32) if args.tiny else (SIZES, CASES, 8192)
     with tempfile.TemporaryDirectory(prefix="brigade-big-") as tmp:

@@ -20,7 +20,6 @@ V 2 the loop (interleaved, looped-BFS) and the V (ZB-V, DualPipeV, auto).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from functools import cache
 
@@ -148,16 +147,12 @@ def plot(result: dict, path) -> None:
     ax.set_xlabel("least lower_bound over every cut ÷ balanced_bound")
     ax.legend(fontsize=8)
     ax.set_title("How close any schedule of whole blocks can come to the balanced bound", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    script.close(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m brigade.results.cut_bound",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="results/bound", help="folder for bound.json and bound.png")
-    p.add_argument("--tiny", action="store_true", help="a tiny GPT: tests the script, not the models")
+    p = script.parser("python -m brigade.results.cut_bound", __doc__, "results/bound",
+                      "bound.json and bound.png", "a tiny GPT, tests the script, not the models")
     args = p.parse_args(argv)
     rows = [row for case in (TINY_CASES if args.tiny else CASES) for row in run_case(case)]
     for r in rows:

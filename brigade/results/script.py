@@ -3,6 +3,7 @@ side, and its errors as one line with exit 2."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -18,6 +19,24 @@ def save(result: dict, out: str | Path, name: str, draw: Callable[[dict, Path], 
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     draw(result, out / f"{name}.png")
     print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
+
+
+def parser(prog: str, doc: str, out: str, written: str, tiny: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its --out folder (`out`, where `written` goes) and --tiny
+    (what the tiny sizes test), described by the first line of its docstring `doc`."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    p.add_argument("--out", default=out, help=f"folder for {written}")
+    p.add_argument("--tiny", action="store_true", help=f"tiny sizes: {tiny}")
+    return p
+
+
+def close(fig, path: Path) -> None:
+    """Lay out, write and close a figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def run(main: Callable[[], int], prog: str) -> None:
