@@ -1,7 +1,7 @@
 """How close `brigade plan` comes: predicted against measured step time and per-rank peak memory
 for layouts this machine runs, each a real `brigade train` of a few steps.
 
-    python -m brigade.results.plan_accuracy --out results/plan          (about 30 minutes on 2 cores)
+    python -m brigade.results.plan_accuracy --out results/plan          (about 20 minutes a round on 2 cores)
     python -m brigade.results.plan_accuracy --tiny --rounds 1 --out /tmp/p   (tests this script)
 
 The cluster is this machine (the "cpu" device, one node; 4 processes share its cores, which the
