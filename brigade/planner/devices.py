@@ -10,7 +10,8 @@ one, so half of it is a link's bandwidth.) Between nodes: one 400 Gb/s NDR Infin
 GPU (A100: 200 Gb/s HDR), as DGX systems have, 50 (25) GB/s. Latencies are NCCL's usual few
 microseconds. A TOML file (`cluster.py`) gives any other device.
 
-"cpu" is this machine: one thread's fp32 matmul rate, how much slower each thread gets when every
+"cpu" is this machine: one thread's fp32 matmul rate (and its bf16 one, for MFU only: the
+planner times bf16 blocks here rather than scale them), how much slower each thread gets when every
 core runs one (memory bandwidth shared), and gloo between two processes of this host, over
 loopback (`gloo_probe`): point to point, each collective, and what a DTensor parameter adds to
 the optimizer's step.
