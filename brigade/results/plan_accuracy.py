@@ -38,6 +38,7 @@ from brigade.planner.devices import cpu
 from brigade.results import script
 from brigade.results.footprint import QUIET
 from brigade.train.metrics import events, read_records, training
+from brigade.world.degrees import Degrees
 
 GPT = {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq_len": 64, "batch_size": 16}
 GPT_TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 32, "batch_size": 8}
@@ -180,8 +181,8 @@ def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
     if pp > 1:
         args += ["--balance", ",".join(map(str, row["balance"]))]
     got = train(args, steps)
-    # rank = (dp rank · pp + pp rank) · tp + tp rank: tp innermost (`world.degrees`)
-    predicted = [row["memory_per_stage_rank"][(r // tp) % pp]["peak"] for r in range(layout.world)]
+    degrees = Degrees(dp=rep * shard, shard=shard, pp=pp, tp=tp)  # each rank's pipeline position
+    predicted = [row["memory_per_stage_rank"][degrees.coords(r).pp]["peak"] for r in range(layout.world)]
     mem_err = max((p - g) / g for p, g in zip(predicted, got["peak"]))
     mem_err = max(mem_err, min((p - g) / g for p, g in zip(predicted, got["peak"])), key=abs)
     return {
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [medians(runs[c]) for c in cases]
     result = {
         "gpt": gpt,
-        **{name: s for name, s in SIZES.items()},
+        **SIZES,
         "steps": args.steps,
         "rounds": args.rounds,
         "devices": probed,  # each round's probe of this machine (`planner.devices.cpu`)
