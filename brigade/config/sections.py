@@ -61,8 +61,9 @@ class ParallelConfig:
                                         "along the sequence where the blocks' plans allow (1/tp of "
                                         "their activations and of what the pipeline sends); "
                                         "--no-sequence-parallel keeps them whole on every tp process")
-    reshard: bool = doc(False, "with --shard: free a stage's gathered parameters after each forward "
-                               "(less memory; an all-gather per micro-batch, not per step)")
+    reshard: bool = doc(False, "with --shard under a pipeline: free a stage's gathered parameters after "
+                               "each forward (less memory; an all-gather per micro-batch, not per step); "
+                               "without a pipeline each block's always are")
     recompute: str = doc("none", "activation recomputation of every block ({choices}); a model file's "
                                  "recompute = {index: mode} sets it per block", choices=RECOMPUTES)
     pp: int = doc(1, "pipeline stages, one process each (1: no pipeline across processes)")

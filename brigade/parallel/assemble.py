@@ -150,7 +150,8 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
         cut: the stages and their pipeline ranks.
         world: this process's place (`world.World`).
         recompute_mode: --recompute (a block may declare its own).
-        reshard: with sharding, free a stage's gathered parameters after each forward.
+        reshard: with sharding, free a stage's gathered parameters after each forward; always so
+            without a pipeline (one stage), where FSDP gathers and frees block by block.
         autocast: the run's precision, bf16 or fp16 (None: fp32): FSDP2's mixed precision where
             the stages are sharded, else the autocast dtype the pipeline runs under (`precision`).
         weights: `(held blocks, device) -> None`, called once every wrapper is in place, for
@@ -176,6 +177,7 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     modes = recompute.apply(blocks, recompute_mode, held=indices)  # 2. recompute
     stages = split(blocks, list(cut.balance))
     run_under, mixed = precision(world, autocast)
+    reshard = reshard or len(cut.ranks) == 1  # no pipeline: each block's weights freed after its forward
     wrapped = _local_stages(stages, cut, world) if world.local else \
         {s: _replicated(stages[s], world, reshard, mixed) for s in mine}  # 3. shard or replicate
     if weights is not None:  # after tensor parallel and sharding: each reads only its part

@@ -8,12 +8,21 @@ all-reduce the reduce-scattered gradients.
 
     stage s ── fully_shard(block) for each block ── fully_shard(stage)      (torchtitan's order)
 
+Without a pipeline (the whole model one stage, a whole backward) FSDP runs as torchtitan runs
+it: each block's weights are all-gathered for its forward and freed after it, gathered again for
+its backward, whose gradients are reduce-scattered as it ends (`reshard_after_forward=True`, and
+`runtime.reduce.ShardedReducer` leaves the reduction to FSDP). A rank then holds one or two
+blocks gathered at a time, whatever the model's size.
+
 Under a pipeline the gradient reduction is not FSDP's own: the runtime holds it off for every
 backward of the step and reduce-scatters once at its end (`runtime.reduce.ShardedReducer`).
 By default the parameters stay gathered from the step's first forward to that reduction, so a
 stage all-gathers once per step and not once per micro-batch (`reshard_after_forward=False`,
 as torchtitan does under a pipeline); `reshard=True` frees them after each forward, for less
 memory and one all-gather per micro-batch more.
+
+    no pipeline   block k: gather ─ F ─ free ... gather ─ B ─ reduce-scatter, free
+    pipeline      stage:   gather ─ F F F ... B B B ─ reduce-scatter once, free
 
 Mixed precision (`--precision bf16` or fp16 under sharding) is FSDP2's own policy, as torchtitan
 and every large run use it: the shards stay fp32 (the master weights, their gradients and AdamW's

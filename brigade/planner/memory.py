@@ -17,9 +17,9 @@
                  × micro-batch size × the micro-batches past their I but not their W at the
                  stage's busiest moment (below); 0 when every backward is whole
     peak         params + optimizer + the layout's extras (under DDP the reducer's flat buckets, a
-                 copy of the gradients; sharded, the gathered parameters of its stages, kept for
-                 the step: in fp32 the whole beyond the rank's shard, in bf16 or fp16 a whole
-                 half-precision copy) + the larger of two phases:
+                 copy of the gradients; sharded under a pipeline, the gathered parameters of its
+                 stages, kept for the step: in fp32 the whole beyond the rank's shard, in bf16 or
+                 fp16 a whole half-precision copy) + the larger of two phases:
                  backward   Σ over its stages of the busiest moment's activations, split and
                             gradients (below) + the largest working set and transient of a block
                             (a recompute's tensors, temporaries)
@@ -27,6 +27,13 @@
                             state (`opt_transient`, measured per block: on a CPU, where AdamW
                             updates one tensor at a time, about twice the largest parameter; with
                             its foreach update, as on a GPU, about a copy of the parameters)
+                 Sharded without a pipeline (one stage, a whole backward) FSDP gathers, frees and
+                 reduces block by block (`parallel.shard`): no whole copy for the step; the
+                 backward phase holds the sharded gradients (not whole ones), and beside them what
+                 is unsharded at once (`block_by_block`): the gathered weights of the root's
+                 blocks and of two neighbouring blocks (half precision, or fp32 beyond the shard),
+                 and the gradients being reduced (a half-precision gradient and its fp32 copy, or
+                 fp32 and its flat copy)
 
 Precision (`--precision`, as `parallel.assemble` applies it): where the stages are sharded
 (`Degrees.sharded`), bf16 and fp16 are FSDP2's mixed precision, so every activation byte above
@@ -118,9 +125,41 @@ def rank_memory(
         extra = 0.0
     backward = sum(b["bytes"] for b in busiest) + working + transient
     stepping = mine + costs.opt_transient_bytes(blocks) * (mine / (costs.param_bytes(blocks) or 1.0))
-    peak = mine + 2 * mine + extra + max(backward, stepping)
+    if by_block(layout, at):  # FSDP its own way (below)
+        gathered, reducing = block_by_block(costs, blocks, layout.tp)
+        backward += gathered * (0.5 if mixed else 1 - 1 / layout.shard) \
+            + reducing * (1.5 if mixed else 2.0) - grads[0] + mine  # sharded gradients, not whole
+        peak = 3 * mine + max(backward, stepping)
+    else:
+        peak = mine + 2 * mine + extra + max(backward, stepping)
     return {"params": mine, "grads": mine, "optimizer": 2 * mine, "activations": held + working,
             "split": split, "optimizer_step": stepping - mine, "peak": peak}
+
+
+def by_block(layout: Layout, at: Moments) -> bool:
+    """Whether FSDP gathers, frees and reduces block by block, every micro-batch: the layout is
+    sharded without a pipeline and its backward is whole (no stage passes a moment with a
+    micro-batch past its I), as `runtime.reduce.ShardedReducer` then leaves FSDP to do."""
+    split = any(j for pairs in at.values() for _, j, _ in pairs)
+    return layout.degrees.sharded and layout.pp == 1 and not split
+
+
+def block_by_block(costs: ModelCosts, blocks: list[int], tp: int) -> tuple[float, float]:
+    """Without a pipeline, what FSDP holds unsharded at once on one of `tp` processes, in fp32
+    bytes: (gathered, reducing). Gathered: the root's blocks (those sharing a weight with another
+    block: `parallel.shard` leaves them to the stage, gathered from its first forward to its last
+    backward) and the two largest neighbouring blocks of the rest (one computing while the next
+    is gathered). Reducing: the root's and the largest other block's gradients, unsharded, as a
+    backward makes them and its reduce-scatter copies them into one flat fp32 input."""
+    owners: dict[int, int] = {}
+    for b in blocks:
+        for pid in costs.params[b]:
+            owners[pid] = owners.get(pid, 0) + 1
+    root = [b for b in blocks if any(owners[pid] > 1 for pid in costs.params[b])]
+    rest = [costs.param_bytes([b], tp) for b in blocks if b not in root]
+    pair = max((rest[k] + rest[k + 1] for k in range(len(rest) - 1)), default=sum(rest))
+    mine = costs.param_bytes(root, tp) if root else 0.0
+    return mine + pair, mine + max(rest, default=0.0)
 
 
 def _stages(layout: Layout, pp_rank: int) -> list[int]:

@@ -10,7 +10,9 @@ rank's memory (`memory.py`), and whether it fits.
                                                         host with more processes than cores,
                                                         `crowded_action_s`)
          + gradient reduction                           DDP: all-reduce; shard: reduce-scatter and
-                                                        the step's all-gather, per block; HSDP:
+                                                        the step's all-gather, per block (without
+                                                        a pipeline, every micro-batch and a
+                                                        second all-gather for the backward); HSDP:
                                                         then an all-reduce of the shard across
                                                         replicas (each at what the device says
                                                         that collective achieves: gloo's probed)
@@ -40,7 +42,7 @@ from brigade.pipeline.stages.partition import solve
 from brigade.planner import comm
 from brigade.planner.cluster import Cluster
 from brigade.planner.costs import ModelCosts
-from brigade.planner.memory import moments, rank_blocks, rank_memory, worst
+from brigade.planner.memory import HALF, by_block, moments, rank_blocks, rank_memory, worst
 from brigade.planner.space import Layout
 
 
@@ -77,7 +79,8 @@ def predict(
     at = moments(memory_plan or plan)  # under a split backward, what each stage keeps from I to W too
     memory = [rank_memory(costs, layout, balance, held, mb, r, at, precision) for r in range(layout.pp)]
     top = worst(memory)
-    reduce_s, opt_s = _after_pipeline(costs, layout, cluster, balance, memory)
+    reduce_s, opt_s = _after_pipeline(costs, layout, cluster, balance, memory,
+                                      by_block(layout, at), precision in HALF)
     step = makespan + reduce_s + opt_s + cluster.device.runtime_step_s
     flops = sum(costs.flops) * batch
     peak = cluster.device.peak(precision)
@@ -122,14 +125,15 @@ def costed(schedule: str, per: list[list[float]], p2p: float, cores: float) -> C
 
 
 def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: list[int],
-                    memory: list[dict]) -> tuple[float, float]:
+                    memory: list[dict], blockwise: bool, half: bool) -> tuple[float, float]:
     """(seconds of the gradient reduction, of the optimizer step) after the pipeline's makespan,
     on the busiest rank; where more processes than cores share a host, every rank runs these at
-    once and they take turns (`_crowding`)."""
+    once and they take turns (`_crowding`). `blockwise`: FSDP gathers and reduces each block
+    every micro-batch (`memory.by_block`); `half`: it gathers half-precision weights."""
     groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
     whole_grads = max(m["grads"] for m in memory) * layout.shard
     blocks = [rank_blocks(layout, balance, r) for r in range(layout.pp)]
-    reduce_s = _reduction(cluster, layout, groups, whole_grads, 1 + max(map(len, blocks)))
+    reduce_s = _reduction(cluster, layout, groups, whole_grads, 1 + max(map(len, blocks)), blockwise, half)
     opt_s = costs.optimizer_s_per_byte * costs.mem_scale * worst(memory)["params"]
     if layout.shard > 1 or layout.tp > 1:  # FSDP2's parameters are DTensors: each op dispatches
         count = max(len({p for b in bs for p in costs.params[b]}) for bs in blocks)
@@ -190,17 +194,23 @@ def _shared(cluster: Cluster, world: int) -> float:
     return 1 + (d.shared_slowdown - 1) * (min(busy, d.cores) - 1) / max(d.cores - 1, 1)
 
 
-def _reduction(cluster: Cluster, layout: Layout, groups: dict, grads: float, units: int) -> float:
+def _reduction(cluster: Cluster, layout: Layout, groups: dict, grads: float, units: int,
+               blockwise: bool = False, half: bool = False) -> float:
     """Seconds of one step's gradient reduction (and a sharded stage's parameter all-gather). A
     sharded stage reduces and gathers each of its `units` (fully_shard per block, then the
-    stage's root) in a collective of its own: the bytes are the same, the latency `units` times."""
+    stage's root) in a collective of its own: the bytes are the same, the latency `units` times;
+    under a pipeline once a step, gathered once; `blockwise` (no pipeline) every micro-batch,
+    gathered twice (for its forward and again for its backward). The gradients are reduced in
+    fp32; the weights gathered in half precision where `half`."""
     if layout.dp == 1:
         return 0.0
     if layout.shard == 1:
         return comm.all_reduce(grads, layout.dp, *comm.link(cluster, groups["dp"], "all_reduce"))
     each = grads / units
+    gathers, times = (2, layout.microbatches) if blockwise else (1, 1)
     t = comm.reduce_scatter(each, layout.shard, *comm.link(cluster, groups["shard"], "reduce_scatter"))
-    t += comm.all_gather(each, layout.shard, *comm.link(cluster, groups["shard"], "all_gather"))
+    t += gathers * comm.all_gather(each * (0.5 if half else 1.0), layout.shard,
+                                   *comm.link(cluster, groups["shard"], "all_gather"))
     t += comm.all_reduce(each / layout.shard, layout.replicate,
                          *comm.link(cluster, groups["replicate"], "all_reduce"))
-    return units * t
+    return units * times * t

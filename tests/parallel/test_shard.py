@@ -1,9 +1,11 @@
 """FSDP2 on a stage from outside (brigade/parallel/shard.py) and its one reduction per step.
 
-Two processes share a one-stage pipeline sharded over both: the gradients equal one device's
-on the whole batch under a plain and a split backward, and FSDP's collectives are counted — an
-all-gather per unit per step (per micro-batch with `reshard`), one reduce-scatter per unit per
-step, not per micro-batch.
+Two processes share a pipeline sharded over both: the gradients equal one device's on the whole
+batch under a plain and a split backward, and FSDP's collectives are counted. With one stage (no
+pipeline) FSDP runs its own way: each unit gathered for each micro-batch's forward (and again for
+its backward with `reshard`) and reduce-scattered after each backward. With two stages on the rank
+(a pipeline) the runtime holds the reduction for the step: an all-gather per unit per step (per
+micro-batch with `reshard`), one reduce-scatter per unit per step, not per micro-batch.
 """
 
 import copy
@@ -51,9 +53,9 @@ def _joined():
     return dist.get_rank(), ref, stage, x, y
 
 
-def _one_step(schedule: str, reshard: bool) -> dict:
-    """Worker: one step of a sharded one-stage pipeline over 2 ranks; the worst gradient difference
-    from one device and the collectives of the step."""
+def _one_step(schedule: str, reshard: bool, stages: int) -> dict:
+    """Worker: one step of a sharded pipeline of `stages` stages (1, or 2 on this one rank) over 2
+    ranks; the worst gradient difference from one device and the collectives of the step."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from brigade.dtensors import full
@@ -61,9 +63,13 @@ def _one_step(schedule: str, reshard: bool) -> dict:
     from brigade.pipeline.pipe import Pipeline
 
     rank, ref, stage, x, y = _joined()
-    shard_stage(stage, init_device_mesh("cpu", (2,)), reshard=reshard)
-    solo = dist.new_group([rank])  # the pipeline's own group: one stage, this rank alone
-    pipe = Pipeline({0: stage}, schedule, M, _loss, group=solo, device=torch.device("cpu"))
+    mesh = init_device_mesh("cpu", (2,))
+    parts = {0: stage} if stages == 1 else {0: stage[:2], 1: stage[2:]}
+    for part in parts.values():
+        shard_stage(part, mesh, reshard=reshard)
+    solo = dist.new_group([rank])  # the pipeline's own group: this rank alone
+    pipe = Pipeline(parts, schedule, M, _loss, group=solo, device=torch.device("cpu"),
+                    virtual=stages if stages > 1 else 0)
     calls: dict = {}
     _counting(calls)
     pipe.step(x.chunk(2)[rank], y.chunk(2)[rank])
@@ -75,18 +81,33 @@ def _one_step(schedule: str, reshard: bool) -> dict:
     return {"worst": worst, "calls": calls, "sharded": sharded}
 
 
+UNITS = 3  # the three blocks (the Tanh block's Linear is in its block); the roots hold no parameter
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("reshard", [False, True])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-def test_one_reduce_scatter_per_unit_per_step_and_gradients_of_one_device(schedule, reshard):
+def test_without_a_pipeline_fsdp_reduces_each_backward_and_gradients_of_one_device(schedule, reshard):
     from brigade import launch
 
-    got = launch(_one_step, 2, schedule, reshard)[0]
-    units = 4  # the three blocks and the stage's root (the Tanh block's Linear is in its block)
+    got = launch(_one_step, 2, schedule, reshard, 1)[0]
     assert got["worst"] < 1e-6 and got["sharded"], got
-    assert got["calls"]["reduce_scatter_single"] == units - 1  # the root holds no parameter of its own
+    assert got["calls"]["reduce_scatter_single"] == UNITS * M, got  # every micro-batch's backward
+    # gathered for every forward (freed after each backward); with reshard again for each backward
+    assert got["calls"]["all_gather_single"] == UNITS * M * (2 if reshard else 1), got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reshard", [False, True])
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_under_a_pipeline_one_reduce_scatter_per_unit_per_step_and_gradients_of_one_device(schedule, reshard):
+    from brigade import launch
+
+    got = launch(_one_step, 2, schedule, reshard, 2)[0]
+    assert got["worst"] < 1e-6 and got["sharded"], got
+    assert got["calls"]["reduce_scatter_single"] == UNITS, got
     gathers = got["calls"]["all_gather_single"]
-    assert gathers == units - 1 if not reshard else gathers > units - 1, got
+    assert gathers == UNITS if not reshard else gathers > UNITS, got
 
 
 def test_a_parameter_two_blocks_share_is_left_to_the_stage():

@@ -11,7 +11,7 @@ from brigade.pipeline.plans.schedule import build
 from brigade.planner.cluster import Cluster
 from brigade.planner.costs import ModeCosts, ModelCosts, measure_memory
 from brigade.planner.devices import TABLE
-from brigade.planner.memory import moments, rank_memory
+from brigade.planner.memory import block_by_block, moments, rank_memory
 from brigade.planner.predict import predict
 from brigade.planner.space import Layout
 
@@ -138,11 +138,26 @@ def test_optimizer_transient_is_measured_per_block_as_adamw_runs_here():
 
 
 def test_sharded_stages_count_their_gradients_beside_their_activations_at_every_moment():
-    one = moments(build("1f1b", 1, 1))
-    mb = 40  # activations 1600 bytes, whole gradients 400
-    sharded = rank_memory(_costs(), Layout(1, 2, 1, "1f1b", 1, 1, "none"), [4], {0: 1}, mb, 0, one)
+    mb = 40  # activations 1600 bytes per block-stage pair below, whole gradients 400
+    # under a pipeline (pp 2): the stage's gathered weights and whole gradients, kept for the step
+    piped = rank_memory(_costs(), Layout(1, 2, 2, "1f1b", 1, 1, "none"), [2, 2], {0: 1, 1: 1}, mb, 0,
+                        moments(build("1f1b", 2, 1)))
+    whole, mine = 200, 100  # the rank's two blocks
+    assert piped["peak"] == 3 * mine + (whole - mine) + 2 * HELD * mb + whole + 1.0 * mb
+    # without one (pp 1): FSDP block by block, the sharded gradients beside the activations, two
+    # blocks gathered (fp32 beyond the shard) and one block's gradient and its flat copy reducing
+    alone = rank_memory(_costs(), Layout(1, 2, 1, "1f1b", 1, 1, "none"), [4], {0: 1}, mb, 0,
+                        moments(build("1f1b", 1, 1)))
     mine = 400 / 2
-    assert sharded["peak"] == 3 * mine + (400 - mine) + 4 * HELD * mb + 400 + 1.0 * mb
+    assert alone["peak"] == 3 * mine + 4 * HELD * mb + mine + 1.0 * mb + 200 / 2 + 100 * 2
+
+
+def test_block_by_block_gathers_the_roots_blocks_and_two_neighbours():
+    tied = _costs()
+    tied.params[3] = {0: 100}  # the last block shares the first's weight: both left to the root
+    assert block_by_block(tied, [0, 1, 2, 3], 1) == (100 + 200, 100 + 100)
+    assert block_by_block(_costs(), [0, 1, 2, 3], 1) == (200, 100)
+    assert block_by_block(_costs(), [2], 1) == (100, 100)  # one block: itself
 
 
 def _parts(layout: Layout, precision: str) -> dict:
@@ -152,15 +167,21 @@ def _parts(layout: Layout, precision: str) -> dict:
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_under_sharding_halves_activations_and_gathers_a_half_copy(precision):
     """FSDP2's mixed precision (shard 2): fp32 states ÷ shard as in fp32, activations half, the
-    gathered copy a whole half-precision one, the backward's gradients the fp32 ones."""
+    gathered weights half-precision ones, the backward's gradients the fp32 ones."""
     shard = Layout(1, 2, 1, "1f1b", 1, 1, "none")
     fp32, half = _parts(shard, ""), _parts(shard, precision)
     whole = 4 * 100  # four blocks of 100 fp32 bytes
     assert half["params"] == fp32["params"] == whole / 2 and half["optimizer"] == whole
     assert half["activations"] == fp32["activations"] / 2 == 4 * HELD * 2 / 2
-    # peak = params + optimizer + gathered + the backward (activations, gradients, a block's transient)
-    assert fp32["peak"] == whole / 2 + whole + whole / 2 + (4 * HELD * 2 + whole + 1.0 * 2)
-    assert half["peak"] == whole / 2 + whole + whole / 2 + (4 * HELD * 2 / 2 + whole + 1.0 * 2 / 2)
+    # no pipeline: params + optimizer + the backward (activations, sharded gradients, a block's
+    # transient, two blocks gathered, one block's gradient reducing: in half precision and fp32)
+    assert fp32["peak"] == whole / 2 + whole + (4 * HELD * 2 + whole / 2 + 1.0 * 2) + 200 / 2 + 100 * 2
+    assert half["peak"] == whole / 2 + whole + (4 * HELD * 2 / 2 + whole / 2 + 1.0 * 2 / 2) + 200 / 2 \
+        + 100 * 1.5
+    # under a pipeline the stage keeps a whole half-precision copy and its whole fp32 gradients
+    piped = rank_memory(_costs(), Layout(1, 2, 2, "1f1b", 1, 1, "none"), [2, 2], {0: 1, 1: 1}, mb=2,
+                        pp_rank=0, precision=precision)
+    assert piped["peak"] == 100 + 200 + 200 / 2 + (2 * HELD * 2 / 2 + 200 + 1.0 * 2 / 2)
 
 
 def test_half_precision_without_sharding_is_autocast_and_counted_as_fp32():

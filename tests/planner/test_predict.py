@@ -22,8 +22,17 @@ def test_a_sharded_step_pays_each_blocks_collectives_and_dtensor_dispatch_per_pa
     plain = predict(costs, shard, Cluster(1, 2, _device()), batch=8, seq_len=1)
     slow = _device(reduce_scatter_bw=1.0, all_gather_bw=2.0, coll_latency=0.5, dtensor_step_s=3.0)
     row = predict(costs, shard, Cluster(1, 2, slow), batch=8, seq_len=1)
-    # 5 units (4 blocks, the root) of 80 bytes: RS ½·80/1 + 0.5, AG ½·80/2 + 0.5 each
-    assert row["reduce_s"] == pytest.approx(5 * (40 + 0.5 + 20 + 0.5))
+    # 5 units (4 blocks, the root) of 80 bytes: RS ½·80/1 + 0.5, AG ½·80/2 + 0.5 each; without a
+    # pipeline FSDP gathers each block twice (forward, backward) and reduces it every micro-batch
+    assert row["reduce_s"] == pytest.approx(5 * (40 + 0.5 + 2 * (20 + 0.5)))
+    two = predict(costs, replace(shard, microbatches=2), Cluster(1, 2, slow), batch=8, seq_len=1)
+    assert two["reduce_s"] == pytest.approx(2 * row["reduce_s"])
+    half = predict(costs, shard, Cluster(1, 2, slow), batch=8, seq_len=1, precision="bf16")
+    assert half["reduce_s"] == pytest.approx(5 * (40 + 0.5 + 2 * (10 + 0.5)))  # bf16 gathers half the bytes
+    # under a pipeline once a step, gathered once: 3 units (the rank's 2 blocks, the root)
+    piped = predict(costs, Layout(1, 2, 2, "1f1b", 1, 2, "none"), Cluster(1, 4, slow), batch=8, seq_len=1)
+    each = 2 * 100 / 3  # the rank's whole gradient (its 2 blocks' 200 bytes) over its 3 units
+    assert piped["reduce_s"] == pytest.approx(3 * (each / 2 + 0.5 + each / 4 + 0.5))
     assert row["optimizer_s"] - plain["optimizer_s"] == pytest.approx(4 * 3.0)  # four parameters
     ddp = predict(costs, Layout(2, 1, 1, "1f1b", 1, 1, "none"), Cluster(1, 2, slow), batch=8, seq_len=1)
     assert ddp["optimizer_s"] == plain["optimizer_s"] == 0.0  # plain tensors: no dispatch added

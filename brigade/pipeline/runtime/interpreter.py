@@ -24,7 +24,9 @@ the last backward. Otherwise (a split I/W backward, or several stages per rank) 
 `GradientReducer` starts the all-reduce as soon as that stage's last backward or weight
 pass is done, so it overlaps the actions that remain, and waits at the end of the step.
 A stage under FSDP2 (`fully_shard`) reduce-scatters once, at the end of every step that syncs
-(`ShardedReducer`), whatever the schedule; its backwards see the gathered parameters.
+(`ShardedReducer`), whatever the schedule; its backwards see the gathered parameters. Without a
+pipeline (one stage, a whole backward) FSDP reduces each block's gradients as its backward
+ends, every micro-batch, as it does on its own.
 """
 
 from __future__ import annotations
@@ -77,8 +79,10 @@ class StageRunner:
         self.reducers = {s: GradientReducer(m.module.parameters(), m.process_group, m.bucket_bytes_cap)
                          for s, m in self.modules.items() if isinstance(m, DistributedDataParallel)}
         self.ddp_reduces = not several  # DDP's own reducer, on plain backwards
-        # Under FSDP2: its reduction held off for the step, run once at its end (reduce.py).
-        self.sharded = {s: ShardedReducer(m) for s, m in self.modules.items() if _is_sharded(m)}
+        # Under FSDP2: its reduction held off for the step, run once at its end, except without a
+        # pipeline, where FSDP reduces each block as its backward ends (reduce.py).
+        self.sharded = {s: ShardedReducer(m, whole=n_stages == 1) for s, m in self.modules.items()
+                        if _is_sharded(m)}
         self._param_lists = {s: list((m.module if isinstance(m, DistributedDataParallel) else m).parameters())
                              for s, m in self.modules.items()}  # listed once, asked for every backward
 
@@ -120,8 +124,8 @@ class StageRunner:
             st.reducers = dict(self.reducers)
         for sharded in self.sharded.values():
             sharded.begin(split)
-        if sync and st.training:
-            st.reducers.update(self.sharded)
+        if sync and st.training:  # (without a pipeline FSDP reduces each backward itself)
+            st.reducers.update({s: r for s, r in self.sharded.items() if not r.native})
         for reducer in st.reducers.values():
             reducer.reset()
         self.transport.begin_step(actions, (inputs, side) if self.is_first and side else

@@ -5,11 +5,13 @@ holding several stages runs several backwards per micro-batch; in both cases the
 (`interpreter.StageRunner`) hands each stage's finished parameters to a `GradientReducer`,
 which all-reduces them in buckets as they complete and writes the mean into `.grad`.
 
-FSDP2 (a stage under `fully_shard`) would reduce-scatter after every backward of every
-micro-batch, and never after a weight pass, which its hooks do not see. So a
-`ShardedReducer` holds its reduction off for the whole step (gradients accumulate in the
-gathered parameters) and runs FSDP's post-backward by hand once at the end: one
-reduce-scatter per stage per step (torch's pipelining does the same, `perform_reduce_grad`).
+FSDP2 (a stage under `fully_shard`) reduce-scatters after every backward of every
+micro-batch, and never after a weight pass, which its hooks do not see. Without a pipeline
+and with a whole backward that is what a `ShardedReducer` lets it do: each block's gradients
+are reduced, and freed, as its backward ends. Under a pipeline it holds the reduction off for
+the whole step (gradients accumulate in the gathered parameters) and runs FSDP's post-backward
+by hand once at the end: one reduce-scatter per stage per step (torch's pipelining does the
+same, `perform_reduce_grad`).
 """
 
 from __future__ import annotations
@@ -115,36 +117,58 @@ def _buckets(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
 
 
 class ShardedReducer:
-    """One reduce-scatter per step for a stage under FSDP2's `fully_shard` (and HSDP's all-reduce).
+    """A stage's gradient reduction under FSDP2's `fully_shard` (and HSDP's all-reduce).
 
-    Between steps FSDP is told that no backward is the last one, so every backward (B, I or W,
-    every micro-batch, every accumulation chunk) adds into the gathered parameters' `.grad`.
-    `finish` then reduces each FSDP unit of the stage, FSDP's own way, leaving the mean of the
-    replicas' gradients in the sharded parameters' `.grad` and the parameters sharded again.
+    Where the rank holds the whole model as one stage and the step's backward is whole (no
+    pipeline, no I/W), FSDP runs its own way, as torchtitan runs it without a pipeline: each
+    block's parameters are gathered for its forward and freed after it (`parallel.shard` reshards
+    after forward there), gathered again for its backward, and its gradients reduce-scattered as
+    that backward ends, into the sharded `.grad` where every micro-batch's add up. The rank then
+    holds one or two blocks' gathered weights and unsharded gradients at a time, never the whole
+    model's: `native`, and the runner leaves the step's reduction to FSDP.
 
-    Parameters stay gathered from a unit's backward to the step's end, except where the stage
-    reshards after each forward (`parallel.shard`'s `reshard`) and the step's backward is whole:
-    then after each backward too. A split backward's weight pass runs nodes of the input pass
-    again, which read the gathered weights, so under I/W they stay.
+    Otherwise (a pipeline stage, or a split backward) FSDP is told that no backward is the last
+    one, so every backward (B, I or W, every micro-batch, every accumulation chunk) adds into the
+    gathered parameters' `.grad`. `finish` then reduces each FSDP unit of the stage, FSDP's own
+    way, leaving the mean of the replicas' gradients in the sharded parameters' `.grad` and the
+    parameters sharded again: one reduce-scatter per stage per step, which a pipeline needs, as
+    FSDP's hooks never see a weight pass and would otherwise reduce once per micro-batch.
+
+    Under a pipeline, parameters stay gathered from a unit's backward to the step's end, except
+    where the stage reshards after each forward (`parallel.shard`'s `reshard`) and the step's
+    backward is whole: then after each backward too. A split backward's weight pass runs nodes of
+    the input pass again, which read the gathered weights, so under I/W they stay.
 
     Uses FSDP's per-unit post-backward (`FSDPParamGroup.post_backward`), not a public API: the
     one torch's pipelining calls for the same reason.
 
     Args:
         module: the stage, an FSDPModule (its blocks may be FSDP units of their own).
+        whole: the stage is the whole model, the only one its rank runs (no pipeline).
     """
 
-    def __init__(self, module):
+    def __init__(self, module, whole: bool = False):
         self.module = module
+        self.whole = whole
         self.units = self._units()  # made by fully_shard, fixed from then on: listed once
         self.reshard = any(g._reshard_after_forward for g in self.units)
         self.between = False  # reshard after each backward of this step
+        self.native = False  # FSDP reduces each backward itself (above)
         self._hold()
 
     def begin(self, split: bool) -> None:
         """A step begins; `split`: its backward is I then W."""
+        self.native = self.whole and not split
         self.between = self.reshard and not split
-        self._hold()
+        if self.native:
+            self._free()
+        else:
+            self._hold()
+
+    def _free(self) -> None:
+        self.module.set_requires_gradient_sync(True)
+        self.module.set_is_last_backward(True)
+        self.module.set_reshard_after_backward(True)
 
     def _hold(self) -> None:
         self.module.set_requires_gradient_sync(False)
