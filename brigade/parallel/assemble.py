@@ -175,6 +175,8 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
         parts = [sequence_parallel and sequence.takes_part(b, tensor.plan_of(b)) for b in blocks]
         sequence.boundaries(blocks, parts, indices, world.tp_mesh)
     modes = recompute.apply(blocks, recompute_mode, held=indices)  # 2. recompute
+    if world.degrees.tp > 1 and sequence_parallel:  # what a block without recompute saves: parts
+        _save_parts([blocks[i] for i in indices if modes[i] == "none"], world.tp_mesh)
     stages = split(blocks, list(cut.balance))
     run_under, mixed = precision(world, autocast)
     reshard = reshard or len(cut.ranks) == 1  # no pipeline: each block's weights freed after its forward
@@ -183,6 +185,16 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     if weights is not None:  # after tensor parallel and sharding: each reads only its part
         weights(held, world.device)
     return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed)
+
+
+def _save_parts(blocks: list[nn.Module], mesh) -> None:
+    """`sequence.save_parts` on the gathered modules of those of `blocks` that take part."""
+    for block in blocks:
+        plan = tensor.plan_of(block) or {}
+        if sequence.takes_part(block, plan):
+            for name, entry in plan.items():
+                if tensor.style_of(entry)[0] == "gather":
+                    sequence.save_parts(block.get_submodule(name), mesh)
 
 
 def sharded(world: World) -> bool:

@@ -26,8 +26,22 @@ The norms' weights see only this process's positions, so their gradients come ba
 it (one all-reduce per such weight; FSDP2 already does it in its reduce-scatter), so the
 gradient norm, clipping and the optimizer see one gradient, the same on every tp process.
 
-The sequence length must divide by tp. Dropout on a part draws from the stage's stream, which
-the tp processes share (`World.stream`): each part of a sequence gets the same mask pattern.
+What a gathered module's matmuls save for their backward is the whole sequence: tp times the
+part it came from. In a block that keeps its activations (recompute none) `save_parts` makes them
+save this process's part instead and gather it again when the backward needs it (Megatron-LM's
+way: one more all-gather in the backward, 1/tp of those bytes held). A recomputed block does not
+hold them anyway: its own saved-tensor hooks keep its input only, and are left alone.
+
+    forward:  part ─► gather ─► whole ─► colwise matmul saves whole ─► pack: keep the part
+    backward: unpack ─► all-gather the part again ─► the whole the matmul saved
+
+The sequence length must divide by tp. The tp processes share one random stream (`World.stream`),
+as whatever they hold whole must get the same dropout masks on each; but inside a block that takes
+part every tensor is a part of the sequence or a share of the heads, and the same stream would
+give each part the same mask pattern. So such a block draws its masks from a stream of its own on
+each tp process (`own_masks`): one seed drawn from the shared stream (which so advances alike on
+every tp process), plus the tp rank. Recompute replays it: the seed is drawn again from the same
+restored state.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ import torch
 from torch import nn
 
 from brigade.errors import BrigadeError
+from brigade.parallel import held as meter
 
 
 def takes_part(block: nn.Module, plan: dict | None) -> bool:
@@ -140,3 +155,92 @@ def gathering(mesh):
         raise BrigadeError(f"a 'gather' entry's {type(module).__name__} got no tensor to gather: its "
                            "input must come first or as hidden_states=; or --no-sequence-parallel")
     return hook
+
+
+def own_masks(block: nn.Module, mesh) -> None:
+    """Hooks on a block that takes part: its forward draws from a stream of this tp process's own
+    (the module docstring), and the shared stream is where it was plus one draw after it."""
+    rank = mesh.get_local_rank()
+    forks: list = []
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())  # the shared stream: alike on every tp process
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        fork = torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else [])
+        fork.__enter__()
+        forks.append(fork)
+        torch.manual_seed(seed + rank)
+
+    def leave(module: nn.Module, args: tuple, out):
+        forks.pop().__exit__(None, None, None)
+
+    block.register_forward_pre_hook(enter)
+    block.register_forward_hook(leave, always_call=True)
+
+
+class _Part:
+    """What a gathered tensor saved for backward keeps: this process's part, the view the saved
+    tensor was of the whole, and the meter's holders of the part (counted as held while it lives)."""
+
+    __slots__ = ("part", "view", "placements", "holders")
+
+    def __init__(self, part: torch.Tensor, saved, placements):
+        self.part, self.placements = part, placements
+        local = saved._local_tensor if placements is not None else saved
+        self.view = (local.shape, local.stride(), local.storage_offset())
+        counting = meter.current()
+        self.holders = counting.keep([part]) if counting else []
+
+
+def save_parts(module: nn.Module, mesh) -> None:
+    """Hooks on a gathered module (a "gather" entry) of a block without recompute: what its forward
+    saves of the whole sequence it was handed is this process's part, gathered again in the
+    backward (the module docstring). Every other tensor it saves goes to the meter counting held
+    bytes (`parallel.held`) where one is, as it would without these hooks."""
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    rank, tp = mesh.get_local_rank(), mesh.size()
+    open_: list = []
+
+    def whole_of(args: tuple, kwargs: dict):
+        x = args[0] if args else kwargs.get("hidden_states")
+        return x if isinstance(x, DTensor) else None
+
+    def pack(t: torch.Tensor):
+        whole = open_[-1][1]._local_tensor
+        if _same_storage(t._local_tensor if isinstance(t, DTensor) else t, whole):
+            n = whole.shape[1] // tp
+            return _Part(whole[:, rank * n:(rank + 1) * n].detach().clone(), t,
+                         t.placements if isinstance(t, DTensor) else None)
+        counting = meter.current()
+        return counting._pack(t) if counting else t
+
+    def unpack(h):
+        if not isinstance(h, _Part):
+            return meter.Held._unpack(h)
+        part = DTensor.from_local(h.part, mesh, [Shard(1)], run_check=False)
+        size, stride, offset = h.view
+        local = part.redistribute(mesh, [Replicate()]).to_local().as_strided(size, stride, offset)
+        if h.placements is None:
+            return local
+        return DTensor.from_local(local, mesh, h.placements, run_check=False)
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        whole = whole_of(args, kwargs)
+        hooks = saved_tensors_hooks(pack, unpack) if whole is not None and torch.is_grad_enabled() else None
+        if hooks is not None:
+            hooks.__enter__()
+        open_.append((hooks, whole))
+
+    def leave(module: nn.Module, args: tuple, kwargs: dict, out):
+        hooks, _ = open_.pop()
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True, always_call=True)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -148,6 +148,8 @@ def parallelize(blocks: list[nn.Module], mesh, sequence: bool = True) -> None:
         for name, e in plan.items():
             if parts and style_of(e)[0] == "gather":
                 block.get_submodule(name).register_forward_pre_hook(sp.gathering(mesh), with_kwargs=True)
+        if parts:
+            sp.own_masks(block, mesh)
 
 
 def _style(name: str, style: str, plan: dict, parts: bool):

@@ -125,14 +125,17 @@ class ModelCosts:
         """Bytes per sample `block` holds for its backward under recompute `mode`, on one of `tp`
         processes. Whole but under sequence parallel: there the block's input is a part (all
         full recompute holds) and so is the rest, but for the whole copies of the sequence its
-        matmuls hold (`TensorFacts.gathered`) in place of its norms' outputs (`normed`)."""
+        matmuls hold (`TensorFacts.gathered`) in place of its norms' outputs (`normed`); without
+        recompute those a "gather" entry makes are kept as parts (`shared`)."""
         h = self.modes[mode].held[block]
         if self.part(block, tp) == 1.0:
             return h
         if mode == "full":
             return h / tp
         t, out = self.tensor, self.out_bytes[block]
-        return max(h / tp, (h - t.normed[block] * out) / tp + t.gathered[block] * out)
+        parts = t.shared[block] if mode == "none" and t.shared else 0
+        copies = (t.gathered[block] - parts) * out + parts * out / tp
+        return max(h / tp, (h - t.normed[block] * out) / tp + copies)
 
     def tp_factor(self, block: int, tp: int) -> float:
         """A block's split work and parameters at degree `tp`, as a share of its whole (1 at tp 1)."""

@@ -29,8 +29,10 @@
                             its foreach update, as on a GPU, about a copy of the parameters)
                  Sharded without a pipeline (one stage, a whole backward) FSDP gathers, frees and
                  reduces block by block (`parallel.shard`): no whole copy for the step; the
-                 backward phase holds the sharded gradients (not whole ones), and beside them what
-                 is unsharded at once (`block_by_block`): the gathered weights of the root's
+                 backward phase holds the sharded gradients (not whole ones) as data parallel's
+                 whole model holds its gradients (below: made as the activations are freed, so
+                 beside them only from the second micro-batch on), and beside them what is
+                 unsharded at once (`block_by_block`): the gathered weights of the root's
                  blocks and of two neighbouring blocks (half precision, or fp32 beyond the shard),
                  and the gradients being reduced (a half-precision gradient and its fp32 copy, or
                  fp32 and its flat copy)
@@ -54,9 +56,10 @@ n peaks (peak_held) unless one with fewer held has enough more past their I (zbv
 3 ranks and 8 micro-batches, kept 0.7 × held as on the GPT, is busiest at 3,3 rather than 4,1),
 or, where a stage holds one micro-batch at a time (data parallel's whole model), the gradients
 outweigh its activations: a backward frees the activations as it makes the gradients, so one
-micro-batch's step peaks at the larger of the two, not at their sum. Sharded (FSDP2), the
-gradients count at every moment: measured, the sharded layouts' peaks hold both (counted the
-other way, shard 2, HSDP and shard 2 × pp 2 came out 12-17 % under). zb's last stage of two:
+micro-batch's step peaks at the larger of the two, not at their sum. Sharded under a pipeline
+(FSDP2 holding the stage's whole gradients for the step), the gradients count at every moment:
+measured, those peaks hold both (counted the other way, shard 2 × pp 2 came out 12-17 % under,
+and so did shard 2 and HSDP when they too held the step's whole gradients). zb's last stage of two:
 
     F0     I0     F1     I1     W0     F2     I2     W1 ...   (n held, j past I, g) after each
     1,0,0  1,1,0  2,1,0  2,2,0  1,1,1  2,1,1  2,2,1  1,1,1    busiest 2,2,1: split = 2 × kept × mb
@@ -103,12 +106,13 @@ def rank_memory(
     mixed = precision in HALF and layout.degrees.sharded  # FSDP2's mixed precision
     amb = mb * (0.5 if mixed else 1.0)  # activation bytes per measured (fp32) byte per sample, × mb
     at = {s: (moments or {}).get(s) or {(peak_held.get(s, 1), 0, 1)} for s in stages}
-    if layout.degrees.sharded:  # FSDP2's gradient buffers stand beside the activations from the start
-        at = {s: {(n, j, 1) for n, j, _ in pairs} for s, pairs in at.items()}
+    blockwise = by_block(layout, at)  # FSDP its own way, block by block (below)
+    if layout.degrees.sharded and not blockwise:  # the stage's whole gradient buffers stand
+        at = {s: {(n, j, 1) for n, j, _ in pairs} for s, pairs in at.items()}  # from the start
     # each stage's share of the rank's whole (unsharded) gradient: a weight tied between two of
-    # its stages counts once, as in `whole`
+    # its stages counts once, as in `whole`; block by block, the sharded gradients alone
     own = [costs.param_bytes(range(bounds[s], bounds[s + 1]), layout.tp) for s in stages]
-    grads = [whole * o / (sum(own) or 1.0) for o in own]
+    grads = [mine] if blockwise else [whole * o / (sum(own) or 1.0) for o in own]
     busiest = [_busiest(costs, layout, bounds, s, amb, peak_held.get(s, 1), g, at[s])
                for s, g in zip(stages, grads)]
     held = sum(_held(costs, layout, bounds, s) * amb * peak_held.get(s, 1) for s in stages)
@@ -125,10 +129,9 @@ def rank_memory(
         extra = 0.0
     backward = sum(b["bytes"] for b in busiest) + working + transient
     stepping = mine + costs.opt_transient_bytes(blocks) * (mine / (costs.param_bytes(blocks) or 1.0))
-    if by_block(layout, at):  # FSDP its own way (below)
+    if blockwise:
         gathered, reducing = block_by_block(costs, blocks, layout.tp)
-        backward += gathered * (0.5 if mixed else 1 - 1 / layout.shard) \
-            + reducing * (1.5 if mixed else 2.0) - grads[0] + mine  # sharded gradients, not whole
+        backward += gathered * (0.5 if mixed else 1 - 1 / layout.shard) + reducing * (1.5 if mixed else 2.0)
         peak = 3 * mine + max(backward, stepping)
     else:
         peak = mine + 2 * mine + extra + max(backward, stepping)

@@ -15,6 +15,8 @@ Read from the blocks' plans (`brigade.parallel.tensor`), on the meta device or r
     gathered per such block: the whole copies of the sequence its matmuls hold for their
              backward instead ("gather" entries, and column-wise layers outside one, which
              gather their own input): the rest of what it holds is split by tp
+    shared   per such block: those of its copies that "gather" entries make, which a block
+             without recompute keeps as parts (`parallel.sequence.save_parts`)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class TensorFacts:
     sizes: tuple[int, ...] = (1,)
     normed: tuple[int, ...] = ()
     gathered: tuple[int, ...] = ()
+    shared: tuple[int, ...] = ()
 
     def sequence(self, block: int) -> bool:
         """Whether the block splits its sequence under tp (sequence parallel)."""
@@ -64,7 +67,7 @@ def facts(blocks: list[nn.Module]) -> TensorFacts:
     """The model's `TensorFacts` (module docstring)."""
     if any(plan_of(b) is None for b in blocks):
         return TensorFacts(tuple(0.0 for _ in blocks), tuple(0 for _ in blocks))
-    split, pairs, normed, gathered = [], [], [], []
+    split, pairs, normed, gathered, shared = [], [], [], [], []
     for b in blocks:
         plan = plan_of(b)
         whole = sum(p.numel() * p.element_size() for p in b.parameters())
@@ -72,6 +75,7 @@ def facts(blocks: list[nn.Module]) -> TensorFacts:
         pairs.append(sum(style_of(e)[0] == "rowwise" for e in plan.values()))
         normed.append(sum(e == "sequence" for e in plan.values()))
         gathered.append(_gathered(plan) if normed[-1] else 0)
+        shared.append(sum(e == "gather" for e in plan.values()) if normed[-1] else 0)
     sizes = [1]
     t = 2
     while t <= MOST:
@@ -81,7 +85,8 @@ def facts(blocks: list[nn.Module]) -> TensorFacts:
             break
         sizes.append(t)
         t *= 2
-    return TensorFacts(tuple(split), tuple(pairs), tuple(sizes), tuple(normed), tuple(gathered))
+    return TensorFacts(tuple(split), tuple(pairs), tuple(sizes), tuple(normed), tuple(gathered),
+                       tuple(shared))
 
 
 def _gathered(plan: dict) -> int:

@@ -18,6 +18,7 @@ from torch import nn
 
 from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
+from brigade.parallel.assemble import Cut
 from brigade.parallel.sequence import gathering, takes_part
 
 T = 8
@@ -119,3 +120,76 @@ def test_a_gathered_module_without_a_tensor_input_is_one_line():
     with pytest.raises(BrigadeError, match="a 'gather' entry's Linear got no tensor to gather: its input "
                                            "must come first or as hidden_states="):
         hook(nn.Linear(2, 2), (), {"x": 1})
+
+
+def _dropped(mode: str) -> dict:
+    """Worker (tp 2, sequence parallel, dropout 0.5): the zero pattern of block 1's residual
+    dropout on this process's part, the shared stream's next draw, and qkv's gradient under
+    recompute `mode`."""
+    from brigade.config import ParallelConfig
+    from brigade.dtensors import full
+    from brigade.launcher import groups
+    from brigade.parallel.assemble import Cut, assemble
+    from brigade.train.process_model import world_of
+
+    info = groups.init("gloo", threads=1)
+    torch.manual_seed(0)
+    blocks = gpt(GPTConfig(vocab_size=16, block_size=T, n_layer=2, n_head=2, n_embd=8, dropout=0.5))
+    world = world_of(ParallelConfig(nproc=2, dp=1, tp=2), info.device)
+    built = assemble(blocks, Cut((4,), (0,)), world, mode)
+    zeros = []
+    built.held[1].attn.drop.register_forward_hook(lambda m, a, out: zeros.append((out == 0).tolist()))
+    torch.manual_seed(7)  # the shared stream, alike on both tp processes
+    x = torch.randint(16, (2, T), generator=torch.Generator().manual_seed(1))
+    gpt_loss(built.stages[0](x), x).backward()
+    built.settle_grads()
+    out = {"zeros": zeros[0], "next": torch.rand(3).tolist(),
+           "qkv": full(built.held[1].attn.qkv.weight.grad).tolist()}
+    groups.destroy()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_each_part_draws_its_own_dropout_masks_and_recompute_replays_them():
+    from brigade import launch
+
+    plain, again = launch(_dropped, 2, "none"), launch(_dropped, 2, "full")
+    assert plain[0]["zeros"] != plain[1]["zeros"]  # two parts of one sequence: two masks
+    assert plain[0]["next"] == plain[1]["next"] == again[0]["next"]  # the shared stream, advanced alike
+    for rank in (0, 1):  # recompute draws the same masks again: the same gradient
+        got, want = torch.tensor(again[rank]["qkv"]), torch.tensor(plain[rank]["qkv"])
+        assert (got - want).abs().max().item() < 1e-6, rank
+
+
+def _held_bytes(parts: bool) -> int:
+    """Worker (tp 2, sequence parallel, no recompute): the bytes held for backward after one
+    forward (`parallel.held`), with the gathered modules saving parts or, `parts` False, whole."""
+    from unittest import mock
+
+    from brigade.config import ParallelConfig
+    from brigade.launcher import groups
+    from brigade.parallel import assemble as assembling
+    from brigade.parallel.held import Held
+    from brigade.train.process_model import world_of
+
+    info = groups.init("gloo", threads=1)
+    world = world_of(ParallelConfig(nproc=2, dp=1, tp=2), info.device)
+    with mock.patch.object(assembling, "_save_parts", assembling._save_parts if parts else lambda *a: None):
+        built = assembling.assemble(_tiny(), Cut((4,), (0,)), world)
+    x = torch.randint(16, (2, T), generator=torch.Generator().manual_seed(1))
+    with Held() as held:
+        loss = gpt_loss(built.stages[0](x), x)
+    now = held.now
+    loss.backward()  # gathers the parts again
+    groups.destroy()
+    return now
+
+
+@pytest.mark.timeout(120)
+def test_gathered_modules_save_parts_and_gather_them_again_in_the_backward():
+    from brigade import launch
+
+    whole, parts = launch(_held_bytes, 2, False)[0], launch(_held_bytes, 2, True)[0]
+    # 2 blocks × 2 gathered modules (attn, mlp), each holding a part (2, 4, 8) in place of the
+    # whole (2, 8, 8) in fp32; the gradients' equality with one device is test_blocks_pass_parts'
+    assert whole - parts == 2 * 2 * (2 * 8 * 8 - 2 * 4 * 8) * 4

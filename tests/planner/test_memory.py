@@ -144,12 +144,16 @@ def test_sharded_stages_count_their_gradients_beside_their_activations_at_every_
                         moments(build("1f1b", 2, 1)))
     whole, mine = 200, 100  # the rank's two blocks
     assert piped["peak"] == 3 * mine + (whole - mine) + 2 * HELD * mb + whole + 1.0 * mb
-    # without one (pp 1): FSDP block by block, the sharded gradients beside the activations, two
-    # blocks gathered (fp32 beyond the shard) and one block's gradient and its flat copy reducing
+    # without one (pp 1): FSDP block by block, two blocks gathered (fp32 beyond the shard) and one
+    # block's gradient and its flat copy reducing; the sharded gradients are made as the backward
+    # frees the activations, so beside them only from the second micro-batch on
     alone = rank_memory(_costs(), Layout(1, 2, 1, "1f1b", 1, 1, "none"), [4], {0: 1}, mb, 0,
                         moments(build("1f1b", 1, 1)))
     mine = 400 / 2
-    assert alone["peak"] == 3 * mine + 4 * HELD * mb + mine + 1.0 * mb + 200 / 2 + 100 * 2
+    assert alone["peak"] == 3 * mine + 4 * HELD * mb + 1.0 * mb + 200 / 2 + 100 * 2
+    two = rank_memory(_costs(), Layout(1, 2, 1, "1f1b", 1, 2, "none"), [4], {0: 1}, mb, 0,
+                      moments(build("1f1b", 1, 2)))
+    assert two["peak"] == alone["peak"] + mine
 
 
 def test_block_by_block_gathers_the_roots_blocks_and_two_neighbours():

@@ -31,6 +31,7 @@ def test_a_gpt_blocks_matmuls_split_and_its_embedding_and_head_stay_whole():
 def test_sequence_parallel_blocks_name_their_norms_and_gathered_copies():
     f = _gpt_facts()
     assert f.normed == (0, 2, 2, 0) and f.gathered == (0, 2, 2, 0)  # attn and mlp gather once each
+    assert f.shared == (0, 2, 2, 0)  # both by a "gather" entry: kept as parts without recompute
     assert [f.sequence(b) for b in range(4)] == [False, True, True, False]
     import importlib.util
     from pathlib import Path
@@ -42,21 +43,25 @@ def test_sequence_parallel_blocks_name_their_norms_and_gathered_copies():
     with torch.device("meta"):
         g = facts(llama.model(n_layer=1))
     assert g.normed == (0, 2, 0) and g.gathered == (0, 4, 0)  # q, kv, gate, up each gather their own
+    assert g.shared == (0, 0, 0)  # no "gather" entry: all four stay whole copies
 
 
 def test_held_activations_under_sequence_parallel():
     """A sequence-parallel block holds 1/tp of what one device holds, but for the whole copies its
-    matmuls gather in place of its norms' outputs; full recompute holds its input's part."""
+    matmuls gather in place of its norms' outputs, which without recompute are parts where a
+    "gather" entry makes them; full recompute holds its input's part."""
     from brigade.planner.costs import ModeCosts, ModelCosts
 
     f = _gpt_facts()
     def mode(held: list[float]) -> ModeCosts:
         return ModeCosts(times={}, held=held, working=[0.0] * 4, transient=[0.0] * 4, kept=[0.0] * 4)
 
-    modes = {"none": mode([10.0, 100.0, 100.0, 5.0]), "full": mode([10.0, 8.0, 8.0, 5.0])}
+    modes = {"none": mode([10.0, 100.0, 100.0, 5.0]), "full": mode([10.0, 8.0, 8.0, 5.0]),
+             "selective": mode([10.0, 100.0, 100.0, 5.0])}
     c = ModelCosts("gpt", [{}] * 4, [0.0] * 4, [8.0] * 4, modes, 0.0, None, tensor=f)
     assert c.held("none", 1, 1) == 100.0 and c.held("none", 0, 2) == 10.0  # tp 1; a whole block
-    assert c.held("none", 1, 2) == pytest.approx((100 - 2 * 8) / 2 + 2 * 8)
+    assert c.held("none", 1, 2) == pytest.approx((100 - 2 * 8) / 2 + 2 * 8 / 2)  # parts: 100 / 2
+    assert c.held("selective", 1, 2) == pytest.approx((100 - 2 * 8) / 2 + 2 * 8)  # whole copies
     assert c.held("full", 1, 2) == 4.0 and c.part(1, 2) == 0.5 and c.part(0, 2) == 1.0
 
 
