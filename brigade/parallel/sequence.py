@@ -209,7 +209,7 @@ def save_parts(module: nn.Module, mesh) -> None:
 
     def pack(t: torch.Tensor):
         whole = open_[-1][1]._local_tensor
-        if _same_storage(t._local_tensor if isinstance(t, DTensor) else t, whole):
+        if meter.storage_key(t) == meter.storage_key(whole):  # the whole, or a view of it
             n = whole.shape[1] // tp
             return _Part(whole[:, rank * n:(rank + 1) * n].detach().clone(), t,
                          t.placements if isinstance(t, DTensor) else None)
@@ -240,7 +240,3 @@ def save_parts(module: nn.Module, mesh) -> None:
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave, with_kwargs=True, always_call=True)
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
