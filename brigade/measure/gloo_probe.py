@@ -26,6 +26,15 @@
                      times each after 3 warm-ups: timed one after the other, 8 times each, a slow
                      moment during one of them read as 0.4 ms an action in one probe and 1.0 ms in
                      the next, and the pipelines' predictions swung by as much as 40 %
+    tensor parallel  two GPT blocks (128 wide, 32 positions, 4 samples) split over the two
+                     processes with sequence parallel, as training splits them
+                     (`parallel.assemble.split_blocks`), a forward and backward timed on a fake
+                     world first (`planner.split_costs.fake_world`: its collectives free), then
+                     on gloo, and on gloo again with every core busy (below): the difference
+                     over the collectives the step issues is what one adds where DTensor
+                     issues it among the compute (`tensor_parallel`). A bare all-gather or
+                     reduce-scatter of those bytes took 0.8-1.3 ms here, one inside the blocks'
+                     step 1-2 ms: its partner arrives late by whatever its own dispatch took
     crowded runtime  the same two steps timed again (12 times each) while as many more processes
                      as the host has cores compute: a rank woken by its neighbour's transfer
                      waits for a core until a running process's time slice ends, so an action
@@ -47,6 +56,30 @@ _PROBE = """
 import json, os, statistics, sys, time, torch, torch.distributed as dist
 r, port = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)
+
+import copy
+from brigade.models.gpt import GPTConfig, gpt
+from brigade.parallel.assemble import split_blocks
+from brigade.planner.split_costs import Collectives, fake_world
+torch.manual_seed(0)
+tp_blocks = gpt(GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=32))[1:-1]
+def tp_step(mesh, rounds):  # two GPT blocks on one of 2 tp processes, sequence parallel
+    blocks = copy.deepcopy(tp_blocks)
+    split_blocks(blocks, [0, 1], mesh, "none")
+    x = torch.randn(4, 16, 128, requires_grad=True)  # this process's part of 32 positions
+    times = []
+    for k in range(3 + rounds):
+        if dist.get_backend() == "gloo":
+            dist.barrier()
+        start = time.perf_counter()
+        blocks[1](blocks[0](x)).sum().backward()
+        times.append(time.perf_counter() - start)
+    with Collectives() as counted:
+        blocks[1](blocks[0](x)).sum().backward()
+    return statistics.median(times[3:]), counted.n
+with fake_world(2) as fake:  # the collectives free, before this process joins the real world
+    tp_fake, tp_count = tp_step(fake, 24)
+
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
 
 def timed(fn):
@@ -118,6 +151,8 @@ def stepped(rounds):
             steps[m].append(time.perf_counter() - start)
     return [statistics.median(steps[m][3:]) for m in pipes]
 got["pipeline"] = stepped(24)
+tp_mesh = World(Degrees(tp=2), cpu).tp_mesh
+got["tp"] = [tp_fake, tp_step(tp_mesh, 24)[0], tp_count]
 import subprocess
 # each computes for at most a minute: one left behind by a probe that died stops by itself
 SPIN = ("import time, torch; torch.set_num_threads(1); a = torch.randn(256, 256); print(flush=True)\\n"
@@ -130,6 +165,7 @@ try:
         for s in spinners:
             s.stdout.readline()  # ready: computing from now on
     got["crowded"] = stepped(12)
+    got["tp_crowded"] = tp_step(tp_mesh, 24)[0]
 finally:
     for s in spinners:
         s.kill()
@@ -148,7 +184,7 @@ _PIPELINE_M = (2, 8)  # the micro-batches of the runtime's two timed steps (the 
 def measure() -> dict[str, float]:
     """The `DeviceSpec` fields of this host's gloo (module docstring): intra_bw, intra_latency,
     all_reduce_bw, all_gather_bw, reduce_scatter_bw, coll_latency, dtensor_step_s, action_s,
-    runtime_step_s, crowded_action_s.
+    runtime_step_s, crowded_action_s, tp_collective_s, crowded_tp_collective_s.
 
     Raises:
         BrigadeError: the probe's processes failed (naming the last line they wrote).
@@ -167,6 +203,7 @@ def measure() -> dict[str, float]:
     out["dtensor_step_s"] = got["dtensor_step_s"]
     out["action_s"], out["runtime_step_s"] = runtime(got["pipeline"])
     out["crowded_action_s"] = max(out["action_s"], runtime(got["crowded"])[0])
+    out.update(tensor_parallel(*got["tp"], got["tp_crowded"]))
     return out
 
 
@@ -188,6 +225,15 @@ def as_issued(fitted: dict[str, float], seconds: dict[str, float], grads: float)
         out["reduce_scatter_bw"] = fitted["reduce_scatter_bw"] * bare / fsdp
         out["all_gather_bw"] = fitted["all_gather_bw"] * bare / fsdp
     return out
+
+
+def tensor_parallel(fake: float, real: float, count: int, crowded: float) -> dict[str, float]:
+    """`tp_collective_s` and `crowded_tp_collective_s`: what each of the `count` collectives of a
+    tensor-parallel step added to it, from the step's seconds on a fake world (`fake`: the
+    collectives free), on the real one (`real`) and on the real one with every core busy
+    (`crowded`). Noise below the fake step reads as 0; crowded is never below uncrowded."""
+    each = max(0.0, (real - fake) / max(count, 1))
+    return {"tp_collective_s": each, "crowded_tp_collective_s": max(each, (crowded - fake) / max(count, 1))}
 
 
 def runtime(seconds: list[float]) -> tuple[float, float]:

@@ -170,13 +170,8 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     materialize(owned, world.device)  # blocks built without memory: only those held here
     owned.to(world.device)
     held = {i: blocks[i] for i in indices}
-    if world.degrees.tp > 1:  # 1. tensor parallel, sequence parallel where it may
-        tensor.parallelize(list(held.values()), world.tp_mesh, sequence_parallel)
-        parts = [sequence_parallel and sequence.takes_part(b, tensor.plan_of(b)) for b in blocks]
-        sequence.boundaries(blocks, parts, indices, world.tp_mesh)
-    modes = recompute.apply(blocks, recompute_mode, held=indices)  # 2. recompute
-    if world.degrees.tp > 1 and sequence_parallel:  # what a block without recompute saves: parts
-        _save_parts([blocks[i] for i in indices if modes[i] == "none"], world.tp_mesh)
+    tp_mesh = world.tp_mesh if world.degrees.tp > 1 else None
+    modes = split_blocks(blocks, indices, tp_mesh, recompute_mode, sequence_parallel)  # 1. and 2.
     stages = split(blocks, list(cut.balance))
     run_under, mixed = precision(world, autocast)
     reshard = reshard or len(cut.ranks) == 1  # no pipeline: each block's weights freed after its forward
@@ -185,6 +180,23 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     if weights is not None:  # after tensor parallel and sharding: each reads only its part
         weights(held, world.device)
     return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed)
+
+
+def split_blocks(blocks: list[nn.Module], indices: list[int], tp_mesh, recompute_mode: str,
+                 sequence_parallel: bool = True) -> list[str]:
+    """Wrappers 1 and 2 on the held blocks `indices`, in place: tensor parallel over `tp_mesh`
+    (None: none), sequence parallel where a plan allows it and `sequence_parallel` asks, with the
+    boundaries between parts and whole blocks; then recompute, and what a block without it saves
+    made parts. Returns every block's recompute mode (`recompute.apply`). The planner measures
+    a block on one tp process through this too (`planner.split_costs`)."""
+    if tp_mesh is not None:  # 1. tensor parallel, sequence parallel where it may
+        tensor.parallelize([blocks[i] for i in indices], tp_mesh, sequence_parallel)
+        parts = [sequence_parallel and sequence.takes_part(b, tensor.plan_of(b)) for b in blocks]
+        sequence.boundaries(blocks, parts, indices, tp_mesh)
+    modes = recompute.apply(blocks, recompute_mode, held=indices)  # 2. recompute
+    if tp_mesh is not None and sequence_parallel:  # what a block without recompute saves: parts
+        _save_parts([blocks[i] for i in indices if modes[i] == "none"], tp_mesh)
+    return modes
 
 
 def _save_parts(blocks: list[nn.Module], mesh) -> None:

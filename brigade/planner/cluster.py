@@ -143,4 +143,6 @@ _UNITS = {
     "action_s": "seconds the pipeline runtime adds to each action, 0: not counted",
     "runtime_step_s": "seconds the pipeline runtime adds to each step, 0: not counted",
     "crowded_action_s": "seconds per action where a host has more processes than cores, 0: action_s",
+    "tp_collective_s": "seconds a tensor-parallel block's collective adds as issued, 0: not counted",
+    "crowded_tp_collective_s": "the same where a host has more processes than cores, 0: tp_collective_s",
 }

@@ -18,10 +18,12 @@ Measured here, one process of one thread, for each recompute mode asked:
                  the allocator's net bytes over the input pass (its input gradient, sent on,
                  and any weight gradient it made, counted as grads, aside)
 
-and, whatever the mode: each block's parameter bytes (by parameter, so a weight tied across
-blocks of one stage counts once there), FLOPs per sample of its forward and backward
-(torch.utils.flop_counter), its output's bytes per sample (what a pipeline sends), and seconds
-per byte of parameters for the optimizer step (AdamW, clipping, zeroing).
+and, asked for (`measure(tp=True)`), each mode's blocks again as one of two tensor-parallel
+processes runs them (`planner.split_costs`), and, whatever the mode: each block's parameter
+bytes (by parameter, so a weight tied across blocks of one stage counts once there), FLOPs per
+sample of its forward and backward (torch.utils.flop_counter), its output's bytes per sample
+(what a pipeline sends), and seconds per byte of parameters for the optimizer step (AdamW,
+clipping, zeroing).
 
 Scaled to a target device: compute by the ratio of this machine's probed fp32 peak to the
 target's peak for the run's precision (the same fraction of peak there as here: "scaled";
@@ -52,6 +54,7 @@ from brigade.pipeline.runtime.backward import backward_split
 from brigade.planner.devices import DeviceSpec
 from brigade.planner.optimizer import foreach_transient, optimizer_transient, seconds_per_byte
 from brigade.planner.sample import runnable, take
+from brigade.planner.split_costs import TP, SplitCosts, fake_world, measure_split
 from brigade.planner.tensor import TensorFacts
 from brigade.train.memory import StepMemory, storage_bytes
 
@@ -68,6 +71,7 @@ class ModeCosts:
     working: list[float]
     transient: list[float]
     kept: list[float]
+    split: SplitCosts | None = None  # the blocks on one tp process (`planner.split_costs`)
 
 
 @dataclass
@@ -161,9 +165,11 @@ def interpolate(samples: dict[int, list], size: int) -> list[tuple[float, ...]]:
 
 
 def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpec,
-            precision: str = "") -> ModelCosts:
+            precision: str = "", tp: bool = False) -> ModelCosts:
     """Measure `spec`'s blocks here at micro-batch `sizes` under each recompute mode (one thread),
-    timed in `precision` ("bf16", "fp16": on a copy in that dtype; module docstring).
+    timed in `precision` ("bf16", "fp16": on a copy in that dtype; module docstring); with `tp`,
+    each mode also on one of `split_costs.TP` tensor-parallel processes (fp32; where this process
+    can fake their world).
 
     With freed memory kept, as every training process keeps it (`brigade.host.malloc`, set for the
     rest of this process): with malloc's defaults each fresh gradient page-faults in again, and
@@ -175,6 +181,8 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
     try:
         x, y = spec.make_batch(max(sizes), torch.Generator().manual_seed(0))
         per_mode = {m: _mode(spec, x, y, sizes, m, HALF.get(precision)) for m in modes}
+        if tp and precision not in HALF:
+            _split(spec, x, y, sizes, per_mode)
         flops, outs = _flops_and_outputs(spec, take(x, min(sizes)), take(y, min(sizes)))
         params = master_bytes(spec.blocks)
         opt = seconds_per_byte(spec)
@@ -218,6 +226,16 @@ def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str, dtype: torch.dtype
         times[s] = block_costs(bound, h, spec.loss_fn, take(y, s), repeats=REPEATS)
     s = min(sizes)
     return ModeCosts(times, *_memory(spec, blocks, x, y, s))
+
+
+def _split(spec: ModelSpec, x, y, sizes: list[int], per_mode: dict[str, ModeCosts]) -> None:
+    """Each mode's `SplitCosts`, in place, where a fake world of `TP` processes can be made here."""
+    with fake_world(TP) as mesh:
+        if mesh is None:
+            return
+        for mode, costs in per_mode.items():
+            costs.split = measure_split(spec.blocks, x, y, spec.loss_fn, sizes, mode, mesh,
+                                        lambda b, x_, y_, s: _memory(spec, b, x_, y_, s), REPEATS)
 
 
 def _memory(spec: ModelSpec, blocks, x, y, s: int) -> tuple[list[float], ...]:

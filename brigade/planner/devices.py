@@ -46,7 +46,12 @@ class DeviceSpec:
     `action_s` and `runtime_step_s`, brigade's runtime's own seconds per action of a plan and
     per step (measured on "cpu"; 0, not counted, for the GPUs of the table: no measurement);
     `crowded_action_s`, the runtime's seconds per action where a host has more processes than
-    `cores` (0: `action_s`).
+    `cores` (0: `action_s`); `tp_collective_s`, what one collective a tensor-parallel block
+    issues through DTensor adds to its step at tp 2 beyond its bytes, as issued among the block's
+    compute (the partner's lag included), and `crowded_tp_collective_s` the same where a host
+    has more processes than `cores`, each collective waiting for its partner to get a core (0:
+    not counted, and the planner prices tp's collectives by the ring formulas,
+    `planner.split_costs`).
     """
 
     name: str
@@ -68,6 +73,8 @@ class DeviceSpec:
     action_s: float = 0.0
     runtime_step_s: float = 0.0
     crowded_action_s: float = 0.0
+    tp_collective_s: float = 0.0
+    crowded_tp_collective_s: float = 0.0
     measured: bool = False  # probed here (cpu), not from a table or a file
 
     def peak(self, precision: str) -> float:
@@ -101,7 +108,8 @@ NAMES = (*TABLE, "cpu")
 FIELDS = tuple(f.name for f in fields(DeviceSpec) if f.name not in ("name", "measured"))
 # what a --cluster file's own device may leave out (0, or 1 for shared_slowdown: not counted)
 OPTIONAL = ("cores", "shared_slowdown", "all_reduce_bw", "all_gather_bw", "reduce_scatter_bw", "coll_latency",
-            "dtensor_step_s", "action_s", "runtime_step_s", "crowded_action_s")
+            "dtensor_step_s", "action_s", "runtime_step_s", "crowded_action_s", "tp_collective_s",
+            "crowded_tp_collective_s")
 
 
 def device(name: str) -> DeviceSpec:

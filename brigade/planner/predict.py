@@ -3,8 +3,12 @@ data-parallel reduction, the optimizer step, tokens/s, MFU, bubble, communicatio
 rank's memory (`memory.py`), and whether it fits.
 
     step = makespan(plan; per-stage F, B, W, I; P2P)   one pipeline's micro-batches, simulated;
-                                                        under tp each block's split share ÷ tp,
-                                                        plus its all-reduces on the tp link; each
+                                                        under tp each block as one tp process
+                                                        ran it here (`split_costs`) plus each
+                                                        collective it issues at the device's
+                                                        price, or elsewhere its split share ÷
+                                                        tp plus its all-reduces on the tp link;
+                                                        each
                                                         action plus the runtime's own time for
                                                         one (`DeviceSpec.action_s`; more on a
                                                         host with more processes than cores,
@@ -24,7 +28,8 @@ rank's memory (`memory.py`), and whether it fits.
 Not overlapped: an upper bound where a GPU overlaps the reduction with the backward; on a CPU
 gloo's collectives take the same cores. Where more processes share a host than it has cores
 (`DeviceSpec.cores`), the work is time-shared: compute runs `shared_slowdown` slower with every
-core busy, the step takes at least all ranks' compute ÷ the cores, and the reduction and the
+core busy, the step takes at least all ranks' compute ÷ the cores (a tp collective's wait for
+its partner is not compute: it leaves the core to another rank), and the reduction and the
 optimizer step, which every rank runs at once, take ranks ÷ cores times as long.
 """
 
@@ -41,7 +46,7 @@ from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.stages.partition import solve
 from brigade.planner import comm
 from brigade.planner.cluster import Cluster
-from brigade.planner.costs import ModelCosts
+from brigade.planner.costs import MEASURED, ModelCosts, interpolate
 from brigade.planner.memory import HALF, by_block, moments, rank_blocks, rank_memory, worst
 from brigade.planner.space import Layout
 
@@ -59,8 +64,7 @@ def predict(
     """
     mb = math.ceil(batch / (layout.dp * layout.microbatches))
     groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
-    times = _tensor_parallel(costs, costs.block_times(layout.recompute, mb), layout.tp, mb,
-                             comm.link(cluster, groups["tp"], "all_reduce"))
+    times, waits = _tensor_parallel(costs, layout, mb, cluster, groups["tp"])
     balance, per = cut(times, layout.pp * layout.virtual)
     slow = _shared(cluster, layout.world)
     own = _action_s(cluster, layout.world)  # the runtime's own time, per action
@@ -74,7 +78,7 @@ def predict(
                  costed(layout.schedule, per, p2p, cores))
     sim = simulate(plan, per[0], per[1], comm=p2p, weight=per[2], input_grad=per[3])
     alone = simulate(plan, per[0], per[1], weight=per[2], input_grad=per[3]).makespan
-    makespan = sim.on_cores(cores)
+    makespan = _on_cores(sim, plan, per, cut(waits, len(balance), balance)[1], slow, cores)
     held = sim.peak_held if memory_plan is None else simulate(memory_plan, 1.0).peak_held
     at = moments(memory_plan or plan)  # under a split backward, what each stage keeps from I to W too
     memory = [rank_memory(costs, layout, balance, held, mb, r, at, precision) for r in range(layout.pp)]
@@ -106,11 +110,24 @@ def predict(
     }
 
 
-def cut(times: list[tuple[float, ...]], n_stages: int) -> tuple[list[int], list[list[float]]]:
+def _on_cores(sim, plan: Plan, per: list[list[float]], waits: list[list[float]], slow: float,
+              cores: float) -> float:
+    """The makespan where a pipeline's ranks share `cores` (`Simulation.on_cores`): at least what
+    they compute ÷ the cores, which is `per` less its tp collectives' `waits` (per stage, as
+    `cut` gives them): a wait for the partner leaves the core to another rank."""
+    working = [[t - w * slow for t, w in zip(row, wrow)] for row, wrow in zip(per, waits)]
+    alone = simulate(plan, working[0], working[1], weight=working[2], input_grad=working[3])
+    return max(sim.makespan, alone.on_cores(cores))
+
+
+def cut(times: list[tuple[float, ...]], n_stages: int,
+        balance: list[int] | None = None) -> tuple[list[int], list[list[float]]]:
     """The solver's cut of the blocks into `n_stages` stages, the slowest stage's forward +
-    backward as short as it can be, and each stage's costs: (balance, per) with per[j][s] the sum
-    of cost j (forward, backward, weight, input) over stage s's blocks `times`."""
-    balance = solve([f + b for f, b, *_ in times], n_stages) if n_stages > 1 else [len(times)]
+    backward as short as it can be (or the given `balance`), and each stage's costs: (balance,
+    per) with per[j][s] the sum of cost j (forward, backward, weight, input) over stage s's
+    blocks `times`."""
+    if balance is None:
+        balance = solve([f + b for f, b, *_ in times], n_stages) if n_stages > 1 else [len(times)]
     bounds = [0, *[sum(balance[: k + 1]) for k in range(n_stages)]]
     per = [[sum(c[j] for c in times[a:b]) for a, b in zip(bounds, bounds[1:])] for j in range(4)]
     return balance, per
@@ -142,20 +159,50 @@ def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance
     return reduce_s * crowd, opt_s * crowd
 
 
-def _tensor_parallel(costs: ModelCosts, times: list[tuple[float, ...]], tp: int, mb: int,
-                     link: tuple[float, float]) -> list[tuple[float, ...]]:
-    """Each block's (forward, backward, weight, input) seconds on one of `tp` processes: its split
-    share ÷ tp, and per row-wise layer one all-reduce of its output in the forward and one of its
-    input gradient in the backward (B and I; W sends nothing). Unchanged at tp 1."""
+def _tensor_parallel(costs: ModelCosts, layout: Layout, mb: int, cluster: Cluster,
+                     group: list[int]) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
+    """(times, waits): each block's (forward, backward, weight, input) seconds on one of the
+    layout's tp processes, and of those the seconds its collectives take; tp 1's and none at tp 1.
+    Where the costs were measured on one tp process at this degree on this machine
+    (`split_costs`) and the device prices a collective as DTensor issues it: those times, and
+    each collective the block's forward issues on F, each of its backward's on B and on I (W
+    sends nothing), at that price plus its bytes (the block's whole output, gathered). Else the
+    split share ÷ tp, and per row-wise layer one all-reduce of the block's output in the forward
+    and one of its input gradient in the backward (the Megatron-LM pattern)."""
+    times = costs.block_times(layout.recompute, mb)
+    tp = layout.tp
     if tp == 1:
-        return times
-    out = []
+        return times, [(0.0,) * 4 for _ in times]
+    split = costs.modes[layout.recompute].split
+    each = _tp_collective_s(cluster, layout.world)
+    if split is not None and split.tp == tp and costs.source == MEASURED and each:
+        bw, _ = comm.link(cluster, group, "all_gather")
+        out, waits = [], []
+        for b, (f, back, w, i) in enumerate(interpolate(split.times, mb)):
+            nf, nb = split.collectives[b]
+            one = each + comm.all_gather(costs.out_bytes[b] * mb, tp, bw, 0.0)
+            out.append((f + nf * one, back + nb * one, w, i + nb * one))
+            waits.append((nf * one, nb * one, 0.0, nb * one))
+        return out, waits
+    link = comm.link(cluster, group, "all_reduce")
+    out, waits = [], []
     for b, (f, back, w, i) in enumerate(times):
         k = costs.tp_factor(b, tp)
         pairs = costs.tensor.pairs[b] if costs.tensor is not None else 0
         reduce = pairs * comm.all_reduce(costs.out_bytes[b] * mb, tp, *link)
         out.append((f * k + reduce, back * k + reduce, w * k, i * k + reduce))
-    return out
+        waits.append((reduce, reduce, 0.0, reduce))
+    return out, waits
+
+
+def _tp_collective_s(cluster: Cluster, world: int) -> float:
+    """Seconds one tensor-parallel collective adds as DTensor issues it (0: the device does not
+    say): where a host has more processes than cores, the crowded figure (a wait for the partner
+    to get a core, which leaves the core to another rank: `predict` counts it in the makespan,
+    not in the work the ranks share the cores for)."""
+    d = cluster.device
+    crowded = d.cores and min(world, cluster.per_node) > d.cores and d.crowded_tp_collective_s
+    return d.crowded_tp_collective_s if crowded else d.tp_collective_s
 
 
 def _pipeline_cores(layout: Layout, cluster: Cluster) -> float:

@@ -174,8 +174,9 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
             costs = from_shapes(shape, min(at), modes, where.device, cfg.precision)
         else:
             timed_in = cfg.precision if where.device.measured else ""  # this machine: its own bf16
-            costs = scaled(measure(load_spec(cfg, m), at, modes, cpu(), timed_in), where.device,
-                           cfg.precision)
+            here_tp = where.device.measured and any(r.tp > 1 for r in rows)  # on one tp process
+            costs = scaled(measure(load_spec(cfg, m), at, modes, cpu(), timed_in, tp=here_tp),
+                           where.device, cfg.precision)
     costs.tensor = tensor
     out, left = _predict_all(cfg, costs, where, rows, tokens_per_sample(shape))
     return {

@@ -139,7 +139,8 @@ def _costs(model: str, sizes: dict, cases: list[tuple], here):
     mbs = sorted({sizes["batch_size"] // (c[1] * c[2] * c[6]) for c in cases})
     (precision,) = {_case(c)[9] for c in cases}
     with quiet_stderr():
-        costs = measure(spec, mbs, sorted({c[7] for c in cases}), here, precision)
+        costs = measure(spec, mbs, sorted({c[7] for c in cases}), here, precision,
+                        tp=any(_case(c)[8] > 1 for c in cases))
     costs.tensor = facts(spec.blocks)
     return costs
 

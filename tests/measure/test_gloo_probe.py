@@ -3,7 +3,7 @@ collectives priced as DDP and FSDP issue them, and the runtime's own time per ac
 
 import pytest
 
-from brigade.measure.gloo_probe import as_issued, fit_rates, runtime
+from brigade.measure.gloo_probe import as_issued, fit_rates, runtime, tensor_parallel
 
 
 def test_the_gloo_probe_fits_bandwidth_and_latency_through_two_sizes():
@@ -28,3 +28,12 @@ def test_the_probe_fits_the_runtimes_time_per_action_and_per_step():
     # 1F1B, 2 stages: 6 actions on the critical path at m 2, 18 at m 8
     assert runtime([6 * 0.002 + 0.01, 18 * 0.002 + 0.01]) == (pytest.approx(0.002), pytest.approx(0.01))
     assert runtime([0.05, 0.04]) == (0.0, 0.05)  # noise: no negative time
+
+
+def test_the_probe_prices_a_tp_collective_as_the_blocks_step_issues_it():
+    # 20 collectives took the step from 30 ms (free) to 70 ms, and to 110 ms with every core busy
+    assert tensor_parallel(0.03, 0.07, 20, 0.11) == {"tp_collective_s": pytest.approx(0.002),
+                                                      "crowded_tp_collective_s": pytest.approx(0.004)}
+    # noise: the real step faster than the fake one reads as 0; crowded never below uncrowded
+    assert tensor_parallel(0.03, 0.02, 20, 0.02) == {"tp_collective_s": 0.0, "crowded_tp_collective_s": 0.0}
+    assert tensor_parallel(0.03, 0.07, 20, 0.05)["crowded_tp_collective_s"] == pytest.approx(0.002)

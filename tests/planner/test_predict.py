@@ -9,7 +9,7 @@ from brigade.planner.cluster import Cluster
 from brigade.planner.devices import TABLE
 from brigade.planner.predict import predict
 from brigade.planner.space import Layout
-from tests.planner.test_memory import _costs
+from tests.planner.test_memory import OUT, _costs
 
 
 def _device(**fields):
@@ -74,3 +74,48 @@ def test_an_action_costs_the_crowded_figure_where_a_host_has_more_processes_than
     assert one["pipeline_s"] - none["pipeline_s"] == pytest.approx(16 * 2.0)
     unset = predict(costs, pp, Cluster(1, 2, replace(crowded, crowded_action_s=0.0)), batch=8, seq_len=1)
     assert unset["pipeline_s"] - none["pipeline_s"] == pytest.approx(16 * 0.5)  # 0: action_s
+
+
+def test_tp_is_priced_from_one_tp_processs_measured_blocks_and_each_collective_it_issues():
+    from brigade.planner.costs import MEASURED
+    from brigade.planner.split_costs import SplitCosts
+    from brigade.planner.tensor import TensorFacts
+
+    costs = _costs()
+    costs.tensor = TensorFacts((1.0,) * 4, (1,) * 4, (1, 2))
+    split = SplitCosts(2, {1: [(3.0, 5.0, 2.0, 3.0)] * 4}, [(4, 6)] * 4, [0.0] * 4, [0.0] * 4)
+    costs.modes["none"].split = split
+    tp = Layout(1, 1, 1, "1f1b", 1, 1, "none", tp=2)
+    device = _device(tp_collective_s=0.5, all_gather_bw=1e30)  # bytes free: the price alone
+    row = predict(costs, tp, Cluster(1, 2, device), batch=1, seq_len=1)
+    # per block: F 3 + 4 collectives, B 5 + 6 of them, each 0.5
+    assert row["pipeline_s"] == pytest.approx(4 * (3 + 4 * 0.5 + 5 + 6 * 0.5))
+    # the device does not price a tp collective, or the costs were scaled to another device:
+    # the split share ÷ tp and each row-wise layer's all-reduces, as before
+    unpriced = predict(costs, tp, Cluster(1, 2, _device()), batch=1, seq_len=1)
+    all_reduce = 2 * (1 / 2) * OUT / TABLE["h100"].intra_bw  # of a block's output, at tp 2
+    assert unpriced["pipeline_s"] == pytest.approx(4 * ((1 + 2) / 2 + 2 * all_reduce))
+    scaled = predict(replace(costs, source="scaled"), tp, Cluster(1, 2, device), batch=1, seq_len=1)
+    assert scaled["pipeline_s"] == pytest.approx(unpriced["pipeline_s"])
+    assert costs.source == MEASURED
+
+
+def test_a_tp_collectives_wait_leaves_the_core_to_another_rank():
+    from brigade.planner.split_costs import SplitCosts
+    from brigade.planner.tensor import TensorFacts
+
+    costs = _costs()
+    costs.tensor = TensorFacts((1.0,) * 4, (1,) * 4, (1, 2))
+    costs.modes["none"].split = SplitCosts(2, {1: [(1.0, 1.0, 0.5, 0.5)] * 4}, [(1, 1)] * 4, [0.0] * 4,
+                                           [0.0] * 4)
+    tp = Layout(1, 1, 2, "1f1b", 1, 4, "none", tp=2)
+    cpu = _device(cores=2, tp_collective_s=1.0, crowded_tp_collective_s=3.0, all_gather_bw=1e30)
+    row = predict(costs, tp, Cluster(1, 4, cpu), batch=4, seq_len=1)
+    # 4 processes on 2 cores: each block's F and B take 1 + 3 (the crowded wait); 1F1B over two
+    # stages of 2 blocks at m 4: 5 (m + p - 1) forwards and backwards on the critical path = 80.
+    # The pipeline's 2 ranks get one core's worth; what they share it for is their compute only,
+    # 2 ranks × 4 micro-batches × 2 blocks × 2 = 32 (with the waits as work it would be 128)
+    assert row["pipeline_s"] == pytest.approx(5 * 2 * 2 * (1 + 3))
+    slow = predict(costs, tp, Cluster(1, 4, replace(cpu, crowded_tp_collective_s=0.1)), batch=4, seq_len=1)
+    # short waits: the compute the ranks share the core for is the bound, 32, over the makespan 22
+    assert slow["pipeline_s"] == pytest.approx(32)

@@ -1,0 +1,144 @@
+"""A model's blocks as one of `tp` tensor-parallel processes runs them, measured in this process.
+
+Tensor parallel is not its split share of the work and nothing more. On one tp process a block
+runs its share of the matmuls, the parts it keeps whole (its norms' weights, an empty plan's
+block) in full, every op on a DTensor through DTensor's dispatch, and the collectives its plan
+issues (under sequence parallel two all-gathers and two reduce-scatters a forward for a GPT
+block, as many again in the backward). On this machine's CPU the dispatch alone took a GPT block
+of 4 × 256 from 6 to 15 ms a step at tp 2 (4 samples), and pricing only the split share and the
+all-reduces predicted tp 2 × pp 2 at 0.39 of its measured step.
+
+So the planner measures it, without a second process: the blocks are split as training splits
+them (`parallel.assemble.split_blocks`: tensor parallel, sequence parallel, recompute) over a
+world of `tp` processes that are not there (torch's fake process group: every collective returns
+at once, its output of the right shape, its contents whatever the memory held). What it gives:
+
+    times        (forward, backward, weight, input) seconds of every block at each micro-batch
+                 size, as `costs.measure` times them at tp 1: this process's compute and the
+                 dispatch, the collectives free
+    collectives  per block, the collectives its forward issues and those its backward does
+                 (`Collectives`): the prediction prices each one as the device says a collective
+                 issued by DTensor costs (`DeviceSpec.tp_collective_s`, probed) plus its bytes
+    working      per block and sample, what its backward holds beyond what it held after the
+    transient    forward, and the allocator's peak beyond that: `costs` measures these at tp 1,
+                 where a block under tp holds other temporaries (its gathered inputs, the
+                 reduce-scatters' buffers, DTensor's copies)
+
+Measured in this process only when nothing else initialized torch.distributed here (`brigade
+plan`, the accuracy benchmark's costs process); otherwise the planner prices tp from the tp 1
+costs alone (`planner.predict`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from brigade.measure.stages import block_costs
+from brigade.parallel.assemble import split_blocks
+from brigade.planner.sample import runnable, take
+
+_ISSUED = ("all_", "reduce", "broadcast")  # a collective's ops, not its waits or autograd wrappers
+TP = 2  # the degree measured: a node's smallest split, the one this machine can run
+
+
+@dataclass
+class SplitCosts:
+    """One recompute mode's blocks on one of `tp` processes (module docstring); memory in bytes
+    per sample."""
+
+    tp: int
+    times: dict[int, list[tuple[float, ...]]]
+    collectives: list[tuple[int, int]]  # per block: (forward, backward)
+    working: list[float]
+    transient: list[float]
+
+
+@contextlib.contextmanager
+def fake_world(size: int):
+    """A `size`-process world of which this process is rank 0 and the others are not there, and
+    its 1-D mesh; None where torch.distributed is already initialized here (or cannot fake one)."""
+    if not dist.is_available() or dist.is_initialized():
+        yield None
+        return
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:  # a torch without it: priced from tp 1's costs
+        yield None
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    torch.set_flush_denormal(True)  # a fake collective's output is any memory: no slow denormals
+    try:
+        yield init_device_mesh("cpu", (size,))
+    finally:
+        torch.set_flush_denormal(False)
+        dist.destroy_process_group()
+
+
+def measure_split(blocks, x, y, loss_fn, sizes: list[int], mode: str, mesh, memory,
+                  repeats: int) -> SplitCosts:
+    """The `SplitCosts` of `blocks` under recompute `mode` on rank 0 of the fake world `mesh`, on
+    the batch x, y (its first `size` samples for each of `sizes`). `memory(blocks, x, y, s)`:
+    costs' own per-block (held, working, transient, kept) per sample."""
+    split = copy.deepcopy(blocks)
+    split_blocks(split, list(range(len(split))), mesh, mode)
+    times = {}
+    for s in sizes:
+        h, bound = runnable(split, take(x, s))
+        times[s] = block_costs(bound, h, loss_fn, take(y, s), repeats=repeats)
+    s = min(sizes)
+    _, working, transient, _ = memory(split, x, y, s)
+    return SplitCosts(mesh.size(), times, _collectives(split, take(x, s), loss_fn, take(y, s)),
+                      working, transient)
+
+
+class Collectives:
+    """Context manager counting the collectives issued inside it (`n`): torch's functional ones,
+    which DTensor issues (not their waits, nor the wrappers that carry them through autograd).
+    torch's CommDebugMode counts them too, but its module tracker fails on a block recomputed
+    in its backward."""
+
+    def __init__(self):
+        self.n = 0
+        self._mode = None
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace == "_c10d_functional" and func.__name__.startswith(_ISSUED):
+                    counter.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def _collectives(blocks, x, loss_fn, y) -> list[tuple[int, int]]:
+    """Per block, (forward, backward) collectives issued, block by block as `block_costs` runs them."""
+    out = []
+    h, bound = runnable(blocks, x)
+    for i, block in enumerate(bound):
+        last = i == len(bound) - 1
+        inp = h.detach().requires_grad_(h.is_floating_point() and i > 0)
+        with Collectives() as forward:
+            top = block(inp)
+            loss = loss_fn(top, y) if last else top
+        with Collectives() as backward:
+            torch.autograd.backward(loss, None if last else torch.ones_like(loss))
+        block.zero_grad(set_to_none=True)
+        out.append((forward.n, backward.n))
+        h = top.detach()
+    return out
