@@ -211,16 +211,17 @@ def as_issued(fitted: dict[str, float], seconds: dict[str, float], grads: float)
     """The collectives' bandwidths as training issues them: what DDP (`parallel.replicate.data_parallel`)
     and FSDP2 (`parallel.shard.shard_stage`, 4 units) add to a forward and backward of 4 linear
     layers (`grads` bytes of gradients) over the plain step, priced as `_reduction` prices them
-    (DDP: one all-reduce of `grads`; FSDP: per unit a reduce-scatter and an all-gather of its
-    quarter), at `fitted`'s latency. A bare collective's rate misses their bucket copies, hooks
+    (DDP: one all-reduce of `grads`; FSDP, one stage without a pipeline: per unit a
+    reduce-scatter of its quarter and two all-gathers, for its forward and again for its
+    backward), at `fitted`'s latency. A bare collective's rate misses their bucket copies, hooks
     and DTensor handling: DDP added 1.3–1.7 × a bare all-reduce of its bytes here. Where noise
     leaves nothing added, or less than a bare collective takes, the bare rates stand."""
     lat, out = fitted["coll_latency"], {}
     ddp = seconds["ddp"] - seconds["plain"] - 2 * lat  # at n = 2: bytes ÷ bw + 2 steps
     if ddp > 0 and grads / ddp < fitted["all_reduce_bw"]:
         out["all_reduce_bw"] = grads / ddp
-    fsdp = seconds["fsdp"] - seconds["plain"] - 4 * 2 * lat  # 4 units, each a RS and an AG of 1 step
-    bare = grads / 2 / fitted["reduce_scatter_bw"] + grads / 2 / fitted["all_gather_bw"]
+    fsdp = seconds["fsdp"] - seconds["plain"] - 4 * 3 * lat  # 4 units, each a RS and 2 AGs of 1 step
+    bare = grads / 2 / fitted["reduce_scatter_bw"] + 2 * grads / 2 / fitted["all_gather_bw"]
     if fsdp > bare:  # both slowed alike: the step cannot tell them apart
         out["reduce_scatter_bw"] = fitted["reduce_scatter_bw"] * bare / fsdp
         out["all_gather_bw"] = fitted["all_gather_bw"] * bare / fsdp

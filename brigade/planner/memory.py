@@ -22,7 +22,10 @@
                  fp16 a whole half-precision copy) + the larger of two phases:
                  backward   Σ over its stages of the busiest moment's activations, split and
                             gradients (below) + the largest working set and transient of a block
-                            (a recompute's tensors, temporaries)
+                            (a recompute's tensors, temporaries; where a backward runs with the
+                            stage's gradients made, as a pipeline's later micro-batches do, the
+                            temporaries of one that adds into them and its largest new gradient,
+                            `accumulating`; under tp those measured on one tp process)
                  optimizer  the reduced gradients + what AdamW's step allocates on top of its
                             state (`opt_transient`, measured per block: on a CPU, where AdamW
                             updates one tensor at a time, about twice the largest parameter; with
@@ -118,7 +121,8 @@ def rank_memory(
     held = sum(_held(costs, layout, bounds, s) * amb * peak_held.get(s, 1) for s in stages)
     split = sum(b["split"] for b in busiest)
     working = max(mode.working[b] for b in blocks) * amb
-    transient = max(mode.transient[b] for b in blocks) * amb
+    adding = not blockwise and any(n and g for pairs in at.values() for n, _, g in pairs)
+    transient = block_transient(costs, layout, blocks, amb, adding)
     if mixed:
         extra = whole / 2  # a whole half-precision copy of its stages, gathered for the step
     elif layout.degrees.sharded:
@@ -137,6 +141,19 @@ def rank_memory(
         peak = mine + 2 * mine + extra + max(backward, stepping)
     return {"params": mine, "grads": mine, "optimizer": 2 * mine, "activations": held + working,
             "split": split, "optimizer_step": stepping - mine, "peak": peak}
+
+
+def block_transient(costs: ModelCosts, layout: Layout, blocks: list[int], amb: float, adding: bool) -> float:
+    """The largest temporaries one block's forward and backward allocate on this rank: measured
+    on one tp process where the costs were (`split_costs`), else at tp 1. `adding`: some backward
+    runs while the stage's gradients are made (a pipeline's later micro-batches, which add into
+    them): then its own (`ModeCosts.accumulating`) and its largest new gradient beside them."""
+    mode = costs.modes[layout.recompute]
+    measured = mode.split if mode.split is not None and mode.split.tp == layout.tp > 1 else mode
+    if not adding or not measured.accumulating:
+        return max(measured.transient[b] for b in blocks) * amb
+    largest = [max(costs.params[b].values(), default=0) * costs.tp_factor(b, layout.tp) for b in blocks]
+    return max(g + measured.accumulating[b] * amb for g, b in zip(largest, blocks))
 
 
 def by_block(layout: Layout, at: Moments) -> bool:

@@ -20,7 +20,8 @@ at once, its output of the right shape, its contents whatever the memory held). 
                  (`Collectives`): the prediction prices each one as the device says a collective
                  issued by DTensor costs (`DeviceSpec.tp_collective_s`, probed) plus its bytes
     working      per block and sample, what its backward holds beyond what it held after the
-    transient    forward, and the allocator's peak beyond that: `costs` measures these at tp 1,
+    transient    forward, and the allocator's peak beyond that, first and adding into gradients
+    accumulating already made (`costs.ModeCosts`): `costs` measures these at tp 1,
                  where a block under tp holds other temporaries (its gathered inputs, the
                  reduce-scatters' buffers, DTensor's copies)
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,7 @@ class SplitCosts:
     collectives: list[tuple[int, int]]  # per block: (forward, backward)
     working: list[float]
     transient: list[float]
+    accumulating: list[float] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -92,9 +94,9 @@ def measure_split(blocks, x, y, loss_fn, sizes: list[int], mode: str, mesh, memo
         h, bound = runnable(split, take(x, s))
         times[s] = block_costs(bound, h, loss_fn, take(y, s), repeats=repeats)
     s = min(sizes)
-    _, working, transient, _ = memory(split, x, y, s)
+    _, working, transient, _, accumulating = memory(split, x, y, s)
     return SplitCosts(mesh.size(), times, _collectives(split, take(x, s), loss_fn, take(y, s)),
-                      working, transient)
+                      working, transient, accumulating)
 
 
 class Collectives:

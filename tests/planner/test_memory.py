@@ -11,7 +11,7 @@ from brigade.pipeline.plans.schedule import build
 from brigade.planner.cluster import Cluster
 from brigade.planner.costs import ModeCosts, ModelCosts, measure_memory
 from brigade.planner.devices import TABLE
-from brigade.planner.memory import block_by_block, moments, rank_memory
+from brigade.planner.memory import block_by_block, block_transient, moments, rank_memory
 from brigade.planner.predict import predict
 from brigade.planner.space import Layout
 
@@ -202,3 +202,20 @@ def test_a_formula_costs_parameters_at_fp32_whatever_the_model_was_built_in():
 
     built = [torch.nn.Linear(4, 4).to(torch.bfloat16)]
     assert list(master_bytes(built)[0].values()) == [16 * 4, 4 * 4]  # weight, bias: 4 bytes each
+
+
+def test_a_backward_adding_into_made_gradients_counts_its_own_temporaries_and_newest_gradient():
+    costs, adding = _costs(), _costs()
+    adding.modes["none"].accumulating = [5.0] * 4
+    pp = Layout(1, 1, 2, "1f1b", 1, 4, "none")
+    at = moments(build("1f1b", 2, 4))
+    first = rank_memory(costs, pp, [2, 2], {0: 2, 1: 1}, mb=3, pp_rank=0, moments=at)
+    later = rank_memory(adding, pp, [2, 2], {0: 2, 1: 1}, mb=3, pp_rank=0, moments=at)
+    # stage 0's B1 runs with B0's gradients made: a block's 100-byte gradient before it is added,
+    # and 5 bytes a sample of its own temporaries, in place of the first backward's 1 a sample
+    assert later["peak"] - first["peak"] == pytest.approx(100 + 5 * 3 - 1 * 3)
+    # one micro-batch (data parallel's whole model): no backward adds into gradients made
+    dp = Layout(2, 1, 1, "1f1b", 1, 1, "none")
+    assert block_transient(adding, dp, [0, 1, 2, 3], 3.0, adding=False) == 1 * 3
+    assert block_transient(adding, dp, [0, 1, 2, 3], 3.0, adding=True) == 100 + 5 * 3
+    assert block_transient(costs, dp, [0, 1, 2, 3], 3.0, adding=True) == 1 * 3  # not measured: the first's

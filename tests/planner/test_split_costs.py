@@ -14,7 +14,8 @@ def _blocks():
 
 
 def _memory(blocks, x, y, s):  # costs' own memory measurement is not what is tested here
-    return [0.0] * len(blocks), [1.0] * len(blocks), [2.0] * len(blocks), [0.0] * len(blocks)
+    n = len(blocks)
+    return [0.0] * n, [1.0] * n, [2.0] * n, [0.0] * n, [3.0] * n
 
 
 def test_each_block_is_timed_on_one_tp_process_and_its_collectives_counted():
@@ -31,7 +32,7 @@ def test_each_block_is_timed_on_one_tp_process_and_its_collectives_counted():
     # gathers' gradients, all-gathers the two row-wise outputs' and gathers the two saved parts
     # again (`save_parts`); the first block's input comes whole: its backward gathers the gradient
     assert got.collectives == [(0, 0), (4, 7), (4, 6), (1, 0)]
-    assert got.working == [1.0] * 4 and got.transient == [2.0] * 4
+    assert got.working == [1.0] * 4 and got.transient == [2.0] * 4 and got.accumulating == [3.0] * 4
     # the blocks given stay as they were: measured on a copy
     assert not any(type(p).__name__ == "DTensor" for p in blocks[1].parameters())
 
