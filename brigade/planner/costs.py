@@ -50,6 +50,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.host import malloc
+from brigade.measure.fake_world import fake_world
 from brigade.measure.stages import block_costs
 from brigade.models import ModelSpec
 from brigade.parallel import recompute
@@ -58,7 +59,7 @@ from brigade.pipeline.runtime.backward import backward_split
 from brigade.planner.devices import DeviceSpec
 from brigade.planner.optimizer import foreach_transient, optimizer_transient, seconds_per_byte
 from brigade.planner.sample import runnable, take
-from brigade.planner.split_costs import TP, SplitCosts, fake_world, measure_split
+from brigade.planner.split_costs import TP, SplitCosts, measure_split
 from brigade.planner.tensor import TensorFacts
 from brigade.train.memory import StepMemory, storage_bytes
 

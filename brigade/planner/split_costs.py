@@ -10,8 +10,9 @@ all-reduces predicted tp 2 × pp 2 at 0.39 of its measured step.
 
 So the planner measures it, without a second process: the blocks are split as training splits
 them (`parallel.assemble.split_blocks`: tensor parallel, sequence parallel, recompute) over a
-world of `tp` processes that are not there (torch's fake process group: every collective returns
-at once, its output of the right shape, its contents whatever the memory held). What it gives:
+world of `tp` processes that are not there (`measure.fake_world`, torch's fake process group:
+every collective returns at once, its output of the right shape, its contents whatever the
+memory held). What it gives:
 
     times        (forward, backward, weight, input) seconds of every block at each micro-batch
                  size, as `costs.measure` times them at tp 1: this process's compute and the
@@ -32,18 +33,16 @@ costs alone (`planner.predict`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from brigade.measure.fake_world import Collectives
 from brigade.measure.stages import block_costs
 from brigade.parallel.assemble import split_blocks
 from brigade.planner.sample import runnable, take
 
-_ISSUED = ("all_", "reduce", "broadcast")  # a collective's ops, not its waits or autograd wrappers
 TP = 2  # the degree measured: a node's smallest split, the one this machine can run
 
 
@@ -58,28 +57,6 @@ class SplitCosts:
     working: list[float]
     transient: list[float]
     accumulating: list[float] = field(default_factory=list)
-
-
-@contextlib.contextmanager
-def fake_world(size: int):
-    """A `size`-process world of which this process is rank 0 and the others are not there, and
-    its 1-D mesh; None where torch.distributed is already initialized here (or cannot fake one)."""
-    if not dist.is_available() or dist.is_initialized():
-        yield None
-        return
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError:  # a torch without it: priced from tp 1's costs
-        yield None
-        return
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-    torch.set_flush_denormal(True)  # a fake collective's output is any memory: no slow denormals
-    try:
-        yield init_device_mesh("cpu", (size,))
-    finally:
-        torch.set_flush_denormal(False)
-        dist.destroy_process_group()
 
 
 def measure_split(blocks, x, y, loss_fn, sizes: list[int], mode: str, mesh, memory,
@@ -97,35 +74,6 @@ def measure_split(blocks, x, y, loss_fn, sizes: list[int], mode: str, mesh, memo
     _, working, transient, _, accumulating = memory(split, x, y, s)
     return SplitCosts(mesh.size(), times, _collectives(split, take(x, s), loss_fn, take(y, s)),
                       working, transient, accumulating)
-
-
-class Collectives:
-    """Context manager counting the collectives issued inside it (`n`): torch's functional ones,
-    which DTensor issues (not their waits, nor the wrappers that carry them through autograd).
-    torch's CommDebugMode counts them too, but its module tracker fails on a block recomputed
-    in its backward."""
-
-    def __init__(self):
-        self.n = 0
-        self._mode = None
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.namespace == "_c10d_functional" and func.__name__.startswith(_ISSUED):
-                    counter.n += 1
-                return func(*args, **(kwargs or {}))
-
-        self._mode = _Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
 
 
 def _collectives(blocks, x, loss_fn, y) -> list[tuple[int, int]]:

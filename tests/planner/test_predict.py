@@ -41,10 +41,17 @@ def test_a_sharded_step_pays_each_blocks_collectives_and_dtensor_dispatch_per_pa
 def test_crowded_cores_take_turns_at_the_reduction_and_the_optimizer_step():
     costs = replace(_costs(), optimizer_s_per_byte=1e-3)
     cpu = _device(cores=2, all_reduce_bw=1.0)
-    hsdp = Layout(2, 2, 1, "1f1b", 1, 1, "none")
-    four = predict(costs, hsdp, Cluster(1, 4, cpu), batch=8, seq_len=1)
-    spread = predict(costs, hsdp, Cluster(1, 4, replace(cpu, cores=4)), batch=8, seq_len=1)
-    assert four["reduce_s"] == pytest.approx(2 * spread["reduce_s"]) and spread["reduce_s"] > 0
+    # HSDP under a pipeline: one reduction at the step's end, every rank at once
+    hsdp = Layout(2, 2, 2, "1f1b", 1, 2, "none")
+    four = predict(costs, hsdp, Cluster(1, 8, cpu), batch=8, seq_len=1)
+    spread = predict(costs, hsdp, Cluster(1, 8, replace(cpu, cores=8)), batch=8, seq_len=1)
+    assert four["reduce_s"] == pytest.approx(4 * spread["reduce_s"]) and spread["reduce_s"] > 0
+    assert four["optimizer_s"] == pytest.approx(4 * spread["optimizer_s"]) and spread["optimizer_s"] > 0
+    # without a pipeline FSDP reduces block by block through the step: its waits are not crowded
+    whole = Layout(2, 2, 1, "1f1b", 1, 1, "none")
+    four = predict(costs, whole, Cluster(1, 4, cpu), batch=8, seq_len=1)
+    spread = predict(costs, whole, Cluster(1, 4, replace(cpu, cores=4)), batch=8, seq_len=1)
+    assert four["reduce_s"] == pytest.approx(spread["reduce_s"]) and spread["reduce_s"] > 0
     assert four["optimizer_s"] == pytest.approx(2 * spread["optimizer_s"]) and spread["optimizer_s"] > 0
 
 

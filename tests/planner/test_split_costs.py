@@ -4,8 +4,9 @@ them, in this process, on a world whose other process is not there."""
 import torch
 import torch.distributed as dist
 
+from brigade.measure.fake_world import fake_world
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
-from brigade.planner.split_costs import Collectives, fake_world, measure_split
+from brigade.planner.split_costs import measure_split
 
 
 def _blocks():
@@ -43,22 +44,3 @@ def test_a_recomputed_block_gathers_again_in_its_backward_and_keeps_no_parts():
                             [2], "full", mesh, _memory, repeats=1)
     # the forward replayed in the backward issues its 4 again; the backward's own 4 (no saved parts)
     assert got.collectives[2] == (4, 8)
-
-
-def test_no_fake_world_where_this_process_is_already_in_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        with fake_world(2) as mesh:
-            assert mesh is None
-    finally:
-        dist.destroy_process_group()
-
-
-def test_collectives_count_what_is_issued_not_its_waits():
-    with fake_world(2) as mesh:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        part = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])
-        with Collectives() as counted:
-            part.redistribute(mesh, [Replicate()]).to_local().sum()
-        assert counted.n == 1
