@@ -49,6 +49,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
+from brigade.dtensors import local
 from brigade.host import malloc
 from brigade.measure.fake_world import fake_world
 from brigade.measure.stages import block_costs
@@ -268,9 +269,10 @@ def _memory(spec: ModelSpec, blocks, x, y, s: int) -> tuple[list[float], ...]:
 
 
 def largest_grad(block) -> int:
-    """Bytes of the block's largest fp32 gradient: what a backward that adds into gradients already
-    made holds at once beyond them (the new one, before it is added)."""
-    return max((p.numel() * 4 for p in block.parameters() if p.requires_grad), default=0)
+    """Bytes of the block's largest fp32 gradient here (a split parameter's part): what a backward
+    that adds into gradients already made holds at once beyond them (the new one, before it is
+    added)."""
+    return max((local(p).numel() * 4 for p in block.parameters() if p.requires_grad), default=0)
 
 
 def _block_memory(block, h, loss_fn, y, first: bool, accumulate: bool = False) -> tuple[int, int, int]:
