@@ -51,7 +51,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.dtensors import local
 from brigade.host import malloc
-from brigade.measure.fake_world import fake_world
 from brigade.measure.stages import block_costs
 from brigade.models import ModelSpec
 from brigade.parallel import recompute
@@ -63,6 +62,7 @@ from brigade.planner.sample import runnable, take
 from brigade.planner.split_costs import TP, SplitCosts, measure_split
 from brigade.planner.tensor import TensorFacts
 from brigade.train.memory import StepMemory, storage_bytes
+from brigade.world.fake import fake_world
 
 MEASURED, SCALED, FORMULA = "measured", "scaled", "formula"
 REPEATS = 9  # timings per block and size, their median kept: on 2 shared cores 3 swung by a fifth

@@ -4,9 +4,9 @@ them, in this process, on a world whose other process is not there."""
 import torch
 import torch.distributed as dist
 
-from brigade.measure.fake_world import fake_world
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.planner.split_costs import measure_split
+from brigade.world.fake import fake_world
 
 
 def _blocks():
