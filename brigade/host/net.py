@@ -8,6 +8,7 @@ minutes. `node_address()` finds the address and interface that route to node 0 i
 
 from __future__ import annotations
 
+import random
 import socket
 import struct
 import sys
@@ -39,9 +40,34 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 
 def free_port() -> int:
+    """A loopback port free now, for a store to listen on a moment later: drawn below the kernel's
+    ephemeral range (`ephemeral_start`), so that no outgoing connection (gloo's, another run's)
+    can be handed it between this check and the listen; the kernel's own pick (inside that range)
+    only where 64 draws below it are all taken. A port taken in that gap failed a test run here
+    once: a gloo connection of a neighbouring test got it."""
+    low = ephemeral_start()
+    draw = random.Random()
+    for _ in range(64):
+        port = draw.randrange(10000, low) if low > 10000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_start() -> int:
+    """The first port the kernel hands outgoing connections (Linux's ip_local_port_range; 32768,
+    its default, where that cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def check_port(port: int, host: str = "127.0.0.1") -> None:

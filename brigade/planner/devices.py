@@ -132,7 +132,7 @@ def device(name: str) -> DeviceSpec:
 
 @functools.cache
 def cpu() -> DeviceSpec:
-    """This machine, measured (about 15 s, most of it the shared-cores turns and gloo): see the
+    """This machine, measured (about 20 s, most of it the shared-cores turns and gloo): see the
     module docstring."""
     import torch
 

@@ -3,10 +3,11 @@
 Tensor parallel is not its split share of the work and nothing more. On one tp process a block
 runs its share of the matmuls, the parts it keeps whole (its norms' weights, an empty plan's
 block) in full, every op on a DTensor through DTensor's dispatch, and the collectives its plan
-issues (under sequence parallel two all-gathers and two reduce-scatters a forward for a GPT
-block, as many again in the backward). On this machine's CPU the dispatch alone took a GPT block
-of 4 × 256 from 6 to 15 ms a step at tp 2 (4 samples), and pricing only the split share and the
-all-reduces predicted tp 2 × pp 2 at 0.39 of its measured step.
+issues (under sequence parallel two all-gathers and two reduce-scatters in a GPT block's forward,
+six in its backward, its saved parts gathered again). On this machine's CPU a GPT block of
+4 × 256 at 4 samples, its collectives free, took longer at tp 2 than whole at tp 1 (about 22
+against 17 ms a forward and backward), and pricing only the split share and the all-reduces
+predicted tp 2 × pp 2 at 0.39 of its measured step.
 
 So the planner measures it, without a second process: the blocks are split as training splits
 them (`parallel.assemble.split_blocks`: tensor parallel, sequence parallel, recompute) over a
@@ -63,7 +64,7 @@ def measure_split(blocks, x, y, loss_fn, sizes: list[int], mode: str, mesh, memo
                   repeats: int) -> SplitCosts:
     """The `SplitCosts` of `blocks` under recompute `mode` on rank 0 of the fake world `mesh`, on
     the batch x, y (its first `size` samples for each of `sizes`). `memory(blocks, x, y, s)`:
-    costs' own per-block (held, working, transient, kept) per sample."""
+    costs' own per-block (held, working, transient, kept, accumulating) per sample."""
     split = copy.deepcopy(blocks)
     split_blocks(split, list(range(len(split))), mesh, mode)
     times = {}
