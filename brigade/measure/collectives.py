@@ -1,5 +1,5 @@
 """How many collectives the code inside `Collectives` issued: torch's functional ones, as DTensor
-issues them, counted on a fake world (`world.fake`) or a real one alike (`planner.split_costs`,
+issues them, counted on a fake world (`world.mesh.fake_world`) or a real one alike (`planner.split_costs`,
 `measure.gloo_probe`).
 """
 

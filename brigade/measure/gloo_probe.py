@@ -29,7 +29,7 @@
     tensor parallel  two GPT blocks (128 wide, 32 positions, 4 samples) split over the two
                      processes with sequence parallel, as training splits them
                      (`parallel.assemble.split_blocks`), a forward and backward timed on a fake
-                     world first (`world.fake`: its collectives free), then
+                     world first (`world.mesh.fake_world`: its collectives free), then
                      on gloo, and on gloo again with every core busy (below): the difference
                      over the collectives the step issues is what one adds where DTensor
                      issues it among the compute (`tensor_parallel`). A bare all-gather or
@@ -61,7 +61,7 @@ import copy
 from brigade.models.gpt import GPTConfig, gpt
 from brigade.parallel.assemble import split_blocks
 from brigade.measure.collectives import Collectives
-from brigade.world.fake import fake_world
+from brigade.world.mesh import fake_world
 torch.manual_seed(0)
 tp_blocks = gpt(GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=32))[1:-1]
 def tp_step(mesh, rounds):  # two GPT blocks on one of 2 tp processes, sequence parallel

@@ -11,7 +11,7 @@ predicted tp 2 × pp 2 at 0.39 of its measured step.
 
 So the planner measures it, without a second process: the blocks are split as training splits
 them (`parallel.assemble.split_blocks`: tensor parallel, sequence parallel, recompute) over a
-world of `tp` processes that are not there (`world.fake`, torch's fake process group:
+world of `tp` processes that are not there (`world.mesh.fake_world`, torch's fake process group:
 every collective returns at once, its output of the right shape, its contents whatever the
 memory held). What it gives:
 

@@ -3,7 +3,7 @@
 import torch
 
 from brigade.measure.collectives import Collectives
-from brigade.world.fake import fake_world
+from brigade.world.mesh import fake_world
 
 
 def test_collectives_count_what_is_issued_not_its_waits():

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.planner.split_costs import measure_split
-from brigade.world.fake import fake_world
+from brigade.world.mesh import fake_world
 
 
 def _blocks():

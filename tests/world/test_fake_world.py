@@ -1,8 +1,8 @@
-"""`world.fake`: this process as rank 0 of a world whose other processes are not there."""
+"""`world.mesh.fake_world`: this process as rank 0 of a world whose other processes are not there."""
 
 import torch.distributed as dist
 
-from brigade.world.fake import fake_world
+from brigade.world.mesh import fake_world
 
 
 def test_no_fake_world_where_this_process_is_already_in_one(tmp_path):
