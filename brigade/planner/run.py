@@ -23,6 +23,7 @@ from brigade.planner.formula import from_shapes
 from brigade.planner.predict import predict
 from brigade.planner.sample import tokens_per_sample
 from brigade.planner.space import Layout, enumerate_layouts
+from brigade.planner.split_costs import TP
 from brigade.planner.tensor import TensorFacts, facts
 from brigade.train.memory import quiet_stderr
 
@@ -174,7 +175,7 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
             costs = from_shapes(shape, min(at), modes, where.device, cfg.precision)
         else:
             timed_in = cfg.precision if where.device.measured else ""  # this machine: its own bf16
-            here_tp = where.device.measured and any(r.tp > 1 for r in rows)  # on one tp process
+            here_tp = where.device.measured and any(r.tp == TP for r in rows)  # on one tp process
             costs = scaled(measure(load_spec(cfg, m), at, modes, cpu(), timed_in, tp=here_tp),
                            where.device, cfg.precision)
     costs.tensor = tensor

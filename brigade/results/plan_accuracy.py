@@ -128,6 +128,7 @@ def _costs(model: str, sizes: dict, cases: list[tuple], here):
     from brigade.planner.config import PlanConfig
     from brigade.planner.costs import measure
     from brigade.planner.run import load_spec, model_config
+    from brigade.planner.split_costs import TP
     from brigade.planner.tensor import facts
     from brigade.train.memory import quiet_stderr
 
@@ -140,7 +141,7 @@ def _costs(model: str, sizes: dict, cases: list[tuple], here):
     (precision,) = {_case(c)[9] for c in cases}
     with quiet_stderr():
         costs = measure(spec, mbs, sorted({c[7] for c in cases}), here, precision,
-                        tp=any(_case(c)[8] > 1 for c in cases))
+                        tp=any(_case(c)[8] == TP for c in cases))
     costs.tensor = facts(spec.blocks)
     return costs
 
