@@ -12,8 +12,10 @@
     as issued        what DDP and FSDP2 (one unit per layer), as the stage assembler wraps a stage
                      (`parallel.assemble`), add to a forward and backward of 4 linear layers of
                      1024 (16.8 MB of gradients), timed in turn with the plain step: the rates as
-                     training issues them, bucket copies and hooks included (`as_issued`). Priced
-                     at the bare all-reduce's rate, DDP's reduction read 1.3-1.7 × too fast
+                     training issues them, bucket copies and hooks included (`as_issued`; but
+                     FSDP2's own copies and hooks, timed on a fake world first and priced by the
+                     planner apart, `planner.shard_costs`). Priced at the bare all-reduce's
+                     rate, DDP's reduction read 1.3-1.7 × too fast
     DTensor step     what AdamW's step adds per parameter when the parameters are DTensors (a
                      sharded or tensor-parallel stage's are): each of its ops dispatches
                      through DTensor, a fixed cost per parameter that plain tensors do not pay
@@ -78,8 +80,13 @@ def tp_step(mesh, rounds):  # two GPT blocks on one of 2 tp processes, sequence 
     with Collectives() as counted:
         blocks[1](blocks[0](x)).sum().backward()
     return statistics.median(times[3:]), counted.n
+torch.manual_seed(0)
+layers = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 16.8 MB of grads
+batch = torch.randn(8, 1024)
+from brigade.planner.shard_costs import measure_shard
 with fake_world(2) as fake:  # the collectives free, before this process joins the real world
     tp_fake, tp_count = tp_step(fake, 24)
+    fsdp_own = sum(measure_shard(list(layers), batch, None, None, None, fake, 12))  # FSDP2's copies, hooks
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
 
@@ -122,12 +129,9 @@ spread = step([torch.nn.Parameter(distribute_tensor(torch.zeros(128), mesh, [Sha
 got["dtensor_step_s"] = max(0.0, (spread - plain) / k)
 
 import copy
-torch.manual_seed(0)
-layers = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 16.8 MB of grads
 def wrapped_as_trained(world):  # the stage assembler's DDP or FSDP2, as `brigade train` wraps a stage
     return assemble(list(copy.deepcopy(layers)), Cut((4,), (0,)), world).stages[0]
 plain, wrapped, sharded = copy.deepcopy(layers), wrapped_as_trained(replicas), wrapped_as_trained(sharding)
-batch = torch.randn(8, 1024)
 issued = {"plain": [], "ddp": [], "fsdp": []}
 for k in range(3 + 12):  # in turn, so that a slow moment slows all three
     for name, module in (("plain", plain), ("ddp", wrapped), ("fsdp", sharded)):
@@ -137,6 +141,7 @@ for k in range(3 + 12):  # in turn, so that a slow moment slows all three
         issued[name].append(time.perf_counter() - start)
         module.zero_grad(set_to_none=True)
 got["issued"] = {name: statistics.median(ts[3:]) for name, ts in issued.items()}
+got["issued"]["fsdp_own"] = fsdp_own
 got["issued_bytes"] = sum(p.numel() * p.element_size() for p in layers.parameters())
 
 two = assemble([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)], Cut((1, 1), (0, 1)), pipeline)
@@ -215,13 +220,16 @@ def as_issued(fitted: dict[str, float], seconds: dict[str, float], grads: float)
     (DDP: one all-reduce of `grads`; FSDP, one stage without a pipeline: per unit a
     reduce-scatter of its quarter and two all-gathers, for its forward and again for its
     backward), at `fitted`'s latency. A bare collective's rate misses their bucket copies, hooks
-    and DTensor handling: DDP added 1.3–1.7 × a bare all-reduce of its bytes here. Where noise
-    leaves nothing added, or less than a bare collective takes, the bare rates stand."""
+    and DTensor handling: DDP added 1.3–1.7 × a bare all-reduce of its bytes here. FSDP2's own
+    work, timed with its collectives free (`seconds["fsdp_own"]`, `planner.shard_costs`), is
+    priced apart by the planner and left out here. Where noise leaves nothing added, or less than
+    a bare collective takes, the bare rates stand."""
     lat, out = fitted["coll_latency"], {}
     ddp = seconds["ddp"] - seconds["plain"] - 2 * lat  # at n = 2: bytes ÷ bw + 2 steps
     if ddp > 0 and grads / ddp < fitted["all_reduce_bw"]:
         out["all_reduce_bw"] = grads / ddp
-    fsdp = seconds["fsdp"] - seconds["plain"] - 4 * 3 * lat  # 4 units, each a RS and 2 AGs of 1 step
+    fsdp = seconds["fsdp"] - seconds["plain"] - seconds.get("fsdp_own", 0.0)
+    fsdp -= 4 * 3 * lat  # 4 units, each a RS and 2 AGs of 1 step
     bare = grads / 2 / fitted["reduce_scatter_bw"] + 2 * grads / 2 / fitted["all_gather_bw"]
     if fsdp > bare:  # both slowed alike: the step cannot tell them apart
         out["reduce_scatter_bw"] = fitted["reduce_scatter_bw"] * bare / fsdp

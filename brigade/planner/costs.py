@@ -24,8 +24,10 @@ Measured here, one process of one thread, for each recompute mode asked:
                  and any weight gradient it made, counted as grads, aside)
 
 and, asked for (`measure(tp=True)`), each mode's blocks again as one of two tensor-parallel
-processes runs them (`planner.split_costs`), and, whatever the mode: each block's parameter
-bytes (by parameter, so a weight tied across blocks of one stage counts once there), FLOPs per
+processes runs them (`planner.split_costs`), and (`measure(shard=True)`) what FSDP2's own work
+adds to each block where it is sharded (`planner.shard_costs`), and, whatever the mode: each
+block's parameter bytes (by parameter, so a weight tied across blocks of one stage counts once
+there), FLOPs per
 sample of its forward and backward (torch.utils.flop_counter), its output's bytes per sample
 (what a pipeline sends), and seconds per byte of parameters for the optimizer step (AdamW,
 clipping, zeroing).
@@ -57,6 +59,7 @@ from brigade.planner.block_memory import block_memory
 from brigade.planner.devices import DeviceSpec
 from brigade.planner.optimizer import foreach_transient, optimizer_transient, seconds_per_byte
 from brigade.planner.sample import runnable, take
+from brigade.planner.shard_costs import measure_shard
 from brigade.planner.split_costs import TP, SplitCosts, measure_split
 from brigade.planner.tensor import TensorFacts
 from brigade.world.mesh import fake_world
@@ -103,6 +106,9 @@ class ModelCosts:
     opt_transient: list[float] = field(default_factory=list)
     opt_foreach: bool = False
     precision: str = ""  # the dtype the times were measured in ("": fp32)
+    # per block, the seconds FSDP2's own work adds to one gather-forward-gather-backward-reduce
+    # cycle of it (`shard_costs`); empty: not measured
+    shard_s: list[float] = field(default_factory=list)
 
     @property
     def n_blocks(self) -> int:
@@ -172,11 +178,12 @@ def interpolate(samples: dict[int, list], size: int) -> list[tuple[float, ...]]:
 
 
 def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpec,
-            precision: str = "", tp: bool = False) -> ModelCosts:
+            precision: str = "", tp: bool = False, shard: bool = False) -> ModelCosts:
     """Measure `spec`'s blocks here at micro-batch `sizes` under each recompute mode (one thread),
     timed in `precision` ("bf16", "fp16": on a copy in that dtype; module docstring); with `tp`,
-    each mode also on one of `split_costs.TP` tensor-parallel processes (fp32; where this process
-    can fake their world).
+    each mode also on one of `split_costs.TP` tensor-parallel processes (fp32), and with `shard`
+    what FSDP2's own work adds to each block (`shard_costs`), where this process can fake their
+    world.
 
     With freed memory kept, as every training process keeps it (`brigade.host.malloc`, set for the
     rest of this process): with malloc's defaults each fresh gradient page-faults in again, and
@@ -190,6 +197,7 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
         per_mode = {m: _mode(spec, x, y, sizes, m, HALF.get(precision)) for m in modes}
         if tp and precision not in HALF:
             _split(spec, x, y, sizes, per_mode)
+        shard_s = _shard(spec, take(x, min(sizes)), take(y, min(sizes)), HALF.get(precision)) if shard else []
         flops, outs = _flops_and_outputs(spec, take(x, min(sizes)), take(y, min(sizes)))
         params = master_bytes(spec.blocks)
         opt = seconds_per_byte(spec)
@@ -197,7 +205,7 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
     finally:
         torch.set_num_threads(threads)
     return ModelCosts(spec.name, params, flops, outs, per_mode, opt, here, opt_transient=stepping,
-                      opt_foreach=foreach, precision=precision if precision in HALF else "")
+                      opt_foreach=foreach, precision=precision if precision in HALF else "", shard_s=shard_s)
 
 
 def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
@@ -243,6 +251,13 @@ def _split(spec: ModelSpec, x, y, sizes: list[int], per_mode: dict[str, ModeCost
         for mode, costs in per_mode.items():
             costs.split = measure_split(spec.blocks, x, y, spec.loss_fn, sizes, mode, mesh,
                                         partial(block_memory, spec.loss_fn), REPEATS)
+
+
+def _shard(spec: ModelSpec, x, y, dtype: torch.dtype | None) -> list[float]:
+    """Each block's `shard_costs.measure_shard` on the batch x, y, where a fake world of two
+    processes can be made here (else none: [])."""
+    with fake_world(2) as mesh:
+        return [] if mesh is None else measure_shard(spec.blocks, x, y, spec.loss_fn, dtype, mesh, REPEATS)
 
 
 def _out_bytes(spec: ModelSpec, x, n: int) -> list[float]:

@@ -20,6 +20,9 @@ rank's memory (`memory.py`), and whether it fits.
                                                         then an all-reduce of the shard across
                                                         replicas (each at what the device says
                                                         that collective achieves: gloo's probed)
+         + FSDP2's own work                             where the costs measured it here
+                                                        (`shard_costs`): its copies and hooks per
+                                                        block, each gather-reduce cycle
          + optimizer step                               AdamW on this rank's parameters (or shards),
                                                         and under shard or tp what DTensor's
                                                         dispatch adds per parameter
@@ -144,23 +147,36 @@ def costed(schedule: str, per: list[list[float]], p2p: float, cores: float) -> C
 
 def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: list[int],
                     memory: list[dict], blockwise: bool, half: bool) -> tuple[float, float]:
-    """(seconds of the gradient reduction, of the optimizer step) after the pipeline's makespan,
-    on the busiest rank; where more processes than cores share a host, every rank runs these at
-    once and they take turns (`_crowding`). `blockwise`: FSDP gathers and reduces each block
-    every micro-batch (`memory.by_block`), its collectives spread through the step, where one
-    rank's wait leaves the core to another's compute as a tp collective's does: not crowded
-    (HSDP 2 × 2 on 2 cores, counted crowded, read 28-51 % slow in three runs); `half`: it
-    gathers half-precision weights."""
+    """(seconds of the gradient reduction and FSDP2's own work on it, of the optimizer step)
+    after the pipeline's makespan, on the busiest rank; where more processes than cores share a
+    host, every rank runs these at once and they take turns (`_crowding`; FSDP2's own work,
+    compute, always). `blockwise`: FSDP gathers and reduces each block every micro-batch
+    (`memory.by_block`), its collectives spread through the step, where one rank's wait leaves
+    the core to another's compute as a tp collective's does: not crowded (HSDP 2 × 2 on 2
+    cores, counted crowded, read 28-51 % slow in three runs); `half`: it gathers half-precision
+    weights."""
     groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
     whole_grads = max(m["grads"] for m in memory) * layout.shard
     blocks = [rank_blocks(layout, balance, r) for r in range(layout.pp)]
     reduce_s = _reduction(cluster, layout, groups, whole_grads, 1 + max(map(len, blocks)), blockwise, half)
+    own_s = _fsdp_own(costs, layout, blocks, blockwise)
     opt_s = costs.optimizer_s_per_byte * costs.mem_scale * worst(memory)["params"]
     if layout.shard > 1 or layout.tp > 1:  # FSDP2's parameters are DTensors: each op dispatches
         count = max(len({p for b in bs for p in costs.params[b]}) for bs in blocks)
         opt_s += cluster.device.dtensor_step_s * count
     crowd = _crowding(layout, cluster)
-    return reduce_s * (1.0 if blockwise else crowd), opt_s * crowd
+    return reduce_s * (1.0 if blockwise else crowd) + own_s * crowd, opt_s * crowd
+
+
+def _fsdp_own(costs: ModelCosts, layout: Layout, blocks: list[list[int]], blockwise: bool) -> float:
+    """Seconds of FSDP2's own work (its copies around each collective, its hooks) on the busiest
+    pipeline rank: each of its blocks' measured cycle (`shard_costs`), every micro-batch where
+    it gathers and reduces blockwise, else once a step; 0 unsharded, or where not measured on
+    this machine (on a GPU FSDP2 copies on its own streams)."""
+    if layout.shard == 1 or not costs.shard_s or costs.source != MEASURED:
+        return 0.0
+    times = layout.microbatches if blockwise else 1
+    return times * max(sum(costs.shard_s[b] for b in bs) for bs in blocks)
 
 
 def _tensor_parallel(costs: ModelCosts, layout: Layout, mb: int, cluster: Cluster,

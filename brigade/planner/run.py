@@ -176,8 +176,9 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
         else:
             timed_in = cfg.precision if where.device.measured else ""  # this machine: its own bf16
             here_tp = where.device.measured and any(r.tp == TP for r in rows)  # on one tp process
-            costs = scaled(measure(load_spec(cfg, m), at, modes, cpu(), timed_in, tp=here_tp),
-                           where.device, cfg.precision)
+            here_shard = where.device.measured and any(r.shard > 1 for r in rows)  # FSDP2's own work
+            costs = scaled(measure(load_spec(cfg, m), at, modes, cpu(), timed_in, tp=here_tp,
+                                   shard=here_shard), where.device, cfg.precision)
     costs.tensor = tensor
     out, left = _predict_all(cfg, costs, where, rows, tokens_per_sample(shape))
     return {

@@ -123,7 +123,7 @@ def _model_args(model: str, sizes: dict) -> list[str]:
 def _costs(model: str, sizes: dict, cases: list[tuple], here):
     """The planner's costs of `model` (every micro-batch size and mode the cases need, timed in
     their precision), measured on `here` (this machine's probed `DeviceSpec`), with what tensor
-    parallel does to its blocks."""
+    parallel does to its blocks and what FSDP2's own work adds to them."""
     from brigade.config import ModelConfig
     from brigade.planner.config import PlanConfig
     from brigade.planner.costs import measure
@@ -141,7 +141,7 @@ def _costs(model: str, sizes: dict, cases: list[tuple], here):
     (precision,) = {_case(c)[9] for c in cases}
     with quiet_stderr():
         costs = measure(spec, mbs, sorted({c[7] for c in cases}), here, precision,
-                        tp=any(_case(c)[8] == TP for c in cases))
+                        tp=any(_case(c)[8] == TP for c in cases), shard=any(c[2] > 1 for c in cases))
     costs.tensor = facts(spec.blocks)
     return costs
 

@@ -20,6 +20,9 @@ def test_the_probe_prices_collectives_as_ddp_and_fsdp_issue_them():
     got = as_issued(bare, {"plain": 0.1, "ddp": 0.122, "fsdp": 0.192}, 16e6)
     assert got == {"all_reduce_bw": pytest.approx(0.8e9), "reduce_scatter_bw": pytest.approx(0.5e9),
                    "all_gather_bw": pytest.approx(0.25e9)}
+    # FSDP2's own copies and hooks (timed with its collectives free: 40 ms) are priced apart
+    own = as_issued(bare, {"plain": 0.1, "ddp": 0.122, "fsdp": 0.232, "fsdp_own": 0.04}, 16e6)
+    assert own["reduce_scatter_bw"] == pytest.approx(0.5e9) and own["all_gather_bw"] == pytest.approx(0.25e9)
     # noise: nothing added, or less than the bare rates would take: the bare rates stand
     assert as_issued(bare, {"plain": 0.1, "ddp": 0.099, "fsdp": 0.11}, 16e6) == {}
     assert as_issued(bare, {"plain": 0.1, "ddp": 0.11, "fsdp": 0.11}, 16e6) == {}  # 2 GB/s: above bare

@@ -55,6 +55,24 @@ def test_crowded_cores_take_turns_at_the_reduction_and_the_optimizer_step():
     assert four["optimizer_s"] == pytest.approx(2 * spread["optimizer_s"]) and spread["optimizer_s"] > 0
 
 
+def test_fsdps_own_work_is_paid_each_cycle_where_it_was_measured_here():
+    cpu = _device(cores=2)
+    costs = replace(_costs(), shard_s=[1.0, 2.0, 3.0, 4.0])  # seconds a cycle, per block
+    bare = replace(costs, shard_s=[])
+
+    def extra(layout, world, c=costs):
+        got = predict(c, layout, Cluster(1, world, cpu), batch=8, seq_len=1)["reduce_s"]
+        return got - predict(bare, layout, Cluster(1, world, cpu), batch=8, seq_len=1)["reduce_s"]
+
+    # without a pipeline every block, every micro-batch
+    assert extra(Layout(1, 2, 1, "1f1b", 1, 2, "none"), 2) == pytest.approx(2 * 10.0)
+    # under a pipeline once a step, on the busiest rank (blocks 2 and 3); 4 ranks on 2 cores: twice
+    assert extra(Layout(1, 2, 2, "1f1b", 1, 2, "none"), 4) == pytest.approx(2 * 7.0)
+    # unsharded, or costs not measured on this machine (a GPU's FSDP2 copies on its own streams)
+    assert extra(Layout(2, 1, 1, "1f1b", 1, 2, "none"), 2) == 0.0
+    assert extra(Layout(1, 2, 1, "1f1b", 1, 2, "none"), 2, replace(costs, source="scaled")) == 0.0
+
+
 def test_the_runtimes_own_time_is_added_to_every_action_and_to_the_step():
     costs = _costs()
     pp = Layout(1, 1, 2, "1f1b", 1, 4, "none")
