@@ -31,10 +31,10 @@ rank's memory (`memory.py`), and whether it fits.
 Not overlapped: an upper bound where a GPU overlaps the reduction with the backward; on a CPU
 gloo's collectives take the same cores. Where more processes share a host than it has cores
 (`DeviceSpec.cores`), the work is time-shared: compute runs `shared_slowdown` slower with every
-core busy, the step takes at least all ranks' compute ÷ the cores (a tp collective's wait for
-its partner is not compute: it leaves the core to another rank), and the reduction and the
-optimizer step, which every rank runs at once, take ranks ÷ cores times as long (but FSDP's
-block-by-block collectives, spread through the step like tp's).
+core busy, all ranks' compute ÷ the cores is added over what their compute alone would take
+(a tp collective's wait for its partner comes on top: it is not compute, and not hidden behind
+another rank's), and the reduction, FSDP2's own work and the optimizer step, which every rank
+runs at once, take ranks ÷ cores times as long.
 """
 
 from __future__ import annotations
@@ -116,12 +116,16 @@ def predict(
 
 def _on_cores(sim, plan: Plan, per: list[list[float]], waits: list[list[float]], slow: float,
               cores: float) -> float:
-    """The makespan where a pipeline's ranks share `cores` (`Simulation.on_cores`): at least what
-    they compute ÷ the cores, which is `per` less its tp collectives' `waits` (per stage, as
-    `cut` gives them): a wait for the partner leaves the core to another rank."""
+    """The makespan where a pipeline's ranks share `cores` (`Simulation.on_cores`): the plan's
+    makespan, and on top what sharing the cores adds to the ranks' compute (what they compute ÷
+    the cores, over their compute's own makespan). Their compute is `per` less its tp
+    collectives' `waits` (per stage, as `cut` gives them): a wait is not compute, and it is not
+    hidden behind the others' either. Taking the larger of the two, as if a rank's wait let the
+    others compute meanwhile, predicted dp 2 × tp 2 on 2 cores 30 % fast (with a pipeline, tp 2
+    × pp 2, 4 % fast); added, 9 % and 6 % slow."""
     working = [[t - w * slow for t, w in zip(row, wrow)] for row, wrow in zip(per, waits)]
     alone = simulate(plan, working[0], working[1], weight=working[2], input_grad=working[3])
-    return max(sim.makespan, alone.on_cores(cores))
+    return sim.makespan + max(0.0, alone.on_cores(cores) - alone.makespan)
 
 
 def cut(times: list[tuple[float, ...]], n_stages: int,
@@ -149,12 +153,12 @@ def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance
                     memory: list[dict], blockwise: bool, half: bool) -> tuple[float, float]:
     """(seconds of the gradient reduction and FSDP2's own work on it, of the optimizer step)
     after the pipeline's makespan, on the busiest rank; where more processes than cores share a
-    host, every rank runs these at once and they take turns (`_crowding`; FSDP2's own work,
-    compute, always). `blockwise`: FSDP gathers and reduces each block every micro-batch
-    (`memory.by_block`), its collectives spread through the step, where one rank's wait leaves
-    the core to another's compute as a tp collective's does: not crowded (HSDP 2 × 2 on 2
-    cores, counted crowded, read 28-51 % slow in three runs); `half`: it gathers half-precision
-    weights."""
+    host, every rank runs these at once and they take turns (`_crowding`): gloo's copies and
+    sums and FSDP2's own work are compute on the shared cores, block by block through the step
+    as much as at its end. `blockwise`: FSDP gathers and reduces each block every micro-batch
+    (`memory.by_block`); `half`: it gathers half-precision weights. (Counted uncrowded, as
+    waits that leave the core to another rank, HSDP 2 × 2 on 2 cores read 16-25 % fast once
+    FSDP2's own work was priced apart, `shard_costs`.)"""
     groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
     whole_grads = max(m["grads"] for m in memory) * layout.shard
     blocks = [rank_blocks(layout, balance, r) for r in range(layout.pp)]
@@ -165,7 +169,7 @@ def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance
         count = max(len({p for b in bs for p in costs.params[b]}) for bs in blocks)
         opt_s += cluster.device.dtensor_step_s * count
     crowd = _crowding(layout, cluster)
-    return reduce_s * (1.0 if blockwise else crowd) + own_s * crowd, opt_s * crowd
+    return (reduce_s + own_s) * crowd, opt_s * crowd
 
 
 def _fsdp_own(costs: ModelCosts, layout: Layout, blocks: list[list[int]], blockwise: bool) -> float:
@@ -218,8 +222,8 @@ def _tensor_parallel(costs: ModelCosts, layout: Layout, mb: int, cluster: Cluste
 def _tp_collective_s(cluster: Cluster, world: int) -> float:
     """Seconds one tensor-parallel collective adds as DTensor issues it (0: the device does not
     say): where a host has more processes than cores, the crowded figure (a wait for the partner
-    to get a core, which leaves the core to another rank: `predict` counts it in the makespan,
-    not in the work the ranks share the cores for)."""
+    to get a core: `predict` counts it in the makespan, not in the work the ranks share the
+    cores for)."""
     d = cluster.device
     crowded = d.cores and min(world, cluster.per_node) > d.cores and d.crowded_tp_collective_s
     return d.crowded_tp_collective_s if crowded else d.tp_collective_s
