@@ -52,8 +52,9 @@ KEPT = {getattr(_aten, name) for name in (
     "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name)}
 
 
-def _kept(func, args, kwargs) -> bool:
-    """Whether selective recompute keeps this op's output: a kept kind that draws no random numbers."""
+def kept(func, args, kwargs) -> bool:
+    """Whether selective recompute keeps this op's output: a kept kind that draws no random numbers
+    (the planner counts what it keeps by this too, `planner.formula`)."""
     if func.overloadpacket not in KEPT:
         return False
     for i, arg in enumerate(func._schema.arguments):
@@ -77,7 +78,7 @@ class _Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _kept(func, args, kwargs):
+        if kept(func, args, kwargs):
             self.outputs.append(_detached(out))
         return out
 
@@ -91,7 +92,7 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _kept(func, args, kwargs):
+        if kept(func, args, kwargs):
             # A fresh alias: autograd sets the recompute's history on what an op returns, and the
             # noted tensor itself must not come to hold that graph.
             return _detached(next(self.outputs))

@@ -7,7 +7,8 @@ of meta tensors, under
     torch.utils.flop_counter   FLOPs of the forward and of the backward, per sample
     saved_tensors_hooks        bytes autograd keeps for the backward, per sample (parameters
                                and their views aside; a tensor saved twice counts twice, so the
-                               figure errs high, where the measured one counts each storage once)
+                               figure errs high, where the measured one counts each storage once);
+                               attention as a fused kernel keeps it (`FusedAttention`)
     forward hooks              the output bytes of every module that owns a parameter: what a
                                split backward keeps from I to W is the gradient at each weight's
                                output, the same shape (two that share a storage count twice)
@@ -17,17 +18,24 @@ input- and weight-gradient halves (a matmul's two gradients cost the same FLOPs)
 moves seven bytes per parameter byte (reads parameter, gradient and both moments, writes three)
 at the target's memory bandwidth. Recompute `full` keeps only each block's input, runs the
 forward again before the input-gradient pass and holds the whole forward's tensors again during
-its backward (and, under a split backward, from I until W); `selective` is taken as `full`
-(what it keeps depends on kernels a meta run does not choose). A block's temporaries are taken
-as its output and that output's gradient. Every figure of a plan made from these says `formula`.
+its backward (and, under a split backward, from I until W); `selective` keeps each block's input
+and the outputs of the ops the trainer's selective recompute keeps (`parallel.recompute.kept`:
+matmuls, attention as one fused op), and holds the rest again during its backward, no matmul
+run twice. A block's temporaries are taken as its output and that output's gradient. Every
+figure of a plan made from these says `formula`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.models import ModelSpec
+from brigade.parallel.recompute import kept
 from brigade.pipeline.batches.feed import to
 from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts, master_bytes
 from brigade.planner.devices import DeviceSpec
@@ -43,26 +51,22 @@ def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec
     """Costs of `spec` (built on the meta device) on `target`, from a meta micro-batch of `size`."""
     x, y = (to(t, "meta") for t in spec.make_batch(size, torch.Generator().manual_seed(0)))
     rate = target.peak(precision) * ASSUMED_MFU
-    times, held, kept, flops, outs = [], [], [], [], []
+    times, held, kept, ops, flops, outs = [], [], [], [], [], []
     x, blocks = runnable(spec.blocks, x)
     h = x
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
-        f, b, saved, at_weights, out = _run(block, h, spec.loss_fn if last else None, y, first=i == 0)
+        f, b, saved, at_weights, made, out = _run(block, h, spec.loss_fn if last else None, y, first=i == 0)
         times.append((f / rate, b / rate, b / 2 / rate, b / 2 / rate))  # (forward, backward, W, I)
         held.append(saved / size)
         kept.append(at_weights / size)
+        ops.append(made / size)
         flops.append((f + b) / size)
         outs.append(out.numel() * out.element_size() / size if torch.is_tensor(out) else 0.0)
         h = out.detach()
     inputs = [_bytes(x) / size, *outs[:-1]]  # what a recomputed block keeps: its input
     transient = [2 * o for o in outs]  # a block's output and its gradient, side by side
-    # recomputed: the forward runs again before the input-gradient pass (once, under I and W too)
-    again = [(f, b + f, w, i + f) for f, b, w, i in times]
-    # recomputed: what the input pass made again stays with the weight outputs' gradients until W
-    again_kept = [k + s for k, s in zip(kept, held)]
-    per_mode = {m: ModeCosts({size: times}, held, [0.0] * len(held), transient, kept) if m == "none" else
-                ModeCosts({size: again}, inputs, held, transient, again_kept) for m in modes}
+    per_mode = {m: _mode(m, size, times, held, kept, inputs, ops, transient) for m in modes}
     params = master_bytes(spec.blocks)
     costs = ModelCosts(spec.name, params, flops, outs, per_mode, ADAMW_BYTES_MOVED / target.mem_bw,
                        here=None, source=FORMULA, opt_transient=foreach_transient(params), opt_foreach=True)
@@ -71,9 +75,27 @@ def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec
     return costs
 
 
-def _run(block, h, loss_fn, y, first: bool) -> tuple[float, float, float, float, torch.Tensor]:
-    """(forward FLOPs, backward FLOPs, saved bytes, bytes at weights' outputs, output) of one
-    meta forward and backward."""
+def _mode(mode: str, size: int, times: list, held: list, kept: list, inputs: list, ops: list,
+          transient: list) -> ModeCosts:
+    """One recompute mode's costs from the blocks' shapes (module docstring): `held` what autograd
+    saves, `kept` the weights' outputs, `inputs` each block's input, `ops` the outputs of the ops
+    selective recompute keeps (`parallel.recompute.kept`), all per sample."""
+    if mode == "none":
+        return ModeCosts({size: times}, held, [0.0] * len(held), transient, kept)
+    if mode == "selective":  # the input and the kept ops' outputs; the cheap rest made again
+        keeps = [i + o for i, o in zip(inputs, ops)]
+        again = [max(0.0, s - k) for s, k in zip(held, keeps)]
+        # what runs again is the cheap rest: no matmul FLOPs, so the times are none's
+        return ModeCosts({size: times}, keeps, again, transient, [k + a for k, a in zip(kept, again)])
+    # full: the forward runs again before the input-gradient pass (once, under I and W too), and
+    # what the input pass made again stays with the weight outputs' gradients until W
+    again = [(f, b + f, w, i + f) for f, b, w, i in times]
+    return ModeCosts({size: again}, inputs, held, transient, [k + s for k, s in zip(kept, held)])
+
+
+def _run(block, h, loss_fn, y, first: bool) -> tuple[float, float, float, float, float, torch.Tensor]:
+    """(forward FLOPs, backward FLOPs, saved bytes, bytes at weights' outputs, bytes of the outputs
+    selective recompute keeps, output) of one meta forward and backward."""
     own = {id(p) for p in block.parameters()}
     saved, at_weights = [0], [0]
 
@@ -89,8 +111,9 @@ def _run(block, h, loss_fn, y, first: bool) -> tuple[float, float, float, float,
     owners = [m for m in block.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
     hooks = [m.register_forward_hook(weighted) for m in owners]
     inp = h.detach().requires_grad_(h.is_floating_point() and not first)
+    fused = FusedAttention()
     try:
-        with FlopCounterMode(display=False) as forward:
+        with FlopCounterMode(display=False) as forward, fused, _KeptOps(fused) as made:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = block(inp)
     finally:
@@ -99,8 +122,81 @@ def _run(block, h, loss_fn, y, first: bool) -> tuple[float, float, float, float,
     with FlopCounterMode(display=False) as backward:
         loss = loss_fn(out, y) if loss_fn is not None else out
         torch.autograd.backward(loss, None if loss_fn is not None else torch.ones_like(loss))
-    return forward.get_total_flops(), backward.get_total_flops(), float(saved[0]), float(at_weights[0]), out
+    return (forward.get_total_flops(), backward.get_total_flops(), float(saved[0]), float(at_weights[0]),
+            made.bytes + fused.made, out)
 
 
 def _bytes(t: torch.Tensor) -> float:
     return float(t.numel() * t.element_size())
+
+
+_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after query, key, value
+
+
+class FusedAttention(TorchFunctionMode):
+    """`scaled_dot_product_attention` counted as a fused kernel runs it, inside this mode.
+
+    On the meta device SDPA is its reference decomposition, which saves the S × S scores and
+    their softmax for every head: two tensors of heads × S² floats per sample, where the kernels
+    a run takes (flash and memory-efficient on a GPU, with or without a mask; the CPU's flash)
+    keep the query, key, value, output and one float per query and head (the softmax's
+    log-sum-exp), and compute the scores again in the backward. At sequence 8192 the
+    decomposition's two made 88 % of a Llama 3.1 405B layer's saved bytes (64 of 73 GiB a sample
+    in fp32), and the 405B's FSDP 8 × TP 8 × PP 8 was planned at 98 GiB a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside = False  # in a fused attention's forward: its reference's ops are not its own
+        self.made = 0.0  # bytes of the fused kernels' outputs (output and log-sum-exp): what
+        # selective recompute keeps of them (dropout aside)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        kwargs.update(zip(_SDPA_ARGS, args[3:]))
+        self.inside = True
+        try:
+            out = _Fused.apply(*args[:3], kwargs)
+        finally:
+            self.inside = False
+        if not kwargs.get("dropout_p"):
+            self.made += _bytes(out) + out[..., 0].numel() * 4
+        return out
+
+
+class _Fused(torch.autograd.Function):
+    """SDPA keeping what a fused kernel keeps (`FusedAttention`); its backward runs the
+    reference's forward and backward again, so the FLOPs counted are those of a kernel that
+    recomputes its scores (a flash backward's 2.5 × the forward's, counted as 3 ×)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kwargs):
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        ctx.kwargs = kwargs
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            again = F.scaled_dot_product_attention(*inputs, **ctx.kwargs)
+            return (*torch.autograd.grad(again, inputs, grad), None)
+
+
+class _KeptOps(TorchDispatchMode):
+    """The bytes of the outputs selective recompute would keep (`parallel.recompute.kept`) in the
+    forward run inside it; a fused attention's counted by `fused` as one op, not its reference's."""
+
+    def __init__(self, fused: FusedAttention):
+        super().__init__()
+        self.fused, self.bytes = fused, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.fused.inside and kept(func, args, kwargs):
+            self.bytes += sum(_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out

@@ -121,8 +121,9 @@ def _on_cores(sim, plan: Plan, per: list[list[float]], waits: list[list[float]],
     the cores, over their compute's own makespan). Their compute is `per` less its tp
     collectives' `waits` (per stage, as `cut` gives them): a wait is not compute, and it is not
     hidden behind the others' either. Taking the larger of the two, as if a rank's wait let the
-    others compute meanwhile, predicted dp 2 × tp 2 on 2 cores 30 % fast (with a pipeline, tp 2
-    × pp 2, 4 % fast); added, 9 % and 6 % slow."""
+    others compute meanwhile, predicted dp 2 × tp 2 on 2 cores 30 % fast and tp 2 × shard 2 21 %
+    (with a pipeline, tp 2 × pp 2, 4 % fast); added, in a run just after, 11 % and 4 % fast (and
+    14 % slow)."""
     working = [[t - w * slow for t, w in zip(row, wrow)] for row, wrow in zip(per, waits)]
     alone = simulate(plan, working[0], working[1], weight=working[2], input_grad=working[3])
     return sim.makespan + max(0.0, alone.on_cores(cores) - alone.makespan)

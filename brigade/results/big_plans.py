@@ -8,7 +8,8 @@ Each case is `brigade plan --model hf:DIR` on a directory holding only the model
 (the architecture's published hyperparameters, written here), bf16 (FSDP2's mixed precision),
 sequence 8192. The public figures are torchtitan's measured peaks on H100s (96 GB): the 8B on 8
 GPUs as its performance page states it (FSDP, local batch 2, selective recompute, eager), the
-70B (FSDP 32 × TP 8 on 256 GPUs) as the issue that asked for this quotes it (about 72 GiB).
+70B (FSDP 32 × TP 8 on 256 GPUs, local batch 16 in one forward and backward) as the issue that
+asked for this quotes it (about 72 GiB).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ SIZES = {"8B": dict(hidden_size=4096, intermediate_size=14336, num_attention_hea
 CASES = [
     ("8B", 1, 16, "selective", 8, 1, 1, "1f1b", 1, 82.4),
     ("8B", 16, 256, "selective", 128, 1, 1, "1f1b", 1, None),
-    ("70B", 32, 512, "full", 32, 8, 1, "1f1b", 16, 72.0),
+    ("70B", 32, 512, "full", 32, 8, 1, "1f1b", 1, 72.0),  # torchtitan's: local batch 16 in one pass
+    ("70B", 32, 512, "full", 32, 8, 1, "1f1b", 16, None),  # the same as 16 micro-batches of one
     ("405B", 64, 256, "full", 8, 8, 8, "1f1b", 32, None),
     ("405B", 64, 256, "full", 8, 8, 8, "interleaved", 32, None),
 ]

@@ -59,3 +59,25 @@ def test_a_model_too_large_for_this_machine_is_costed_from_shapes_in_seconds():
     params = sum(sum(b.values()) for b in costs.params)
     assert params > 12e9  # about 3.5 B parameters in fp32: more than this machine should hold
     assert all(t > 0 for t in costs.block_times("none", 1)[1])
+
+
+def test_attention_is_counted_as_a_fused_kernel_keeps_it_not_as_its_s_by_s_scores():
+    long = GPTConfig(vocab_size=96, block_size=512, n_layer=1, n_head=8, n_embd=64)
+    costs = from_shapes(_meta(long), 2, ["none"], device("h100"))
+    # the meta device's reference would keep two 8 × 512 × 512 fp32 tensors a sample (16 MiB):
+    # more than the whole block keeps on a real run, which takes a fused kernel (the CPU's flash)
+    real = measure_memory(load_model("gpt", seed=0, gpt_cfg=long), 2, ["none"])
+    assert 0.97 <= costs.modes["none"].held[1] / real.modes["none"].held[1] <= 1.25
+    assert costs.modes["none"].held[1] < 2 * 8 * 512 * 512 * 4
+
+
+def test_selective_keeps_the_input_and_the_outputs_of_the_matmuls_and_attention():
+    costs = from_shapes(_meta(SMALL), 4, ["none", "selective"], device("h100"))
+    real = measure_memory(load_model("gpt", seed=0, gpt_cfg=SMALL), 4, ["selective"])
+    for b in range(costs.n_blocks):  # what the trainer's selective recompute holds, as measured
+        # (the embedding's: its token ids, 256 bytes against 264 the allocator counts)
+        assert 0.96 <= costs.modes["selective"].held[b] / real.modes["selective"].held[b] <= 1.25
+    held, again = costs.modes["selective"].held[1], costs.modes["selective"].working[1]
+    assert held < costs.modes["none"].held[1] and again > 0  # the cheap rest made again in backward
+    assert held + again == pytest.approx(costs.modes["none"].held[1])
+    assert costs.block_times("selective", 4) == costs.block_times("none", 4)  # no matmul runs again
