@@ -27,10 +27,9 @@ and, asked for (`measure(tp=True)`), each mode's blocks again as one of two tens
 processes runs them (`planner.split_costs`), and (`measure(shard=True)`) what FSDP2's own work
 adds to each block where it is sharded (`planner.shard_costs`), and, whatever the mode: each
 block's parameter bytes (by parameter, so a weight tied across blocks of one stage counts once
-there), FLOPs per
-sample of its forward and backward (torch.utils.flop_counter), its output's bytes per sample
-(what a pipeline sends), and seconds per byte of parameters for the optimizer step (AdamW,
-clipping, zeroing).
+there), FLOPs per sample of its forward and backward (torch.utils.flop_counter), its output's
+bytes per sample (what a pipeline sends), and seconds per byte of parameters for the optimizer
+step (AdamW, clipping, zeroing).
 
 Scaled to a target device: compute by the ratio of this machine's probed fp32 peak to the
 target's peak for the run's precision (the same fraction of peak there as here: "scaled";

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.models import ModelSpec
-from brigade.parallel.recompute import kept
+from brigade.parallel import recompute
 from brigade.pipeline.batches.feed import to
 from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts, master_bytes
 from brigade.planner.devices import DeviceSpec
@@ -197,6 +197,6 @@ class _KeptOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.fused.inside and kept(func, args, kwargs):
+        if not self.fused.inside and recompute.kept(func, args, kwargs):
             self.bytes += sum(_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
