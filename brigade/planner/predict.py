@@ -27,6 +27,10 @@ rank's memory (`memory.py`), and whether it fits.
                                                         and under shard or tp what DTensor's
                                                         dispatch adds per parameter
          + the runtime's own time per step              `DeviceSpec.runtime_step_s`
+         + the trainer's small collectives              the loss's mean over replicas, the
+                                                        gradient norm's sum over tp, shard and
+                                                        pp, each weight tied across pipeline
+                                                        ranks summed over them (`_step_syncs`)
 
 Not overlapped: an upper bound where a GPU overlaps the reduction with the backward; on a CPU
 gloo's collectives take the same cores. Where more processes share a host than it has cores
@@ -89,7 +93,8 @@ def predict(
     top = worst(memory)
     reduce_s, opt_s = _after_pipeline(costs, layout, cluster, balance, memory,
                                       by_block(layout, at), precision in HALF)
-    step = makespan + reduce_s + opt_s + cluster.device.runtime_step_s
+    sync_s = _step_syncs(costs, layout, cluster, balance, groups)
+    step = makespan + reduce_s + opt_s + cluster.device.runtime_step_s + sync_s
     flops = sum(costs.flops) * batch
     peak = cluster.device.peak(precision)
     limit = cluster.device.memory
@@ -102,6 +107,7 @@ def predict(
         "pipeline_s": makespan,
         "reduce_s": reduce_s,
         "optimizer_s": opt_s,
+        "sync_s": sync_s,
         "tokens_per_s": batch * max(seq_len, 1) / step,
         "mfu": flops / (step * peak * layout.world),
         "bubble": sim.bubble_fraction,
@@ -171,6 +177,31 @@ def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance
         opt_s += cluster.device.dtensor_step_s * count
     crowd = _crowding(layout, cluster)
     return (reduce_s + own_s) * crowd, opt_s * crowd
+
+
+def _step_syncs(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: list[int],
+                groups: dict) -> float:
+    """Seconds of the small collectives the trainer issues once a step beside the pipeline's: the
+    loss's mean over replicas (`ProcessModel._dp_mean`), the gradient norm's sum of squares over
+    each of tp, shard and pp (`ProcessModel.grad_norm`), and each weight tied across pipeline
+    ranks summed over the ranks that hold a copy, shard by shard (`Assembly.settle_grads`).
+    Latency, nearly all: about 0.5-1 ms each on gloo, where `examples/llama.py`'s pp 2 step
+    (30 ms, a tied head) spent 2-2.5 ms in its norm's and its tie's."""
+    def all_reduce(nbytes: float, n: int, group: list[int]) -> float:
+        return comm.all_reduce(nbytes, n, *comm.link(cluster, group, "all_reduce"))
+
+    t = all_reduce(4, layout.dp, groups["dp"])
+    t += sum(all_reduce(4, n, groups[dim]) for dim, n in
+             (("tp", layout.tp), ("shard", layout.shard), ("pp", layout.pp)))
+    holders: dict[int, set[int]] = {}  # parameter id -> the pipeline ranks holding a copy
+    nbytes: dict[int, int] = {}
+    for r in range(layout.pp):
+        for b in rank_blocks(layout, balance, r):
+            for pid, n in costs.params[b].items():
+                holders.setdefault(pid, set()).add(r)
+                nbytes[pid] = n
+    return t + sum(all_reduce(nbytes[pid] / layout.shard, len(ranks), groups["pp"])
+                   for pid, ranks in holders.items() if len(ranks) > 1)
 
 
 def _fsdp_own(costs: ModelCosts, layout: Layout, blocks: list[list[int]], blockwise: bool) -> float:

@@ -148,3 +148,26 @@ def test_a_tp_collectives_wait_comes_on_top_of_the_compute_shared_on_cores():
     assert slow["pipeline_s"] == pytest.approx(5 * 2 * 2 * 1.1 + 12)
     spread = predict(costs, tp, Cluster(1, 4, replace(cpu, cores=4)), batch=4, seq_len=1)
     assert spread["pipeline_s"] == pytest.approx(5 * 2 * 2 * (1 + 1))  # a core each: nothing on top
+
+
+def test_the_trainers_small_collectives_are_added_once_a_step():
+    lat = _device(coll_latency=0.5, all_reduce_bw=1.0)
+    costs = _costs()  # four blocks of one 100-byte parameter
+    tied = replace(costs, params=[{0: 100}, {1: 100}, {2: 100}, {0: 100}])  # the last uses the first's
+
+    def syncs(c, layout, world):
+        return predict(c, layout, Cluster(1, world, lat), batch=8, seq_len=1)["sync_s"]
+
+    assert syncs(costs, Layout(1, 1, 1, "1f1b", 1, 1, "none"), 1) == 0.0  # one process: none
+    # dp 2: the loss's mean over replicas, 4 bytes: 2·½·4/1 + 2·0.5
+    assert syncs(costs, Layout(2, 1, 1, "1f1b", 1, 1, "none"), 2) == pytest.approx(5.0)
+    # pp 2: the gradient norm's over pp; tied across the two ranks, the tie's 100 bytes too
+    pp = Layout(1, 1, 2, "1f1b", 1, 4, "none")
+    assert syncs(costs, pp, 2) == pytest.approx(5.0)
+    assert syncs(tied, pp, 2) == pytest.approx(5.0 + 100 + 1.0)
+    # shard 2 × pp 2: the loss over dp, the norm over shard and over pp; the tie shard by shard
+    both = Layout(1, 2, 2, "1f1b", 1, 4, "none")
+    assert syncs(tied, both, 4) == pytest.approx(3 * 5.0 + 50 + 1.0)
+    row = predict(tied, pp, Cluster(1, 2, lat), batch=8, seq_len=1)
+    assert row["step_s"] == pytest.approx(row["pipeline_s"] + row["reduce_s"] + row["optimizer_s"]
+                                          + row["sync_s"])
