@@ -8,15 +8,21 @@ Each block holds the family's own modules from `transformers` (a `LlamaDecoderLa
     GPT-2:       Embed(wte, wpe, drop) →  Decoder(block) × L →  Head(ln_f, lm_head)
 
 Side inputs (brigade delivers them to every stage from the batch, see pipeline.stages.side_inputs):
-    attention_mask       (B, T) bool, True on real tokens: each decoder builds the causal mask
-                         (with the layer's sliding window, if it has one) from it
+    attention_mask       (B, T) bool, True on real tokens, where the batch has padding: each
+                         decoder builds the causal mask (with the layer's sliding window, if it
+                         has one) from it; None where the batch pads nothing (`layer_mask`)
     position_embeddings  Llama-like only: the rotary (cos, sin), each (B, T, D), computed once per
                          batch by the family's own rotary module
 
 `standalone` blocks (what `brigade bench`, `tune` and `plan` time: torch.distributed.pipelining,
 their yardstick, hands each stage one tensor) take no side inputs: each decoder makes its
 rotary (cos, sin) with its own copy of the rotary module and its mask for a batch of real
-tokens. The layers, and so what is timed, are the same.
+tokens (none: `layer_mask`). The layers, and so what is timed, are the same.
+
+Attention: the layers run transformers' "sdpa" attention, which calls SDPA with is_causal=True
+when it is handed no mask (and has more than one query); a GPU's flash kernel takes only that
+form, never an explicit mask. So a decoder hands its layer no mask unless one says more than
+causality: padding, or a sliding window shorter than the sequence (`layer_mask`).
 
 Every block knows the name each of its tensors has in the directory (`hf_names`), so a rank
 reads only its own blocks' tensors and an export writes them back under the same names.
@@ -41,6 +47,34 @@ def causal_mask(padding: torch.Tensor, window: int | None = None) -> torch.Tenso
     if window is not None:
         allowed = allowed & (q - k < window)
     return (allowed & padding[:, None, None, :]) | (q == k)
+
+
+def layer_mask(padding: torch.Tensor | None, window: int | None, length: int,
+               device: torch.device) -> torch.Tensor | None:
+    """The mask a decoder layer is handed: None where causality alone is the rule.
+
+    Handed None, transformers' sdpa attention calls SDPA with is_causal=True, the only form a
+    GPU's flash kernel takes; any explicit mask, even a purely causal one, rules that kernel out.
+    A mask is built only for padding (`padding` given, (B, T) bool) or for a window that cuts:
+    query − key reaches `length` − 1, so a window of `length` or more cuts nothing.
+
+    Whether a batch has padding is decided once per batch where its inputs are made (the side
+    input is None when it pads nothing, `HFModel.inputs`), not here: reading a tensor's values
+    in every layer of every micro-batch would wait for the device each time. This function
+    reads only shapes and ints.
+
+    Args:
+        padding: (B, T) bool, True on real tokens, or None (no padding).
+        window: the layer's sliding window (None: none).
+        length: the whole sequence's length T (under sequence parallel the hidden states hold
+            a part of it; the attention sees all of it).
+        device: where a mask is built.
+    """
+    if padding is None and (window is None or window >= length):
+        return None
+    if padding is None:
+        padding = torch.ones(1, length, dtype=torch.bool, device=device)
+    return causal_mask(padding, window)
 
 
 class Renamed(nn.Module):
@@ -93,7 +127,7 @@ class GPT2Embed(Renamed):
 
 class Decoder(Renamed):
     """Llama-like: one decoder layer, (B, T, C) → (B, T, C), given the rotary (cos, sin) and
-    the padding mask as side inputs."""
+    the padding mask (None: no padding) as side inputs."""
 
     side_inputs = ("position_embeddings", "attention_mask")
 
@@ -121,17 +155,18 @@ class Decoder(Renamed):
                 self.tp_plan[f"layer.self_attn.{norm}"] = "per-head"
 
     def forward(self, x: torch.Tensor, *, position_embeddings=None, attention_mask=None) -> torch.Tensor:
-        if attention_mask is None:  # standalone
+        if position_embeddings is None:  # standalone: a batch of real tokens
             b, t = x.shape[:2]
             positions = torch.arange(t, device=x.device)[None, :].expand(b, -1)
             position_embeddings = self.rotary(x, positions)
-            attention_mask = torch.ones(b, t, dtype=torch.bool, device=x.device)
-        mask = causal_mask(attention_mask, self.window)
+        length = position_embeddings[0].shape[1]  # the whole sequence's, even where x holds a part
+        mask = layer_mask(attention_mask, self.window, length, x.device)
         return self.layer(x, attention_mask=mask, position_embeddings=tuple(position_embeddings))
 
 
 class GPT2Decoder(Renamed):
-    """GPT-2: one block, (B, T, C) → (B, T, C), given the padding mask as a side input.
+    """GPT-2: one block, (B, T, C) → (B, T, C), given the padding mask (None: no padding) as a
+    side input.
 
     Its attention and MLP are `Conv1D`s (weights stored transposed), which tensor parallel's
     plans do not split: it declares no plan, so --tp refuses GPT-2 in one line."""
@@ -146,9 +181,8 @@ class GPT2Decoder(Renamed):
             self.side_inputs = ()
 
     def forward(self, x: torch.Tensor, *, attention_mask=None) -> torch.Tensor:
-        if attention_mask is None:  # standalone: a batch of real tokens
-            attention_mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-        return self.layer(x, attention_mask=causal_mask(attention_mask))
+        # No window: a mask only for padding (standalone: a batch of real tokens, so none).
+        return self.layer(x, attention_mask=layer_mask(attention_mask, None, x.shape[1], x.device))
 
 
 class Head(Renamed):

@@ -5,9 +5,10 @@
                                                  and fills only its own (`spec.hf.load`)
 
 The blocks hold the family's own modules (blocks.py); the batch a model of this kind takes is
-`{"input_ids": (B, T), "attention_mask": (B, T) bool, "position_embeddings": (cos, sin)}`
-(GPT-2: no rotary), made from token ids by `spec.text_inputs`, and the loss is the mean
-next-token cross-entropy, as transformers' causal LM loss.
+`{"input_ids": (B, T), "attention_mask": (B, T) bool or None, "position_embeddings": (cos, sin)}`
+(GPT-2: no rotary; the mask None where nothing is padding), made from token ids by
+`spec.text_inputs`, and the loss is the mean next-token cross-entropy, as transformers' causal
+LM loss.
 """
 
 from __future__ import annotations
@@ -60,9 +61,29 @@ class HFModel:
             local_files_only=True)
         return model.train()
 
-    def inputs(self, ids: torch.Tensor) -> dict:
-        """Token ids (B, T) → the inputs the blocks take (every position a real token)."""
-        out = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)}
+    def inputs(self, ids: torch.Tensor, padding: torch.Tensor | None = None) -> dict:
+        """Token ids (B, T), and which of them are real tokens → the inputs the blocks take.
+
+        The padding is read here, once per batch where the batch is made (on the host, before
+        it moves to a device), and a mask that pads nothing becomes the side input None: each
+        decoder then hands its layer no mask, and the attention runs SDPA with is_causal=True
+        (blocks.layer_mask). Reading it in each layer instead would wait for the device there,
+        once per layer and micro-batch.
+
+        Args:
+            ids: (B, T) token ids.
+            padding: (B, T), true (or 1) on real tokens, as a tokenizer's attention_mask; None:
+                every position is a real token (brigade's packed sequences).
+
+        Raises:
+            BrigadeError: `padding` not of the shape of `ids`.
+        """
+        if padding is not None and padding.shape != ids.shape:
+            raise BrigadeError(f"a padding mask of shape {tuple(padding.shape)} for token ids of shape "
+                               f"{tuple(ids.shape)}: give one entry per token, true on real tokens")
+        if padding is not None and bool(padding.all()):
+            padding = None
+        out = {"input_ids": ids, "attention_mask": None if padding is None else padding.bool()}
         if self.rotary is not None:
             positions = torch.arange(ids.shape[1])[None, :].expand(ids.shape[0], -1)
             with torch.no_grad():
