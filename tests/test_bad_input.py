@@ -116,6 +116,8 @@ CASES = [
      "--shard 3 does not divide the data-parallel width dp 2: give --shard a divisor of 2", 2),
     ("check shard under the local runtime", ["check", "--dp", "2", "--shard", "2", "--runtime", "local"],
      "--shard 2 with --runtime local: FSDP2 shards over one device per process", 2),
+    ("unknown AdamW update", ["train", "--adamw", "adam"],
+     "--adamw 'adam': expected one of auto, fused, foreach, for-loop", 2),
     ("unknown recompute", ["train", "--recompute", "some"],
      "--recompute 'some': expected one of none, full", 2),
     ("recompute names a block the model lacks", ["train", "--model", "{tmp}/recompute9.py:make"],

@@ -260,3 +260,26 @@ def test_doc_refuses_an_undocumented_field():
 
     with pytest.raises(ValueError, match="give the field a sentence"):
         doc(1, " ")
+
+
+def test_adamw_auto_resolves_to_fused_where_the_device_has_the_kernel(monkeypatch):
+    from brigade.config import optimizer
+
+    assert optimizer.resolve("auto", "cpu") == "fused"  # torch ≥ 2.4 has it on the CPU
+    assert optimizer.resolve("foreach", "cpu") == "foreach"
+    assert optimizer.flags("fused") == {"fused": True, "foreach": False}
+    assert optimizer.flags("for-loop") == {"fused": False, "foreach": False}
+    monkeypatch.setattr(optimizer, "fused_devices", lambda: ("cuda",))
+    assert optimizer.resolve("auto", "cpu") == "foreach"
+    with pytest.raises(BrigadeError, match="--adamw fused: this torch has no fused AdamW for cpu devices"):
+        optimizer.resolve("fused", "cpu")
+    with pytest.raises(BrigadeError, match="--adamw 'adam': expected one of auto, fused, foreach, for-loop"):
+        optimizer.resolve("adam", "cpu")
+
+
+def test_a_run_names_the_update_it_resolved_to():
+    from brigade.train.run import with_update
+
+    cfg = with_update(parse("--backend", "gloo"))
+    assert cfg.optim.adamw == "fused" and "adamw = \"fused\"" in config.to_toml(cfg)
+    assert with_update(parse("--adamw", "for-loop")).optim.adamw == "for-loop"

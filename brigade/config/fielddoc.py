@@ -179,8 +179,21 @@ def _precision_names() -> list[str]:
     return list(PRECISIONS)
 
 
+def _update_names() -> list[str]:
+    from brigade.config.optimizer import UPDATES  # owns the names and what each does
+
+    return list(UPDATES)
+
+
+def _update_help() -> str:
+    from brigade.config.optimizer import UPDATES
+
+    return "; ".join(f"{name}: {what}" for name, what in UPDATES.items())
+
+
 SCHEDULES = Choices(_schedule_names, _schedule_help)
 VIRTUALS = Choices(described=_schedule_virtuals)
 MODELS = Choices(_model_names, more="path/to/file.py:factory, hf:DIR (a Hugging Face directory)")
 PRECISIONS = Choices(_precision_names)
 RECOMPUTES = Choices(_recompute_names, _recompute_help)
+UPDATES = Choices(_update_names, _update_help)

@@ -12,7 +12,7 @@ import json
 import typing
 from dataclasses import dataclass, field, fields
 
-from brigade.config.fielddoc import MODELS, PRECISIONS, RECOMPUTES, SCHEDULES, VIRTUALS, doc
+from brigade.config.fielddoc import MODELS, PRECISIONS, RECOMPUTES, SCHEDULES, UPDATES, VIRTUALS, doc
 
 
 @dataclass
@@ -66,6 +66,9 @@ class ParallelConfig:
                                "without a pipeline each block's always are")
     recompute: str = doc("none", "activation recomputation of every block ({choices}); a model file's "
                                  "recompute = {index: mode} sets it per block", choices=RECOMPUTES)
+    compile: bool = doc(False, "compile each block on its own (torch.compile), after tensor parallel "
+                               "and recompute, before sharding; the first steps wait for the "
+                               "compiler, restarts reuse OUT/compile-cache")
     pp: int = doc(1, "pipeline stages, one process each (1: no pipeline across processes)")
     local_stages: int = doc(1, "pipeline stages inside each process, one thread and device each")
     schedule: str = doc("1f1b", "the pipeline schedule (brigade schedule draws one)", choices=SCHEDULES)
@@ -95,6 +98,8 @@ class OptimConfig:
     beta1: float = doc(0.9, "AdamW's decay rate of the gradient's running mean")
     beta2: float = doc(0.99, "AdamW's decay rate of the squared gradient's running mean")
     grad_clip: float = doc(1.0, "largest norm of the whole model's gradient; 0: no clipping")
+    adamw: str = doc("auto", "how AdamW updates the parameters ({choices}); config.toml names the "
+                             "one a run resolved to", choices=UPDATES)
     grad_accum: int = doc(1, "chunks each replica's share of the global batch is cut into, one "
                               "forward and backward each, gradients summed before one optimizer step")
 

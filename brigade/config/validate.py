@@ -48,6 +48,9 @@ def validate(cfg: RunConfig) -> None:
     _auto_limit(p.auto_limit, sched, v)
     from brigade.config.precision import autocast_dtype  # owns the names; raises on an unknown one
     autocast_dtype(t.precision, t.bf16, "cpu")
+    from brigade.config.optimizer import UPDATES
+    if cfg.optim.adamw not in UPDATES:
+        raise BrigadeError(f"--adamw {cfg.optim.adamw!r}: expected one of {', '.join(UPDATES)}")
     _positive("nnodes", p.nnodes)
     if not 0 <= p.node_rank < p.nnodes:
         raise BrigadeError(f"--node-rank {p.node_rank}: must be between 0 and --nnodes - 1 ({p.nnodes - 1})")

@@ -118,8 +118,9 @@ from brigade.world.mesh import World
 cpu = torch.device("cpu")
 sharding, replicas, pipeline = (World(d, cpu) for d in (Degrees(dp=2, shard=2), Degrees(dp=2), Degrees(pp=2)))
 mesh = sharding.shard_mesh
-def step(params):
-    opt = torch.optim.AdamW(params)
+from brigade.config.optimizer import flags, resolve
+def step(params):  # AdamW as the trainer runs it by default (--adamw auto)
+    opt = torch.optim.AdamW(params, **flags(resolve("auto", "cpu")))
     for p in params:
         p.grad = torch.zeros_like(p)
     return timed(opt.step)

@@ -56,7 +56,7 @@ from brigade.parallel import recompute
 from brigade.pipeline.batches import microbatch
 from brigade.planner.block_memory import block_memory
 from brigade.planner.devices import DeviceSpec
-from brigade.planner.optimizer import foreach_transient, optimizer_transient, seconds_per_byte
+from brigade.planner.optimizer import gpu_transient, optimizer_transient, seconds_per_byte
 from brigade.planner.sample import runnable, take
 from brigade.planner.shard_costs import measure_shard
 from brigade.planner.split_costs import TP, SplitCosts, measure_split
@@ -305,5 +305,5 @@ def scaled(costs: ModelCosts, target: DeviceSpec, precision: str) -> ModelCosts:
     out.scale, out.mem_scale = here / peak, costs.here.mem_bw / target.mem_bw
     out.source = SCALED if costs.source == MEASURED else costs.source
     if not target.cores:  # a GPU: AdamW's foreach update there
-        out.opt_transient, out.opt_foreach = foreach_transient(costs.params), True
+        out.opt_transient, out.opt_foreach = gpu_transient(costs.params), True
     return out

@@ -39,7 +39,7 @@ from brigade.parallel import recompute
 from brigade.pipeline.batches.feed import to
 from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts, master_bytes
 from brigade.planner.devices import DeviceSpec
-from brigade.planner.optimizer import foreach_transient
+from brigade.planner.optimizer import gpu_transient
 from brigade.planner.sample import runnable
 
 ASSUMED_MFU = 0.5  # the share of peak a large model's blocks reach (Megatron-LM reports 40-55 %)
@@ -69,7 +69,7 @@ def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec
     per_mode = {m: _mode(m, size, times, held, kept, inputs, ops, transient) for m in modes}
     params = master_bytes(spec.blocks)
     costs = ModelCosts(spec.name, params, flops, outs, per_mode, ADAMW_BYTES_MOVED / target.mem_bw,
-                       here=None, source=FORMULA, opt_transient=foreach_transient(params), opt_foreach=True)
+                       here=None, source=FORMULA, opt_transient=gpu_transient(params), opt_foreach=True)
     costs.notes.append(f"times from FLOPs at {ASSUMED_MFU:.0%} of {target.name}'s peak; memory from "
                        "the shapes of the tensors autograd saves")
     return costs

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from brigade.config import RunConfig, to_toml
+from brigade.config.optimizer import flags, resolve
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.measure.device import ddp
@@ -49,7 +50,7 @@ def _raw_loop(cfg: RunConfig, info) -> list[float]:
     model = ddp(torch.nn.Sequential(*blocks), device)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
-                            weight_decay=o.weight_decay)
+                            weight_decay=o.weight_decay, **flags(resolve(o.adamw, device.type)))
     sampler = Sampler(len(train), cfg.train.batch_size, cfg.train.seed)
     stamps = []
     dist.barrier()

@@ -28,7 +28,7 @@ def start(cfg: RunConfig, processes: int | str) -> None:
     print(f"brigade: training {cfg.model.model} on {processes} processes (dp={p.dp} × pp={p.pp}"
           + (f" × tp={p.tp}" if p.tp > 1 else "")
           + (f" × {p.local_stages} local stages" if p.local_stages > 1 else "")
-          + f", {p.schedule}), results in {out}/", flush=True)
+          + f", {p.schedule}, AdamW {cfg.optim.adamw}), results in {out}/", flush=True)
 
 
 def finish(cfg: RunConfig, summary: dict) -> None:

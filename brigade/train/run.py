@@ -11,6 +11,7 @@ import faulthandler
 import os
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from brigade import forensics
 from brigade.config import RunConfig, pipeline_shape, resolve_layout
+from brigade.config.optimizer import resolve as resolve_update
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.env import launcher_env, launcher_world, under_launcher
@@ -252,6 +254,13 @@ def _launched(cfg: RunConfig, fault: Fault | None, world) -> dict[int, dict]:
     return {summary["rank"]: summary}
 
 
+def with_update(cfg: RunConfig) -> RunConfig:
+    """`cfg` with --adamw resolved for the run's device (`config.optimizer.resolve`): what its first
+    line and config.toml name."""
+    device_type = groups.pick_backend(cfg.parallel.backend)[1]
+    return replace(cfg, optim=replace(cfg.optim, adamw=resolve_update(cfg.optim.adamw, device_type)))
+
+
 def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> dict[int, dict]:
     """What `brigade train` does in the user's shell. Returns this node's ranks' summaries.
 
@@ -263,7 +272,7 @@ def run(cfg: RunConfig, fault: Fault | None = None, port: int | None = None) -> 
         agent.Stopped: the launcher was sent a signal; the workers wrote a snapshot and left.
     """
     world = launcher_world()
-    cfg = resolve_layout(cfg, world)
+    cfg = with_update(resolve_layout(cfg, world))
     if under_launcher():
         return _launched(cfg, fault, world)
     preflight(cfg)

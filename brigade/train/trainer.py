@@ -36,6 +36,7 @@ from brigade.config import (
     elastic,
     resolve_layout,
 )
+from brigade.config.optimizer import flags, resolve
 from brigade.config.precision import autocast_dtype
 from brigade.dtensors import mesh_of
 from brigade.errors import RunError
@@ -61,8 +62,9 @@ def adamw(cfg: OptimConfig) -> Callable[[nn.Module], torch.optim.Optimizer]:
     """AdamW with weight decay on matrices only (not biases, norms, or embeddings' gains).
 
     Under tensor parallel some parameters are DTensors, on one mesh or two, and some plain
-    tensors; AdamW's fused (foreach) update may not mix kinds in one group (`dtensors.mesh_of`),
-    so each kind has its own groups."""
+    tensors; AdamW's fused and foreach updates may not mix kinds in one group
+    (`dtensors.mesh_of`), so each kind has its own groups. The update is --adamw's, resolved for
+    the parameters' device where it is "auto" (`config.optimizer.resolve`)."""
 
     def make(model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -72,7 +74,8 @@ def adamw(cfg: OptimConfig) -> Callable[[nn.Module], torch.optim.Optimizer]:
                   for matrix in (True, False) for kind in kinds]
         # No empty groups: a snapshot maps groups to parameter names, and an empty one has none.
         groups = [g for g in groups if g["params"]]
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+        update = resolve(cfg.adamw, params[0].device.type if params else "cpu")
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **flags(update))
 
     return make
 
