@@ -40,6 +40,7 @@ class CheckConfig:
     recompute: str = doc("none", sentence(ParallelConfig, "recompute"), choices=RECOMPUTES)
     reshard: bool = doc(False, sentence(ParallelConfig, "reshard"))
     sequence_parallel: bool = doc(True, sentence(ParallelConfig, "sequence_parallel"))
+    compile: bool = doc(False, sentence(ParallelConfig, "compile").split(";")[0])
 
 
 @dataclass

@@ -34,6 +34,7 @@ from brigade.check.preflight import local_devices, preflight
 from brigade.check.reference import exact_matmuls, reference
 from brigade.config import ParallelConfig, degrees_of
 from brigade.dtensors import full
+from brigade.errors import RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.rendezvous import LaunchSpec
 from brigade.models import ModelSpec, load_model
@@ -93,8 +94,10 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     ref_loss, ref_grads, ref_state, ref_kind = reference(spec, x, y, m, lr, ref_device)
     cut = _cut(cfg, spec, schedule, v, x, world.device)
     # the same assembler as brigade train's (the reference, a deep copy, ran unwrapped)
-    built = assemble(spec.blocks, cut, world, mode, cfg.reshard, sequence_parallel=cfg.sequence_parallel)
-    loss = _step(built, schedule, m, spec.loss_fn, x, y)
+    built = assemble(spec.blocks, cut, world, mode, cfg.reshard, sequence_parallel=cfg.sequence_parallel,
+                     compile=cfg.compile)
+    loss = _step(built, schedule, m, spec.loss_fn, x, y, warm=cfg.compile)
+    _compiled_somewhere(cfg, built)
     held = built.held
     grad_diff = _max_diff([p.grad for b in held.values() for p in b.parameters()],
                           [g for b in held for g in ref_grads[b]])
@@ -112,12 +115,19 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
                        sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel)
 
 
-def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y) -> float:
+def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y, warm: bool = False) -> float:
     """One pipeline step of this replica on its slice, its shared weights' gradients summed; the
-    replicas' mean loss (the whole batch's)."""
+    replicas' mean loss (the whole batch's). `warm`: a step first, its gradients dropped: a
+    pipeline watches its stages' first forwards for random draws (`runtime.randomness`) under a
+    dispatch mode, which compiled graphs cannot run under, so under --compile the compared step
+    is the second, where they run compiled."""
     world = built.world
     pipe = built.pipeline(schedule, m, loss_fn)
     try:
+        if warm:
+            pipe.step(_replica(x, world), _replica(y, world))
+            for p in built.owned.parameters():
+                p.grad = None
         loss = float(pipe.step(_replica(x, world), _replica(y, world)))
     finally:
         if world.local:
@@ -128,6 +138,22 @@ def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y) -> float:
         dist.all_reduce(total, group=world.group("dp"))
         loss = float(total) / world.degrees.dp
     return loss
+
+
+def _compiled_somewhere(cfg: CheckConfig, built: Assembly) -> None:
+    """Under --compile, refuse a check in which this process compiled nothing though it holds
+    blocks that should be: it would compare eager with eager and pass for nothing.
+
+    Raises:
+        RunError: no compiled graph here.
+    """
+    if not cfg.compile or all(i in built.eager for i in built.held):
+        return
+    from torch._dynamo.utils import counters
+
+    if not counters["stats"]["unique_graphs"]:
+        raise RunError(f"--compile: no block compiled on this process (blocks {sorted(built.held)}); "
+                       "torch.compile fell back to eager: run with TORCH_LOGS=dynamo to see why")
 
 
 def _degrees(cfg: CheckConfig) -> Degrees:

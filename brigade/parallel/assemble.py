@@ -10,7 +10,9 @@ their stages here, so what the check proves equal to one device is what training
                                     it, with the boundaries between parts and whole blocks
                                     (parallel.sequence)
                2. recompute         each held block's forward, by its mode (parallel.recompute)
-               3. shard / replicate each stage under FSDP2 over the world's shard mesh
+               3. compile           each held block's forward on its own, with --compile
+                                    (parallel.compiled)
+               4. shard / replicate each stage under FSDP2 over the world's shard mesh
                                     (parallel.shard), or DDP over its data-parallel group
                                     (parallel.replicate), where the stage has replicas
            ─ weights read into what each process holds (hf:DIR: a DTensor's own part)
@@ -37,13 +39,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from brigade.models.hf.weights import materialize
-from brigade.parallel import recompute, sequence, tensor
+from brigade.parallel import compiled, recompute, sequence, tensor
 from brigade.parallel.replicate import data_parallel
 from brigade.parallel.shard import shard_stage
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
@@ -51,7 +53,7 @@ from brigade.pipeline.stages.partition import split
 from brigade.pipeline.stages.ties import StageTies, aliases, find_shared
 from brigade.world.mesh import World
 
-ORDER = ("tensor parallel", "recompute", "shard or replicate")  # the wrappers, first applied first
+ORDER = ("tensor parallel", "recompute", "compile", "shard or replicate")  # the wrappers, first applied first
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class Assembly:
         stages, unwrapped (a block's parameters are DTensors under tensor parallel or sharding);
         owned: the same blocks under their global names (what the optimizer and snapshots see);
         ties: the shared weights, summed after each step's last backward (`ties.sum_grads(held)`);
-        modes: each block's recompute mode.
+        modes: each block's recompute mode; eager: the held blocks --compile left eager
+        (`compiled.compile_blocks`).
     """
 
     world: World
@@ -113,6 +116,7 @@ class Assembly:
     modes: list[str]
     autocast: torch.dtype | None = None  # what the pipeline runs its forwards under
     mixed: torch.dtype | None = None  # the sharded stages' gathered-weight dtype (FSDP2's policy)
+    eager: list[int] = field(default_factory=list)
 
     def settle_grads(self) -> None:
         """After the step's last backward: every copy of a shared weight given the sum of their
@@ -140,7 +144,7 @@ class Assembly:
 def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: str = "none",
              reshard: bool = False, autocast: torch.dtype | None = None,
              weights: Callable[[dict[int, nn.Module], torch.device], None] | None = None,
-             sequence_parallel: bool = True) -> Assembly:
+             sequence_parallel: bool = True, compile: bool = False) -> Assembly:
     """This process's stages of `blocks`, cut by `cut`, wrapped for `world` in `ORDER`.
 
     Called by every process with the same blocks (built from one seed) and cut.
@@ -158,6 +162,7 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
             blocks built on the meta device (an `hf:DIR` model): each process reads only its part.
         sequence_parallel: under tp > 1, split along the sequence what the blocks whose plan
             allows it would hold whole on every tp process (`parallel.sequence`).
+        compile: compile each held block's forward (`parallel.compiled`).
 
     Raises:
         BrigadeError: a mode or plan a block refuses (`recompute.modes`, `tensor.parallelize`).
@@ -172,14 +177,15 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     held = {i: blocks[i] for i in indices}
     tp_mesh = world.tp_mesh if world.degrees.tp > 1 else None
     modes = split_blocks(blocks, indices, tp_mesh, recompute_mode, sequence_parallel)  # 1. and 2.
+    eager = compiled.compile_blocks(blocks, indices, modes) if compile else []  # 3. compile
     stages = split(blocks, list(cut.balance))
     run_under, mixed = precision(world, autocast)
     reshard = reshard or len(cut.ranks) == 1  # no pipeline: each block's weights freed after its forward
     wrapped = _local_stages(stages, cut, world) if world.local else \
-        {s: _replicated(stages[s], world, reshard, mixed) for s in mine}  # 3. shard or replicate
+        {s: _replicated(stages[s], world, reshard, mixed) for s in mine}  # 4. shard or replicate
     if weights is not None:  # after tensor parallel and sharding: each reads only its part
         weights(held, world.device)
-    return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed)
+    return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed, eager)
 
 
 def split_blocks(blocks: list[nn.Module], indices: list[int], tp_mesh, recompute_mode: str,

@@ -111,7 +111,7 @@ class ProcessModel:
         self.world = world
         cut, schedule, m = cut_of(blocks, cfg)
         self.assembly = assemble(blocks, cut, world, cfg.recompute, cfg.reshard, autocast, weights,
-                                 cfg.sequence_parallel)
+                                 cfg.sequence_parallel, cfg.compile)
         self.balance, self.owned, self.held = list(cut.balance), self.assembly.owned, self.assembly.held
         self.ties, self.recompute = self.assembly.ties, self.assembly.modes
         # A costed schedule (auto) plans on unit costs until `replan` gives it measured ones.

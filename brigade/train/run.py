@@ -23,7 +23,7 @@ from brigade.config.optimizer import resolve as resolve_update
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.env import launcher_env, launcher_world, under_launcher
-from brigade.parallel import sequence, tensor
+from brigade.parallel import compiled, sequence, tensor
 from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
 from brigade.snapshot import collective
 from brigade.snapshot.compat import check_compatible, run_facts
@@ -144,6 +144,8 @@ def worker(cfg: RunConfig, fault: Fault | None = None) -> dict:
 
 def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
     """Build, resume, fit and snapshot; the summary of this rank's run."""
+    if cfg.parallel.compile:  # before anything compiles: a restart finds the first attempt's graphs
+        compiled.use_cache(cfg.train.out)
     blocks, loss_fn, train, val, vocab, weights = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train, weights=weights)

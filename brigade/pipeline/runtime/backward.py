@@ -16,6 +16,13 @@ How, without computing anything twice:
        parameters, with the kept gradients; each N now computes only its weight
        output. The results are added to `.grad`.
 
+A compiled block (--compile) is one node in the graph whose backward computes every gradient
+of the block at once: the input pass would compute its weight gradients and drop them, and the
+weight pass compute them all again. So a frontier node that is a compiled graph's
+(`_compiled`) is not split: the input pass asks for its parameters too and adds their gradients
+at once, and the weight pass only reports them ready. The block's W costs nothing and its I
+what its whole backward costs.
+
 Under data parallel, DDP's reducer never fires (it hooks a normal backward), so
 `reduce.GradientReducer` takes its place: the runner tells it which parameters the
 step's last weight pass has finished, and it all-reduces them in buckets.
@@ -71,6 +78,11 @@ def _frontier(roots: list, x_nodes: set, param_nodes: dict) -> tuple[dict, set]:
             frontier[node] = sorted(mine)
     hits = {r for r in roots if reach_x.get(r, False)}
     return (frontier if frontier or not hits else {}), hits
+
+
+def _compiled(node) -> bool:
+    """A compiled graph's backward (AOTAutograd's node): it cannot leave its weight gradients out."""
+    return "CompiledFunctionBackward" in node.name()
 
 
 def _accumulate(params: list[torch.Tensor], grads) -> None:
@@ -157,14 +169,19 @@ def _split(ys: list, grads: list, xs: list, params: list) -> tuple[list, Callabl
             kept[node] = grad_outputs
         return hook
 
+    whole = [params[i] for n in [n for n in frontier if _compiled(n)] for i in frontier.pop(n)]
     handles = [n.register_prehook(keep(n)) for n in frontier]
     try:
-        dxs = list(torch.autograd.grad(ys, xs, grads, retain_graph=True, allow_unused=True))
+        got = torch.autograd.grad(ys, [*xs, *whole], grads, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
+    dxs = list(got[:len(xs)])
+    _accumulate(whole, got[len(xs):])  # compiled blocks: their weight gradients with the input's
 
     def weight_step(ready: Ready | None = None) -> None:
+        if ready and whole:
+            ready(whole)
         # One call per frontier node, asking only for the parameters below its weight-only
         # children, so no gradient flows twice through the input path.
         for node, outs in kept.items():
