@@ -52,7 +52,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from brigade.host import malloc
 from brigade.measure.stages import block_costs
 from brigade.models import ModelSpec
-from brigade.parallel import recompute
+from brigade.parallel import compiled, recompute
 from brigade.pipeline.batches import microbatch
 from brigade.planner.block_memory import block_memory
 from brigade.planner.devices import DeviceSpec
@@ -177,12 +177,12 @@ def interpolate(samples: dict[int, list], size: int) -> list[tuple[float, ...]]:
 
 
 def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpec,
-            precision: str = "", tp: bool = False, shard: bool = False) -> ModelCosts:
+            precision: str = "", tp: bool = False, shard: bool = False, compile: bool = False) -> ModelCosts:
     """Measure `spec`'s blocks here at micro-batch `sizes` under each recompute mode (one thread),
     timed in `precision` ("bf16", "fp16": on a copy in that dtype; module docstring); with `tp`,
     each mode also on one of `split_costs.TP` tensor-parallel processes (fp32), and with `shard`
     what FSDP2's own work adds to each block (`shard_costs`), where this process can fake their
-    world.
+    world; with `compile`, the timed blocks compiled as --compile compiles them (`parallel.compiled`).
 
     With freed memory kept, as every training process keeps it (`brigade.host.malloc`, set for the
     rest of this process): with malloc's defaults each fresh gradient page-faults in again, and
@@ -193,7 +193,7 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
     torch.set_num_threads(1)
     try:
         x, y = spec.make_batch(max(sizes), torch.Generator().manual_seed(0))
-        per_mode = {m: _mode(spec, x, y, sizes, m, HALF.get(precision)) for m in modes}
+        per_mode = {m: _mode(spec, x, y, sizes, m, HALF.get(precision), compile) for m in modes}
         if tp and precision not in HALF:
             _split(spec, x, y, sizes, per_mode)
         shard_s = _shard(spec, take(x, min(sizes)), take(y, min(sizes)), HALF.get(precision)) if shard else []
@@ -227,11 +227,16 @@ def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str, dtype: torch.dtype | None = None) -> ModeCosts:
-    """One recompute mode's times (in `dtype`, on a copy: None, fp32) and memory (in fp32)."""
+def _mode(spec: ModelSpec, x, y, sizes: list[int], mode: str, dtype: torch.dtype | None = None,
+          compile: bool = False) -> ModeCosts:
+    """One recompute mode's times (in `dtype`, on a copy: None, fp32; with `compile`, of compiled
+    blocks) and memory (in fp32, eager)."""
     blocks = copy.deepcopy(spec.blocks)
-    recompute.apply(blocks, mode)
-    timed = blocks if dtype is None else [copy.deepcopy(b).to(dtype) for b in blocks]
+    chosen = recompute.apply(blocks, mode)
+    timed = blocks if dtype is None and not compile else [copy.deepcopy(b) for b in blocks]
+    timed = timed if dtype is None else [b.to(dtype) for b in timed]
+    if compile:
+        compiled.compile_blocks(timed, list(range(len(timed))), chosen)
     times = {}
     for s in sizes:
         h, bound = runnable(timed, take(x, s))

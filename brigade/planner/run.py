@@ -178,7 +178,9 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
             here_tp = where.device.measured and any(r.tp == TP for r in rows)  # on one tp process
             here_shard = where.device.measured and any(r.shard > 1 for r in rows)  # FSDP2's own work
             costs = scaled(measure(load_spec(cfg, m), at, modes, cpu(), timed_in, tp=here_tp,
-                                   shard=here_shard), where.device, cfg.precision)
+                                   shard=here_shard, compile=cfg.compile), where.device, cfg.precision)
+    if cfg.compile and costs.source != MEASURED:  # measured elsewhere, or from shapes: the stated factor
+        costs.scale *= cfg.compile_factor
     costs.tensor = tensor
     out, left = _predict_all(cfg, costs, where, rows, tokens_per_sample(shape))
     return {
@@ -240,7 +242,7 @@ def to_config(cfg: PlanConfig, row: dict, m: ModelConfig, nodes: int, per_node: 
     p = run.parallel
     p.nproc, p.nnodes, p.dp, p.pp, p.shard = per_node, nodes, lay["dp"], lay["pp"], lay["shard"]
     p.schedule, p.virtual, p.microbatches = lay["schedule"], lay["virtual"], lay["microbatches"]
-    p.recompute, p.tp = lay["recompute"], lay.get("tp", 1)
+    p.recompute, p.tp, p.compile = lay["recompute"], lay.get("tp", 1), cfg.compile
     if lay["pp"] > 1:
         p.balance = ",".join(map(str, row["balance"]))
     run.train.batch_size = cfg.batch_size
