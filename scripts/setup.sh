@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install brigade, its test tools and the optional Hugging Face extra into the current Python environment, at the exact
-# versions the suite last passed with (constraints.txt; moved forward by scripts/update-pins.sh).
+# Install brigade, its test tools and the optional Hugging Face and float8 extras into the current
+# Python environment, at the exact versions the suite last passed with (constraints.txt; moved
+# forward by scripts/update-pins.sh).
 # torch comes first, and only if missing: a CPU-only machine then takes the CPU wheel
 # instead of letting a plain "torch" requirement pull a CUDA build, and a GPU machine
 # keeps the torch it has (which is why constraints.txt does not pin torch).
@@ -11,3 +12,4 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet "torch==${BRIGADE_TORCH_VERSION:-2.13.0}"
 fi
 "$PY" -m pip install --quiet -c constraints.txt -e ".[dev,hf]"   # hf: the tests build tiny HF models
+"$PY" -m pip install --quiet -c constraints.txt -e ".[float8]"   # float8: the tests convert tiny models
