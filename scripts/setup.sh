@@ -11,5 +11,5 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet "torch==${BRIGADE_TORCH_VERSION:-2.13.0}"
 fi
-"$PY" -m pip install --quiet -c constraints.txt -e ".[dev,hf]"   # hf: the tests build tiny HF models
-"$PY" -m pip install --quiet -c constraints.txt -e ".[float8]"   # float8: the tests convert tiny models
+# hf: the tests build tiny HF models; float8: they convert tiny models through torchao
+"$PY" -m pip install --quiet -c constraints.txt -e ".[dev,hf,float8]"

@@ -47,9 +47,9 @@ BATCH = 1024  # a batch whose activations outweigh the MLP's gradients and AdamW
 def test_a_pipeline_holds_less_than_the_whole_model_and_1f1b_less_than_gpipe(mlp_costs):
     ddp, gpipe, one_f = (peak_bytes(mlp_costs, r, BATCH) for r in _rows())
     assert ddp > gpipe > one_f > 0
-    # at a small batch the optimizer step is each stage's peak: the schedules no longer differ
+    # at a small batch the states outweigh the activations: the schedules differ by under 1 %
     small = [peak_bytes(mlp_costs, r, 8) for r in _rows()]
-    assert small[0] > small[1] == small[2] > 0
+    assert small[0] > small[1] >= small[2] > 0.99 * small[1]
 
 
 def test_what_does_not_fit_is_left_out_and_nothing_fitting_is_one_line(mlp_costs):

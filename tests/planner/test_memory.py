@@ -129,12 +129,9 @@ def test_optimizer_transient_is_measured_per_block_as_adamw_runs_here():
     blocks = [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 256)]
     per, foreach = optimizer_transient(blocks)
     assert per[1] == 0.0  # no parameters, no step
-    for b in (0, 2):
-        largest = max(p.numel() * 4 for p in blocks[b].parameters())
-        total = sum(p.numel() * 4 for p in blocks[b].parameters())
-        assert largest <= per[b] <= 3 * total
-    assert per[2] > per[0]
-    assert foreach is False  # AdamW updates one tensor at a time on a CPU (torch's default there)
+    for b in (0, 2):  # fused (--adamw auto on a CPU) updates in place: nothing near a parameter's size
+        assert 0.0 <= per[b] < min(p.numel() * 4 for p in blocks[b].parameters())
+    assert foreach is False  # nor a copy of them all, as foreach would allocate
 
 
 def test_sharded_stages_count_their_gradients_beside_their_activations_at_every_moment():
