@@ -103,8 +103,8 @@ def _add_check(sub) -> None:
 
     closed = {"runtime": ["process", "local"], "balance_by": ["params", "time"], "recompute": list(MODES)}
     for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "tp",
-                 "sequence_parallel", "reshard", "recompute", "compile", "runtime", "devices", "batch_size",
-                 "balance", "balance_by", "seed", "atol"):
+                 "sequence_parallel", "reshard", "recompute", "compile", "float8", "runtime", "devices",
+                 "batch_size", "balance", "balance_by", "seed", "atol"):
         _option(p, CheckConfig, name, **({"choices": closed[name]} if name in closed else {}))
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     _json_arg(p)
@@ -128,7 +128,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
         virtual=args.virtual, dp=args.dp, shard=args.shard, reshard=args.reshard,
         recompute=args.recompute, tp=args.tp, sequence_parallel=args.sequence_parallel,
-        compile=args.compile,
+        compile=args.compile, float8=args.float8,
     )
     result = run_check(cfg, port=args.port)[0]
     print(json.dumps(result) if args.json else "\n".join(report.lines(cfg, result)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from brigade.config import ParallelConfig
-from brigade.config.fielddoc import MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
+from brigade.config.fielddoc import FLOAT8, MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
 
 Case = tuple  # (schedule, m[, virtual[, recompute]]); virtual 0: the schedule's own V
 
@@ -41,6 +41,9 @@ class CheckConfig:
     reshard: bool = doc(False, sentence(ParallelConfig, "reshard"))
     sequence_parallel: bool = doc(True, sentence(ParallelConfig, "sequence_parallel"))
     compile: bool = doc(False, sentence(ParallelConfig, "compile").split(";")[0])
+    float8: str = doc("", "float8 matmuls in the body's linear layers ({choices}), against the same "
+                          "float8 model on one device, micro-batch by micro-batch (each micro-batch's "
+                          "scales its own); empty: none", choices=FLOAT8)
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """`brigade check`'s one-device reference: what every pipeline is compared with.
 
 The reference runs the same blocks (a deep copy that keeps ties) on one device, on the whole
-batch, or micro-batch after micro-batch where BatchNorm makes micro-batching change the result,
-and is compared under exact arithmetic (`exact_matmuls`): no TF32, deterministic cuDNN.
+batch, or micro-batch after micro-batch where micro-batching changes the result: BatchNorm's
+statistics, and float8's scales (--float8: the reference's copy is converted too, and each
+matmul's scale comes from the largest value of its micro-batch); it is compared under exact
+arithmetic (`exact_matmuls`): no TF32, deterministic cuDNN.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def has_batchnorm(blocks: list[nn.Module]) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for b in blocks for m in b.modules())
 
 
-def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device):
+def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device, float8: str = ""):
     """Single device: loss, and per block its gradients and post-SGD state, of a deep copy that
     keeps ties (one device sums their uses: the gradient every stage's copy must hold).
 
@@ -32,9 +34,13 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device):
     if spec.hf is not None:
         return _transformers_reference(spec, x, y, lr, device)
     blocks = copy.deepcopy(spec.blocks)  # one deepcopy of the list keeps ties between blocks
+    if float8:
+        from brigade.parallel.float8 import convert
+
+        convert(blocks, float8)
     model = whole(blocks).to(device)  # side inputs, where blocks declare them, taken out of the batch
     x, y = feed.to(x, device), feed.to(y, device)
-    per_mb = m > 1 and has_batchnorm(spec.blocks)
+    per_mb = m > 1 and (has_batchnorm(spec.blocks) or bool(float8))
     if per_mb:
         total = 0.0
         for xs, ys, w in zip(microbatch.split_structure(x, m), microbatch.split_structure(y, m),
@@ -49,7 +55,8 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device):
     grads = [[p.grad.clone() for p in b.parameters()] for b in blocks]
     torch.optim.SGD(model.parameters(), lr=lr).step()
     state = [[t.detach().clone() for t in b.state_dict().values()] for b in blocks]
-    return float(loss.detach()), grads, state, ("micro-batched (BatchNorm)" if per_mb else "full batch")
+    why = "float8" if float8 else "BatchNorm"
+    return float(loss.detach()), grads, state, (f"micro-batched ({why})" if per_mb else "full batch")
 
 
 def _transformers_reference(spec: ModelSpec, x, y, lr: float, device: torch.device):

@@ -191,9 +191,16 @@ def _update_help() -> str:
     return "; ".join(f"{name}: {what}" for name, what in UPDATES.items())
 
 
+def _float8_names() -> list[str]:
+    from brigade.parallel.float8 import RECIPES  # owns the recipes (torchao's names)
+
+    return list(RECIPES)
+
+
 SCHEDULES = Choices(_schedule_names, _schedule_help)
 VIRTUALS = Choices(described=_schedule_virtuals)
 MODELS = Choices(_model_names, more="path/to/file.py:factory, hf:DIR (a Hugging Face directory)")
 PRECISIONS = Choices(_precision_names)
 RECOMPUTES = Choices(_recompute_names, _recompute_help)
 UPDATES = Choices(_update_names, _update_help)
+FLOAT8 = Choices(_float8_names)

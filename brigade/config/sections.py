@@ -12,7 +12,7 @@ import json
 import typing
 from dataclasses import dataclass, field, fields
 
-from brigade.config.fielddoc import MODELS, PRECISIONS, RECOMPUTES, SCHEDULES, UPDATES, VIRTUALS, doc
+from brigade.config.fielddoc import FLOAT8, MODELS, PRECISIONS, RECOMPUTES, SCHEDULES, UPDATES, VIRTUALS, doc
 
 
 @dataclass
@@ -69,6 +69,10 @@ class ParallelConfig:
     compile: bool = doc(False, "compile each block on its own (torch.compile), after tensor parallel "
                                "and recompute, before sharding; the first steps wait for the "
                                "compiler, restarts reuse OUT/compile-cache")
+    float8: str = doc("", "float8 matmuls in the body's linear layers, through torchao ({choices}; "
+                          "pip install 'brigade[float8]'); the first block and the head stay in full "
+                          "precision, and the run's first lines list what converted; empty: none",
+                      choices=FLOAT8)
     pp: int = doc(1, "pipeline stages, one process each (1: no pipeline across processes)")
     local_stages: int = doc(1, "pipeline stages inside each process, one thread and device each")
     schedule: str = doc("1f1b", "the pipeline schedule (brigade schedule draws one)", choices=SCHEDULES)

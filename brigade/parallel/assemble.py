@@ -5,6 +5,9 @@ their stages here, so what the check proves equal to one device is what training
     blocks ─ cut (blocks per stage, stage → pipeline rank) ─ ties across stages untied
            ─ this process's stages kept ─ meta blocks given memory ─ moved to the device
            ─ the wrappers, in ORDER:
+               0. float8            each held block's eligible linear layers swapped for torchao's
+                                    float8 ones, with --float8 (parallel.float8): first, since it
+                                    replaces the very modules the others hook or wrap
                1. tensor parallel   each held block's tp_plan over the world's "tp" mesh (parallel.tensor),
                                     sequence parallel where a plan allows it and the run wants
                                     it, with the boundaries between parts and whole blocks
@@ -46,6 +49,7 @@ from torch import nn
 
 from brigade.models.hf.weights import materialize
 from brigade.parallel import compiled, recompute, sequence, tensor
+from brigade.parallel import float8 as fp8
 from brigade.parallel.replicate import data_parallel
 from brigade.parallel.shard import shard_stage
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
@@ -53,7 +57,8 @@ from brigade.pipeline.stages.partition import split
 from brigade.pipeline.stages.ties import StageTies, aliases, find_shared
 from brigade.world.mesh import World
 
-ORDER = ("tensor parallel", "recompute", "compile", "shard or replicate")  # the wrappers, first applied first
+# the wrappers, first applied first
+ORDER = ("float8", "tensor parallel", "recompute", "compile", "shard or replicate")
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ class Assembly:
         owned: the same blocks under their global names (what the optimizer and snapshots see);
         ties: the shared weights, summed after each step's last backward (`ties.sum_grads(held)`);
         modes: each block's recompute mode; eager: the held blocks --compile left eager
-        (`compiled.compile_blocks`).
+        (`compiled.compile_blocks`); float8: what --float8 converted.
     """
 
     world: World
@@ -117,6 +122,13 @@ class Assembly:
     autocast: torch.dtype | None = None  # what the pipeline runs its forwards under
     mixed: torch.dtype | None = None  # the sharded stages' gathered-weight dtype (FSDP2's policy)
     eager: list[int] = field(default_factory=list)
+    float8: fp8.Conversion | None = None  # what --float8 converted (its `line()`)
+
+    def after_optimizer_step(self) -> None:
+        """What the wrappers need once the weights changed: float8's scales for FSDP's float8
+        all-gathers, all at once (`float8.refresh_scales`)."""
+        if self.float8 is not None and self.float8.float8_all_gather:
+            fp8.refresh_scales(self.owned)
 
     def settle_grads(self) -> None:
         """After the step's last backward: every copy of a shared weight given the sum of their
@@ -144,7 +156,7 @@ class Assembly:
 def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: str = "none",
              reshard: bool = False, autocast: torch.dtype | None = None,
              weights: Callable[[dict[int, nn.Module], torch.device], None] | None = None,
-             sequence_parallel: bool = True, compile: bool = False) -> Assembly:
+             sequence_parallel: bool = True, compile: bool = False, float8: str = "") -> Assembly:
     """This process's stages of `blocks`, cut by `cut`, wrapped for `world` in `ORDER`.
 
     Called by every process with the same blocks (built from one seed) and cut.
@@ -163,6 +175,7 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
         sequence_parallel: under tp > 1, split along the sequence what the blocks whose plan
             allows it would hold whole on every tp process (`parallel.sequence`).
         compile: compile each held block's forward (`parallel.compiled`).
+        float8: a float8 recipe, tensorwise or rowwise ("": none; `parallel.float8`).
 
     Raises:
         BrigadeError: a mode or plan a block refuses (`recompute.modes`, `tensor.parallelize`).
@@ -175,6 +188,7 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     materialize(owned, world.device)  # blocks built without memory: only those held here
     owned.to(world.device)
     held = {i: blocks[i] for i in indices}
+    converted = fp8.convert(blocks, float8, sharded(world), indices) if float8 else None  # 0. float8
     tp_mesh = world.tp_mesh if world.degrees.tp > 1 else None
     modes = split_blocks(blocks, indices, tp_mesh, recompute_mode, sequence_parallel)  # 1. and 2.
     eager = compiled.compile_blocks(blocks, indices, modes) if compile else []  # 3. compile
@@ -185,7 +199,7 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
         {s: _replicated(stages[s], world, reshard, mixed) for s in mine}  # 4. shard or replicate
     if weights is not None:  # after tensor parallel and sharding: each reads only its part
         weights(held, world.device)
-    return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed, eager)
+    return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed, eager, converted)
 
 
 def split_blocks(blocks: list[nn.Module], indices: list[int], tp_mesh, recompute_mode: str,

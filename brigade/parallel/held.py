@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _here = threading.local()  # per thread, as autograd's saved-tensor hooks are: its Helds, innermost last
 
@@ -40,15 +41,19 @@ def is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
-def _storage(t: torch.Tensor):
+def storage_of(t: torch.Tensor):
     """`t`'s storage. A DTensor (tensor parallel saves some) has none of its own: its local part's
-    counts (the attribute, not to_local(): no autograd op inside a saved-tensor hook)."""
-    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+    counts (the attribute, not to_local(): no autograd op inside a saved-tensor hook). A wrapper
+    tensor (torchao's float8 weights under FSDP2) neither: the first inner tensor's counts."""
+    t = t._local_tensor if isinstance(t, DTensor) else t
+    while is_traceable_wrapper_subclass(t):
+        t = getattr(t, t.__tensor_flatten__()[0][0])
+    return t.untyped_storage()
 
 
 def storage_key(t: torch.Tensor) -> tuple | None:
     """(device, address) of `t`'s storage, the same for every view of it; None when it is empty."""
-    storage = _storage(t)
+    storage = storage_of(t)
     return (t.device, storage.data_ptr()) if storage.nbytes() else None
 
 
@@ -87,7 +92,7 @@ class Held:
         key = storage_key(t)
         if key is None or key in self._exclude:
             return None
-        entry = self.refs.setdefault(key, [_storage(t).nbytes(), 0])
+        entry = self.refs.setdefault(key, [storage_of(t).nbytes(), 0])
         entry[1] += 1
         if entry[1] == 1:
             self.now += entry[0]

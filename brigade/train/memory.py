@@ -25,18 +25,19 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from brigade.dtensors import local
-from brigade.parallel.held import Held, storage_key
+from brigade.parallel.held import Held, storage_key, storage_of
 
 KINDS = ("params", "grads", "optimizer", "activations")
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages under `tensors` (a DTensor: its local shard's)."""
+    """Bytes of the distinct storages under `tensors` (a DTensor: its local shard's; a float8
+    weight wrapper: its inner tensor's, `held.storage_of`)."""
     seen: dict[tuple, int] = {}
     for t in tensors:
         key = None if t is None else storage_key(local(t))
         if key is not None:
-            seen[key] = local(t).untyped_storage().nbytes()
+            seen[key] = storage_of(local(t)).nbytes()
     return sum(seen.values())
 
 

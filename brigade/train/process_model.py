@@ -111,7 +111,9 @@ class ProcessModel:
         self.world = world
         cut, schedule, m = cut_of(blocks, cfg)
         self.assembly = assemble(blocks, cut, world, cfg.recompute, cfg.reshard, autocast, weights,
-                                 cfg.sequence_parallel, cfg.compile)
+                                 cfg.sequence_parallel, cfg.compile, cfg.float8)
+        if self.assembly.float8 is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"brigade: {self.assembly.float8.line()}", flush=True)
         self.balance, self.owned, self.held = list(cut.balance), self.assembly.owned, self.assembly.held
         self.ties, self.recompute = self.assembly.ties, self.assembly.modes
         # A costed schedule (auto) plans on unit costs until `replan` gives it measured ones.
@@ -177,6 +179,10 @@ class ProcessModel:
                                 for k, op in enumerate(kinds)}, self.n_stages, self.limit, self.cores)
         self.pipe.replan(costs)
         return costs
+
+    def after_optimizer_step(self) -> None:
+        """Once the optimizer changed the weights (`Assembly.after_optimizer_step`)."""
+        self.assembly.after_optimizer_step()
 
     def grads(self) -> list[torch.Tensor]:
         """Every gradient held here, each copy of a shared parameter included (to scale them alike)."""

@@ -206,6 +206,7 @@ class Trainer:
             self._check_finite(loss_v, norm_v)
             self._unscale_and_clip(norm, scale)
             self.optimizer.step()
+            self.engine.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.cursor = self.sampler.cursor

@@ -50,6 +50,8 @@ def test_owned_names_blocks_by_global_index():
 def calls(monkeypatch) -> list[tuple[str, object]]:
     """Every wrapper `assemble` applies, in the order it applies them."""
     seen: list[tuple[str, object]] = []
+    monkeypatch.setattr(assembler.fp8, "convert", lambda blocks, recipe, sharded, held:
+                        seen.append(("float8", recipe)))
     monkeypatch.setattr(assembler.tensor, "parallelize",
                         lambda held, mesh, sequence=True: seen.append(("tensor parallel", mesh)))
     real = assembler.recompute.apply
@@ -67,12 +69,13 @@ def calls(monkeypatch) -> list[tuple[str, object]]:
 
 
 def test_the_wrappers_come_in_their_one_order(calls):
-    """tensor parallel, then recompute, then compile, then sharding: ORDER, written once, is what runs."""
+    """float8, tensor parallel, recompute, compile, then sharding: ORDER, written once, is what runs."""
     w = world(Degrees(dp=2, shard=2, pp=2, tp=2), rank=2)  # dp rank 0, pp rank 1, tp rank 0
-    built = assemble(blocks(), Cut((2, 2), (0, 1)), w, recompute_mode="full", compile=True)
+    built = assemble(blocks(), Cut((2, 2), (0, 1)), w, recompute_mode="full", compile=True,
+                     float8="rowwise")
     assert [what for what, _ in calls] == list(ORDER)
-    assert calls == [("tensor parallel", "tp mesh"), ("recompute", "full"), ("compile", [2, 3]),
-                     ("shard or replicate", "shard mesh")]
+    assert calls == [("float8", "rowwise"), ("tensor parallel", "tp mesh"), ("recompute", "full"),
+                     ("compile", [2, 3]), ("shard or replicate", "shard mesh")]
     assert sorted(built.held) == [2, 3] and list(built.stages) == [1]  # pipeline rank 1: stage 1
     assert built.modes == ["full"] * 4
 
@@ -103,9 +106,6 @@ def test_bf16_is_fsdp2_mixed_precision_where_sharded_and_autocast_elsewhere(degr
 
 def test_a_sharded_stage_is_handed_the_runs_precision(monkeypatch):
     got = []
-    real_compile = assembler.compiled.compile_blocks
-    monkeypatch.setattr(assembler.compiled, "compile_blocks", lambda bs, held, modes: seen.append(
-        ("compile", sorted(held))) or real_compile(bs, held, modes))
     monkeypatch.setattr(assembler, "shard_stage",
                         lambda module, mesh, reshard, mixed: got.append(mixed) or module)
     w = world(Degrees(dp=2, shard=2, pp=2))

@@ -193,7 +193,8 @@ def test_tokens_per_sample_is_a_language_models_sequence_and_one_otherwise():
 def test_compile_where_it_cannot_be_measured_is_the_stated_factor(cli, config_only):
     def pipeline_s(*flags):
         done = cli("plan", "--model", config_only, "--gpus-per-node", "1", "--device", "h100",
-                   "--batch-size", "4", "--seq-len", "64", "--recompute", "none", "--microbatches", "1", "--json", *flags)
+                   "--batch-size", "4", "--seq-len", "64", "--recompute", "none", "--microbatches", "1",
+                   "--json", *flags)
         assert done.returncode == 0, done.stderr
         (row,) = json.loads(done.stdout)["rows"]
         return row["pipeline_s"]
