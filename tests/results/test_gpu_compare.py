@@ -255,6 +255,7 @@ def script_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
 
 
 @pytest.mark.timeout(1600)
+@pytest.mark.slow  # installs torchtitan into its own environment once (about a minute)
 @pytest.mark.xdist_group("gpu_compare_script")
 def test_the_script_checks_both_models_then_says_there_is_no_gpu_and_exits_0(script_run):
     done, out = script_run
@@ -270,6 +271,7 @@ def test_the_script_checks_both_models_then_says_there_is_no_gpu_and_exits_0(scr
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow  # installs torchtitan into its own environment once (about a minute)
 @pytest.mark.xdist_group("gpu_compare_script")
 def test_the_script_stops_in_one_line_when_the_check_fails(script_run, tmp_path):
     done = subprocess.run([str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=800,
@@ -296,6 +298,7 @@ script.run(lambda: gpu_compare.main(["check", sys.argv[1]]), "brigade.results.gp
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow  # installs torchtitan into its own environment once (about a minute)
 @pytest.mark.xdist_group("gpu_compare_script")
 @pytest.mark.parametrize("change, said", [
     ("gpu_compare_model.SHAPE['ffn_dim'] = 8064",
@@ -313,6 +316,7 @@ def test_the_check_fails_in_one_line_when_the_sides_differ(script_run, tmp_path,
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow  # installs torchtitan into its own environment once (about a minute)
 @pytest.mark.xdist_group("gpu_compare_script")
 def test_the_stand_in_is_only_torchtitans_moe_kernels_and_fails_if_used(script_run, tmp_path):
     code = """
