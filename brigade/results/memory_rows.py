@@ -1,5 +1,6 @@
 """The memory rows of the results table (docs/results.md): what results/footprint/ and results/plan/
-hold, each rendered with the page's rounding (`rows.Row`). The last rows of the table, in this order."""
+hold, and the speed levers' results/levers/, each rendered with the page's rounding (`rows.Row`).
+The last rows of the table, in this order."""
 
 from __future__ import annotations
 
@@ -110,3 +111,12 @@ def _plan_accuracy(d: dict) -> str:
     return (f"{s['layouts']} layouts: step time median error {100 * s['median_step_error']:.1f} %, worst "
             f"{100 * s['worst_step_error']:.1f} %; per-rank peak memory median "
             f"{100 * s['median_memory_error']:.1f} %, worst {100 * s['worst_memory_error']:.1f} %")
+
+
+@row("the GPU speed levers on this CPU, GPT 4×256 (context 64, batch 16), one process: step time off ÷ on "
+     "(> 1: faster on); and examples/llama.py for 200 steps under bf16, bf16 + compile and float8: the "
+     "spread of their final validation losses", "levers/levers.json", "`python -m brigade.results.levers`")
+def _levers(d: dict) -> str:
+    speed = "; ".join(f"{r['lever']} ×{r['speedup']:.2f}" for r in d["speed"])
+    losses = ", ".join(f"{name} {c['val_loss']:.3f}" for name, c in d["curves"]["settings"].items())
+    return f"{speed}; final validation loss {losses}: spread {100 * d['curves']['final_spread']:.1f} %"

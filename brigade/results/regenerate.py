@@ -164,6 +164,8 @@ JOBS: dict[str, Job] = {
                 "python -m brigade.results.plan_accuracy --tiny --steps 4"),
     "big-plans": Job("python -m brigade.results.big_plans", "plan/big_plans.json",
                      "python -m brigade.results.big_plans --tiny"),
+    "levers": Job("python -m brigade.results.levers", "levers/levers.json",
+                  "python -m brigade.results.levers --tiny --rounds 1"),
     "two-hosts": Job("", "two-hosts/two_hosts.json", needs_root=ROOT),
     "doctor-two-hosts": Job("", "two-hosts/doctor.json", needs_root=ROOT),
 }

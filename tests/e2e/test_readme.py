@@ -47,6 +47,7 @@ SHORT = {
     "brigade.results.plan_accuracy": ["--tiny", "", "--rounds", "1"],
     "brigade.results.cut_bound": ["--tiny", ""],
     "brigade.results.big_plans": ["--tiny", ""],
+    "brigade.results.levers": ["--tiny", "", "--rounds", "1"],
     # its 21 runs (11 layouts) at full size took 6+ minutes on a slow day (bf16 steps are 6-9x fp32's on CPU)
     "brigade.results.footprint": ["--tiny", "", "--steps", "3", "--repeats", "2"],
 }
@@ -208,13 +209,15 @@ COMMANDS = readme_commands()
 # each, which tests/e2e/test_train.py also runs in the default tier, each way once, checking more.
 BENCHMARKS = ("bench", "tune", "brigade.results.overhead", "brigade.results.speed",
               "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound",
-              "brigade.results.big_plans")
+              "brigade.results.big_plans", "brigade.results.levers")
 LAUNCHERS = ("torchrun", "srun")
 
 
 def _param(cmd: str):
     argv = shlex.split(cmd)
-    slow = _subcommand(argv) in BENCHMARKS or argv[0] in LAUNCHERS or "K" in argv
+    # and what compiles (20-40 s a world) or converts to float8 (torchao): the slow tier's too
+    slow = _subcommand(argv) in BENCHMARKS or argv[0] in LAUNCHERS or "K" in argv or \
+        "--compile" in argv or "--float8" in argv
     return pytest.param(cmd, marks=[pytest.mark.slow] if slow else [])
 
 
