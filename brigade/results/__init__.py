@@ -14,4 +14,7 @@ and nothing imports them but each other and their tests.
     plan_accuracy    brigade plan's predictions against brigade train's measured runs
     tune_robustness  how far brigade tune's choice lands from the sweep's best, over several runs
     gpu              step time and MFU on a GPU (scripts/gpu-check.sh)
+    gpu_compare      brigade against torchtitan on one GPU (scripts/gpu-compare.sh; its model in
+                     gpu_compare_model, torchtitan's side in titan)
+    levers           compile, float8 and fused AdamW off and on, and what each learns
 """
