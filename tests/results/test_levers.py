@@ -13,7 +13,19 @@ def test_bad_rounds_are_one_line_and_nothing_is_written(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_each_lever_differs_from_its_off_side_by_its_own_flag_alone():
+def _fields(flags: list[str]) -> dict:
+    import argparse
+    import dataclasses
+
+    from brigade import config
+
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    cfg = config.build(p.parse_args(flags), None)
+    return {f"{s}.{k}": v for s, section in dataclasses.asdict(cfg).items() for k, v in section.items()}
+
+
+def test_each_lever_differs_from_its_off_side_in_one_setting_alone():
     for name, off, on in LEVERS:
-        extra = [f for f in on if f not in off]
-        assert extra and all(f in on for f in off), name
+        a, b = _fields(off), _fields(on)
+        assert len([k for k in a if a[k] != b[k]]) == 1, name
