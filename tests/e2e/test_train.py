@@ -282,3 +282,25 @@ def test_a_single_node_run_listens_on_loopback_only(tmp_path):
     finally:
         node.terminate()
         node.communicate(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_compiled_run_restarts_from_its_own_compile_cache_and_float8_resumes_in_any_layout(tmp_path):
+    """--compile: a worker killed at step 4 restarts; its graphs are cached under OUT/compile-cache
+    (inductor's FX graph cache), which the restart's fresh processes read. And a float8 run's
+    snapshot (fp32 masters) is resumed by a plain run of another layout."""
+    from brigade.train.metrics import read_records, training
+
+    out = tmp_path / "compiled"
+    done = train(out, "--compile", "--max-steps", "6", "--nproc", "2", "--pp", "2",
+                 "--inject-fault", "kill:rank=1:step=4", "--max-restarts", "1", timeout=560)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cache = out / "compile-cache"
+    assert any(p.is_file() for p in (cache / "fxgraph").rglob("*")), sorted(cache.iterdir())
+    steps = [r["step_time_s"] for r in training(read_records(out))]
+    print(f"step times of the two attempts, s: {[round(s, 2) for s in steps]}")  # the restart's first, cached
+    f8 = tmp_path / "float8"
+    assert train(f8, "--float8", "tensorwise", "--shard", "2", "--max-steps", "3").returncode == 0
+    resumed = train(f8, "--max-steps", "4", "--pp", "2", "--nproc", "2")  # no float8, another layout
+    assert resumed.returncode == 0 and "resuming from snapshot step 3" in resumed.stdout, resumed.stderr[-2000:]
