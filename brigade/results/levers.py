@@ -11,6 +11,9 @@ side's median step after the first 5 steps (compile's first steps wait for the c
 float8 goes through torchao (`pip install 'brigade[float8]'`), and runs where the blocks'
 linear layers' dimensions are multiples of 16.
 
+The split backward: one stage of the GPT's blocks, its input pass (I) and weight pass (W) timed
+apart, eager and compiled (a compiled block's weight gradients come with its I).
+
 Learning: 200 steps of examples/llama.py under bf16, bf16 + compile and float8 (tensorwise); the
 final losses should lie within 2 % of each other.
 
@@ -27,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from brigade.errors import BrigadeError, RunError
@@ -80,6 +84,40 @@ def speed(model: list[str], steps: int, rounds: int) -> list[dict]:
     return rows
 
 
+def split_backward(tiny: bool, repeats: int = 5) -> dict:
+    """The split backward (zb's I then W) of one stage of the GPT's blocks, eager and compiled:
+    the medians of the forward, the input pass and the weight pass (ms). A compiled block's
+    backward is one graph, so its W comes with its I (`runtime.backward`)."""
+    import torch
+
+    from brigade.parallel import compiled
+    from brigade.pipeline.runtime.backward import backward_split
+    from brigade.results.footprint import _gpt_blocks
+
+    out, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread, as each training process here
+    for name in ("eager", "compiled"):
+        blocks, d, t = _gpt_blocks(tiny)
+        if name == "compiled":
+            compiled.compile_blocks(blocks, list(range(len(blocks))), ["none"] * len(blocks))
+        stage = torch.nn.Sequential(*blocks)
+        times: dict[str, list[float]] = {"forward_ms": [], "input_ms": [], "weight_ms": []}
+        for _ in range(repeats + 2):  # two warm-ups: the compiler's, and a first run
+            h = torch.randn(8, t, d, requires_grad=True)
+            marks = [time.perf_counter()]
+            y = stage(h)
+            marks.append(time.perf_counter())
+            _, weights = backward_split(y.square().mean(), None, h, list(stage.parameters()))
+            marks.append(time.perf_counter())
+            weights(None)
+            marks.append(time.perf_counter())
+            for key, a, b in zip(times, marks, marks[1:]):
+                times[key].append((b - a) * 1e3)
+        out[name] = {k: statistics.median(v[2:]) for k, v in times.items()}
+    torch.set_num_threads(threads)
+    return out
+
+
 def curves(steps: int) -> dict:
     """Per setting, examples/llama.py's training loss at every step and its validation loss at
     the end (the same 8 held-out batches for every setting: the figure compared); and the spread
@@ -125,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         raise BrigadeError(f"--rounds {args.rounds}: need at least 1")
     steps, curve_steps = (SKIP + 3, 4) if args.tiny else (30, 200)
     result = {"speed": speed(GPT_TINY if args.tiny else GPT, steps, args.rounds),
-              "curves": curves(curve_steps), "steps": steps, "rounds": args.rounds,
+              "split_backward": split_backward(args.tiny), "curves": curves(curve_steps),
+              "steps": steps, "rounds": args.rounds,
               "command": "python -m brigade.results.levers" + (" --tiny" if args.tiny else "")}
     script.save(result, args.out, "levers", plot)
     return 0

@@ -115,8 +115,12 @@ def _plan_accuracy(d: dict) -> str:
 
 @row("the GPU speed levers on this CPU, GPT 4×256 (context 64, batch 16), one process: step time off ÷ on "
      "(> 1: faster on); and examples/llama.py for 200 steps under bf16, bf16 + compile and float8: the "
-     "spread of their final validation losses", "levers/levers.json", "`python -m brigade.results.levers`")
+     "spread of their final validation losses; zb's input and weight passes of a stage, eager and compiled",
+     "levers/levers.json", "`python -m brigade.results.levers`")
 def _levers(d: dict) -> str:
     speed = "; ".join(f"{r['lever']} ×{r['speedup']:.2f}" for r in d["speed"])
     losses = ", ".join(f"{name} {c['val_loss']:.3f}" for name, c in d["curves"]["settings"].items())
-    return f"{speed}; final validation loss {losses}: spread {100 * d['curves']['final_spread']:.1f} %"
+    split = "; ".join(f"{k}: I {v['input_ms']:.1f} ms, W {v['weight_ms']:.1f} ms"
+                      for k, v in d["split_backward"].items())
+    return (f"{speed}; split backward {split}; final validation loss {losses}: spread "
+            f"{100 * d['curves']['final_spread']:.1f} %")

@@ -41,7 +41,7 @@ from brigade.parallel import tensor
 from brigade.parallel.assemble import Cut, assemble
 from brigade.pipeline.plans.action import B, F, I, W
 from brigade.pipeline.plans.generate import Costs
-from brigade.pipeline.plans.schedule import SCHEDULES, placement
+from brigade.pipeline.plans.schedule import SCHEDULES, build, placement
 from brigade.pipeline.stages.partition import choose_balance, parse_balance
 from brigade.world.mesh import World
 
@@ -122,6 +122,18 @@ class ProcessModel:
         self.cores = self._shared_cores(len(set(cut.ranks)), cfg) if self.costed else 0.0
         costs = Costs.unit(self.n_stages, cfg.auto_limit) if self.costed else None
         self.pipe = self.assembly.pipeline(schedule, m, loss_fn, costs)
+        if cfg.compile and (not dist.is_initialized() or dist.get_rank() == 0):
+            self._say_unsplit(schedule, len(set(cut.ranks)), m, cut.virtual)
+
+    @staticmethod
+    def _say_unsplit(schedule: str, ranks: int, m: int, virtual: int) -> None:
+        """Under a schedule that splits backwards into I and W, say once that compiled blocks do
+        not (`runtime.backward`): their W is done at I, so the plan's W actions fill nothing."""
+        costs = Costs.unit(ranks * virtual) if SCHEDULES[schedule].costed else None
+        if any(a.op == W for acts in build(schedule, ranks, m, virtual, costs).values() for a in acts):
+            print(f"brigade: --compile under {schedule}: a compiled block's backward is one graph, so "
+                  "compiled blocks compute their weight gradients with their input gradients (I), "
+                  "and their W actions only mark them ready", flush=True)
 
     def _shared_cores(self, n_ranks: int, cfg: ParallelConfig) -> float:
         """The cores the pipeline's ranks share, where fewer than they need (`host.cores`), agreed by
