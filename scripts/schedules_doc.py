@@ -113,6 +113,34 @@ Where the costs come from:
 - `--auto-limit N` caps the activations a rank holds at once (one per stage it holds, so at
   least V); 0 lets auto take the least that keeps the plan shortest.
 
+### auto's cut
+
+A plan can only be as short as its cut lets it: the solver's cut balances each stage's forward +
+backward, but under the V placement a rank holds two stages (s and 2p-1-s), and what has to
+balance is each rank's pair, with the first micro-batch's way down to it on top. On the GPT bench
+at pp 2 auto came within 1 % of `bounds.lower_bound` on the solver's cut and only to 0.947 of
+`bounds.balanced_bound` (the bound over any cut). So where brigade chooses the layout, auto
+chooses its cut with its plan, from the same per-block costs (`pipeline/plans/cuts.py`,
+`choose_cut`): every contiguous cut of the blocks into p·V stages is weighed by its lower bound
+(no plan built; beyond 50,000 cuts, descents on the bound from the solver's cut, an even one
+and drawn ones); cuts are screened by the step auto's plan takes on them, the solver's first,
+then the lowest bounds, then all whose bound is below the shortest step found (or, where too
+many are, descents on that step); the best two are planned in full and simulated. No plan on a
+cut ends before its bound, so where the screening stops on the bound the choice is the best
+over every cut to within 0.1 %. The choice is never longer in simulation than the solver's cut.
+
+- `brigade bench`: auto's rows run on the cut chosen from the blocks' times measured at each
+  m's micro-batch (the other rows, torch's too, share the solver's cut of the same times);
+  `bench.json` names it (`balances`: "V2 m8 auto") with the search (`cut_search`: the cut, the
+  solver's, each one's simulated step, whether it is proven the best), and the bench prints one
+  line for each.
+- `brigade tune`: auto's rows are predicted on the cut chosen from the interpolated block costs,
+  the transfer and the shared cores, and the train config it writes carries that `balance`.
+- `brigade train` with `--schedule auto` and no `--balance` still cuts by parameters:
+  `pipeline/stages/measured_cut.auto_balance` (each block's forward and backward timed on one
+  micro-batch by rank 0, the cut broadcast) is what it is to call. `brigade plan` predicts auto on
+  the solver's cut.
+
 """
 
 SPLIT_NOTE = """\

@@ -11,6 +11,10 @@ brigade's rows and the DDP row are built by the stage assembler `brigade train` 
 (`parallel.assemble`), over the worker's two worlds of the same processes: one pipeline of them
 all, and as many data-parallel replicas (`world.World`).
 
+Each row runs on a cut of the blocks into stages (a `Shape`): for a V and m, every row shares the
+solver's cut, torch's rows too, except `auto`'s, which chooses its own with its plan from the same
+measured per-block costs (`plans.cuts.choose_cut`; bench.json's "cut_search" says how it compares).
+
 Every configuration is built first, then timed in interleaved rounds
 (`timing.interleaved_rounds`): each round times each configuration once, so drift on a
 shared machine hits all alike. Each round also measures every stage's per-micro-batch costs
@@ -37,14 +41,15 @@ from brigade.host.cores import shared_cores
 from brigade.launcher import groups
 from brigade.measure.activations import stage_meter
 from brigade.measure.device import place_model
-from brigade.measure.stages import gathered_stage_costs
+from brigade.measure.stages import block_costs, gathered_stage_costs
 from brigade.measure.timing import Workload, interleaved_rounds, pipeline_step, train_step
 from brigade.models import load_model
 from brigade.parallel.assemble import Cut, assemble
 from brigade.pipeline.pipe import Pipeline
+from brigade.pipeline.plans.cuts import Choice, choose_cut
 from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import DEFAULT_VIRTUAL, SCHEDULES, names, placement, stages_on
-from brigade.pipeline.stages.partition import choose_balance, solve, split, time_costs
+from brigade.pipeline.stages.partition import choose_balance, solve, split
 from brigade.train.memory import storage_bytes
 from brigade.world.degrees import Degrees
 from brigade.world.mesh import World
@@ -75,6 +80,16 @@ class Case:
     @property
     def key(self) -> str:
         return f"{self.name}|{self.schedule}|V{self.virtual}|m{self.microbatches}"
+
+
+Shape = tuple[int, int, str]  # (V, m, whose cut): "" the solver's, shared; a costed schedule's name: its own
+
+
+def shape_of(case: Case) -> Shape:
+    """The cut `case` runs on: a costed schedule's row (auto's) its own, chosen with its plan; every
+    other row of the same V and m, torch's included, the solver's."""
+    own = case.name == OURS and SCHEDULES[case.schedule].costed
+    return case.virtual, case.microbatches, case.schedule if own else ""
 
 
 def scaled_splits(batch: int) -> list[int]:
@@ -175,43 +190,67 @@ def brigade_pipeline(w: Worker, blocks: list[nn.Module], balance: list[int], sch
 
 @dataclass
 class _Bench(Worker):
-    balances: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (V, m) -> the cut
-    blocks: dict[tuple[int, int], list[nn.Module]] = field(default_factory=dict)  # (V, m) -> a copy (shared)
-    stages: dict[tuple[int, int], list[nn.Module]] = field(default_factory=dict)  # (V, m) -> its stages
+    balances: dict[Shape, list[int]] = field(default_factory=dict)  # the cut of each shape
+    blocks: dict[Shape, list[nn.Module]] = field(default_factory=dict)  # a copy of the blocks (shared)
+    stages: dict[Shape, list[nn.Module]] = field(default_factory=dict)  # its stages
     pipes: dict[Case, tuple[Pipeline, nn.Module]] = field(default_factory=dict)  # brigade's rows
-    plan_costs: dict[tuple[int, int], Costs] = field(default_factory=dict)  # (V, m) -> what auto plans on
+    plan_costs: dict[Shape, Costs] = field(default_factory=dict)  # what auto plans on
 
 
-def _agreed_balances(b: Worker, shapes: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
-    """(V, m) -> cut points where the blocks' measured time balances over ranks × V stages, timed
-    at that m's micro-batch (rank 0's; both systems run the same stages). A block's cost is not
-    proportional to its batch: ResNet-50's last blocks cost 2x the earlier ones at 16 images and
-    7x at 4, where reading their weights dominates; cut at 16, GPipe at m = 8 ran 1.35x slower."""
-    size = {m: math.ceil(len(b.x) / m) for _, m in shapes}  # micro-batch of each m
-    costs = {n: time_costs(copy.deepcopy(b.spec.blocks), b.x[:n]) for n in sorted(set(size.values()))}
-    mine = {}
-    for v, m in shapes:
+def _agreed_balances(b: Worker, shapes: list[Shape]) -> tuple[dict[Shape, list[int]], dict[Shape, dict]]:
+    """(each shape's cut, auto's cut searches), rank 0's (both systems run the same stages).
+
+    The solver's cut balances the blocks' measured forward + backward over ranks × V stages, timed
+    at that m's micro-batch: a block's cost is not proportional to its batch (ResNet-50's last
+    blocks cost 2x the earlier ones at 16 images and 7x at 4, where reading their weights
+    dominates; cut at 16, GPipe at m = 8 ran 1.35x slower). A costed schedule's shape gets the cut
+    `choose_cut` keeps from the same costs, seeded with the solver's (transfers free, as in the
+    rows' `ideal`; on the host's shared cores, as its plan is made). Every rank measures at
+    once, as all compute in a step; only rank 0 searches.
+    """
+    size = {m: math.ceil(len(b.x) / m) for _, m, _ in shapes}  # micro-batch of each m
+    costs = {n: block_costs(copy.deepcopy(b.spec.blocks), b.x[:n], b.spec.loss_fn, b.y[:n])
+             for n in sorted(set(size.values()))}
+    cores = shared_cores(b.ranks, b.ranks, torch.get_num_threads(), b.x.device.type)  # one host
+    mine: dict[Shape, list[int]] = {}
+    found: dict[Shape, dict] = {}
+    for v, m, own in shapes if b.rank == 0 else ():
         given = b.cfg.balance if v == 1 else None  # the config's cut is for one stage per rank
-        mine[v, m] = choose_balance(b.spec.blocks, b.ranks, balance=given) if given \
-            else solve(costs[size[m]], b.ranks * v)
-    agreed = [mine]
+        if given:
+            mine[v, m, own] = choose_balance(b.spec.blocks, b.ranks, balance=given)
+            continue
+        mine[v, m, own] = solve([f + bw for f, bw, *_ in costs[size[m]]], b.ranks * v)
+        if own:
+            got = choose_cut(costs[size[m]], b.ranks, m, (v,), given=[mine[v, m, own]], cores=cores)
+            found[v, m, own] = search_record(got, mine[v, m, own])
+            mine[v, m, own] = list(got.balance)
+    agreed = [(mine, found)]
     dist.broadcast_object_list(agreed, src=0)
     return agreed[0]
 
 
+def search_record(got: Choice, solver: list[int]) -> dict:
+    """What bench.json says of a cut search: the cut kept against the solver's, each one's step
+    as `simulate()` gives auto's plan on the blocks' measured costs, the kept cut's lower bound,
+    and how far the search went (`Choice`)."""
+    return {"cut": list(got.balance), "solver_cut": list(solver), "simulated_s": got.score,
+            "solver_simulated_s": got.given, "lower_bound_s": got.bound, "screened": got.screened,
+            "weighed": got.weighed, "proven": got.proven}
+
+
 def _cut(b: _Bench) -> None:
-    """(V, m) -> a copy of the blocks for that balance, and its stages (for torch's rows and the
+    """Each shape -> a copy of the blocks for its balance, and its stages (for torch's rows and the
     probes; brigade's rows cut the same copy through the assembler); equal balances share one."""
     made: dict[tuple[int, ...], tuple[list[nn.Module], list[nn.Module]]] = {}
     for shape, balance in b.balances.items():
-        if tuple(balance) not in made:  # one deep copy per distinct cut, not per (V, m)
+        if tuple(balance) not in made:  # one deep copy per distinct cut, not per shape
             blocks = copy.deepcopy(b.spec.blocks)
             made[tuple(balance)] = blocks, split(blocks, balance)
         b.blocks[shape], b.stages[shape] = made[tuple(balance)]
 
 
 def _ours(b: _Bench, case: Case):
-    shape = (case.virtual, case.microbatches)
+    shape = shape_of(case)
     pipe, mine = brigade_pipeline(b, b.blocks[shape], b.balances[shape], case.schedule, case.virtual,
                                   case.microbatches, b.plan_costs.get(shape))
     b.pipes[case] = pipe, mine
@@ -228,37 +267,38 @@ def _step(b: _Bench, case: Case):
         return replica_step(b)
     if case.name in (OURS, MP):
         return _ours(b, case)
-    stages, placement = b.stages[case.virtual, case.microbatches], TORCH_SCHEDULES[case.schedule].placement
+    stages, placement = b.stages[shape_of(case)], TORCH_SCHEDULES[case.schedule].placement
     mine = {s: stages[s] for s in local_stages(placement, b.rank, b.ranks, case.virtual)}
     peer = TorchPipelining(mine, len(stages), case.schedule, case.microbatches, b.spec.loss_fn, b.x.device)
     return pipeline_step(peer, peer.module, b.x, b.y)
 
 
-def measured_costs(b: _Bench, todo: list[Case]) -> dict[tuple[int, int], Costs]:
-    """(V, m) -> every stage's measured costs, for the costed schedules' rows (auto plans on them):
+def measured_costs(b: _Bench, todo: list[Case]) -> dict[Shape, Costs]:
+    """Shape -> every stage's measured costs, for the costed schedules' rows (auto plans on them):
     each rank times the stages it holds, all at once (3 repeats, the median), gathered. Transfers
     are left at 0, as in the rows' `ideal` (`figures`). Where the ranks outnumber the host's
     cores, the costs say so (`host.cores`) and each rank measures alone in turn (`turns`)."""
-    out: dict[tuple[int, int], Costs] = {}
+    out: dict[Shape, Costs] = {}
     cores = shared_cores(b.ranks, b.ranks, torch.get_num_threads(), b.x.device.type)  # one host
     for c in todo:
-        v, m = c.virtual, c.microbatches
-        if c.name != OURS or not SCHEDULES[c.schedule].costed or (v, m) in out:
+        v, m, shape = c.virtual, c.microbatches, shape_of(c)
+        if c.name != OURS or not SCHEDULES[c.schedule].costed or shape in out:
             continue
         held = stages_on(c.schedule, b.ranks, b.rank, v)
-        fwd, bwd, wgt, inp = gathered_stage_costs(b.stages[v, m], b.rank, b.x, b.y, b.spec.loss_fn, m,
+        fwd, bwd, wgt, inp = gathered_stage_costs(b.stages[shape], b.rank, b.x, b.y, b.spec.loss_fn, m,
                                                   repeats=3, held=held, turns=cores > 0)
-        out[v, m] = Costs(tuple(fwd), tuple(inp), tuple(wgt), backward=tuple(bwd), cores=cores)
+        out[shape] = Costs(tuple(fwd), tuple(inp), tuple(wgt), backward=tuple(bwd), cores=cores)
     return out
 
 
-def _probe(b: _Bench, virtual: int, m: int, into: list):
+def _probe(b: _Bench, shape: Shape, into: list):
     """A round's measurement of every stage's (forward, backward, weight) costs at m micro-batches,
-    for the model cut into ranks × `virtual` stages (each rank measures V of them at once)."""
+    for the model cut into ranks × V stages as `shape` cuts it (each rank measures V at once)."""
+    virtual, m, _ = shape
     held = [s for s in range(b.ranks * virtual) if s % b.ranks == b.rank]
 
     def probe() -> None:
-        into.append(gathered_stage_costs(b.stages[virtual, m], b.rank, b.x, b.y, b.spec.loss_fn, m,
+        into.append(gathered_stage_costs(b.stages[shape], b.rank, b.x, b.y, b.spec.loss_fn, m,
                                          repeats=1, held=held))
     return probe
 
@@ -318,17 +358,16 @@ def _measure(cfg: BenchConfig, info) -> dict:
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = place_model(spec, cfg.batch_size, cfg.seed, info.device)
     todo, skipped = cases(cfg, info.world_size, len(spec.blocks))
-    shapes = sorted({(c.virtual, c.microbatches) for c in todo if c.name in (MP, OURS, PEER)})
+    shapes = sorted({shape_of(c) for c in todo if c.name in (MP, OURS, PEER)})
     pipeline, replicas = worlds(info.world_size, info.device)
     b = _Bench(cfg, spec, x, y, info.rank, info.world_size, pipeline, replicas)
-    b.balances = balances = _agreed_balances(b, shapes)
+    b.balances, searches = _agreed_balances(b, shapes)
     _cut(b)
     b.plan_costs = measured_costs(b, todo)
     steps = _steps(b, todo, skipped)
     todo = [c for c in todo if c.key in steps]
-    costs: dict[tuple[int, int], list] = {vm: [] for vm in sorted({(c.virtual, c.microbatches)
-                                                                   for c in todo if c.name != DDP})}
-    probes = {f"probe|V{v}|m{m}": _probe(b, v, m, into) for (v, m), into in costs.items()}
+    costs: dict[Shape, list] = {shape: [] for shape in sorted({shape_of(c) for c in todo if c.name != DDP})}
+    probes = {f"probe|V{v}|m{m}|{own}": _probe(b, (v, m, own), into) for (v, m, own), into in costs.items()}
     times = interleaved_rounds({**steps, **probes}, cfg.rounds, cfg.warmup, x.device, seed=cfg.seed)
     ours = [c for c in b.pipes if c.name == OURS]
     memory = {c.key: _memory(b, c) for c in ours}
@@ -336,6 +375,7 @@ def _measure(cfg: BenchConfig, info) -> dict:
     trace = _trace(b, fastest) if fastest else None
     dist.barrier()
     return {"cases": [asdict(c) for c in todo], "skipped": skipped, "ranks": info.world_size,
-            "times": {c.key: times[c.key] for c in todo}, "balances": balances, "memory": memory,
+            "times": {c.key: times[c.key] for c in todo}, "balances": b.balances, "memory": memory,
+            "cut_search": searches,
             "costs": {m: got[-cfg.rounds:] for m, got in costs.items()},  # the warm-up probed too
             "trace": trace, "freed_memory_kept": malloc.keep_freed_memory(), "plan_costs": b.plan_costs}

@@ -11,10 +11,10 @@ False, and `brigade bench` says so instead of naming a winner.
     vs_torch          = median_k(torch_k / ours_k)      (> 1: brigade faster)
 
 How far any schedule could go (transfers free, `bounds.lower_bound`): each brigade row's
-`lower_bound_s` over its own cut and placement, and `balanced_bound_s`, its compute spread
-evenly over the ranks (any cut, any V). The best pair's `bound_vs_torch` and
-`balanced_bound_vs_torch` divide torch's best step by the lowest of them: a brigade step ×X
-faster than torch's best needs X below these.
+`lower_bound_s` over its own cut and placement (auto's row: the cut it chose, and its
+`cut_search`), and `balanced_bound_s`, its compute spread evenly over the ranks (any cut, any
+V). The best pair's `bound_vs_torch` and `balanced_bound_vs_torch` divide torch's best step by
+the lowest of them: a brigade step ×X faster than torch's best needs X below these.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 import statistics
 from dataclasses import asdict
 
-from brigade.bench.experiments import MP, OURS, PEER, SINGLE, BenchConfig, Case
+from brigade.bench.experiments import MP, OURS, PEER, SINGLE, BenchConfig, Case, Shape, shape_of
 from brigade.bench.peers import TORCH_SCHEDULES
 from brigade.measure.stats import median_ci, median_ci_coverage, ratio_ci
 from brigade.pipeline.plans.bounds import balanced_bound, lower_bound
@@ -77,10 +77,10 @@ def _timing(times: list[float]) -> dict:
 def _ideal(case: Case, raw: dict) -> tuple[str | None, list[float] | None]:
     """The brigade schedule whose plan is this row's ideal, and its per-round ideal seconds."""
     schedule = case.schedule if case.name in (OURS, MP) else (_twin(case) or Case("", None, 0, 0)).schedule
-    costs = raw["costs"].get((case.virtual, case.microbatches))
+    costs = raw["costs"].get(shape_of(case))
     if schedule not in names() or not costs:
         return None, None  # a torch-only schedule: brigade has no plan to simulate
-    planned = raw.get("plan_costs", {}).get((case.virtual, case.microbatches))
+    planned = raw.get("plan_costs", {}).get(shape_of(case))
     return schedule, _ideal_rounds(schedule, raw["ranks"], case.virtual, case.microbatches, costs, planned)
 
 
@@ -94,7 +94,9 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
     if case.name == SINGLE:
         row["speedup_vs_single_ranked"] = None  # itself, by definition 1
     if pipelined:
-        row["balance"] = raw["balances"][case.virtual, case.microbatches]
+        row["balance"] = raw["balances"][shape_of(case)]
+    if shape_of(case) in raw.get("cut_search", {}):
+        row["cut_search"] = raw["cut_search"][shape_of(case)]
     if case.name == PEER:
         row["torch_class"] = TORCH_SCHEDULES[case.schedule].cls
     _, ideal = _ideal(case, raw)
@@ -102,10 +104,10 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
     row["ideal_speedup"] = ratio_ci(single, ideal)[0] if ideal else (1.0 if case.name == SINGLE else None)
     row.update(_ci(ideal, times, "efficiency") if ideal else {"efficiency": None})
     if ideal and case.name in (OURS, MP):
-        costs = raw["costs"][(case.virtual, case.microbatches)]
+        costs = raw["costs"][shape_of(case)]
         for k, what in enumerate(("forward", "backward", "weight", "input")):
             row[f"stage_{what}_s"] = [statistics.median(c[k][s] for c in costs) for s in range(row["stages"])]
-        planned = raw.get("plan_costs", {}).get((case.virtual, case.microbatches))
+        planned = raw.get("plan_costs", {}).get(shape_of(case))
         row.update(_bound_rounds(case.schedule, raw["ranks"], case.virtual, case.microbatches, costs,
                                  planned))
     if case.key in raw["memory"]:
@@ -116,6 +118,12 @@ def _row(cfg: BenchConfig, case: Case, raw: dict) -> dict:
         row["torch_twin"] = twin.schedule
         row.update(_ci(raw["times"][twin.key], times, "vs_torch"))
     return row
+
+
+def shape_name(shape: Shape) -> str:
+    """bench.json's name of a cut: "V2 m8" (the solver's, shared), "V2 m8 auto" (auto's own)."""
+    v, m, own = shape
+    return f"V{v} m{m}" + (f" {own}" if own else "")
 
 
 def best_vs_best(rows: list[dict], times: dict[str, list[float]]) -> dict | None:
@@ -147,7 +155,8 @@ def summarise(cfg: BenchConfig, raw: dict, device: str) -> dict:
     rows = [_row(cfg, Case(**c), raw) for c in raw["cases"]]
     methods = sorted({m for _, m, *_ in raw["memory"].values()})
     return {"config": asdict(cfg), "device": device,
-            "balances": {f"V{v} m{m}": b for (v, m), b in raw["balances"].items()}, "configs": rows,
+            "balances": {shape_name(k): b for k, b in raw["balances"].items()}, "configs": rows,
+            "cut_search": {shape_name(k): found for k, found in raw.get("cut_search", {}).items()},
             "skipped": raw["skipped"], "best": best_vs_best(rows, raw["times"]),
             "confidence": CONFIDENCE, "ci_method": CI_METHOD, "rounds": cfg.rounds,
             "ci_coverage": median_ci_coverage(cfg.rounds, CONFIDENCE),

@@ -181,6 +181,17 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def cut_lines(data: dict) -> list[str]:
+    """One line per cut a costed schedule (auto) chose with its plan (bench.json's "cut_search"):
+    the cut against the solver's, each one's step as simulated on the blocks' measured costs."""
+    out = []
+    for name, found in data.get("cut_search", {}).items():
+        how = "best over every cut" if found["proven"] else f"best of {found['screened']} cuts screened"
+        out.append(f"{name}: cut {found['cut']} (the solver's {found['solver_cut']}), simulated "
+                   f"{found['simulated_s']:.4f} s against {found['solver_simulated_s']:.4f} s ({how})")
+    return out
+
+
 def write_all(data: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench_bars.png", out / "split_size_tradeoff.png", out / "timeline.png",

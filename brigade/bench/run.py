@@ -146,6 +146,8 @@ def run_bench(args: argparse.Namespace) -> int:
     tmp.replace(out / "bench.json")
     pngs = plot.write_all(data, out)
     print(plot.table(data))
+    for line in plot.cut_lines(data):
+        print(line)
     print(best_line(data["best"]))
     if data["ci_coverage"] < data["confidence"]:
         print(f"note: with {cfg.rounds} rounds the intervals cover {100 * data['ci_coverage']:.0f} %, "

@@ -6,8 +6,10 @@
        and the time to all-reduce the model's gradients;
     2. the space: every schedule × its stages per rank V (its fixed V, or 1 and 2 where it
        takes any, 2 only with ≥ 2·p blocks) × m of the sweep, each cut by the solver into
-       p·V stages and predicted with simulate() on interpolated block costs; plus data
-       parallel (dp = p: one device's step on 1/p of the batch, plus the all-reduce);
+       p·V stages and predicted with simulate() on interpolated block costs (a costed
+       schedule's, auto's, cut is chosen with its plan from the same costs instead:
+       `predict_row`); plus data parallel (dp = p: one device's step on 1/p of the batch,
+       plus the all-reduce);
     3. time only the best predictions (at most a third of the space, the best of data parallel
        and of the pipelines among them) in interleaved rounds (as many as --verify's: with
        fewer, noise on a shared machine picks), rank them within rounds (each round's times
@@ -26,7 +28,7 @@ import copy
 import gc
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ from brigade.bench.experiments import (
     brigade_pipeline,
     replica_step,
     scaled_splits,
+    search_record,
     worlds,
 )
 from brigade.host.cores import shared_cores
@@ -48,8 +51,11 @@ from brigade.measure.stages import block_costs
 from brigade.measure.stats import median_ci_coverage, ratio_ci
 from brigade.measure.timing import interleaved_rounds, measure, ping_pong, pipeline_step
 from brigade.models import load_model
+from brigade.pipeline.plans.cuts import choose_cut
+from brigade.pipeline.plans.schedule import SCHEDULES
 from brigade.planner.budget import keep_fitting
-from brigade.planner.costs import ModelCosts, measure_memory
+from brigade.planner.costs import ModelCosts, interpolate, measure_memory
+from brigade.planner.predict import cut
 from brigade.planner.space import search_space
 from brigade.planner.sweep import ddp_row, label, plan_costs, predict_pipeline
 from brigade.train.memory import quiet_stderr
@@ -177,6 +183,27 @@ def verify_sweep(predictions: list[dict], chosen: dict, time_all) -> dict:
             "within_ci": [lo - 1, hi - 1], "within_ci_coverage": median_ci_coverage(len(mine["rounds_s"]))}
 
 
+def predict_row(row: dict, samples: dict[int, list], batch: int, ranks: int, comm_per_sample: float,
+                cores: float) -> None:
+    """A pipelined row's `predicted_s` and `balance` (and a costed row's `costs`, what its plan is
+    made on). The solver cuts the blocks for the hand-written schedules (`sweep.predict_pipeline`);
+    a costed schedule's (auto's) cut is chosen with its plan from the same interpolated block
+    costs, seeded with the solver's (`cuts.choose_cut`, on the transfer and the shared cores the
+    plan is made for), and its `cut_search` says how the two compare. Its prediction is the
+    plan's makespan with the transfer, as the other rows' is."""
+    m, v = row["microbatches"], row["virtual"]
+    if not SCHEDULES[row["schedule"]].costed:
+        row["predicted_s"], row["balance"] = predict_pipeline(samples, batch, m, row["schedule"], ranks,
+                                                              comm_per_sample, v, row=row, cores=cores)
+        return
+    size = math.ceil(batch / m)
+    blocks = interpolate(samples, size)
+    solver = cut(blocks, ranks * v)[0]
+    got = choose_cut(blocks, ranks, m, (v,), given=[solver], comm=comm_per_sample * size, cores=cores)
+    row["predicted_s"], row["balance"], row["costs"] = got.makespan, list(got.balance), asdict(got.costs)
+    row["cut_search"] = search_record(got, solver)
+
+
 def _comm_per_sample(spec, x, rank) -> float:
     """Seconds to move one sample's activation across a middle cut (one way, from a round trip)."""
     mid = max(1, len(spec.blocks) // 2)
@@ -253,9 +280,7 @@ def _tune(cfg: BenchConfig, info, verify: bool) -> dict:
     allreduce = _allreduce_s(spec.blocks, x.device)
     cores = shared_cores(t.ranks, t.ranks, torch.get_num_threads(), x.device.type)  # one host
     for r in rows:
-        r["predicted_s"], r["balance"] = predict_pipeline(samples, cfg.batch_size, r["microbatches"],
-                                                          r["schedule"], t.ranks, comm, r["virtual"], row=r,
-                                                          cores=cores)
+        predict_row(r, samples, cfg.batch_size, t.ranks, comm, cores)
     predictions = sorted([*rows, ddp_row(samples, cfg.batch_size, t.ranks, allreduce)],
                          key=lambda r: r["predicted_s"])
     candidates, too_big = predictions, []

@@ -47,6 +47,11 @@ def test_bench_writes_json_plots_and_a_table(tmp_path):
     assert all(c["torch_twin"] == c["schedule"] and "vs_torch_ranked" in c
                for c in ours if c["schedule"] != "auto")
     assert all("torch_twin" not in c for c in ours if c["schedule"] == "auto")  # torch has no twin
+    # auto's rows run on the cut it chose with its plan, said in bench.json and in a line each
+    autos = [c for c in ours if c["schedule"] == "auto"]
+    assert all(c["balance"] == c["cut_search"]["cut"] == data["balances"][f"V1 m{c['microbatches']} auto"]
+               and c["cut_search"]["simulated_s"] <= c["cut_search"]["solver_simulated_s"] for c in autos)
+    assert result.stdout.count(" auto: cut [") == len(autos) == 2
     assert data["best"]["vs_torch_ci"][0] <= data["best"]["vs_torch"] <= data["best"]["vs_torch_ci"][1]
     assert data["ci_coverage"] == 0.5 and "cover 50 %" in result.stdout  # 2 rounds: said, not hidden
     assert all(len(c["peak_activation_bytes"]) == 2 for c in ours)
@@ -164,7 +169,7 @@ def _raw(ours: list[float], theirs: list[float], single: list[float]) -> dict:
     times = dict(zip((c.key for c in cases), (single, ours, theirs), strict=True))
     costs = [([0.1 * t, 0.1 * t], [0.2 * t, 0.2 * t], [0.1 * t, 0.1 * t], [0.1 * t, 0.1 * t]) for t in ours]
     return {"cases": [c.__dict__ for c in cases], "skipped": [], "ranks": 2, "times": times,
-            "balances": {(1, 2): [1, 2]}, "memory": {}, "costs": {(1, 2): costs}, "trace": None}
+            "balances": {(1, 2, ""): [1, 2]}, "memory": {}, "costs": {(1, 2, ""): costs}, "trace": None}
 
 
 def test_ratios_per_round_cancel_drift_that_hits_every_configuration():
@@ -253,3 +258,38 @@ def test_bench_uses_nccl_only_with_a_gpu_per_process(monkeypatch, gpus, backend)
     args = Namespace(model="toy", image_size=None, batch_size=8, repeats=1, quick=True, splits="",
                      schedules="1f1b")
     assert bench_config(args).backend == backend
+
+
+def test_auto_rows_run_on_their_own_cut_and_every_other_row_shares_the_solvers():
+    from brigade.bench.experiments import Case, shape_of
+
+    torch_zbv = Case("torch.distributed.pipelining", "zbv", 2, 8)
+    assert shape_of(Case("brigade", "auto", 2, 8)) == (2, 8, "auto")
+    assert shape_of(Case("brigade", "zbv", 2, 8)) == shape_of(torch_zbv) == (2, 8, "")
+    assert shape_of(Case("single", None, 1, 1)) == shape_of(Case("model parallel", "gpipe", 1, 1)) \
+        == (1, 1, "")
+
+
+def test_bench_json_reports_the_cut_auto_chose_and_the_table_says_it():
+    """An auto row's balance, costs and bounds are those of its own cut; bench.json names each cut
+    by its shape and carries the search; the bench prints one line for it."""
+    from brigade.bench.experiments import BenchConfig, Case
+    from brigade.bench.figures import summarise
+    from brigade.bench.plot import cut_lines
+
+    raw = _raw([1.0] * 6, [1.1] * 6, [2.0] * 6)
+    auto = Case("brigade", "auto", 1, 2)
+    raw["cases"].append(auto.__dict__)
+    raw["times"][auto.key] = [0.9] * 6
+    raw["balances"][1, 2, "auto"] = [2, 1]
+    raw["costs"][1, 2, "auto"] = [([0.1, 0.05], [0.2, 0.1], [0.1, 0.05], [0.1, 0.05])] * 6
+    raw["cut_search"] = {(1, 2, "auto"): {"cut": [2, 1], "solver_cut": [1, 2], "simulated_s": 0.5,
+                                          "solver_simulated_s": 0.6, "lower_bound_s": 0.45, "screened": 2,
+                                          "weighed": 2, "proven": True}}
+    data = summarise(BenchConfig(batch_size=8, rounds=6), raw, "cpu")
+    row = next(c for c in data["configs"] if c["schedule"] == "auto")
+    assert row["balance"] == [2, 1] and row["cut_search"]["solver_cut"] == [1, 2]
+    assert row["stage_forward_s"] == [0.1, 0.05]  # its own cut's stages, probed
+    assert data["balances"] == {"V1 m2": [1, 2], "V1 m2 auto": [2, 1]}
+    assert cut_lines(data) == ["V1 m2 auto: cut [2, 1] (the solver's [1, 2]), simulated 0.5000 s against "
+                               "0.6000 s (best over every cut)"]

@@ -130,3 +130,28 @@ def test_a_load_beyond_the_tuners_own_is_said():
     assert load_note([2.1, 2.9], cpus=2) is None  # the tuner's two processes, and a little
     note = load_note([2.4, 7.3], cpus=2)
     assert "load average reached 7.3 on 2 cores" in note and "a quiet machine decides" in note
+
+
+# Per-block (forward, backward, weight, input) seconds at two micro-batch sizes: each block dearer
+# than the one before (a model's later blocks, its head), the costs `_samples` measures.
+RAMP = {s: [(s * (0.5 + 0.1 * k), s * (1.0 + 0.2 * k), s * (0.5 + 0.1 * k), s * (0.5 + 0.1 * k))
+            for k in range(12)] for s in (1, 4)}
+
+
+def test_auto_s_row_gets_the_cut_chosen_with_its_plan_and_the_others_the_solvers():
+    """The tuner predicts auto on the cut `choose_cut` keeps from the same interpolated costs (the
+    train config it writes then carries that balance), seeded with the solver's, and never
+    predicts it longer than on the solver's; a hand-written schedule keeps the solver's cut."""
+    from brigade.bench.tune import predict_row
+    from brigade.planner.sweep import plan_costs, predict_pipeline
+
+    auto = {"schedule": "auto", "virtual": 2, "microbatches": 8, "dp": 1, "pp": 2}
+    zbv = {**auto, "schedule": "zbv"}
+    for row in (auto, zbv):
+        predict_row(row, RAMP, batch=32, ranks=2, comm_per_sample=0.01, cores=0.0)
+    on_solver, solver = predict_pipeline(RAMP, 32, 8, "auto", 2, 0.01, 2)
+    assert zbv["balance"] == solver == [5, 3, 2, 2] and "cut_search" not in zbv
+    found = auto["cut_search"]
+    assert found["solver_cut"] == solver and found["cut"] == auto["balance"] != solver
+    assert auto["predicted_s"] <= on_solver and found["simulated_s"] < found["solver_simulated_s"]
+    assert len(plan_costs(auto).forward) == 4 and plan_costs(auto).comm == pytest.approx(0.04)

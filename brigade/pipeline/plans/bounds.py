@@ -23,11 +23,32 @@ def lower_bound(plan: Plan, forward, backward=None, weight=None, input_grad=None
     order of actions, simulate()'s makespan is at least this: how far a better schedule could go.
     """
     where, m, fwd, grad, whole = _least_costs(plan, forward, backward, weight, input_grad)
-    bound = sum(fwd) + sum(grad)
-    for r in set(where.values()):
-        mine = [s for s, q in where.items() if q == r]
-        bound = max(bound, sum(fwd[:min(mine)]) + m * sum(fwd[s] + whole[s] for s in mine))
-    return bound
+    return stage_bound([where[s] for s in range(len(where))], m, fwd, grad, whole)
+
+
+def stage_bound(where, m: int, fwd, grad, whole) -> float:
+    """`lower_bound` from per-stage costs and the placement, with no plan built: what auto's cut
+    search (`cuts.choose_cut`) weighs thousands of cuts by before it plans any.
+
+    Args:
+        where: each stage's rank, stage 0 first. m: micro-batches.
+        fwd, grad, whole: per stage, the forward, the least pass that sends a gradient upstream
+            (B or I) and the least whole backward (B, or I + W).
+    """
+    return max(sum(fwd) + sum(grad), *rank_bounds(where, m, fwd, whole).values())
+
+
+def rank_bounds(where, m: int, fwd, whole) -> dict[int, float]:
+    """Per rank, the least time it takes (`lower_bound`'s term): the forwards before its first
+    stage, then its stages' m forwards and m backwards. The cut search descends on all of them,
+    not only the largest, so that it leaves a plateau of the bound where the busiest rank stays
+    as busy while another gets lighter."""
+    first: dict[int, int] = {}
+    work: dict[int, float] = {}
+    for s, r in enumerate(where):
+        first.setdefault(r, s)
+        work[r] = work.get(r, 0.0) + fwd[s] + whole[s]
+    return {r: sum(fwd[:s]) + m * work[r] for r, s in first.items()}
 
 
 def balanced_bound(plan: Plan, forward, backward=None, weight=None, input_grad=None) -> float:

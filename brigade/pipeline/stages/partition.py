@@ -133,27 +133,51 @@ def time_costs(blocks: Sequence[nn.Module], sample: Any, repeats: int = 3) -> li
     Raises:
         BrigadeError: a side input a block declares is missing from the sample.
     """
+    return [_median([f + b for f, b in runs]) for runs in _timed(blocks, sample, repeats)]
+
+
+def time_parts(blocks: Sequence[nn.Module], sample: Any, repeats: int = 3) -> list[tuple[float, float]]:
+    """Measured (forward, backward) seconds per block on `sample`, each the median of `repeats`,
+    measured as `time_costs` measures (the same warm-up, inputs and side inputs): what auto's
+    cut is chosen from where a run starts (`measured_cut.auto_balance`).
+
+    Raises:
+        BrigadeError: a side input a block declares is missing from the sample.
+    """
+    return [(_median([f for f, _ in runs]), _median([b for _, b in runs]))
+            for runs in _timed(blocks, sample, repeats)]
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _timed(blocks: Sequence[nn.Module], sample: Any, repeats: int) -> list[list[tuple[float, float]]]:
+    """Per block, `repeats` timed (forward, backward) pairs after one untimed call (`time_costs`)."""
     from brigade.pipeline.stages.side_inputs import declared, split_inputs
 
     x, side = split_inputs(sample, list(blocks))
-    costs = []
+    out_runs = []
     for i, block in enumerate(blocks):
         kwargs = {name: side[name] for name in declared(block, i)}
-        times = []
+        runs = []
         for k in range(repeats + 1):
             inp = _fresh(x, grad=True)
             _synchronize(inp)  # the clock starts when the GPU is idle, not while it still copies
             start = time.perf_counter()
             out = block(inp, **kwargs)
+            _synchronize(out)
+            mid = time.perf_counter()
             _backward_ones(out)
             _synchronize(out)
+            end = time.perf_counter()
             if k:  # the first, warm-up call is not timed
-                times.append(time.perf_counter() - start)
+                runs.append((mid - start, end - mid))
         block.zero_grad(set_to_none=True)
-        costs.append(sorted(times)[len(times) // 2])
+        out_runs.append(runs)
         with torch.no_grad():
             x = block(_fresh(x, grad=False), **kwargs)
-    return costs
+    return out_runs
 
 
 def choose_balance(

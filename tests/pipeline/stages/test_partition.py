@@ -15,6 +15,7 @@ from brigade.pipeline.stages.partition import (
     solve,
     split,
     time_costs,
+    time_parts,
 )
 
 
@@ -83,12 +84,16 @@ def test_balance_by_params_and_by_time():
 
 def test_time_costs_are_the_median_of_the_timed_runs(monkeypatch):
     """Per block: one untimed warm-up, then the median of `repeats` timings (1, 10 and 2 s here:
-    2, where the mean would say 4.33 and the max 10)."""
+    2, where the mean would say 4.33 and the max 10); `time_parts` takes the forward's and the
+    backward's medians apart (0.5, 3, 1 and 0.5, 7, 1 s: 1 and 1)."""
     from brigade.pipeline.stages import partition
 
-    clock = iter([0.0, 100.0, 101.0, 200.0, 210.0, 300.0, 302.0] * 2)  # per block: warm-up start, 3 runs
+    # per block and run (the warm-up first): the clock at the start, after the forward, at the end
+    runs = [0.0, 50.0, 100.0, 100.0, 100.5, 101.0, 200.0, 203.0, 210.0, 300.0, 301.0, 302.0]
+    clock = iter(runs * 4)
     monkeypatch.setattr(partition.time, "perf_counter", lambda: next(clock))
     assert time_costs([nn.Linear(4, 4), nn.Linear(4, 4)], torch.randn(2, 4), repeats=3) == [2.0, 2.0]
+    assert time_parts([nn.Linear(4, 4), nn.Linear(4, 4)], torch.randn(2, 4), repeats=3) == [(1.0, 1.0)] * 2
 
 
 def test_split_shares_modules_in_order():
