@@ -25,13 +25,17 @@ def has_batchnorm(blocks: list[nn.Module]) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for b in blocks for m in b.modules())
 
 
-def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device, float8: str = ""):
+def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device, float8: str = "",
+              replicas: int = 1):
     """Single device: loss, and per block its gradients and post-SGD state, of a deep copy that
-    keeps ties (one device sums their uses: the gradient every stage's copy must hold).
+    keeps ties (one device sums their uses: the gradient every stage's copy must hold). Where it
+    runs micro-batch by micro-batch, the batch is cut as the pipeline's `replicas` cut it: into
+    their slices, each into `m` micro-batches.
 
     A Hugging Face directory's model (`spec.hf`) is compared with the unmodified transformers
-    model instead, its tensors matched to the blocks' by their directory names."""
-    if spec.hf is not None:
+    model instead, its tensors matched to the blocks' by their directory names; under `float8`
+    with its own blocks converted (transformers' model has no float8 to compare with)."""
+    if spec.hf is not None and not float8:
         return _transformers_reference(spec, x, y, lr, device)
     blocks = copy.deepcopy(spec.blocks)  # one deepcopy of the list keeps ties between blocks
     if float8:
@@ -43,8 +47,7 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device, fl
     per_mb = m > 1 and (has_batchnorm(spec.blocks) or bool(float8))
     if per_mb:
         total = 0.0
-        for xs, ys, w in zip(microbatch.split_structure(x, m), microbatch.split_structure(y, m),
-                             microbatch.weights(microbatch.batch_size_of(x), m)):
+        for xs, ys, w in _pieces(x, y, m, replicas):
             loss = spec.loss_fn(model(xs), ys) * w
             loss.backward()
             total += loss.detach()
@@ -57,6 +60,16 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device, fl
     state = [[t.detach().clone() for t in b.state_dict().values()] for b in blocks]
     why = "float8" if float8 else "BatchNorm"
     return float(loss.detach()), grads, state, (f"micro-batched ({why})" if per_mb else "full batch")
+
+
+def _pieces(x, y, m: int, replicas: int):
+    """(inputs, targets, share of the batch's loss) of each micro-batch of each replica's slice."""
+    out = []
+    for xr, yr in zip(microbatch.split_structure(x, replicas), microbatch.split_structure(y, replicas)):
+        shares = microbatch.weights(microbatch.batch_size_of(xr), m)
+        out += [(xs, ys, w / replicas) for xs, ys, w in zip(microbatch.split_structure(xr, m),
+                                                            microbatch.split_structure(yr, m), shares)]
+    return out
 
 
 def _transformers_reference(spec: ModelSpec, x, y, lr: float, device: torch.device):

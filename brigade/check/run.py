@@ -91,9 +91,9 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
     ref_device = _reference_device(world)
-    # float8's reference cuts the batch as the replicas and their micro-batches do: dp × m pieces
-    ref_m = m * cfg.dp if cfg.float8 else m
-    ref_loss, ref_grads, ref_state, ref_kind = reference(spec, x, y, ref_m, lr, ref_device, cfg.float8)
+    # float8's reference cuts the batch as the replicas and their micro-batches do
+    ref_loss, ref_grads, ref_state, ref_kind = reference(spec, x, y, m, lr, ref_device, cfg.float8,
+                                                         cfg.dp if cfg.float8 else 1)
     cut = _cut(cfg, spec, schedule, v, x, world.device)
     # the same assembler as brigade train's (the reference, a deep copy, ran unwrapped)
     built = assemble(spec.blocks, cut, world, mode, cfg.reshard, sequence_parallel=cfg.sequence_parallel,

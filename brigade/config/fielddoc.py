@@ -192,9 +192,9 @@ def _update_help() -> str:
 
 
 def _float8_names() -> list[str]:
-    from brigade.parallel.float8 import RECIPES  # owns the recipes (torchao's names)
+    from brigade.config.precision import FLOAT8_RECIPES  # owns the recipes (torchao's names)
 
-    return list(RECIPES)
+    return list(FLOAT8_RECIPES)
 
 
 SCHEDULES = Choices(_schedule_names, _schedule_help)

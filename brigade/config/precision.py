@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     import torch
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+# --float8's recipes (torchao's names; `parallel.float8` applies them): tensorwise, one scale per
+# tensor (the fastest kernels); rowwise, one per row (more accurate)
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
+
+def check_float8(recipe: str) -> None:
+    """Raises BrigadeError, in one line, for a --float8 that is not one of `FLOAT8_RECIPES`."""
+    if recipe not in FLOAT8_RECIPES:
+        raise BrigadeError(f"--float8 {recipe!r}: expected one of {', '.join(FLOAT8_RECIPES)} "
+                           "(tensorwise: fastest; rowwise: more accurate)")
 
 
 def autocast_dtype(precision: str, bf16: bool, device_type: str) -> torch.dtype | None:

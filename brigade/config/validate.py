@@ -49,8 +49,8 @@ def validate(cfg: RunConfig) -> None:
     from brigade.config.precision import autocast_dtype  # owns the names; raises on an unknown one
     autocast_dtype(t.precision, t.bf16, "cpu")
     if p.float8:
-        from brigade.parallel.float8 import recipe_of  # owns the recipes; raises on an unknown one
-        recipe_of(p.float8)
+        from brigade.config.precision import check_float8  # owns the recipes
+        check_float8(p.float8)
     from brigade.config.optimizer import UPDATES
     if cfg.optim.adamw not in UPDATES:
         raise BrigadeError(f"--adamw {cfg.optim.adamw!r}: expected one of {', '.join(UPDATES)}")

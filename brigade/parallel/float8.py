@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from brigade.config.precision import FLOAT8_RECIPES, check_float8
 from brigade.errors import BrigadeError
 
 MULTIPLE = 16  # torch._scaled_mm on a GPU: a matmul's inner and output-column sizes (features, tokens)
@@ -65,7 +66,7 @@ class Recipe(enum.Enum):
     ROWWISE = "rowwise"
 
 
-RECIPES = tuple(r.value for r in Recipe)  # what --float8 accepts
+RECIPES = FLOAT8_RECIPES  # what --float8 accepts: the configuration's names, which Recipe's values are
 
 
 def recipe_of(name: str | Recipe) -> Recipe:
@@ -76,11 +77,8 @@ def recipe_of(name: str | Recipe) -> Recipe:
     """
     if isinstance(name, Recipe):
         return name
-    try:
-        return Recipe(name)
-    except ValueError:
-        raise BrigadeError(f"--float8 {name!r}: expected one of {', '.join(RECIPES)} "
-                           "(tensorwise: fastest; rowwise: more accurate)") from None
+    check_float8(name)
+    return Recipe(name)
 
 
 def torchao_float8():

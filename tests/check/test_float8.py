@@ -40,3 +40,13 @@ def test_float8_under_tensor_parallel_within_its_own_tolerance():
     (result,) = _check([("1f1b", 3, 1)], tp=2, atol=2e-2)
     assert result["ok"], result
     assert result["max_abs_grad_diff"] > 1e-5  # each tp process scales its own part: not exact
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["examples/llama.py:model", "hf:qwen3"])
+def test_float8_on_a_structured_input_and_a_hugging_face_family(model):
+    from tests.models.hf.dirs import hf
+
+    name = hf("qwen3") if model == "hf:qwen3" else model
+    cfg = CheckConfig(model=name, stages=2, batch_size=8, float8="tensorwise")
+    assert _failures([{**r, "reference": "full batch"} for r in run_check(cfg, CASES)], CASES) == []

@@ -102,3 +102,16 @@ def test_check_compile_equals_one_device_under_every_schedule(dp, shard):
     cfg = CheckConfig(model="gpt", stages=2, batch_size=16, dp=dp, shard=shard, model_options=TINY_GPT,
                       compile=True)
     assert _failures(run_check(cfg, CASES), CASES) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model", ["examples/llama.py:model", "hf:qwen3"])
+def test_check_compile_on_a_structured_input_and_a_hugging_face_family(model):
+    """examples/llama.py (side inputs, a tied head) and a Hugging Face family (against
+    transformers' own model), compiled, under every registered schedule."""
+    from tests.models.hf.dirs import hf
+
+    name = hf("qwen3") if model == "hf:qwen3" else model
+    results = run_check(CheckConfig(model=name, stages=2, batch_size=8, compile=True), CASES)
+    assert _failures([{**r, "reference": "full batch"} for r in results], CASES) == []
