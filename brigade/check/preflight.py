@@ -9,6 +9,7 @@ import torch
 
 from brigade.check.config import Case, CheckConfig, case_of
 from brigade.check.reference import has_batchnorm
+from brigade.config.precision import check_float8
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
 from brigade.parallel import recompute, tensor
@@ -104,6 +105,8 @@ def preflight(cfg: CheckConfig, cases: list[Case]) -> None:
         _check_devices(cfg.devices, cfg.stages)
     if cfg.batch_size < 1:
         raise BrigadeError(f"batch size {cfg.batch_size}: need at least 1")
+    if cfg.float8:
+        check_float8(cfg.float8)
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
     if cfg.balance_by not in ("params", "time"):
         raise BrigadeError(f"unknown balance method {cfg.balance_by!r}: expected params or time")
