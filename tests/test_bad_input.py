@@ -122,6 +122,8 @@ CASES = [
      "--float8 'blockwise': expected one of tensorwise, rowwise", 2),
     ("check: unknown float8 recipe", ["check", "--float8", "blockwise"],
      "--float8 'blockwise': expected one of tensorwise, rowwise", 2),
+    ("a measured cut without auto", ["train", "--balance", "measured", "--pp", "2"],
+     "--balance measured cuts the blocks for a costed schedule's plan (auto), not for --schedule 1f1b", 2),
     ("unknown recompute", ["train", "--recompute", "some"],
      "--recompute 'some': expected one of none, full", 2),
     ("recompute names a block the model lacks", ["train", "--model", "{tmp}/recompute9.py:make"],

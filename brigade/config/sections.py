@@ -81,8 +81,10 @@ class ParallelConfig:
     auto_limit: int = doc(0, "--schedule auto: the most micro-batch activations a pipeline rank holds "
                              "at once, one per stage it holds (at least V); 0: the least that keeps "
                              "the plan shortest")
-    balance: str = doc("", "blocks per stage, like 3,3 (pp × V entries, stage 0's first); empty: "
-                           "balance the parameter counts")
+    balance: str = doc("", "blocks per stage, like 3,3 (pp × V entries, stage 0's first); measured "
+                           "(--schedule auto): the cut auto's plan runs best on, from the blocks' "
+                           "times measured at the start and kept in snapshots; empty: balance the "
+                           "parameter counts")
     backend: str = doc("auto", "the collective backend: auto, gloo or nccl; auto: nccl when GPUs "
                                "are visible, else gloo")
     threads: int = doc(1, "CPU threads per process (torch.set_num_threads)")

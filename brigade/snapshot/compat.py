@@ -12,15 +12,19 @@ from brigade.config import RunConfig, config_hash, config_subset, pipeline_shape
 from brigade.snapshot.format import Manifest, SnapshotError
 
 
-def run_facts(cfg: RunConfig, cursor: int, epoch: int, vocab: str | None) -> dict:
+def run_facts(cfg: RunConfig, cursor: int, epoch: int, vocab: str | None,
+              balance: list[int] | None = None) -> dict:
     """The run's part of a manifest (`collective.save` adds the step, checksums and hashes).
 
     Args:
         cursor, epoch: the data sampler's position.
         vocab: a GPT's characters; None for other models.
+        balance: blocks per stage the run was cut into: where it measured its cut (auto without
+            --balance), a resume cuts the same way, so its numbers go on exactly
+            (`train.run.resumed_cut`).
     """
     p = cfg.parallel
-    return {"cursor": cursor, "epoch": epoch,
+    return {**({"balance": list(balance)} if balance else {}), "cursor": cursor, "epoch": epoch,
             "layout": {"dp": p.dp, "pp": p.pp, "local_stages": p.local_stages,
                        "virtual": pipeline_shape(p)[1], "tp": p.tp},
             "config_hash": config_hash(cfg), "config": config_subset(cfg),

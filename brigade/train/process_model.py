@@ -42,6 +42,7 @@ from brigade.parallel.assemble import Cut, assemble
 from brigade.pipeline.plans.action import B, F, I, W
 from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build, placement
+from brigade.pipeline.stages.measured_cut import MEASURED, auto_balance
 from brigade.pipeline.stages.partition import choose_balance, parse_balance
 from brigade.world.mesh import World
 
@@ -82,15 +83,30 @@ def world_of(cfg: ParallelConfig, device: torch.device) -> World:
     return World(degrees_of(cfg), device, devices)
 
 
-def cut_of(blocks: list[nn.Module], cfg: ParallelConfig) -> tuple[Cut, str, int]:
-    """(the cut, the schedule, micro-batches) a run's configuration gives: blocks per stage by
-    --balance or by parameters, stages placed by the schedule; one stage under GPipe with one
-    micro-batch where there is no pipeline."""
+def cut_of(blocks: list[nn.Module], cfg: ParallelConfig, sample=None, cores: float = 0.0,
+           device: torch.device | None = None) -> tuple[Cut, str, int, bool]:
+    """(the cut, the schedule, micro-batches, whether the cut was measured) a run's configuration
+    gives: blocks per stage by --balance; with --balance measured (a costed schedule: auto), the
+    cut auto's plan runs best on, from the blocks' times on the `sample` micro-batch measured
+    here (`measured_cut.auto_balance`, on `device`, planned for `cores` shared cores); else by
+    parameters. Stages placed by the schedule; one stage under GPipe with one micro-batch where
+    there is no pipeline.
+
+    Measuring is asked for, not the default: two runs measure two cuts where the blocks' times
+    are close, and a different cut draws each stage's dropout masks and sums its gradients in
+    another order, so the same command would no longer repeat its numbers. A measured cut is
+    kept in the run's snapshots, and a resume cuts by it (`train.run.resumed_cut`)."""
     n_ranks, virtual = pipeline_shape(cfg)
     schedule = cfg.schedule if n_ranks > 1 else "gpipe"
     _, ranks = placement(schedule, n_ranks, virtual)
-    balance = choose_balance(blocks, len(ranks), balance=parse_balance(cfg.balance) if cfg.balance else None)
-    return Cut(tuple(balance), tuple(ranks)), schedule, cfg.microbatches if n_ranks > 1 else 1
+    measured = cfg.balance == MEASURED and sample is not None and n_ranks > 1 and SCHEDULES[schedule].costed
+    given = parse_balance(cfg.balance) if cfg.balance and cfg.balance != MEASURED else None
+    if measured:
+        balance = auto_balance(blocks, sample, n_ranks, virtual, cfg.microbatches, cfg.auto_limit, cores,
+                               device)
+    else:
+        balance = choose_balance(blocks, len(ranks), balance=given)
+    return Cut(tuple(balance), tuple(ranks)), schedule, cfg.microbatches if n_ranks > 1 else 1, measured
 
 
 class ProcessModel:
@@ -99,6 +115,8 @@ class ProcessModel:
 
     Args:
         blocks: the whole model as blocks (identical on every process).
+        sample: one micro-batch of inputs, for a costed schedule without --balance to measure its
+            cut on (`cut_of`); None: the parameter cut.
         loss_fn: (output, target) -> mean loss.
         cfg: the parallel configuration; world: this process's place (`world_of`).
         weights: `(held blocks, device) -> None`, called once every wrapper is in place, for
@@ -107,9 +125,16 @@ class ProcessModel:
     """
 
     def __init__(self, blocks: list[nn.Module], loss_fn, cfg: ParallelConfig, world: World,
-                 autocast: torch.dtype | None = None, weights=None):
+                 autocast: torch.dtype | None = None, weights=None, sample=None):
         self.world = world
-        cut, schedule, m = cut_of(blocks, cfg)
+        n_ranks = pipeline_shape(cfg)[0]
+        costed = n_ranks > 1 and SCHEDULES[cfg.schedule].costed
+        self.cores = self._shared_cores(n_ranks, cfg) if costed else 0.0
+        cut, schedule, m, self.measured_cut = cut_of(blocks, cfg, sample, self.cores, world.device)
+        if self.measured_cut and (not dist.is_initialized() or dist.get_rank() == 0):
+            cut_text = ",".join(map(str, cut.balance))
+            print(f"brigade: --balance measured: --schedule {schedule} cuts the blocks {list(cut.balance)}, "
+                  f"chosen with its plan (--balance {cut_text} repeats it)", flush=True)
         self.assembly = assemble(blocks, cut, world, cfg.recompute, cfg.reshard, autocast, weights,
                                  cfg.sequence_parallel, cfg.compile, cfg.float8)
         if self.assembly.float8 is not None and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -119,7 +144,6 @@ class ProcessModel:
         # A costed schedule (auto) plans on unit costs until `replan` gives it measured ones.
         self.costed = SCHEDULES[schedule].costed
         self.limit, self.n_stages = cfg.auto_limit, len(cut.ranks)
-        self.cores = self._shared_cores(len(set(cut.ranks)), cfg) if self.costed else 0.0
         costs = Costs.unit(self.n_stages, cfg.auto_limit) if self.costed else None
         self.pipe = self.assembly.pipeline(schedule, m, loss_fn, costs)
         if cfg.compile and (not dist.is_initialized() or dist.get_rank() == 0):

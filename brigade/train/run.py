@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import random
 import time
@@ -24,6 +25,8 @@ from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.env import launcher_env, launcher_world, under_launcher
 from brigade.parallel import compiled, sequence, tensor
+from brigade.pipeline.plans.schedule import SCHEDULES
+from brigade.pipeline.stages.measured_cut import MEASURED
 from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
 from brigade.snapshot import collective
 from brigade.snapshot.compat import check_compatible, run_facts
@@ -75,7 +78,13 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     tensor.check_plans(blocks, p.tp, cfg.model.model)
     sequence.check_length(blocks, p.tp, cfg.data.block_size, p.sequence_parallel)
     ranks, virtual = pipeline_shape(p)
-    choose_balance(blocks, ranks * virtual, balance=parse_balance(p.balance) if p.balance else None)
+    given = parse_balance(p.balance) if p.balance and p.balance != MEASURED else None
+    if p.balance == MEASURED and (ranks == 1 or not SCHEDULES[p.schedule].costed):
+        where = "" if ranks > 1 else " without a pipeline"
+        raise BrigadeError(f"--balance measured cuts the blocks for a costed schedule's plan (auto), not "
+                           f"for --schedule {p.schedule}{where}: use --schedule auto with --pp or "
+                           "--local-stages, or give the cut, like 3,3")
+    choose_balance(blocks, ranks * virtual, balance=given)
     if p.nnodes > 1 and not launched:
         from brigade.host.net import node_address, parse_endpoint
 
@@ -146,6 +155,7 @@ def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
     """Build, resume, fit and snapshot; the summary of this rank's run."""
     if cfg.parallel.compile:  # before anything compiles: a restart finds the first attempt's graphs
         compiled.use_cache(cfg.train.out)
+    cfg = resumed_cut(cfg)
     blocks, loss_fn, train, val, vocab, weights = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train, weights=weights)
@@ -172,6 +182,21 @@ def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
     return summary
 
 
+def resumed_cut(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the cut of the newest snapshot in --out, where the run measures its cut
+    (--balance measured, `process_model.cut_of`) and the snapshot says which it was: measured again,
+    the cut could differ, and with it each stage's dropout masks and the order of its sums, so a
+    resumed run would not go on exactly as it would have."""
+    p = cfg.parallel
+    if p.balance != MEASURED:
+        return cfg
+    found = find_latest(cfg.train.out, warn=lambda m: None)
+    saved = found.manifest.balance if found is not None else None
+    if not saved or len(saved) != math.prod(pipeline_shape(p)):
+        return cfg
+    return replace(cfg, parallel=replace(p, balance=",".join(map(str, saved))))
+
+
 def _announce(cfg: RunConfig, info, resumed: int) -> dict | None:
     """An elastic run's layout record; the resume and layout-change lines; metrics of the attempt
     that died dropped (after `layout_record` read them)."""
@@ -188,7 +213,8 @@ def _snapshotter(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None, injector
     """A function that writes the trainer's snapshot now (collective) and logs its time."""
     def snap() -> Path:
         start = time.perf_counter()
-        facts = run_facts(cfg, trainer.sampler.cursor, trainer.sampler.epoch, vocab.chars if vocab else None)
+        facts = run_facts(cfg, trainer.sampler.cursor, trainer.sampler.epoch, vocab.chars if vocab else None,
+                          trainer.engine.balance)
         path = collective.save(cfg.train.out, trainer.state.step, trainer.model, trainer.optimizer, facts,
                                keep=cfg.train.keep, loss_scaler=trainer.scaler,
                                before_commit=lambda: injector.during_snapshot(trainer.state.step))

@@ -140,7 +140,7 @@ class Trainer:
         autocast = autocast_dtype(self.cfg.precision, self.cfg.bf16, self.info.device.type)
         self.scaler = LossScaler() if autocast == torch.float16 else None
         self.engine = ProcessModel(blocks, loss_fn, self.parallel, self.world, autocast=autocast,
-                                   weights=weights)
+                                   weights=weights, sample=self._sample(train_data))
         self.model = self.engine.owned
         self.optimizer = (optimizer or adamw(self.optim_cfg))(self.model)
         self.train_data, self.val_data = train_data, val_data
@@ -162,6 +162,13 @@ class Trainer:
                                tensorboard=self.cfg.tensorboard)
         self.watchdog = forensics.start(self.parallel.hang_timeout, self.cfg.out,
                                         self.world.place)
+
+    def _sample(self, data):
+        """One micro-batch's inputs (the first samples), what a costed schedule without --balance
+        measures its cut on (`process_model.cut_of`)."""
+        p = self.parallel
+        size = max(1, self.cfg.batch_size // max(1, p.dp * self.optim_cfg.grad_accum * p.microbatches))
+        return _batch(data, torch.arange(min(size, len(data))))[0]
 
     def _resolve_layout(self) -> None:
         """dp = 0: derived from the process group's world by `config.resolve_layout`, the one owner;

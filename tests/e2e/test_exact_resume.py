@@ -201,3 +201,23 @@ def test_the_kill_campaign_under_shard_2_x_pp_2(worlds, tmp_path, rank, step):
     plain = root / schedule / "plain"
     assert losses(out) == losses(plain)
     assert final_hash(out) == final_hash(plain)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_measured_cut_is_kept_so_a_restart_goes_on_exactly(tmp_path):
+    """--balance measured: auto's cut is measured once, at the run's start, and kept in its
+    snapshots; killed and restarted, the run cuts by the snapshot's cut instead of measuring again,
+    and ends bit for bit where a run given that cut from the start, never stopped, ends."""
+    from tests.e2e.helpers import train
+
+    flags = [*RUN, "--n-layer", "4", "--nproc", "2", "--pp", "2", "--schedule", "auto"]  # cuts to choose
+    measured = train(tmp_path / "measured", *flags, "--balance", "measured",
+                     "--inject-fault", "kill:rank=1:step=4", "--max-restarts", "1")
+    assert measured.returncode == 0, measured.stderr[-2000:]
+    said = [line for line in measured.stdout.splitlines() if "--balance measured:" in line]
+    assert len(said) == 1, measured.stdout  # measured once; the restart read the snapshot's cut
+    cut = json.loads((tmp_path / "measured" / "snapshots" / "step_00000006" / "manifest.json").read_text())
+    given = train(tmp_path / "given", *flags, "--balance", ",".join(map(str, cut["balance"])))
+    assert given.returncode == 0, given.stderr[-2000:]
+    assert final_hash(tmp_path / "measured") == final_hash(tmp_path / "given")

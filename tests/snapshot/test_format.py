@@ -81,6 +81,8 @@ MALFORMED = [
     ("file-outside", {**GOOD, "files": {**GOOD["files"], "../x": _sha(b"")}}, "has 'files' = "),
     ("scale-zero", {**GOOD, "loss_scale": {"scale": 0, "good_steps": 1}}, "has 'loss_scale' = "),
     ("scale-no-steps", {**GOOD, "loss_scale": {"scale": 2.0}}, "expected null or an object of scale > 0"),
+    ("balance-zero", {**GOOD, "balance": [3, 0]}, "expected null or a non-empty list of integers ≥ 1"),
+    ("balance-text", {**GOOD, "balance": "3,3"}, "has 'balance' = \"3,3\""),
 ]
 
 
@@ -126,6 +128,13 @@ def test_fp16_loss_scale_is_an_optional_typed_key(tmp_path):
     m = verify(make_snapshot(tmp_path, scaled))
     assert m.loss_scale == {"scale": 131072.0, "good_steps": 1} and m.to_json() == scaled
     assert verify(make_snapshot(tmp_path, name="step_00000003")).loss_scale is None  # older snapshots
+
+
+def test_the_cut_is_an_optional_typed_key(tmp_path):
+    cut = {**GOOD, "balance": [1, 1, 1, 3]}
+    m = verify(make_snapshot(tmp_path, cut))
+    assert m.balance == [1, 1, 1, 3] and m.to_json() == cut
+    assert verify(make_snapshot(tmp_path, name="step_00000003")).balance is None  # older snapshots
 
 
 def test_latest_step_reads_the_pointer_only(tmp_path):

@@ -29,6 +29,8 @@ from brigade.pipeline.plans.cuts import choose_cut
 from brigade.pipeline.stages import structure
 from brigade.pipeline.stages.partition import _check_stages, param_costs, solve, time_parts
 
+MEASURED = "measured"  # --balance measured: the cut `auto_balance` chooses
+
 
 def auto_balance(blocks: Sequence[nn.Module], sample: Any, ranks: int, virtual: int, microbatches: int,
                  limit: int = 0, cores: float = 0.0, device: torch.device | None = None,
@@ -54,8 +56,10 @@ def auto_balance(blocks: Sequence[nn.Module], sample: Any, ranks: int, virtual: 
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     cut: list[int] | Exception | None = None
     if not group or dist.get_rank() == 0:
-        try:
-            cut = _chosen(blocks, sample, (ranks, virtual, microbatches), (limit, cores), device, repeats)
+        try:  # the timed forwards draw dropout masks: the run's random streams must not move
+            gpus = [device] if device is not None and device.type == "cuda" else []
+            with torch.random.fork_rng(devices=gpus):
+                cut = _chosen(blocks, sample, (ranks, virtual, microbatches), (limit, cores), device, repeats)
         except BrigadeError as exc:  # a PlanError too: every rank says it, none waits for ever
             cut = exc
     if group:
