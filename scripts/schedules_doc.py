@@ -136,10 +136,14 @@ over every cut to within 0.1 %. The choice is never longer in simulation than th
   line for each.
 - `brigade tune`: auto's rows are predicted on the cut chosen from the interpolated block costs,
   the transfer and the shared cores, and the train config it writes carries that `balance`.
-- `brigade train` with `--schedule auto` and no `--balance` still cuts by parameters:
-  `pipeline/stages/measured_cut.auto_balance` (each block's forward and backward timed on one
-  micro-batch by rank 0, the cut broadcast) is what it is to call. `brigade plan` predicts auto on
-  the solver's cut.
+- `brigade train --schedule auto --balance measured`: the same choice from each block's forward
+  and backward timed on one micro-batch by rank 0 at the start (`pipeline/stages/measured_cut`,
+  the cut broadcast, the run's random streams untouched), printed, and kept in the snapshots: a
+  resume cuts by the snapshot's cut, so a restarted run ends bit for bit where one given that
+  cut ends. Asked for, not the default: two runs can measure two cuts where the blocks' times
+  are close, and another cut draws other dropout masks, so without it (no `--balance`) auto cuts
+  by parameters and a command repeats its numbers. `brigade plan` predicts auto on the solver's
+  cut.
 
 """
 
