@@ -5,6 +5,7 @@ above them, in `brigade.results`, and nothing here imports those (tests/test_imp
     command      the two commands' flags; run: their bodies (a config, the workers, what is printed)
     experiments  brigade bench's configurations, timed together in interleaved rounds
     peers        torch.distributed.pipelining's schedules on the same stages
+    copies       every row's copy of the blocks, compiled under --compile (copied, then compiled)
     figures      the per-round figures and their intervals; plot: bench.json's plots and table
     tune         brigade tune: predict the sweep, time the best, keep the fastest
     choose       how the tuner ranks configurations within rounds

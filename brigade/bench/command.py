@@ -49,6 +49,10 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedules", default=",".join(schedule.names()),
                    help=f"pipeline schedules to time, comma-separated, from {schedule.expected()} "
                         "(default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each block on its own (torch.compile), as brigade train --compile "
+                        "does: in every row and trial, torch's pipelining's too; the compiler runs in "
+                        "the untimed warm-up")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
 
 

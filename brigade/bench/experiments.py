@@ -21,11 +21,16 @@ shared machine hits all alike. Each round also measures every stage's per-micro-
 (a probe per m), from which `simulate()` gives that round's ideal step; ratios (vs single, vs
 the torch twin, ideal ÷ measured) are taken per round and summarised by `bench.figures`.
 Models, batches and every collective's tensors live on the process's device.
+
+With --compile every row runs compiled blocks, torch's too: each copy of the blocks is compiled as
+it is made (`copy_blocks`), once, before any row is built on it, and the solver's and auto's
+costs are measured on compiled copies as well. A block is never copied after it is compiled: the
+copy's `forward` would still be the original's, bound to the original's parameters. Compiling
+happens in each step's untimed warm-up (`timing.interleaved_rounds`), never in a timed round.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -34,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from brigade.bench.copies import copy_blocks
 from brigade.bench.peers import TORCH_SCHEDULES, TorchPipelining, local_stages, unsupported
 from brigade.errors import BrigadeError
 from brigade.host import malloc
@@ -66,6 +72,7 @@ class BenchConfig(Workload):
     rounds: int = 10  # interleaved rounds (`repeats` stays the tuner's per-configuration count)
     ranks: int = 2  # bench: pipeline ranks, one process each (more than the cores: they share them)
     memory_per_device: float = 0.0  # tune: bytes a process may hold at its peak; 0: no limit
+    compile: bool = False  # every row's blocks compiled (`copy_blocks`), as brigade train --compile
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,10 @@ class Worker:
     pipeline: World | None = None
     replicas: World | None = None
 
+    def copy_blocks(self) -> list[nn.Module]:
+        """A fresh copy of the model's blocks for one row, compiled under --compile (`copy_blocks`)."""
+        return copy_blocks(self.spec.blocks, self.cfg.compile)
+
 
 def worlds(ranks: int, device: torch.device) -> tuple[World, World]:
     """(a pipeline of `ranks` ranks, `ranks` data-parallel replicas): the two layouts a bench or tune
@@ -171,8 +182,9 @@ def worlds(ranks: int, device: torch.device) -> tuple[World, World]:
 
 def replica_step(w: Worker):
     """One DDP step of the whole model, each replica on its slice of the batch, wrapped as
-    `brigade train` wraps it (the stage assembler over the `replicas` world)."""
-    blocks = copy.deepcopy(w.spec.blocks)
+    `brigade train` wraps it (the stage assembler over the `replicas` world), compiled already
+    under --compile (`Worker.copy_blocks`)."""
+    blocks = w.copy_blocks()
     (model,) = assemble(blocks, Cut((len(blocks),), (0,)), w.replicas).stages.values()
     d, c = w.replicas.degrees, w.replicas.coords
     return train_step(model, w.spec.loss_fn, w.x.chunk(d.dp)[c.dp], w.y.chunk(d.dp)[c.dp])
@@ -182,7 +194,8 @@ def brigade_pipeline(w: Worker, blocks: list[nn.Module], balance: list[int], sch
                      m: int, costs: Costs | None = None) -> tuple[Pipeline, nn.ModuleList]:
     """brigade's pipeline of `schedule` over the `pipeline` world, its stages cut from `blocks` by
     `balance` and built by the stage assembler; and this rank's stages (what a step's gradients
-    are zeroed on)."""
+    are zeroed on). `blocks` come compiled under --compile (`Worker.copy_blocks`): the assembler
+    does not compile them again."""
     cut = Cut(tuple(balance), tuple(placement(schedule, w.ranks, virtual)[1]))
     built = assemble(blocks, cut, w.pipeline)
     return built.pipeline(schedule, m, w.spec.loss_fn, costs), nn.ModuleList(built.stages.values())
@@ -209,7 +222,7 @@ def _agreed_balances(b: Worker, shapes: list[Shape]) -> tuple[dict[Shape, list[i
     once, as all compute in a step; only rank 0 searches.
     """
     size = {m: math.ceil(len(b.x) / m) for _, m, _ in shapes}  # micro-batch of each m
-    costs = {n: block_costs(copy.deepcopy(b.spec.blocks), b.x[:n], b.spec.loss_fn, b.y[:n])
+    costs = {n: block_costs(b.copy_blocks(), b.x[:n], b.spec.loss_fn, b.y[:n])
              for n in sorted(set(size.values()))}
     cores = shared_cores(b.ranks, b.ranks, torch.get_num_threads(), b.x.device.type)  # one host
     mine: dict[Shape, list[int]] = {}
@@ -240,11 +253,12 @@ def search_record(got: Choice, solver: list[int]) -> dict:
 
 def _cut(b: _Bench) -> None:
     """Each shape -> a copy of the blocks for its balance, and its stages (for torch's rows and the
-    probes; brigade's rows cut the same copy through the assembler); equal balances share one."""
+    probes; brigade's rows cut the same copy through the assembler); equal balances share one.
+    Under --compile each copy is compiled as it is made, once for every row on it."""
     made: dict[tuple[int, ...], tuple[list[nn.Module], list[nn.Module]]] = {}
     for shape, balance in b.balances.items():
         if tuple(balance) not in made:  # one deep copy per distinct cut, not per shape
-            blocks = copy.deepcopy(b.spec.blocks)
+            blocks = b.copy_blocks()
             made[tuple(balance)] = blocks, split(blocks, balance)
         b.blocks[shape], b.stages[shape] = made[tuple(balance)]
 
@@ -262,7 +276,7 @@ def _step(b: _Bench, case: Case):
     if case.name == SINGLE:
         if b.rank != 0:
             return lambda: None
-        return train_step(nn.Sequential(*copy.deepcopy(b.spec.blocks)), b.spec.loss_fn, b.x, b.y)
+        return train_step(nn.Sequential(*b.copy_blocks()), b.spec.loss_fn, b.x, b.y)
     if case.name == DDP:
         return replica_step(b)
     if case.name in (OURS, MP):

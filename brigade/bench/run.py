@@ -51,6 +51,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     # gives a 95 % CI of the median from the 2nd to the 9th value.
     cfg.rounds = args.repeats or 10
     cfg.warmup = 1
+    cfg.compile = getattr(args, "compile", False)
     if args.splits:
         try:
             cfg.splits = [int(s) for s in args.splits.split(",")]
@@ -132,9 +133,9 @@ def run_bench(args: argparse.Namespace) -> int:
     cores = os.cpu_count() or 1
     device = f"{cfg.ranks} GPUs" if torch.cuda.device_count() >= 2 else \
         f"{cfg.ranks} CPU processes × 1 thread" + (f" on {cores} cores" if cfg.ranks > cores else "")
-    print(f"brigade bench: {cfg.model}, batch {cfg.batch_size}, split sizes "
-          f"{cfg.splits or 'the tutorial’s, scaled'}, {cfg.rounds} interleaved rounds, on {device}",
-          flush=True)
+    print(f"brigade bench: {cfg.model}{', compiled' if cfg.compile else ''}, batch {cfg.batch_size}, "
+          f"split sizes {cfg.splits or 'the tutorial’s, scaled'}, {cfg.rounds} interleaved rounds, "
+          f"on {device}", flush=True)
     start = time.perf_counter()
     with _malloc_defaults(getattr(args, "malloc_defaults", False)):
         raw = agent.launch(worker, LaunchSpec(cfg.ranks, port=args.port), cfg)[0]
@@ -225,7 +226,8 @@ def run_tune(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in result.items() if k not in ("predictions", "sweep")}))
         return 0
     again = f", {result['finalists']} finalists timed again" if result["finalists"] else ""
-    print(f"brigade tune: {cfg.model}, batch {cfg.batch_size}: {result['trials']} trials{again} "
+    print(f"brigade tune: {cfg.model}{', compiled' if cfg.compile else ''}, batch {cfg.batch_size}: "
+          f"{result['trials']} trials{again} "
           f"(the full sweep has {result['sweep_trials']}: schedule × V × m, and data parallel)")
     for gone in result["left_out"]:
         print(f"left out: {gone['schedule']}, V={gone['virtual']}: {gone['reason']}")
@@ -286,5 +288,6 @@ def _train_config(cfg: BenchConfig, chosen: dict):
         p.balance = ",".join(map(str, chosen["balance"]))
     else:
         p.microbatches = 1  # no pipeline: each replica steps on its whole share of the batch
+    p.compile = cfg.compile  # timed compiled: train it compiled
     run.train.batch_size = cfg.batch_size
     return run

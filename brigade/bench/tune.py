@@ -17,6 +17,9 @@
        other the rounds cannot tell from the best, and keep the fastest over every round
        they shared.
 
+`--compile` compiles every copy of the blocks, those measured in 1. and those timed in 3.
+(`Worker.copy_blocks`), and the train config written says `compile = true`.
+
 `--verify` also times the whole space in interleaved rounds, the chosen configuration among
 the others, to show how close the choice is; its best is ranked within rounds too. Blocks,
 batches and transfers live on the process's device; every time is read after synchronising it.
@@ -24,7 +27,6 @@ batches and transfers live on the process's device; every time is read after syn
 
 from __future__ import annotations
 
-import copy
 import gc
 import math
 import statistics
@@ -83,8 +85,8 @@ def _step(t: _Tuner, row: dict):
     if row["dp"] > 1:
         return replica_step(t)
     cut = tuple(row["balance"])
-    if cut not in t.blocks:  # copies stay on the blocks' device, x's
-        t.blocks[cut] = copy.deepcopy(t.spec.blocks)
+    if cut not in t.blocks:  # copies stay on the blocks' device, x's; compiled under --compile
+        t.blocks[cut] = t.copy_blocks()
     pipe, mine = brigade_pipeline(t, t.blocks[cut], list(cut), row["schedule"], row["virtual"],
                                   row["microbatches"], plan_costs(row))
     return pipeline_step(pipe, mine, t.x, t.y)
@@ -243,8 +245,10 @@ def _samples(t: _Tuner, sizes: list[int]) -> dict[int, list]:
 
     Both ranks busy is how a step runs: a rank measuring alone while the other waits (one size
     each) saw a freer machine for the larger size and under-predicted data parallel by a third.
+    Under --compile the blocks measured are compiled, as the trials' are (`stage_costs` leaves
+    out its first calls, the compiler's).
     """
-    mine = {s: block_costs(copy.deepcopy(t.spec.blocks), t.x[:s], t.spec.loss_fn, t.y[:s]) for s in sizes}
+    mine = {s: block_costs(t.copy_blocks(), t.x[:s], t.spec.loss_fn, t.y[:s]) for s in sizes}
     parts: list = [None] * t.ranks
     dist.all_gather_object(parts, mine)
 
@@ -295,7 +299,7 @@ def _tune(cfg: BenchConfig, info, verify: bool) -> dict:
               "chosen_mean_s": chosen["mean_s"], "predictions": predictions,
               "left_out": left_out, "too_big": too_big, "memory_per_device": cfg.memory_per_device,
               "measured_sizes": sizes, "comm_s_per_sample": comm,
-              "allreduce_s": allreduce, "rounds": cfg.rounds}
+              "allreduce_s": allreduce, "rounds": cfg.rounds, "compile": cfg.compile}
     if verify:
         result.update(verify_sweep(predictions, chosen, _timer(t, cfg.rounds)))
         result["sweep_best_label"] = label(result["sweep_best"])
