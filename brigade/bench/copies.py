@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import copy
 
-import torch._dynamo
 from torch import nn
 
 from brigade.parallel import recompute
 from brigade.parallel.compiled import compile_blocks
-
-RECOMPILES = 64  # compiled variants a bench process keeps of its blocks' frame (`copy_blocks`)
 
 
 def copy_blocks(blocks: list[nn.Module], compile: bool = False) -> list[nn.Module]:
@@ -29,10 +26,7 @@ def copy_blocks(blocks: list[nn.Module], compile: bool = False) -> list[nn.Modul
     """
     copies = copy.deepcopy(blocks)
     if compile:
-        # Every compiled forward runs in one frame of torch's (torch.compile wraps a bound method
-        # in `external_utils.inner`), whose cache holds 8 variants by default: the bench runs each
-        # block kind with and without grad, at several micro-batch sizes, and the 9th variant on
-        # would run eagerly for the rest of the process (`recompile_limit`).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
+        # (compile_blocks raises torch's limit of compiled variants a process keeps: the bench runs
+        # each block kind with and without grad, at several micro-batch sizes)
         compile_blocks(copies, list(range(len(copies))), recompute.modes(copies, "none"))
     return copies

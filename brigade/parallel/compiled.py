@@ -42,6 +42,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from brigade.parallel.recompute import Recomputed
 
+RECOMPILES = 64  # compiled variants one block's code may have (`compile_blocks`)
+
 
 def cache_dir(out: str | Path) -> Path:
     """Where a run's compiled code is kept: OUT/compile-cache."""
@@ -72,6 +74,11 @@ def compile_blocks(blocks: list[nn.Module], indices: list[int], modes: list[str]
     import torch._functorch.config
 
     torch._functorch.config.donated_buffer = False  # the module docstring: I and W share a graph
+    # Every compiled forward runs in one frame of torch's (torch.compile wraps a bound method in one
+    # shared function), whose cache holds each block kind's variants (each shape, grad on or off:
+    # training, evaluation, sampling); past torch's default of 8 a new variant would run eagerly
+    # for the rest of the process, with a warning only (the bench's toy model needs about 12).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
     eager = []
     for i in indices:
         block = blocks[i]

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from brigade.bench.copies import RECOMPILES, copy_blocks
+from brigade.bench.copies import copy_blocks
 from brigade.models import load_model
-from brigade.parallel.compiled import _Compiled
+from brigade.parallel.compiled import RECOMPILES, _Compiled
 from tests.e2e.helpers import brigade
 
 
