@@ -154,7 +154,11 @@ def fake_world(size: int):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     torch.set_flush_denormal(True)  # a fake collective's output is any memory: no slow denormals
     try:
-        yield init_device_mesh("cpu", (size,))
+        # A name of its own: DTensor caches what it computed for a mesh (each rank's part, by
+        # its coordinate here: 0) under the mesh's shape and names, and a process forked after
+        # (a test's, a benchmark's workers) that builds an unnamed mesh of this shape would read
+        # rank 0's parts on every rank: FSDP2's shards of rank 1 then overlapped rank 0's.
+        yield init_device_mesh("cpu", (size,), mesh_dim_names=("fake",))
     finally:
         torch.set_flush_denormal(False)
         dist.destroy_process_group()
