@@ -48,12 +48,7 @@ def validate(cfg: RunConfig) -> None:
     _auto_limit(p.auto_limit, sched, v)
     from brigade.config.precision import autocast_dtype  # owns the names; raises on an unknown one
     autocast_dtype(t.precision, t.bf16, "cpu")
-    if p.float8:
-        from brigade.config.precision import check_float8  # owns the recipes
-        check_float8(p.float8)
-    from brigade.config.optimizer import UPDATES
-    if cfg.optim.adamw not in UPDATES:
-        raise BrigadeError(f"--adamw {cfg.optim.adamw!r}: expected one of {', '.join(UPDATES)}")
+    _speed_levers(cfg)
     _positive("nnodes", p.nnodes)
     if not 0 <= p.node_rank < p.nnodes:
         raise BrigadeError(f"--node-rank {p.node_rank}: must be between 0 and --nnodes - 1 ({p.nnodes - 1})")
@@ -79,6 +74,16 @@ def validate(cfg: RunConfig) -> None:
         _fsdp_available(p.shard)
     if p.pp > 1 and p.local_stages > 1:
         raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")
+
+
+def _speed_levers(cfg: RunConfig) -> None:
+    """--float8's recipe and --adamw's update, by the names their owners give."""
+    if cfg.parallel.float8:
+        from brigade.config.precision import check_float8  # owns the recipes
+        check_float8(cfg.parallel.float8)
+    from brigade.config.optimizer import UPDATES
+    if cfg.optim.adamw not in UPDATES:
+        raise BrigadeError(f"--adamw {cfg.optim.adamw!r}: expected one of {', '.join(UPDATES)}")
 
 
 def _auto_limit(limit: int, sched, v: int) -> None:
