@@ -120,12 +120,15 @@ def _launch_config(spec: LaunchSpec, meet: rendezvous.Rendezvous):
 def _start_method() -> str:
     """How the agent starts its workers: "fork" where it is safe, since a forked worker starts
     with torch already loaded (about 2 s of imports saved per process); "spawn" with a GPU
-    (CUDA cannot be used in a forked child) or when this process has a process group of its
-    own (the child would inherit it, with none of the threads behind it)."""
+    (CUDA cannot be used in a forked child), when this process has a process group of its
+    own (the child would inherit it, with none of the threads behind it), or once this process
+    has compiled something: inductor's compile workers and the threads that talk to them stay
+    behind in the parent, and a forked child that compiles waits on them for ever."""
     import torch
     import torch.distributed as dist
 
-    return "spawn" if torch.cuda.is_available() or dist.is_initialized() else "fork"
+    compiled = "torch._inductor.async_compile" in sys.modules
+    return "spawn" if torch.cuda.is_available() or dist.is_initialized() or compiled else "fork"
 
 
 @contextlib.contextmanager

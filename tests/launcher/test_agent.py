@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from brigade.launcher import agent
 
 def test_workers_are_forked_on_cpu_and_spawned_with_a_gpu(monkeypatch):
     assert not dist.is_initialized()
+    monkeypatch.delitem(sys.modules, "torch._inductor.async_compile", raising=False)
     assert agent._start_method() == ("spawn" if torch.cuda.is_available() else "fork")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert agent._start_method() == "spawn"
@@ -20,12 +24,47 @@ def test_workers_are_forked_on_cpu_and_spawned_with_a_gpu(monkeypatch):
 
 def test_a_process_with_its_own_group_spawns_its_workers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delitem(sys.modules, "torch._inductor.async_compile", raising=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert agent._start_method() == "spawn"
     finally:
         dist.destroy_process_group()
     assert agent._start_method() == "fork"
+
+
+def test_a_process_that_has_compiled_spawns_its_workers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delitem(sys.modules, "torch._inductor.async_compile", raising=False)
+    assert agent._start_method() == "fork"
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", object())
+    assert agent._start_method() == "spawn"
+
+
+_COMPILE_THEN_LAUNCH = textwrap.dedent("""
+    import torch
+    from brigade.launcher import agent
+
+    def _compiled_sum(n):
+        return float(torch.compile(lambda x: torch.relu(x) * 2)(torch.ones(n)).sum())
+
+    if __name__ == "__main__":
+        assert _compiled_sum(3) == 6.0  # this process compiles first, as a test worker may have
+        print(agent.launch(_compiled_sum, 2, 4))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_workers_that_compile_after_their_launcher_has_compiled_do_not_hang(tmp_path):
+    """A forked worker waited for ever on the compile workers its parent had started (CI's
+    timeout of `brigade bench --compile` run inside a test process that had compiled before)."""
+    script = tmp_path / "compile_then_launch.py"
+    script.write_text(_COMPILE_THEN_LAUNCH)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "{0: 8.0, 1: 8.0}"
 
 
 def _what_a_worker_sees() -> tuple:
