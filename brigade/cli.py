@@ -11,7 +11,7 @@ import sys
 import typing
 from pathlib import Path
 
-from brigade.config.fielddoc import default_of, field_of, flag_help
+from brigade.config.fielddoc import default_of, field_of, flag_help, sentence
 from brigade.errors import BrigadeError
 
 DESCRIPTION = """\
@@ -223,6 +223,31 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tokenize(sub) -> None:
+    from brigade.data.tokenize import TokenizeConfig
+
+    p = sub.add_parser("tokenize", help="tokenize a corpus once into memory-mapped shards (train "
+                                         "with --data OUT)")
+    p.add_argument("corpus", nargs="+", help=sentence(TokenizeConfig, "corpus"))
+    for name in ("model", "out", "field", "shard_tokens"):
+        _option(p, TokenizeConfig, name)
+    p.set_defaults(func=cmd_tokenize)
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from brigade.data.tokenize import TokenizeConfig, tokenize
+
+    if not args.out:
+        raise BrigadeError("--out is missing: give the folder to write the shards into")
+    cfg = TokenizeConfig(corpus=args.corpus, model=args.model, out=args.out, field=args.field,
+                         shard_tokens=args.shard_tokens)
+    m = tokenize(cfg, progress=sys.stderr.isatty())
+    print(f"brigade tokenize: {m.tokens:,} tokens, {m.documents:,} documents in {len(m.shards)} "
+          f"shard(s) of {m.dtype} in {args.out}{' (with loss masks)' if m.masked else ''}: train "
+          f"with --model {args.model} --data {args.out}")
+    return 0
+
+
 def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="verify a snapshot and print its step, layout and params_sha256")
     p.add_argument("path", help="a run folder (its newest good snapshot) or a snapshot folder")
@@ -282,7 +307,8 @@ def build_parser() -> Parser:
     from brigade.bench.command import add_bench, add_tune
     from brigade.planner.command import add_plan
 
-    for add in (_add_train, _add_generate, _add_export, _add_plot, _add_inspect, _add_schedule, _add_check,
+    for add in (_add_train, _add_tokenize, _add_generate, _add_export, _add_plot, _add_inspect,
+                _add_schedule, _add_check,
                 lambda s: add_bench(s, _json_arg), lambda s: add_tune(s, _json_arg),
                 lambda s: add_plan(s, _option), _add_doctor):
         add(sub)

@@ -39,7 +39,8 @@ def load_spec(cfg: PlanConfig, m: ModelConfig):
     """The model as `brigade train` builds it (a GPT sized to the default text's vocabulary). An
     `hf:DIR` directory needs its weights only when built with memory (measured costs): on the
     meta device its config.json is enough."""
-    from brigade.train.data import from_config, load_text_data
+    from brigade.data.chars import load_text_data
+    from brigade.train.data import from_config
 
     if cfg.model == "gpt":
         vocab, _, _ = load_text_data("", cfg.seq_len, 0.1)

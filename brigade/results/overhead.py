@@ -29,10 +29,11 @@ import torch.distributed as dist
 
 from brigade.config import RunConfig, to_toml
 from brigade.config.optimizer import flags, resolve
+from brigade.data.sampler import Sampler
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.measure.device import ddp
-from brigade.train.data import Sampler, build
+from brigade.train.data import build
 from brigade.train.metrics import loop_seconds, read_records
 
 

@@ -13,7 +13,7 @@ from brigade.snapshot.format import Manifest, SnapshotError
 
 
 def run_facts(cfg: RunConfig, cursor: int, epoch: int, vocab: str | None,
-              balance: list[int] | None = None) -> dict:
+              balance: list[int] | None = None, data: str | None = None) -> dict:
     """The run's part of a manifest (`collective.save` adds the step, checksums and hashes).
 
     Args:
@@ -22,9 +22,12 @@ def run_facts(cfg: RunConfig, cursor: int, epoch: int, vocab: str | None,
         balance: blocks per stage the run was cut into: where it measured its cut (auto without
             --balance), a resume cuts the same way, so its numbers go on exactly
             (`train.run.resumed_cut`).
+        data: the token shard set's `content_sha256` (a tokenized model's data), so a resume
+            can say when the data changed under it (`train.run.resume`).
     """
     p = cfg.parallel
-    return {**({"balance": list(balance)} if balance else {}), "cursor": cursor, "epoch": epoch,
+    return {**({"balance": list(balance)} if balance else {}), **({"data": data} if data else {}),
+            "cursor": cursor, "epoch": epoch,
             "layout": {"dp": p.dp, "pp": p.pp, "local_stages": p.local_stages,
                        "virtual": pipeline_shape(p)[1], "tp": p.tp},
             "config_hash": config_hash(cfg), "config": config_subset(cfg),

@@ -1,106 +1,24 @@
-"""Character-level text data and a deterministic sampler with a global cursor.
+"""What a run trains: its model's blocks and loss, its data, and how its blocks get weights.
 
-The default corpus needs no download: the text of CPython's documentation
-topics (`pydoc_data.topics`, about 465 kB), present wherever Python is.
-
-Sampling: example k is the window starting at character k. Each epoch is a
-permutation of all examples drawn from (seed, epoch); global batch n takes the
-next `batch_size` indices from the cursor. A data-parallel rank takes its
-contiguous slice of the global batch, so the cursor means the same thing
-whatever dp is, and a run can resume under another layout.
+The data itself lives in `brigade.data`: the built-in GPT's characters (`data.chars`), a
+tokenized model's shards or cached file (`data.prepared`), and the sampler every one of them is
+read through (`data.sampler`); models without a dataset train on `SyntheticData`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from brigade.data.chars import Vocab, load_text_data
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
 from brigade.models.gpt import GPTConfig
-from brigade.train.text import CharDataset, default_corpus, read_text  # noqa: F401 (others ask here)
 
 if TYPE_CHECKING:
     from brigade.config import ModelConfig, RunConfig
-
-
-@dataclass
-class Vocab:
-    chars: str
-
-    @classmethod
-    def of(cls, text: str) -> Vocab:
-        return cls("".join(sorted(set(text))))
-
-    def __len__(self) -> int:
-        return len(self.chars)
-
-    def encode(self, text: str) -> torch.Tensor:
-        index = {c: i for i, c in enumerate(self.chars)}
-        unknown = {c for c in text if c not in index}
-        if unknown:
-            raise BrigadeError(f"characters not in the run's vocabulary: {''.join(sorted(unknown))!r}")
-        return torch.tensor([index[c] for c in text], dtype=torch.long)
-
-    def decode(self, ids) -> str:
-        return "".join(self.chars[int(i)] for i in ids)
-
-
-def load_text_data(path: str, block_size: int, val_fraction: float) -> tuple[Vocab, CharDataset,
-                                                                               CharDataset]:
-    """Vocabulary, and train / validation sets split at a fixed character position."""
-    text = read_text(path)
-    vocab = Vocab.of(text)
-    ids = vocab.encode(text)
-    cut = int(len(ids) * (1 - val_fraction))
-    if len(ids) < block_size + 1:
-        raise BrigadeError(
-            f"the corpus has {len(ids)} characters, fewer than one block of {block_size} + 1: "
-            "use more text or a smaller --block-size"
-        )
-    train = CharDataset(ids[:cut], block_size, "training part of the corpus")
-    val = CharDataset(ids[cut:], block_size, "validation part of the corpus")
-    return vocab, train, val
-
-
-class Sampler:
-    """Global batches from per-epoch permutations; `cursor` is all the state there is."""
-
-    def __init__(self, n_examples: int, batch_size: int, seed: int, cursor: int = 0):
-        self.n = n_examples
-        self.batch_size = batch_size
-        self.seed = seed
-        self.cursor = cursor  # examples consumed since the start of training
-        self._epoch, self._perm = -1, None
-
-    @property
-    def epoch(self) -> int:
-        return self.cursor // self.n
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g)
-        return self._perm
-
-    def next_global(self) -> torch.Tensor:
-        """The next global batch of example indices; advances the cursor."""
-        out = []
-        while len(out) < self.batch_size:
-            epoch, pos = divmod(self.cursor, self.n)
-            take = min(self.batch_size - len(out), self.n - pos)
-            out.extend(self._permutation(epoch)[pos : pos + take].tolist())
-            self.cursor += take
-        return torch.tensor(out)
-
-    @staticmethod
-    def shard(indices: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-        """This data-parallel rank's contiguous slice of a global batch."""
-        per = len(indices) // world
-        return indices[rank * per : (rank + 1) * per]
 
 
 class SyntheticData:
@@ -130,9 +48,12 @@ class Built(NamedTuple):
     # Face directory's tensors, the blocks having been built without memory; None: the blocks
     # come with their weights.
     weights: Callable | None = None
+    # The token shard set's content_sha256 (an hf:DIR model's data), which its snapshots record;
+    # None for other data.
+    data_sha256: str | None = None
 
 
-def build(cfg: RunConfig) -> Built:
+def build(cfg: RunConfig, data: bool = True) -> Built:
     """Blocks, loss, train and validation data, vocabulary (GPT; else None) and weights for a run.
 
     The model comes from the registry (`from_config`), a GPT sized to the text's real
@@ -141,11 +62,14 @@ def build(cfg: RunConfig) -> Built:
     `SyntheticData`. An `hf:DIR` model trains on `--data` (or the built-in corpus) tokenized
     by DIR's tokenizer (`tokens`), its blocks without memory until each rank fills its own.
 
+    `data` False: an `hf:DIR` model's data is left for later (train and val None), since it is
+    written (tokenized into OUT/tokens); the launcher checks everything else first.
+
     Raises:
         BrigadeError: unreadable data, or a model the registry cannot build.
     """
     if cfg.model.model.startswith("hf:"):
-        return _build_hf(cfg)
+        return _build_hf(cfg, data)
     if cfg.model.model == "gpt" or cfg.data.data:
         vocab, train, val = load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
         spec = from_config(cfg.model, cfg.train.seed, vocab_size=len(vocab), block_size=cfg.data.block_size)
@@ -156,35 +80,50 @@ def build(cfg: RunConfig) -> Built:
     return Built(spec.blocks, spec.loss_fn, SyntheticData(spec), SyntheticData(spec, 4096), None)
 
 
-def _build_hf(cfg: RunConfig) -> Built:
-    """`build` for `hf:DIR`: token data from DIR's tokenizer, blocks on the meta device.
+def _build_hf(cfg: RunConfig, data: bool = True) -> Built:
+    """`build` for `hf:DIR`: blocks on the meta device, and (`data`) their token windows.
 
     Raises:
-        BrigadeError: as `load_hf` and `tokens.load_token_data`; a sequence longer than the
-            model's positions; a token id the model's vocabulary does not have.
+        BrigadeError: as `load_hf` and `hf_data`; a sequence longer than the model's positions.
     """
-    from brigade.train.tokens import load_token_data
-
     spec = from_config(cfg.model, cfg.train.seed, meta=True)
     config, d = spec.hf.config, cfg.data
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if positions and d.block_size > positions:
         raise BrigadeError(f"--block-size {d.block_size} is longer than the {positions} positions "
                            f"{cfg.model.model} knows: use --block-size ≤ {positions}")
-    _, train, val = load_token_data(d.data, str(spec.hf.directory), d.block_size, d.val_fraction)
-    top = int(max(train.ids.max(), val.ids.max()))
-    if top >= config.vocab_size:
-        raise BrigadeError(f"the tokenizer of {spec.hf.directory} gives id {top} but the model has "
-                           f"{config.vocab_size} embeddings: use the tokenizer the model was trained with")
-    return Built(spec.blocks, spec.loss_fn, TextInputs(train, spec.text_inputs),
-                 TextInputs(val, spec.text_inputs), None, spec.hf.load)
+    train = val = sha = None
+    if data:
+        train, val = hf_data(cfg, spec)
+        sha = train.data.shards.manifest.content_sha256()
+    return Built(spec.blocks, spec.loss_fn, train, val, None, spec.hf.load, sha)
+
+
+def hf_data(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TextInputs, TextInputs]:
+    """An `hf:DIR` model's training and validation windows: from a shard set (`--data` one, or the
+    corpus tokenized into OUT/tokens by DIR's tokenizer: `data.prepared`), as the blocks' inputs.
+
+    Raises:
+        BrigadeError: as `prepared.token_data`; a token id the model's vocabulary does not have.
+    """
+    from brigade.data.prepared import token_data
+
+    spec = spec or from_config(cfg.model, cfg.train.seed, meta=True)
+    vocab_size, d = spec.hf.config.vocab_size, cfg.data
+    shards, train, val = token_data(d.data, str(spec.hf.directory), d.block_size, d.val_fraction,
+                                    cfg.train.out)
+    if shards.manifest.max_id >= vocab_size:
+        raise BrigadeError(f"the tokenizer of {spec.hf.directory} gives id {shards.manifest.max_id} "
+                           f"but the model has {vocab_size} embeddings: use the tokenizer the "
+                           "model was trained with")
+    return TextInputs(train, spec.text_inputs), TextInputs(val, spec.text_inputs)
 
 
 class TextInputs:
     """A text dataset whose token ids become a model's inputs by the model file's `text_inputs`
     (e.g. the ids and a padding mask for a model that takes one as a side input)."""
 
-    def __init__(self, data: CharDataset, text_inputs):
+    def __init__(self, data, text_inputs):  # a text.CharDataset or a shards.TokenWindows
         self.data, self.text_inputs = data, text_inputs
 
     def __len__(self) -> int:

@@ -6,7 +6,8 @@ Sinks share one interface (`Sink`): metrics.jsonl (always), TensorBoard event fi
 OUT/tensorboard (`--tensorboard`), and the console (a progress bar on a terminal, log lines
 elsewhere). A record is a flat dict with a `step`; `Metrics` adds `time`. Three kinds:
 
-    {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}   a training step
+    {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",    a training step
+     "samples"}  (`sampler.fingerprint` of its global batch: equal across layouts on resume)
     {"step", "val_loss"}                                                  an evaluation
     {"step", "event", ...}        snapshot, first_step (attempt > 0: a restart), layout, ...
 """
@@ -27,7 +28,7 @@ from brigade.fsutil import write_atomic
 
 FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-_NOT_SCALARS = ("step", "time", "event")
+_NOT_SCALARS = ("step", "time", "event", "samples")
 
 
 class Sink(Protocol):

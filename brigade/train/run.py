@@ -11,6 +11,7 @@ import faulthandler
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from brigade import forensics
 from brigade.config import RunConfig, pipeline_shape, resolve_layout
 from brigade.config.optimizer import resolve as resolve_update
+from brigade.data.chars import Vocab
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.env import launcher_env, launcher_world, under_launcher
@@ -33,7 +35,7 @@ from brigade.snapshot.compat import check_compatible, run_facts
 from brigade.snapshot.format import SnapshotError, find_latest, read_manifest
 from brigade.snapshot.rng import torch_rng_fingerprint
 from brigade.train import metrics, report
-from brigade.train.data import Vocab, build
+from brigade.train.data import build, hf_data
 from brigade.train.faults import Fault, FaultInjector
 from brigade.train.supervise import launch_with_events, layout_record, this_round
 from brigade.train.trainer import NonFiniteError, Trainer
@@ -55,6 +57,20 @@ def check_out(out: str) -> None:
             from None
 
 
+def _prepare_out_and_data(cfg: RunConfig) -> None:
+    """--out checked, then an hf:DIR model's data tokenized into it (its cache, OUT/tokens) once
+    for every process; a folder this made is removed again when the data is refused."""
+    existed = Path(cfg.train.out).exists()
+    check_out(cfg.train.out)
+    if cfg.model.model.startswith("hf:"):
+        try:
+            hf_data(cfg)
+        except BaseException:
+            if not existed:
+                shutil.rmtree(cfg.train.out, ignore_errors=True)
+            raise
+
+
 def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> None:
     """Every check that needs no process group: devices, data, model, layout, output folder.
     `quiet`: check, but leave the lines it prints (a damaged snapshot) to rank 0. `launched`: a
@@ -70,7 +86,7 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     if device == "cuda" and (gpus := torch.cuda.device_count()) < (need := p.nproc * p.local_stages):
         raise BrigadeError(f"--nproc {p.nproc} × --local-stages {p.local_stages} on {p.backend} needs {need} "
                            f"GPUs on this node but {gpus} are visible: use fewer, or --backend gloo")
-    blocks, _, train, _, _, weights = build(cfg)  # the model the workers build: data read, vocabulary real
+    blocks, _, train, _, _, weights, _ = build(cfg, data=False)  # the workers' model, vocabulary real
     # A user's blocks may not fit each other: say so before any launch. (An hf:DIR model's
     # blocks, the family's own modules, have no memory here to run on: `brigade check` proves them.)
     if cfg.model.model != "gpt" and weights is None:
@@ -91,16 +107,18 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
         me = node_address(*parse_endpoint(p.rdzv_endpoint), p.local_addr)
         print(f"brigade: node {p.node_rank} of {p.nnodes} advertises {me.addr}"
               + (f" on {me.ifname}" if me.ifname else "") + f"; rendezvous at {p.rdzv_endpoint}", flush=True)
-    check_out(cfg.train.out)
+    _prepare_out_and_data(cfg)
     found = find_latest(cfg.train.out, warn=(lambda m: None) if quiet else
                         (lambda m: print(f"brigade: warning: {m}", flush=True)))
     if found is not None:
         check_compatible(found.manifest, cfg)
 
 
-def resume(trainer: Trainer, cfg: RunConfig) -> int:
+def resume(trainer: Trainer, cfg: RunConfig, data_sha: str | None = None) -> int:
     """Collective: load the newest good snapshot in --out into `trainer`, if any (model, optimizer,
-    RNG, data cursor, fp16's loss scale); returns its step (0 if none).
+    RNG, data cursor, fp16's loss scale); returns its step (0 if none). Where the token data
+    (`data_sha`) is not the snapshot's, rank 0 says so: the run goes on at the same global
+    position in the data it now has.
 
     Raises:
         SnapshotError: ranks see different snapshots, or it is of another configuration.
@@ -118,6 +136,10 @@ def resume(trainer: Trainer, cfg: RunConfig) -> int:
                             f"{cfg.train.out}: the folder must be shared by every node")
     check_compatible(found.manifest, cfg)
     manifest = collective.load(found, trainer.model, trainer.optimizer, loss_scaler=trainer.scaler)
+    if manifest.data and data_sha and manifest.data != data_sha and dist.get_rank() == 0:
+        print(f"brigade: warning: the data changed since snapshot step {manifest.step} (token "
+              f"shards {manifest.data[:12]} then, {data_sha[:12]} now): the run goes on at the same "
+              "position in the new data, so its samples are not those it would have read", flush=True)
     trainer.state.step = manifest.step
     trainer.sampler.cursor = trainer.state.cursor = manifest.cursor
     return manifest.step
@@ -156,15 +178,15 @@ def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
     if cfg.parallel.compile:  # before anything compiles: a restart finds the first attempt's graphs
         compiled.use_cache(cfg.train.out)
     cfg = resumed_cut(cfg)
-    blocks, loss_fn, train, val, vocab, weights = build(cfg)
+    blocks, loss_fn, train, val, vocab, weights, data_sha = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train, weights=weights)
     injector = FaultInjector(fault, info.rank)
     agent.watch_signals()  # SIGTERM: finish this step, snapshot, leave
     injector.should_stop = agent.stop_requested
-    resumed = resume(trainer, cfg)
+    resumed = resume(trainer, cfg, data_sha)
     layout = _announce(cfg, info, resumed)
-    snap = _snapshotter(trainer, cfg, vocab, injector)
+    snap = _snapshotter(trainer, cfg, vocab, injector, data_sha)
     trainer.before_step.append(injector.before_step)
     trainer.callbacks.append(_after_step(cfg, info, resumed, snap))
     injector.attach(trainer.model)
@@ -209,12 +231,13 @@ def _announce(cfg: RunConfig, info, resumed: int) -> dict | None:
     return layout
 
 
-def _snapshotter(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None, injector: FaultInjector):
+def _snapshotter(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None, injector: FaultInjector,
+                 data_sha: str | None = None):
     """A function that writes the trainer's snapshot now (collective) and logs its time."""
     def snap() -> Path:
         start = time.perf_counter()
         facts = run_facts(cfg, trainer.sampler.cursor, trainer.sampler.epoch, vocab.chars if vocab else None,
-                          trainer.engine.balance)
+                          trainer.engine.balance, data_sha)
         path = collective.save(cfg.train.out, trainer.state.step, trainer.model, trainer.optimizer, facts,
                                keep=cfg.train.keep, loss_scaler=trainer.scaler,
                                before_commit=lambda: injector.during_snapshot(trainer.state.step))

@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from brigade.config import ModelConfig
+from brigade.data.chars import Vocab
 from brigade.errors import BrigadeError
 from brigade.models.gpt import GPTConfig, gpt
 from brigade.parallel.assemble import OwnedBlocks
 from brigade.snapshot.collective import load_model_only
 from brigade.snapshot.format import Snapshot, resolve
-from brigade.train.data import Vocab
 
 
 @torch.no_grad()
@@ -73,9 +73,9 @@ def sample_from_snapshot(found: Snapshot, prompt: str, tokens: int, seed: int = 
 
 def _sample_hf(found: Snapshot, prompt: str, tokens: int, seed: int, temperature: float) -> str:
     """`sample_from_snapshot` for an `hf:DIR` run: its blocks, the directory's tokenizer."""
+    from brigade.data.tokenizer import load_tokenizer
     from brigade.pipeline.stages.side_inputs import whole
     from brigade.train.export import trained_blocks
-    from brigade.train.tokens import load_tokenizer
 
     blocks, hf = trained_blocks(found)
     tokenizer = load_tokenizer(str(hf.directory))

@@ -38,11 +38,11 @@ from brigade.config import (
 )
 from brigade.config.optimizer import flags, resolve
 from brigade.config.precision import autocast_dtype
+from brigade.data.sampler import Sampler, fingerprint
 from brigade.dtensors import mesh_of
 from brigade.errors import RunError
 from brigade.launcher import groups
 from brigade.pipeline.stages import structure
-from brigade.train.data import Sampler
 from brigade.train.memory import StepMemory
 from brigade.train.metrics import Metrics
 from brigade.train.precision import LossScaler
@@ -192,7 +192,8 @@ class Trainer:
         """
         start = time.perf_counter()
         k = self.optim_cfg.grad_accum
-        indices = self._replica_slice(self.sampler.next_global())
+        batch = self.sampler.next_global()
+        indices = self._replica_slice(batch)
         chunks = indices.chunk(k)
         lr = lr_at(self.state.step, self.optim_cfg, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
@@ -221,7 +222,8 @@ class Trainer:
         first = x if torch.is_tensor(x) else structure.flatten(x, root="batch")[0][0]  # the ids
         tokens = self.cfg.batch_size * (first.shape[1] if first.dim() > 1 else 1)
         record = {"step": self.state.step, "loss": loss_v, "lr": lr, "grad_norm": norm_v,
-                  "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+                  "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+                  "samples": fingerprint(batch)}
         if self.scaler is not None:
             record.update(loss_scale=scale, skipped=skipped)
         return record

@@ -25,7 +25,7 @@ RUN = ["--block-size", "32", "--batch-size", "8", "--microbatches", "2", "--max-
 
 @pytest.fixture(scope="module")
 def text(tmp_path_factory) -> Path:
-    from brigade.train.data import default_corpus
+    from brigade.data.text import default_corpus
 
     path = tmp_path_factory.mktemp("text") / "notes.txt"
     path.write_text(default_corpus()[:40_000])
@@ -37,12 +37,13 @@ def _val_losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
 
 
-def _transformers_val_loss(directory: str, text: Path, batch_size=8, eval_batches=2) -> float:
+def _transformers_val_loss(directory: str, text: Path, cache: Path, batch_size=8,
+                           eval_batches=2) -> float:
     """The run's first validation loss as transformers computes it on the same batches
     (Trainer.evaluate's: a fixed generator, `eval_batches` global batches)."""
-    from brigade.train.tokens import load_token_data
+    from brigade.data.prepared import token_data
 
-    _, _, val = load_token_data(str(text), directory, 32, 0.1)
+    _, _, val = token_data(str(text), directory, 32, 0.1, str(cache))
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     g, total = torch.Generator().manual_seed(12345), 0.0
     for _ in range(eval_batches):
@@ -80,7 +81,7 @@ def test_fine_tune_resume_sample_and_export(tmp_path, text):
     never = tmp_path / "never"
     _train(never, hf("llama"), text, "--nproc", "2", "--pp", "2", "--schedule", "zb")
     val = _val_losses(never)
-    assert abs(val[0] - _transformers_val_loss(directory, text)) < 1e-4  # the directory's weights
+    assert abs(val[0] - _transformers_val_loss(directory, text, never)) < 1e-4  # the directory's weights
     assert val[8] < val[0] - 0.1, val
     killed = tmp_path / "killed"
     _train(killed, hf("llama"), text, "--nproc", "2", "--pp", "2", "--schedule", "zb",
@@ -101,7 +102,7 @@ def test_fine_tune_resume_sample_and_export(tmp_path, text):
 def test_every_rank_reads_its_part_and_exports_whole(tmp_path, text, layout):
     run = tmp_path / "run"
     _train(run, hf("llama"), text, *layout)
-    assert abs(_val_losses(run)[0] - _transformers_val_loss(tiny_dir("llama"), text)) < 1e-4
+    assert abs(_val_losses(run)[0] - _transformers_val_loss(tiny_dir("llama"), text, run)) < 1e-4
     _logits_equal_after_export(run, tmp_path / "exported")
 
 
@@ -110,4 +111,4 @@ def test_gpt2_fine_tunes_under_dp_and_pp(tmp_path, text):
     run = tmp_path / "run"
     _train(run, hf("gpt2"), text, "--nproc", "2", "--pp", "2", "--schedule", "1f1b")
     val = _val_losses(run)
-    assert abs(val[0] - _transformers_val_loss(tiny_dir("gpt2"), text)) < 1e-4 and val[8] < val[0]
+    assert abs(val[0] - _transformers_val_loss(tiny_dir("gpt2"), text, run)) < 1e-4 and val[8] < val[0]

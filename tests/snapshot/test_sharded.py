@@ -9,9 +9,9 @@ parallel: DTensors split over the tp dimension) to dp 2, pp 2 and tp 2 alone.
 import pytest
 
 from brigade.config import ParallelConfig
+from brigade.data.chars import load_text_data
 from brigade.launcher import agent, groups
 from brigade.snapshot.format import find_latest
-from brigade.train.data import load_text_data
 from tests.snapshot.test_ties import _resume, _save, _steps, _trainer
 
 LAYOUTS = {"shard2xpp2": ParallelConfig(nproc=4, pp=2, dp=2, shard=2, microbatches=2),

@@ -11,13 +11,13 @@ import torch.distributed as dist
 from torch import nn
 
 from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from brigade.data.chars import load_text_data
 from brigade.launcher import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.snapshot import collective
 from brigade.snapshot.compat import run_facts
 from brigade.snapshot.format import find_latest
 from brigade.snapshot.ties import aliases_of, canonical_key, filled, stored, to_load
-from brigade.train.data import load_text_data
 from brigade.train.trainer import Trainer
 
 TIED = {"blocks.3.out.weight": "blocks.0.tok.weight"}

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
+from brigade.data.chars import load_text_data
 from brigade.launcher import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
-from brigade.train.data import load_text_data
 from brigade.train.memory import StepMemory, storage_bytes
 from brigade.train.trainer import Trainer
 

@@ -11,12 +11,12 @@ from torch import nn
 from brigade import config as bconfig
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
 from brigade.config.precision import autocast_dtype
+from brigade.data.chars import load_text_data
 from brigade.errors import BrigadeError
 from brigade.launcher import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.pipe import LocalPipeline
-from brigade.train.data import load_text_data
 from brigade.train.precision import LossScaler
 from brigade.train.trainer import Trainer
 
@@ -160,7 +160,7 @@ def fp16_resumed(out: str, stop_at: int | None) -> dict:
     groups.init(threads=1)
 
     def trainer(scale: float | None) -> Trainer:
-        blocks, loss_fn, train, _, vocab, _ = build(cfg)
+        blocks, loss_fn, train, _, vocab, *_ = build(cfg)
         t = Trainer(blocks, loss_fn, train, None, parallel=cfg.parallel, optim=cfg.optim, train=cfg.train,
                     metrics=False)
         t.scaler.growth_interval, t.vocab = 2, vocab

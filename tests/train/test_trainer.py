@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from brigade.config import OptimConfig, ParallelConfig, TrainConfig
+from brigade.data.chars import load_text_data
 from brigade.launcher import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
-from brigade.train.data import load_text_data
 from brigade.train.trainer import Trainer, lr_at
 
 STEPS = 20

@@ -7,7 +7,7 @@
     deps.py      the optional extra, imported where needed with a one-line refusal when missing
 
 A run's snapshot goes back into a directory by `brigade.train.export` (it reads snapshots,
-which models do not), and `--data` is tokenized by `brigade.train.tokens`.
+which models do not), and `--data` is tokenized by `brigade.data.tokenize`.
 
 Needs the optional extra (`pip install -e '.[hf]'`); brigade without it still works.
 """
