@@ -12,4 +12,4 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet "torch==${BRIGADE_TORCH_VERSION:-2.13.0}"
 fi
 # hf: the tests build tiny HF models; float8: they convert tiny models through torchao
-"$PY" -m pip install --quiet -c constraints.txt -e ".[dev,hf,float8]"
+"$PY" -m pip install --quiet -c constraints.txt -e ".[dev,hf,float8,data]"

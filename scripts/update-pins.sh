@@ -12,7 +12,7 @@ trap 'rm -rf "$venv"' EXIT
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet "torch==${BRIGADE_TORCH_VERSION:-2.13.0}"
-"$venv/bin/python" -m pip install --quiet -e ".[dev,hf,float8]"   # no constraints: the newest releases
+"$venv/bin/python" -m pip install --quiet -e ".[dev,hf,float8,data]"   # no constraints: the newest releases
 if [ "$#" -gt 0 ]; then
     "$venv/bin/python" -m pytest "$@"
     echo "update-pins: ran a subset (pytest $*): constraints.txt left as it is"

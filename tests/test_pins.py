@@ -45,12 +45,13 @@ def test_pyproject_keeps_loose_lower_bounds_for_library_users():
 
 def test_setup_and_ci_install_with_the_constraints():
     setup = (ROOT / "scripts" / "setup.sh").read_text()
-    # the hf and float8 extras too: the tests build tiny Hugging Face models and convert to float8
-    assert re.search(r"pip install .*-c constraints\.txt .*-e \"\.\[dev,hf,float8\]\"", setup)
+    # the hf, float8 and data extras too: the tests build tiny Hugging Face models, convert to
+    # float8 and read Parquet
+    assert re.search(r"pip install .*-c constraints\.txt .*-e \"\.\[dev,hf,float8,data\]\"", setup)
     assert "torch==${BRIGADE_TORCH_VERSION:-2.13.0}" in setup
     assert "scripts/setup.sh" in (ROOT / ".ci" / "run").read_text()
     update = (ROOT / "scripts" / "update-pins.sh").read_text()
-    assert '-e ".[dev,hf,float8]"' in update  # the next pins keep every extra the suite imports
+    assert '-e ".[dev,hf,float8,data]"' in update  # the next pins keep every extra the suite imports
     assert "python3 -m venv" in update and "pytest" in update and "> constraints.txt.new" in update
 
 
