@@ -121,14 +121,27 @@ def _start_method() -> str:
     """How the agent starts its workers: "fork" where it is safe, since a forked worker starts
     with torch already loaded (about 2 s of imports saved per process); "spawn" with a GPU
     (CUDA cannot be used in a forked child), when this process has a process group of its
-    own (the child would inherit it, with none of the threads behind it), or once this process
-    has compiled something: inductor's compile workers and the threads that talk to them stay
-    behind in the parent, and a forked child that compiles waits on them for ever."""
+    own (the child would inherit it, with none of the threads behind it). A parent that has
+    compiled forks safely too: `_forget_compile_threads` runs in every forked child."""
     import torch
     import torch.distributed as dist
 
-    compiled = "torch._inductor.async_compile" in sys.modules
-    return "spawn" if torch.cuda.is_available() or dist.is_initialized() or compiled else "fork"
+    return "spawn" if torch.cuda.is_available() or dist.is_initialized() else "fork"
+
+
+def _forget_compile_threads() -> None:
+    """In a forked child: drop the thread pool inductor compiles on, if this process had one.
+
+    A forked child has its parent's pool object but none of its threads, so the first compile
+    waits for ever on work nobody takes (CI's timeout of `brigade bench --compile` in a test
+    process that had compiled before). torch resets its process pools after a fork, not this
+    one; cleared, the child makes its own."""
+    module = sys.modules.get("torch._inductor.async_compile")
+    if module is not None:
+        module.AsyncCompile.pool.cache_clear()
+
+
+os.register_at_fork(after_in_child=_forget_compile_threads)
 
 
 @contextlib.contextmanager
