@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -241,10 +242,11 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         raise BrigadeError("--out is missing: give the folder to write the shards into")
     cfg = TokenizeConfig(corpus=args.corpus, model=args.model, out=args.out, field=args.field,
                          shard_tokens=args.shard_tokens)
+    start = time.perf_counter()
     m = tokenize(cfg, progress=sys.stderr.isatty())
     print(f"brigade tokenize: {m.tokens:,} tokens, {m.documents:,} documents in {len(m.shards)} "
-          f"shard(s) of {m.dtype} in {args.out}{' (with loss masks)' if m.masked else ''}: train "
-          f"with --model {args.model} --data {args.out}")
+          f"shard(s) of {m.dtype} in {args.out}{' (with loss masks)' if m.masked else ''} "
+          f"({time.perf_counter() - start:.1f} s): train with --model {args.model} --data {args.out}")
     return 0
 
 

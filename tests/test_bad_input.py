@@ -151,6 +151,13 @@ CASES = [
     ("data shorter than a block", ["train", "--data", "{tmp}/short.txt"],
      "fewer than one block of 128 + 1", 2),
     ("data is a directory", ["train", "--data", "{tmp}"], "is a directory", 2),
+    # tokenize
+    ("tokenize without --out", ["tokenize", "{tmp}/short.txt", "--model", "hf:{tmp}"],
+     "--out is missing: give the folder to write the shards into", 2),
+    ("tokenize for a model without a tokenizer", ["tokenize", "{tmp}/short.txt", "--model", "gpt",
+                                                  "--out", "{tmp}/shards"], "give hf:DIR", 2),
+    ("tokenize a missing corpus", ["tokenize", "{tmp}/nothing.txt", "--model", "hf:{tmp}", "--out",
+                                   "{tmp}/shards"], "nothing.txt' not found: give text files", 2),
     # snapshots and outputs
     ("out is a file", ["train", "--out", "{tmp}/short.txt"], "is a file: give a folder", 2),
     ("inspect a missing path", ["inspect", "{tmp}/nothing"], "not found", 2),
@@ -543,6 +550,50 @@ def test_hf_training_refused_in_one_line(cli, tmp_path, case, spoil, message, co
     out = tmp_path / "out"
     assert_clean(cli("train", "--model", f"hf:{directory}", "--out", out, *flags), message, code)
     assert not out.exists(), "nothing may be written for a rejected run"
+
+
+def _jsonl_without_text(tmp_path: Path) -> list:
+    return [make(tmp_path, "d.jsonl", '{"text": "fine"}\n{"txt": "oops"}\n')]
+
+
+TOKENIZE_CASES = [
+    ("binary", lambda t: [make(t, "blob.bin", b"\x7fELF\x00\x01" * 64)], "looks binary (it has NUL bytes)"),
+    ("not utf-8", lambda t: [make(t, "latin.txt", b"caf\xe9 au lait\n")], "is not UTF-8 text (byte 3)"),
+    ("a json line without text", _jsonl_without_text, "line 2 has no string field 'text'"),
+    ("no text at all", lambda t: [make(t, "blank.jsonl", '{"text": ""}\n')], "has no text: give files"),
+    ("an empty folder", lambda t: [str((t / "empty").mkdir() or t / "empty")], "has no files"),
+]
+
+
+@pytest.mark.parametrize("case,corpus,message", TOKENIZE_CASES, ids=[c[0] for c in TOKENIZE_CASES])
+def test_tokenize_refuses_a_bad_corpus_in_one_line(cli, tmp_path, case, corpus, message):
+    pytest.importorskip("tokenizers")
+    from tests.models.hf.dirs import tiny_dir
+
+    out = tmp_path / "shards"
+    assert_clean(cli("tokenize", *corpus(tmp_path), "--model", f"hf:{tiny_dir('llama')}", "--out", out),
+                 message, 2)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_training_refuses_shards_of_another_tokenizer_or_truncated(cli, tmp_path):
+    pytest.importorskip("transformers")
+    from tests.models.hf.dirs import tiny_dir
+
+    shards = tmp_path / "shards"
+    text = make(tmp_path, "notes.txt", "some words to tokenize, and more\n" * 200)
+    assert cli("tokenize", text, "--model", f"hf:{tiny_dir('llama')}", "--out", shards).returncode == 0
+    other = _hf_copy(tmp_path)
+    from brigade.models.hf import tiny
+
+    tiny.tokenizer(300).save(str(other / "tokenizer.json"))
+    assert_clean(cli("train", "--model", f"hf:{other}", "--data", shards, "--out", tmp_path / "a"),
+                 "were tokenized by another tokenizer", 2)
+    (shards / "tokens-00000.bin").write_bytes(b"\x01\x00")
+    mine = f"hf:{tiny_dir('llama')}"
+    assert_clean(cli("train", "--model", mine, "--data", shards, "--out", tmp_path / "b"),
+                 "has 2 bytes where its manifest says", 2)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_hf_missing_directory_and_export_of_another_model(cli, run, tmp_path):

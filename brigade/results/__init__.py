@@ -17,4 +17,6 @@ and nothing imports them but each other and their tests.
     gpu_compare      brigade against torchtitan on one GPU (scripts/gpu-compare.sh; its model in
                      gpu_compare_model, torchtitan's side in titan)
     levers           compile, float8 and fused AdamW off and on, and what each learns
+    data_scale       brigade tokenize's rate and training's start and memory on corpora up to
+                     1 GB (its row: data_rows)
 """

@@ -166,6 +166,8 @@ JOBS: dict[str, Job] = {
                      "python -m brigade.results.big_plans --tiny"),
     "levers": Job("python -m brigade.results.levers", "levers/levers.json",
                   "python -m brigade.results.levers --tiny --rounds 1"),
+    "data": Job("python -m brigade.results.data_scale", "data/data_scale.json",
+                "python -m brigade.results.data_scale --tiny"),
     "two-hosts": Job("", "two-hosts/two_hosts.json", needs_root=ROOT),
     "doctor-two-hosts": Job("", "two-hosts/doctor.json", needs_root=ROOT),
 }

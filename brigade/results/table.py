@@ -16,7 +16,7 @@ from pathlib import Path
 
 from brigade.bench.plot import headline, typical
 from brigade.measure.stats import ratio_ci
-from brigade.results import memory_rows
+from brigade.results import data_rows, memory_rows
 from brigade.results.rows import Row, adder
 
 _OWN: list[Row] = []  # in the order of the figure functions below, which is the table's start
@@ -262,7 +262,7 @@ def _tune(d: dict) -> str:
 
 
 
-ROWS: list[Row] = [*_OWN, *memory_rows.ROWS]  # the table's order
+ROWS: list[Row] = [*_OWN, *memory_rows.ROWS, *data_rows.ROWS]  # the table's order
 
 
 def table(results: str | Path = "results") -> str:

@@ -48,6 +48,7 @@ SHORT = {
     "brigade.results.cut_bound": ["--tiny", ""],
     "brigade.results.big_plans": ["--tiny", ""],
     "brigade.results.levers": ["--tiny", "", "--rounds", "1"],
+    "brigade.results.data_scale": ["--tiny", ""],
     # its 21 runs (11 layouts) at full size took 6+ minutes on a slow day (bf16 steps are 6-9x fp32's on CPU)
     "brigade.results.footprint": ["--tiny", "", "--steps", "3", "--repeats", "2"],
 }
@@ -209,7 +210,7 @@ COMMANDS = readme_commands()
 # each, which tests/e2e/test_train.py also runs in the default tier, each way once, checking more.
 BENCHMARKS = ("bench", "tune", "brigade.results.overhead", "brigade.results.speed",
               "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound",
-              "brigade.results.big_plans", "brigade.results.levers")
+              "brigade.results.big_plans", "brigade.results.levers", "brigade.results.data_scale")
 LAUNCHERS = ("torchrun", "srun")
 
 
@@ -276,6 +277,7 @@ def trained(tmp_path_factory, tiny_run) -> Path:
 
 
 HF_DIR, HF_RUN = "runs/tiny-llama", "runs/hf"  # docs/hf.md's directory and its fine-tune
+SHARDS = "runs/shards"  # docs/data.md's shard set, tokenized by docs/hf.md's directory
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +307,11 @@ def _hf_directories(cmd: str, cwd: Path, request) -> None:
     (cwd / HF_DIR).symlink_to(tiny_dir("llama"))
     if f"--from {HF_RUN}" in cmd:
         shutil.copytree(request.getfixturevalue("hf_run"), cwd / HF_RUN)
+    if f"--data {SHARDS}" in cmd:  # the shard set the page's `brigade tokenize` writes
+        from brigade.data.tokenize import TokenizeConfig, tokenize
+
+        tokenize(TokenizeConfig(corpus=[str(README)], model=f"hf:{cwd / HF_DIR}", out=str(cwd / SHARDS)),
+                 progress=False, say=lambda line: None)
 
 
 @pytest.mark.timeout(640)
