@@ -55,15 +55,7 @@ def validate(cfg: RunConfig) -> None:
     if p.nnodes > 1 and (p.rdzv_endpoint or not p.min_nodes):  # elastic under torchrun: none needed
         parse_endpoint(p.rdzv_endpoint)
     _positive("shard", p.shard)
-    _positive("tp", p.tp)
-    if p.tp > 1 and p.local_stages > 1:
-        raise BrigadeError(f"--tp {p.tp} with --local-stages {p.local_stages}: tensor parallel splits each "
-                           "block over processes of a DeviceMesh, and local stages drive several devices "
-                           "from one process; pipeline across processes (--pp) instead, or drop --tp")
-    if p.tp > 1 and p.min_nodes:
-        raise BrigadeError(f"--tp {p.tp} with an elastic --nnodes {p.min_nodes}:{p.nnodes}: not supported "
-                           "yet (the node counts an elastic run reaches are checked against pp only); give a "
-                           "fixed --nnodes, or drop --tp")
+    _tensor_parallel(p)
     if p.recompute not in MODES:
         raise BrigadeError(f"--recompute {p.recompute!r}: expected one of {', '.join(MODES)}")
     if p.shard > 1 and p.local_stages > 1:
@@ -74,6 +66,19 @@ def validate(cfg: RunConfig) -> None:
         _fsdp_available(p.shard)
     if p.pp > 1 and p.local_stages > 1:
         raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")
+
+
+def _tensor_parallel(p) -> None:
+    """--tp: a positive degree, over processes, not under an elastic node range."""
+    _positive("tp", p.tp)
+    if p.tp > 1 and p.local_stages > 1:
+        raise BrigadeError(f"--tp {p.tp} with --local-stages {p.local_stages}: tensor parallel splits each "
+                           "block over processes of a DeviceMesh, and local stages drive several devices "
+                           "from one process; pipeline across processes (--pp) instead, or drop --tp")
+    if p.tp > 1 and p.min_nodes:
+        raise BrigadeError(f"--tp {p.tp} with an elastic --nnodes {p.min_nodes}:{p.nnodes}: not supported "
+                           "yet (the node counts an elastic run reaches are checked against pp only); give a "
+                           "fixed --nnodes, or drop --tp")
 
 
 def _speed_levers(cfg: RunConfig) -> None:
