@@ -86,6 +86,7 @@ def tokenize(cfg: TokenizeConfig, progress: bool = True, verify: bool = True,
     done = _up_to_date(out, wanted, verify, say)
     if done is not None:
         return done
+    had_a_set = (out / "manifest.json").is_file()
     tokenizer = load_tokenizer(directory)
     partial = out.parent / f".{out.name}.{socket.gethostname()}.{os.getpid()}.partial"
     remove_tree(partial)
@@ -95,6 +96,10 @@ def tokenize(cfg: TokenizeConfig, progress: bool = True, verify: bool = True,
     except BaseException:
         remove_tree(partial)
         raise
+    done = None if had_a_set else _up_to_date(out, wanted, False, lambda line: None)
+    if done is not None:  # another machine finished the same set first (one --out, shared)
+        remove_tree(partial)
+        return done
     _put_in_place(partial, out)
     return manifest
 

@@ -180,3 +180,28 @@ def test_model_must_be_a_directory_with_a_tokenizer(tmp_path):
     f.write_text("a")
     with pytest.raises(BrigadeError, match="give hf:DIR"):
         tokenize(TokenizeConfig(corpus=[str(f)], model="gpt", out=str(tmp_path / "o")), progress=False)
+
+
+def test_a_set_another_machine_finished_first_is_kept(tmp_path, model_dir, monkeypatch):
+    """Two machines sharing --out tokenize the same corpus: the one that finishes second keeps
+    the first one's set instead of renaming it away under its readers."""
+    import shutil
+
+    f = tmp_path / "t.txt"
+    f.write_text("a b c d e f g h")
+    _, first = run(tmp_path, model_dir, f, out="first")
+    real = tk._write
+
+    def finishes_second(cfg, *args):
+        manifest = real(cfg, *args)
+        shutil.copytree(first, cfg.out)  # the other machine's set lands while this one writes
+        return manifest
+
+    monkeypatch.setattr(tk, "_write", finishes_second)
+    _, out = run(tmp_path, model_dir, f)
+    def stamps(folder):
+        return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+
+    assert stream(out) == ids("a b c d e f g h")
+    assert stamps(out) == stamps(first)  # their files (copied with their times), not this one's
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
