@@ -48,11 +48,11 @@ Each other figure is a median of 8 timings after 2 warm-ups, on rank 0.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
 from brigade.errors import BrigadeError
+from brigade.host.net import free_port
 
 _PROBE = """
 import json, os, statistics, sys, time, torch, torch.distributed as dist
@@ -268,9 +268,10 @@ def fit_rates(seconds: list[float], moved: list[float], steps: int) -> tuple[flo
 
 
 def _run() -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # Below the kernel's ephemeral range (`free_port`): a port it picked (45875, once) was taken by
+    # a neighbouring test's connection before the probe's store listened, and the probe waited
+    # out its 300 s.
+    port = free_port()
     procs = [
         subprocess.Popen([sys.executable, "-c", _PROBE, str(r), str(port)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)

@@ -41,3 +41,26 @@ def test_the_probe_prices_a_tp_collective_as_the_blocks_step_issues_it():
     # noise: the real step faster than the fake one reads as 0; crowded never below uncrowded
     assert tensor_parallel(0.03, 0.02, 20, 0.02) == {"tp_collective_s": 0.0, "crowded_tp_collective_s": 0.0}
     assert tensor_parallel(0.03, 0.07, 20, 0.05)["crowded_tp_collective_s"] == pytest.approx(0.002)
+
+
+def test_the_probe_listens_below_the_kernels_ephemeral_range(monkeypatch):
+    """A port the kernel picked (in its ephemeral range) was once taken by a neighbouring test's
+    connection before the probe's store listened, and the probe waited out its 300 s."""
+    from brigade.host.net import ephemeral_start
+    from brigade.measure import gloo_probe
+
+    started = []
+
+    class Done:
+        returncode = 0
+
+        def __init__(self, argv, **kw):
+            started.append(argv)
+
+        def communicate(self, timeout):
+            return '{"ok": 1}', ""
+
+    monkeypatch.setattr(gloo_probe.subprocess, "Popen", Done)
+    assert gloo_probe._run() == {"ok": 1}
+    ports = {int(argv[-1]) for argv in started}
+    assert len(started) == 2 and len(ports) == 1 and ports.pop() < ephemeral_start()
