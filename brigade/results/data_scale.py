@@ -1,6 +1,6 @@
 """Data at scale: tokenizing corpora of 10 MB, 100 MB and 1 GB, and training on their shards.
 
-    python -m brigade.results.data_scale --out results/data     (about 40 minutes on 2 cores; ~4 GB in --work)
+    python -m brigade.results.data_scale --out results/data     (about 15 minutes on 2 cores; ~4 GB in --work)
     python -m brigade.results.data_scale --tiny --out /tmp/d    (tests this script)
 
 Corpora: text made of random passages of CPython's documentation topics (the built-in corpus,
