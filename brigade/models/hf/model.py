@@ -160,8 +160,9 @@ def load_hf(name: str, seed: int = 0, meta: bool = False, dropout: float = 0.0,
     needed = weights or not meta or has_weights(directory)  # blocks with memory need their values
     checkpoint = Checkpoint(directory, families.tied(config, family)) if needed else None
     transformers = require("transformers")
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.device("meta"):  # fp32 whatever dtype config.json names: brigade's master weights
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                              dtype=torch.float32)
     blocks = _cut(model, config, family, standalone)
     rotary = None
     if family.kind == "llama" and not standalone:

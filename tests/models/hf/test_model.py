@@ -76,6 +76,27 @@ def test_meta_blocks_read_only_their_own_tensors(monkeypatch):
     torch.testing.assert_close(spec.blocks[2].state_dict(), whole_model.blocks[2].state_dict())
 
 
+def test_a_bf16_directory_trains_fp32_master_weights(tmp_path):
+    """config.json naming bfloat16 (as every published checkpoint does) and bf16 weights: the
+    blocks are fp32 all the same (the master weights; --precision chooses what runs in bf16),
+    holding the bf16 values exactly."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(hf("llama")[3:])
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(src / name, tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(torch_dtype="bfloat16", dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = transformers.AutoModelForCausalLM.from_pretrained(src).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    spec = load_model(f"hf:{tmp_path}")
+    assert {p.dtype for b in spec.blocks for p in b.parameters()} == {torch.float32}
+    theirs = model.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(spec.blocks[1].layer.mlp.up_proj.weight, theirs.float())
+
+
 def test_a_tie_held_by_one_rank_stays_one_parameter():
     spec = load_model(hf("llama"), meta=True)
     spec.hf.load(dict(enumerate(spec.blocks)), "cpu")
