@@ -8,8 +8,9 @@ gradients (brigade.pipeline.stages.ties).
 Each block declares how tensor parallel splits it (`tp_plan`, read by brigade.parallel.tensor):
 attention's fused q/k/v column-wise and its output row-wise, by whole heads; the MLP's up
 column-wise and its down row-wise; under sequence parallel its two norms run on a part of the
-sequence and the attention and the MLP each gather their input once. The embedding and head
-declare an empty plan: whole on every tensor-parallel process.
+sequence and the attention and the MLP each gather their input once. The embedding declares an
+empty plan (whole on every tensor-parallel process), and so does a head tied to it; an untied head
+splits its vocabulary, and the loss takes its logits split.
 """
 
 from __future__ import annotations
@@ -92,12 +93,13 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    tp_plan: dict = {}  # whole on every tensor-parallel process: the loss sees whole logits
-
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln = nn.LayerNorm(cfg.n_embd)
         self.out = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        # Tied to the embedding: whole on every tensor-parallel process, as the embedding is.
+        # Untied: the norm on a part of the sequence, the vocabulary split (the loss takes it so).
+        self.tp_plan = {} if cfg.tie_embeddings else {"ln": "sequence", "out": "vocab"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, V)
         return self.out(self.ln(x))

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from brigade.models.hf.weights import materialize
-from brigade.parallel import compiled, recompute, sequence, tensor
+from brigade.parallel import compiled, recompute, sequence, tensor, vocab
 from brigade.parallel import float8 as fp8
 from brigade.parallel.replicate import data_parallel
 from brigade.parallel.shard import shard_stage
@@ -143,7 +143,10 @@ class Assembly:
 
     def pipeline(self, schedule: str, n_microbatches: int, loss_fn, costs=None):
         """The pipeline that runs these stages under `schedule`: a `Pipeline` over the world's "pp"
-        group, or a `LocalPipeline` over the world's devices (local stages)."""
+        group, or a `LocalPipeline` over the world's devices (local stages). Under tp the loss
+        takes logits a "vocab" head left split (`vocab.split_loss`)."""
+        if self.world.degrees.tp > 1:
+            loss_fn = vocab.split_loss(loss_fn)
         if self.world.local:
             stages = [self.stages[s] for s in range(len(self.cut.ranks))]
             return LocalPipeline(stages, self.world.devices, schedule, n_microbatches, loss_fn,
@@ -211,7 +214,8 @@ def split_blocks(blocks: list[nn.Module], indices: list[int], tp_mesh, recompute
     a block on one tp process through this too (`planner.split_costs`)."""
     if tp_mesh is not None:  # 1. tensor parallel, sequence parallel where it may
         tensor.parallelize([blocks[i] for i in indices], tp_mesh, sequence_parallel)
-        parts = [sequence_parallel and sequence.takes_part(b, tensor.plan_of(b)) for b in blocks]
+        tp = tp_mesh.size()
+        parts = [sequence_parallel and sequence.takes_part(b, tensor.plan_at(b, tp)) for b in blocks]
         sequence.boundaries(blocks, parts, indices, tp_mesh)
     modes = recompute.apply(blocks, recompute_mode, held=indices)  # 2. recompute
     if tp_mesh is not None and sequence_parallel:  # what a block without recompute saves: parts
@@ -222,7 +226,7 @@ def split_blocks(blocks: list[nn.Module], indices: list[int], tp_mesh, recompute
 def _save_parts(blocks: list[nn.Module], mesh) -> None:
     """`sequence.save_parts` on the gathered modules of those of `blocks` that take part."""
     for block in blocks:
-        plan = tensor.plan_of(block) or {}
+        plan = tensor.plan_at(block, mesh.size()) or {}
         if sequence.takes_part(block, plan):
             for name, entry in plan.items():
                 if tensor.style_of(entry)[0] == "gather":

@@ -19,7 +19,9 @@ Between a whole block (an embedding, a head: an empty plan) and a sequence-paral
 assembler puts a boundary (`boundaries`): whole → part keeps this process's slice (its backward
 gathers the gradient, so the whole block's weights get the same gradient on every tp process);
 part → whole all-gathers (its backward keeps this process's slice of a gradient that is the
-same on every tp process). The last block's output, which the loss reads, is always whole.
+same on every tp process). The last block's output, which the loss reads, always has every
+position: whole, or split along the vocabulary by a "vocab" head (`parallel.vocab`), whose matmul
+gathers the positions as a colwise layer does.
 
 The norms' weights see only this process's positions, so their gradients come back `Partial`
 (a sum still to be taken over tp): `reduce_partial_grads`, after the step's last backward, takes
@@ -120,8 +122,16 @@ def boundaries(blocks: list[nn.Module], parts: list[bool], held: list[int], mesh
             blocks[i].register_forward_pre_hook(_convert(lambda x, w=where: to_part(x, mesh, w), where))
         elif gets and not parts[i]:
             blocks[i].register_forward_pre_hook(_convert(lambda x: to_whole(x, mesh), where))
-        if parts[i] and i == len(blocks) - 1:  # the loss reads whole outputs
-            blocks[i].register_forward_hook(lambda module, args, out: to_whole(out, mesh))
+        if parts[i] and i == len(blocks) - 1:  # the loss reads whole positions
+            blocks[i].register_forward_hook(lambda module, args, out: _whole_positions(out, mesh))
+
+
+def _whole_positions(out, mesh):
+    """The last block's output with every position: gathered from parts, unless a "vocab" head
+    already gathered them and split its logits along the vocabulary instead (a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return out if isinstance(out, DTensor) else to_whole(out, mesh)
 
 
 def reduce_partial_grads(modules) -> None:

@@ -8,12 +8,17 @@ A block says how it splits with a plan, a dict from its submodules' names to a s
                          outputs summed; nn.Embedding: a slice of the vocabulary
     (style, units)       the same, where the split dimension is `units` equal groups that must
                          stay whole (attention heads): tp has to divide `units`
+    "vocab"              an output head's nn.Linear: each process holds a slice of the vocabulary
+                         (weight rows), and its logits stay split along their last dimension, a
+                         DTensor the loss reads in parallel (`parallel.vocab`): no process ever
+                         holds the whole (B, T, V) logits or their gradient
 
 torch's `ColwiseParallel` / `RowwiseParallel` do the work (`parallelize_module`): their
 parameters become DTensors sharded over the tp mesh, every block's input and output stays a
 plain tensor, whole on every tp process. So nothing between blocks changes: the pipeline sends
-what it sent, the loss sees whole logits, a shared parameter outside the plan (a tied embedding
-and head) is an ordinary tensor equal on every tp process. A colwise layer followed by a rowwise
+what it sent, a shared parameter outside the plan (a tied embedding and head) is an ordinary
+tensor equal on every tp process. The one exception is the last block's output under a "vocab"
+entry: the loss takes it split. A colwise layer followed by a rowwise
 one (attention's q/k/v then output, an MLP's up then down) needs one all-reduce in the forward
 and one in the backward, the Megatron-LM pattern.
 
@@ -36,8 +41,10 @@ share (Qwen3's norms of q and k, applied per head):
                          sees only this process's heads, is summed over tp after the step's
                          last backward (`sum_per_head_grads`)
 
-An empty plan `{}` keeps a block whole on every tp process (the replicated path: the built-in
-GPT's embedding and head, which are small next to its blocks at the sizes brigade trains). A
+An empty plan `{}` keeps a block whole on every tp process (the replicated path: an embedding, and
+a head tied to it, which shares the embedding's whole weight). An untied head splits its
+vocabulary ("vocab"): at a 128K vocabulary and sequence 8192 its fp32 logits are 4 GiB a sample,
+the largest tensor a Llama step makes, and split they are 1/tp of it. A
 block without a plan is refused under tp > 1, rather than silently computed tp times over.
 Plans come from the block (`block.tp_plan`) or from a model file's `tp_plan = {index: plan}`
 (`brigade.models`). Models know nothing else of it: a block whose attention splits its heads
@@ -55,7 +62,7 @@ from torch import nn
 
 from brigade.errors import BrigadeError
 
-STYLES = ("colwise", "rowwise")  # split a module's weights
+STYLES = ("colwise", "rowwise", "vocab")  # split a module's weights
 SEQUENCE_STYLES = ("sequence", "gather")  # place a module in a sequence-parallel block
 WHOLE_STYLES = ("per-head",)  # keep a module whole, its gradient summed over tp
 
@@ -78,7 +85,9 @@ def style_of(entry) -> tuple[str, int | None]:
 def _split_size(module: nn.Module, style: str) -> int | None:
     """The size of the dimension `style` splits in `module` (None: a kind it cannot split)."""
     if isinstance(module, nn.Linear):
-        return module.out_features if style == "colwise" else module.in_features
+        return module.in_features if style == "rowwise" else module.out_features
+    if style == "vocab":
+        return None
     if isinstance(module, nn.Embedding):
         return module.embedding_dim if style == "colwise" else module.num_embeddings
     return None
@@ -88,8 +97,8 @@ def _check_entry(where: str, block: nn.Module, name: str, entry, tp: int) -> Non
     style, units = style_of(entry)
     if style not in STYLES + SEQUENCE_STYLES + WHOLE_STYLES or (units is not None and style not in STYLES):
         raise BrigadeError(f"{where}'s tp_plan gives {name} the style {style}: expected 'colwise', "
-                           "'rowwise', (style, units) like ('colwise', 4), 'sequence', 'gather' or "
-                           "'per-head'")
+                           "'rowwise', (style, units) like ('colwise', 4), 'vocab', 'sequence', "
+                           "'gather' or 'per-head'")
     module = dict(block.named_modules()).get(name)
     if module is None:
         raise BrigadeError(f"{where}'s tp_plan names {name!r}, which the block does not have: name "
@@ -98,14 +107,43 @@ def _check_entry(where: str, block: nn.Module, name: str, entry, tp: int) -> Non
         return
     size = _split_size(module, style)
     if size is None:
+        if style == "vocab":
+            raise BrigadeError(f"{where}'s tp_plan splits {name}, a {type(module).__name__}, as vocab: "
+                               "that style splits an output head's nn.Linear only; leave it out of the plan")
         raise BrigadeError(f"{where}'s tp_plan splits {name}, a {type(module).__name__}: tensor "
                            "parallel splits nn.Linear and nn.Embedding only; leave it out of the plan")
     if units is not None and units % tp:
         raise BrigadeError(f"{where}: {name} splits into {units} heads (or groups), which --tp {tp} "
                            f"does not divide: use a --tp that divides {units}")
-    if size % tp:
-        raise BrigadeError(f"{where}: {name}'s {size} {'output' if style == 'colwise' else 'input'} "
+    if style == "vocab" and name != last_linear(block):
+        raise BrigadeError(f"{where}'s tp_plan splits {name} as 'vocab', but the loss reads the block's "
+                           f"last layer ({last_linear(block)}): give 'vocab' to the output head only")
+    if size % tp and style != "vocab":  # a vocabulary tp does not divide stays whole (`vocab_splits`)
+        raise BrigadeError(f"{where}: {name}'s {size} {'input' if style == 'rowwise' else 'output'} "
                            f"features do not split evenly over --tp {tp}: use a --tp that divides {size}")
+
+
+def last_linear(block: nn.Module) -> str | None:
+    """The name of the last nn.Linear a block registers (its output head's, for a head)."""
+    names = [n for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+    return names[-1] if names else None
+
+
+def plan_at(block: nn.Module, tp: int) -> dict | None:
+    """The block's plan as `tp` processes apply it: its own, but {} for a head whose "vocab" entry
+    `tp` does not divide (GPT-2's 50257 at tp 2): such a head stays whole on every tp process,
+    norm included, as a tied head does, rather than refuse the degree. (Split along the sequence
+    but whole in its vocabulary, its weight would see only this process's positions.)"""
+    plan = plan_of(block)
+    modules = dict(block.named_modules())
+    if plan and any(style_of(e)[0] == "vocab" and modules[n].out_features % tp for n, e in plan.items()):
+        return {}
+    return plan
+
+
+def splits_vocab(block: nn.Module, tp: int) -> bool:
+    """Whether the block splits its output along the vocabulary over `tp` processes (`plan_at`)."""
+    return tp > 1 and any(style_of(e)[0] == "vocab" for e in (plan_at(block, tp) or {}).values())
 
 
 def check_plans(blocks: list[nn.Module], tp: int, model: str = "the model") -> None:
@@ -127,6 +165,9 @@ def check_plans(blocks: list[nn.Module], tp: int, model: str = "the model") -> N
                                "or use --tp 1")
         for name, entry in plan.items():
             _check_entry(where, block, name, entry, tp)
+        if any(style_of(e)[0] == "vocab" for e in plan.values()) and i != len(blocks) - 1:
+            raise BrigadeError(f"{where} splits its output as 'vocab', but only the last block's output "
+                               "goes to the loss: give 'vocab' to the head's linear layer only")
 
 
 def parallelize(blocks: list[nn.Module], mesh, sequence: bool = True) -> None:
@@ -139,7 +180,7 @@ def parallelize(blocks: list[nn.Module], mesh, sequence: bool = True) -> None:
     from brigade.parallel import sequence as sp
 
     for block in blocks:
-        plan = plan_of(block) or {}
+        plan = plan_at(block, mesh.size()) or {}
         parts = sequence and sp.takes_part(block, plan)
         styles = {name: _style(name, style_of(e)[0], plan, parts) for name, e in plan.items()}
         styles = {name: s for name, s in styles.items() if s is not None}
@@ -155,9 +196,12 @@ def parallelize(blocks: list[nn.Module], mesh, sequence: bool = True) -> None:
 def _style(name: str, style: str, plan: dict, parts: bool):
     """torch's ParallelStyle for one entry of a block's plan; None for an entry that is not one
     (a "gather", which is a hook; a sequence entry without sequence parallel)."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    if style == "vocab":  # its input gathered from parts (or whole), its logits left split
+        return ColwiseParallel(input_layouts=Shard(1) if parts else Replicate(), output_layouts=Shard(-1),
+                               use_local_output=False)
     if style == "sequence":
         return SequenceParallel(use_local_output=True) if parts else None
     if style in ("gather", "per-head"):

@@ -22,11 +22,18 @@ def blocks(n: int = 4) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(3, 3), nn.Tanh()) for _ in range(n)]
 
 
+class _Mesh(str):
+    """A named stand-in for a DeviceMesh: its name, and its size."""
+
+    def size(self) -> int:
+        return 2
+
+
 def world(degrees: Degrees, rank: int = 0, devices=None) -> SimpleNamespace:
     """What `assemble` asks of a `world.World`, for `rank` of `degrees`."""
     devices = devices or [CPU]
     return SimpleNamespace(degrees=degrees, coords=degrees.coords(rank), rank=rank, device=devices[0],
-                           devices=devices, local=len(devices) > 1, tp_mesh="tp mesh",
+                           devices=devices, local=len(devices) > 1, tp_mesh=_Mesh("tp mesh"),
                            shard_mesh="shard mesh", group=lambda dim: f"{dim} group",
                            stage_group=lambda d: f"group on {d}", tie_ranks=lambda: degrees.groups("pp"))
 

@@ -188,12 +188,14 @@ class GPT2Decoder(Renamed):
 class Head(Renamed):
     """The final norm and the output head: (B, T, C) → logits (B, T, V)."""
 
-    tp_plan: dict = {}  # whole on every tensor-parallel process: the loss sees whole logits
-
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, norm_name: str, prefix: str):
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, norm_name: str, prefix: str, tied: bool = True):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
         self.hf_prefixes = {"norm.": f"{prefix}{norm_name}.", "lm_head.": "lm_head."}
+        # How --tp splits it: tied to the embedding, whole on every tensor-parallel process (the
+        # embedding's weight is); untied, the norm on a part of the sequence and the vocabulary
+        # split, the loss taking the logits split (`parallel.vocab`).
+        self.tp_plan = {} if tied else {"norm": "sequence", "lm_head": "vocab"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))

@@ -119,13 +119,18 @@ def _cut(model: nn.Module, config, family: families.Family, standalone: bool) ->
     if family.kind == "gpt2":
         first = hb.GPT2Embed(base.wte, base.wpe, base.drop, "transformer.")
         layers = [hb.GPT2Decoder(b, f"transformer.h.{j}.", standalone) for j, b in enumerate(base.h)]
-        return [first, *layers, hb.Head(base.ln_f, model.lm_head, "ln_f", "transformer.")]
+        return [first, *layers, hb.Head(base.ln_f, model.lm_head, "ln_f", "transformer.", _tied(config))]
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     layers = [hb.Decoder(layer, f"model.layers.{j}.", config.num_attention_heads, kv, window,
                          _rotary(base, config) if standalone else None)
               for j, (layer, window) in enumerate(zip(base.layers, families.windows(config)))]
-    head = hb.Head(base.norm, model.lm_head, "norm", "model.")
+    head = hb.Head(base.norm, model.lm_head, "norm", "model.", _tied(config))
     return [hb.Embed(base.embed_tokens, "model."), *layers, head]
+
+
+def _tied(config) -> bool:
+    """Whether the head reuses the token embedding's weight (transformers' default: tied)."""
+    return bool(getattr(config, "tie_word_embeddings", True))
 
 
 def _rotary(base: nn.Module, config) -> nn.Module:
