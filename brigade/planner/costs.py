@@ -53,6 +53,7 @@ from brigade.host import malloc
 from brigade.measure.stages import block_costs
 from brigade.models import ModelSpec
 from brigade.parallel import compiled, recompute
+from brigade.parallel.vocab import split_loss
 from brigade.pipeline.batches import microbatch
 from brigade.planner.block_memory import block_memory
 from brigade.planner.devices import DeviceSpec
@@ -135,20 +136,43 @@ class ModelCosts:
     def part(self, block: int, tp: int) -> float:
         """The share of a block's output one of `tp` processes holds: 1/tp under sequence
         parallel (what the pipeline sends, a first stage keeps), else the whole."""
-        return 1 / tp if tp > 1 and self.tensor is not None and self.tensor.sequence(block) else 1.0
+        return 1 / tp if tp > 1 and self.tensor is not None and self.tensor.sequence(block, tp) else 1.0
+
+    def splits(self, block: int, tp: int) -> bool:
+        """Whether one of `tp` processes holds a share of the block's activations, not the whole:
+        the block is sequence-parallel, or a head that splits its vocabulary."""
+        t = self.tensor
+        return tp > 1 and t is not None and (t.sequence(block, tp) or t.splits_vocab(block, tp))
+
+    def working(self, mode: str, block: int, tp: int = 1) -> float:
+        """Bytes per sample the block's backward holds beyond `held` at its most (a recompute's
+        tensors), on one of `tp` processes: as measured there where the costs were measured on
+        one at this degree (`split_costs`); else the tp 1 figure, scaled where the block splits
+        its activations as what it would hold without recompute scales (that is what a recompute
+        makes again; 1/tp where no figure without recompute was measured)."""
+        m = self.modes[mode]
+        if m.split is not None and m.split.tp == tp > 1:
+            return m.split.working[block]
+        if not self.splits(block, tp):
+            return m.working[block]
+        none = self.modes.get("none")
+        share = self.held("none", block, tp) / none.held[block] if none and none.held[block] else 1 / tp
+        return m.working[block] * share
 
     def held(self, mode: str, block: int, tp: int = 1) -> float:
         """Bytes per sample `block` holds for its backward under recompute `mode`, on one of `tp`
         processes. Whole but under sequence parallel: there the block's input is a part (all
         full recompute holds) and so is the rest, but for the whole copies of the sequence its
         matmuls hold (`TensorFacts.gathered`) in place of its norms' outputs (`normed`); without
-        recompute those a "gather" entry makes are kept as parts (`shared`)."""
+        recompute those a "gather" entry makes are kept as parts (`shared`). A head that splits
+        its vocabulary holds its logits' share (1/tp) beside the whole copy of its input."""
         h = self.modes[mode].held[block]
         if self.part(block, tp) == 1.0:
             return h
         if mode == "full":
             return h / tp
-        t, out = self.tensor, self.out_bytes[block]
+        t = self.tensor  # the width of what is split along the sequence: the block's input
+        out = self.out_bytes[block - 1] if block and t.splits_vocab(block, tp) else self.out_bytes[block]
         parts = t.shared[block] if mode == "none" and t.shared else 0
         copies = (t.gathered[block] - parts) * out + parts * out / tp
         return max(h / tp, (h - t.normed[block] * out) / tp + copies)
@@ -252,9 +276,10 @@ def _split(spec: ModelSpec, x, y, sizes: list[int], per_mode: dict[str, ModeCost
     with fake_world(TP) as mesh:
         if mesh is None:
             return
+        loss_fn = split_loss(spec.loss_fn)  # logits a "vocab" head leaves split, as training takes them
         for mode, costs in per_mode.items():
-            costs.split = measure_split(spec.blocks, x, y, spec.loss_fn, sizes, mode, mesh,
-                                        partial(block_memory, spec.loss_fn), REPEATS)
+            costs.split = measure_split(spec.blocks, x, y, loss_fn, sizes, mode, mesh,
+                                        partial(block_memory, loss_fn), REPEATS)
 
 
 def _shard(spec: ModelSpec, x, y, dtype: torch.dtype | None) -> list[float]:

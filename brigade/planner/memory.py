@@ -9,8 +9,10 @@
                  plan holds at once (simulate's peak_held), plus the largest working set one
                  backward adds on top (a recompute's tensors). Under tp, a block under sequence
                  parallel holds 1/tp of it but for the whole copies of the sequence its matmuls
-                 gather (`ModelCosts.held`); a block under plain tp is counted whole (an upper
-                 bound), and so are the working sets
+                 gather (`ModelCosts.held`), and a head that splits its vocabulary holds 1/tp of
+                 its logits; a block under plain tp is counted whole (an upper bound). A working
+                 set is the one measured on a tp process where there is one, else tp 1's scaled
+                 as the block's activations scale (`ModelCosts.working`)
     split        under a split backward (a plan with I and W instead of B), Σ over its stages of
                  what a micro-batch keeps from its I to its W beyond its activations (`kept`:
                  the gradient at each weight's output, and under recompute what I made again)
@@ -25,7 +27,8 @@
                             (a recompute's tensors, temporaries; where a backward runs with the
                             stage's gradients made, as a pipeline's later micro-batches do, the
                             temporaries of one that adds into them and its largest new gradient,
-                            `accumulating`; under tp those measured on one tp process)
+                            `accumulating`; under tp those measured on one tp process, or
+                            tp 1's ÷ tp for a block that splits its activations)
                  optimizer  the reduced gradients + what AdamW's step allocates on top of its
                             state (`opt_transient`, measured per block: on a CPU, where AdamW
                             updates one tensor at a time, about twice the largest parameter; with
@@ -105,7 +108,6 @@ def rank_memory(
     blocks = rank_blocks(layout, balance, pp_rank)
     whole = costs.param_bytes(blocks, layout.tp)
     mine = whole / layout.shard
-    mode = costs.modes[layout.recompute]
     mixed = precision in HALF and layout.degrees.sharded  # FSDP2's mixed precision
     amb = mb * (0.5 if mixed else 1.0)  # activation bytes per measured (fp32) byte per sample, × mb
     at = {s: (moments or {}).get(s) or {(peak_held.get(s, 1), 0, 1)} for s in stages}
@@ -120,7 +122,7 @@ def rank_memory(
                for s, g in zip(stages, grads)]
     held = sum(_held(costs, layout, bounds, s) * amb * peak_held.get(s, 1) for s in stages)
     split = sum(b["split"] for b in busiest)
-    working = max(mode.working[b] for b in blocks) * amb
+    working = max(costs.working(layout.recompute, b, layout.tp) for b in blocks) * amb
     adding = not blockwise and any(n and g for pairs in at.values() for n, _, g in pairs)
     transient = block_transient(costs, layout, blocks, amb, adding)
     if mixed:
@@ -149,9 +151,11 @@ def block_transient(costs: ModelCosts, layout: Layout, blocks: list[int], amb: f
     runs while the stage's gradients are made (a pipeline's later micro-batches, which add into
     them): then its own (`ModeCosts.accumulating`) and its largest new gradient beside them."""
     mode = costs.modes[layout.recompute]
-    measured = mode.split if mode.split is not None and mode.split.tp == layout.tp > 1 else mode
-    if not adding or not measured.accumulating:
-        return max(measured.transient[b] for b in blocks) * amb
+    here = mode.split is not None and mode.split.tp == layout.tp > 1
+    measured = mode.split if here else mode
+    if not adding or not measured.accumulating:  # not measured at this tp: a split block's ÷ tp
+        share = [1 / layout.tp if not here and costs.splits(b, layout.tp) else 1.0 for b in blocks]
+        return max(measured.transient[b] * f for b, f in zip(blocks, share)) * amb
     largest = [max(costs.params[b].values(), default=0) * costs.tp_factor(b, layout.tp) for b in blocks]
     return max(g + measured.accumulating[b] * amb for g, b in zip(largest, blocks))
 

@@ -17,6 +17,10 @@ Read from the blocks' plans (`brigade.parallel.tensor`), on the meta device or r
              gather their own input): the rest of what it holds is split by tp
     shared   per such block: those of its copies that "gather" entries make, which a block
              without recompute keeps as parts (`parallel.sequence.save_parts`)
+    vocab    per block: the vocabulary a "vocab" entry splits (an untied head), 0 for none: at a
+             degree that divides it, the head's logits, and all that comes of them (the loss's
+             softmax, their gradient), are 1/tp on each process; at one that does not, the head
+             stays whole (`parallel.tensor.plan_at`)
 """
 
 from __future__ import annotations
@@ -39,14 +43,23 @@ class TensorFacts:
     normed: tuple[int, ...] = ()
     gathered: tuple[int, ...] = ()
     shared: tuple[int, ...] = ()
+    vocab: tuple[int, ...] = ()
 
-    def sequence(self, block: int) -> bool:
+    def whole(self, block: int, tp: int) -> bool:
+        """Whether tp leaves the block whole: a head whose vocabulary `tp` does not divide."""
+        return bool(self.vocab) and self.vocab[block] > 0 and self.vocab[block] % tp > 0
+
+    def sequence(self, block: int, tp: int = 2) -> bool:
         """Whether the block splits its sequence under tp (sequence parallel)."""
-        return bool(self.normed) and self.normed[block] > 0
+        return bool(self.normed) and self.normed[block] > 0 and not self.whole(block, tp)
+
+    def splits_vocab(self, block: int, tp: int) -> bool:
+        """Whether the block's logits are split over `tp` processes (a head's "vocab" entry)."""
+        return tp > 1 and bool(self.vocab) and self.vocab[block] > 0 and not self.whole(block, tp)
 
     def factor(self, block: int, tp: int) -> float:
         """What a block's split work and parameters become at degree `tp`, as a share of tp 1's."""
-        s = self.split[block] if tp > 1 else 0.0
+        s = self.split[block] if tp > 1 and not self.whole(block, tp) else 0.0
         return 1 - s + s / tp
 
 
@@ -58,7 +71,7 @@ def _split_bytes(block: nn.Module, plan: dict) -> float:
         if style not in STYLES:  # a norm, a gathered module, a per-head weight: whole
             continue
         for pname, p in module.named_parameters(recurse=False):
-            if style == "colwise" or pname == "weight":
+            if style != "rowwise" or pname == "weight":  # a row-wise layer's bias stays whole
                 total += p.numel() * p.element_size()
     return total
 
@@ -67,9 +80,11 @@ def facts(blocks: list[nn.Module]) -> TensorFacts:
     """The model's `TensorFacts` (module docstring)."""
     if any(plan_of(b) is None for b in blocks):
         return TensorFacts(tuple(0.0 for _ in blocks), tuple(0 for _ in blocks))
-    split, pairs, normed, gathered, shared = [], [], [], [], []
+    split, pairs, normed, gathered, shared, vocab = [], [], [], [], [], []
     for b in blocks:
         plan = plan_of(b)
+        modules = dict(b.named_modules())
+        vocab.append(sum(modules[n].out_features for n, e in plan.items() if style_of(e)[0] == "vocab"))
         whole = sum(p.numel() * p.element_size() for p in b.parameters())
         split.append(_split_bytes(b, plan) / whole if whole else 0.0)
         pairs.append(sum(style_of(e)[0] == "rowwise" for e in plan.values()))
@@ -86,12 +101,12 @@ def facts(blocks: list[nn.Module]) -> TensorFacts:
         sizes.append(t)
         t *= 2
     return TensorFacts(tuple(split), tuple(pairs), tuple(sizes), tuple(normed), tuple(gathered),
-                       tuple(shared))
+                       tuple(shared), tuple(vocab))
 
 
 def _gathered(plan: dict) -> int:
     """The whole copies of the sequence a sequence-parallel block's matmuls hold (`gathered`)."""
     gathers = [n for n, e in plan.items() if e == "gather"]
-    own = [n for n, e in plan.items() if style_of(e)[0] == "colwise"
+    own = [n for n, e in plan.items() if style_of(e)[0] in ("colwise", "vocab")
            and not any(n.startswith(g + ".") for g in gathers)]
     return len(gathers) + len(own)

@@ -65,6 +65,41 @@ def test_held_activations_under_sequence_parallel():
     assert c.held("full", 1, 2) == 4.0 and c.part(1, 2) == 0.5 and c.part(0, 2) == 1.0
 
 
+def test_an_untied_head_splits_its_vocabulary_and_what_comes_of_its_logits():
+    """An untied GPT head (vocabulary 96, width 64): its weight splits, its norm takes part in
+    sequence parallel; one tp process holds its logits' share beside the whole gathered copy of
+    its input, and the working set and temporaries not measured at that degree shrink with it.
+    At a degree the vocabulary does not divide the head stays whole."""
+    from brigade.planner.costs import ModeCosts, ModelCosts
+
+    with torch.device("meta"):
+        f = facts(gpt(GPTConfig(n_layer=2, n_head=4, n_embd=64, tie_embeddings=False)))
+    assert f.vocab == (0, 0, 0, 96) and f.normed[-1] == 1 and f.gathered[-1] == 1
+    assert f.split[-1] == pytest.approx(96 * 64 / (96 * 64 + 2 * 64))  # the norm's weight and bias whole
+    assert f.splits_vocab(3, 2) and f.sequence(3, 2) and f.factor(3, 2) < 0.6
+    assert not f.splits_vocab(3, 64) and not f.sequence(3, 64) and f.factor(3, 64) == 1.0  # 96 % 64
+    with torch.device("meta"):
+        assert _gpt_facts().vocab == (0, 0, 0, 0)  # tied: whole, as its embedding is
+
+    def mode(held: list[float], working: list[float]) -> ModeCosts:
+        return ModeCosts(times={}, held=held, working=working, transient=[0.0] * 4, kept=[0.0] * 4)
+
+    modes = {"none": mode([10.0, 100.0, 100.0, 400.0], [0.0] * 4),
+             "full": mode([10.0, 8.0, 8.0, 8.0], [0.0, 92.0, 92.0, 392.0])}
+    out = [8.0, 8.0, 8.0, 384.0]  # per sample: the hidden states, then the logits
+    c = ModelCosts("gpt", [{}] * 4, [0.0] * 4, out, modes, 0.0, None, tensor=f)
+    assert c.held("none", 3, 2) == pytest.approx((400 - 8) / 2 + 8)  # the input's whole copy, not the logits'
+    assert c.held("full", 3, 2) == 4.0
+    assert c.working("full", 3, 2) == pytest.approx(392 * c.held("none", 3, 2) / 400)
+    assert c.working("full", 3, 64) == 392.0 and c.working("full", 3, 1) == 392.0  # whole
+    from brigade.planner.memory import block_transient
+
+    c.modes["full"].transient = [0.0, 16.0, 16.0, 768.0]  # from shapes: an output and its gradient
+    at = {tp: block_transient(c, Layout(1, 1, 1, "1f1b", 1, 1, "full", tp=tp), [3], 1.0, False)
+          for tp in (1, 2)}
+    assert at == {1: 768.0, 2: 384.0}
+
+
 def test_a_model_without_plans_allows_no_tp():
     assert facts(mlp(8, 2)).sizes == (1,)
 
