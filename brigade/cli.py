@@ -105,7 +105,7 @@ def _add_check(sub) -> None:
     closed = {"runtime": ["process", "local"], "balance_by": ["params", "time"], "recompute": list(MODES)}
     for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "tp",
                  "sequence_parallel", "reshard", "recompute", "compile", "float8", "runtime", "devices",
-                 "batch_size", "balance", "balance_by", "seed", "atol"):
+                 "batch_size", "balance", "balance_by", "seed", "atol", "experts", "top_k"):
         _option(p, CheckConfig, name, **({"choices": closed[name]} if name in closed else {}))
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     _json_arg(p)
@@ -115,10 +115,13 @@ def _add_check(sub) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from brigade.check import report
     from brigade.check.run import CheckConfig, run_check
+    from brigade.config.validate import experts
     from brigade.models.gpt import GPTConfig
     from brigade.pipeline.stages.partition import parse_balance
 
-    options = {"gpt_cfg": GPTConfig(block_size=32)} if args.model == "gpt" else {}
+    experts(args.experts, args.top_k, args.model)
+    moe = {"experts": args.experts, "top_k": args.top_k} if args.experts else {}
+    options = {"gpt_cfg": GPTConfig(block_size=32, **moe)} if args.model == "gpt" else {}
     if args.model == "resnet50":
         options = {"image_size": 32}
     cfg = CheckConfig(
@@ -129,7 +132,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
         virtual=args.virtual, dp=args.dp, shard=args.shard, reshard=args.reshard,
         recompute=args.recompute, tp=args.tp, sequence_parallel=args.sequence_parallel,
-        compile=args.compile, float8=args.float8,
+        compile=args.compile, float8=args.float8, experts=args.experts, top_k=args.top_k,
     )
     result = run_check(cfg, port=args.port)[0]
     print(json.dumps(result) if args.json else "\n".join(report.lines(cfg, result)))

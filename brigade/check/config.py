@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from brigade.config import ParallelConfig
+from brigade.config import ModelConfig, ParallelConfig
 from brigade.config.fielddoc import FLOAT8, MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
 
 Case = tuple  # (schedule, m[, virtual[, recompute]]); virtual 0: the schedule's own V
@@ -44,6 +44,8 @@ class CheckConfig:
     float8: str = doc("", "float8 matmuls in the body's linear layers ({choices}), against the same "
                           "float8 model on one device, micro-batch by micro-batch (each micro-batch's "
                           "scales its own); empty: none", choices=FLOAT8)
+    experts: int = doc(0, sentence(ModelConfig, "experts"))
+    top_k: int = doc(2, sentence(ModelConfig, "top_k"))
 
 
 @dataclass

@@ -15,7 +15,7 @@ import copy
 import torch
 from torch import nn
 
-from brigade.models import ModelSpec
+from brigade.models import ModelSpec, moe
 from brigade.pipeline.batches import feed, microbatch
 from brigade.pipeline.stages.side_inputs import whole
 
@@ -38,6 +38,7 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device, fl
     if spec.hf is not None and not float8:
         return _transformers_reference(spec, x, y, lr, device)
     blocks = copy.deepcopy(spec.blocks)  # one deepcopy of the list keeps ties between blocks
+    moe.per_step(blocks, microbatch.batch_size_of(x))  # the whole batch: its balancing loss's share
     if float8:
         from brigade.parallel.float8 import convert
 

@@ -37,7 +37,7 @@ from brigade.dtensors import full
 from brigade.errors import RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.rendezvous import LaunchSpec
-from brigade.models import ModelSpec, load_model
+from brigade.models import ModelSpec, load_model, moe
 from brigade.parallel.assemble import Assembly, Cut, assemble
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.plans.schedule import placement
@@ -125,6 +125,7 @@ def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y, warm: bool = Fa
     is the second, where they run compiled."""
     world = built.world
     pipe = built.pipeline(schedule, m, loss_fn)
+    moe.per_step(built.held.values(), microbatch.batch_size_of(_replica(x, world)))  # balancing's share
     try:
         if warm:
             pipe.step(_replica(x, world), _replica(y, world))

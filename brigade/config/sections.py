@@ -25,6 +25,9 @@ class ModelConfig:
     dropout: float = doc(0.0, "dropout probability in training, from 0 (none) up to 1")
     tie_embeddings: bool = doc(True, "gpt: the output head reuses the token embedding's weight "
                                      "(--no-tie-embeddings gives each its own)")
+    experts: int = doc(0, "gpt: experts in each block's feed-forward, a mixture of experts that sends "
+                          "each token to --top-k of them; 0: one dense feed-forward")
+    top_k: int = doc(2, "gpt with --experts: the experts each token goes to, from 1 to --experts")
 
 
 @dataclass

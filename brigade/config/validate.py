@@ -42,6 +42,7 @@ def validate(cfg: RunConfig) -> None:
         )
     if m.n_embd % m.n_head:
         raise BrigadeError(f"--n-embd {m.n_embd} is not a multiple of --n-head {m.n_head}")
+    experts(m.experts, m.top_k, m.model)
     from brigade.pipeline.plans import schedule  # the registry owns the names and each one's V
     sched = schedule.SCHEDULES[schedule.check(p.schedule)]
     v = sched.resolve_virtual(p.virtual)
@@ -66,6 +67,17 @@ def validate(cfg: RunConfig) -> None:
         _fsdp_available(p.shard)
     if p.pp > 1 and p.local_stages > 1:
         raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")
+
+
+def experts(n: int, top_k: int, model: str) -> None:
+    """--experts and --top-k: none, or the built-in GPT's, top-k from 1 to the experts (train, check)."""
+    _positive("experts", n, zero_ok=True)
+    if n and model != "gpt":
+        raise BrigadeError(f"--experts {n} with --model {model}: --experts builds the built-in gpt's "
+                           "mixture of experts; drop it, or use --model gpt")
+    if n and not 1 <= top_k <= n:
+        raise BrigadeError(f"--top-k {top_k} with --experts {n}: each token goes to from 1 to {n} experts; "
+                           f"give a --top-k in that range")
 
 
 def _tensor_parallel(p) -> None:

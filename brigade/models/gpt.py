@@ -3,7 +3,9 @@
 Shapes: B batch, T time (≤ block_size), C n_embd, V vocab_size.
 With `tie_embeddings` (the default) the head's output weight is the token embedding's: one
 parameter on the first and last block, which brigade keeps as one copy per stage with summed
-gradients (brigade.pipeline.stages.ties).
+gradients (brigade.pipeline.stages.ties). With `experts` each block's feed-forward is a mixture
+of experts instead (`brigade.models.moe`: top-k routing, SwiGLU experts of width 2C, the
+load-balancing loss at `aux_coef`).
 
 Each block declares how tensor parallel splits it (`tp_plan`, read by brigade.parallel.tensor):
 attention's fused q/k/v column-wise and its output row-wise, by whole heads; the MLP's up
@@ -21,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brigade.models.moe import MoE, MoEConfig
+
 
 @dataclass
 class GPTConfig:
@@ -31,6 +35,9 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     tie_embeddings: bool = True  # the head reuses the token embedding's weight (V, C)
+    experts: int = 0  # > 0: each block's feed-forward a mixture of experts (`models.moe`)
+    top_k: int = 2  # the experts each token goes to
+    aux_coef: float = 0.01  # the load-balancing loss's weight (Switch Transformer's)
 
 
 class Embedding(nn.Module):
@@ -77,15 +84,19 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = SelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.tp_plan = {"attn.qkv": ("colwise", cfg.n_head), "attn.proj": ("rowwise", cfg.n_head),
+                        "ln1": "sequence", "ln2": "sequence", "attn": "gather"}
+        if cfg.experts:  # each expert a SwiGLU of width 2C (tensor parallel refuses it: parallel.tensor)
+            moe = MoEConfig(cfg.experts, cfg.top_k, 2 * cfg.n_embd, aux_coef=cfg.aux_coef)
+            self.mlp = MoE(cfg.n_embd, moe)
+            return
+        self.tp_plan.update({"mlp.0": "colwise", "mlp.2": "rowwise", "mlp": "gather"})
         self.mlp = nn.Sequential(
             nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
             nn.GELU(),
             nn.Linear(4 * cfg.n_embd, cfg.n_embd),
             nn.Dropout(cfg.dropout),
         )
-        self.tp_plan = {"attn.qkv": ("colwise", cfg.n_head), "attn.proj": ("rowwise", cfg.n_head),
-                        "mlp.0": "colwise", "mlp.2": "rowwise",
-                        "ln1": "sequence", "ln2": "sequence", "attn": "gather", "mlp": "gather"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         x = x + self.attn(self.ln1(x))

@@ -61,6 +61,7 @@ from __future__ import annotations
 from torch import nn
 
 from brigade.errors import BrigadeError
+from brigade.models.moe import MoE
 
 STYLES = ("colwise", "rowwise", "vocab")  # split a module's weights
 SEQUENCE_STYLES = ("sequence", "gather")  # place a module in a sequence-parallel block
@@ -163,6 +164,9 @@ def check_plans(blocks: list[nn.Module], tp: int, model: str = "the model") -> N
                                "the block a tp_plan ({submodule: 'colwise' | 'rowwise'}; {} keeps it "
                                "whole on every tp process), or the model file tp_plan = {index: plan}, "
                                "or use --tp 1")
+        if any(isinstance(m, MoE) for m in block.modules()):
+            raise BrigadeError(f"{where} has a mixture-of-experts layer, which --tp does not split yet: "
+                               "use --tp 1")
         for name, entry in plan.items():
             _check_entry(where, block, name, entry, tp)
         if any(style_of(e)[0] == "vocab" for e in plan.values()) and i != len(blocks) - 1:

@@ -164,5 +164,5 @@ def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None,
     if vocab_size is None:
         raise ValueError("a GPT needs the vocabulary size of its text")
     gpt_cfg = GPTConfig(vocab_size, m.context, m.n_layer, m.n_head, m.n_embd, m.dropout,
-                        tie_embeddings=m.tie_embeddings)
+                        tie_embeddings=m.tie_embeddings, experts=m.experts, top_k=m.top_k)
     return load_model("gpt", seed=seed, gpt_cfg=gpt_cfg)

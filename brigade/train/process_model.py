@@ -37,8 +37,10 @@ from brigade.dtensors import local, mesh_of
 from brigade.errors import BrigadeError
 from brigade.host.cores import shared_cores
 from brigade.launcher import groups
+from brigade.models import moe
 from brigade.parallel import tensor
 from brigade.parallel.assemble import Cut, assemble
+from brigade.pipeline.batches.microbatch import batch_size_of
 from brigade.pipeline.plans.action import B, F, I, W
 from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build, placement
@@ -179,6 +181,7 @@ class ProcessModel:
         of their gradients, and sequence parallel's partial ones their sum over tp
         (`Assembly.settle_grads`). `trace`: time every action (what `replan` reads).
         """
+        moe.per_step(self.assembly.held.values(), round(batch_size_of(x) / loss_scale))  # its balancing loss
         loss = self.pipe.step(x, y, loss_scale=loss_scale, sync=sync, trace=trace)
         if sync:
             self.assembly.settle_grads()

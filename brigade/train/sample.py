@@ -61,7 +61,8 @@ def sample_from_snapshot(found: Snapshot, prompt: str, tokens: int, seed: int = 
         raise BrigadeError(f"{found.path}: the manifest's config.model is not a brigade model config: "
                            "the snapshot is damaged or from another version") from None
     vocab = Vocab(manifest.vocab)
-    blocks = gpt(GPTConfig(len(vocab), m.context, m.n_layer, m.n_head, m.n_embd, 0.0, m.tie_embeddings))
+    blocks = gpt(GPTConfig(len(vocab), m.context, m.n_layer, m.n_head, m.n_embd, 0.0, m.tie_embeddings,
+                           m.experts, m.top_k))
     owned = OwnedBlocks(blocks, list(range(len(blocks))))
     load_model_only(found.path, owned)
     model = nn.Sequential(*blocks).eval()

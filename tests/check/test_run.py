@@ -237,6 +237,21 @@ def test_tensor_parallel_with_replicas_and_no_pipeline():
     assert _failures(run_check(cfg, cases), cases) == []
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shard", [1, 2], ids=["replicated", "sharded"])
+def test_a_mixture_of_experts_equals_one_device_on_every_schedule(shard):
+    """The GPT with a mixture of experts in every block (4 experts, top 2, its load-balancing
+    loss on): dp 2 × pp 2 (DDP, or FSDP2 sharding the stacked experts), every registered schedule
+    and V, one of them under full recompute: the balancing loss, taken per sequence and weighted
+    by each forward's share of the step, sums across micro-batches and replicas to one device's
+    on the whole batch."""
+    cases = [(name, 2, v) for name, s in SCHEDULES.items() for v in ([s.virtual] if s.virtual else [1])]
+    cases.append(("zb", 2, 1, "full"))
+    cfg = grid_config("gpt", 2, shard=shard)
+    cfg.model_options = {"gpt_cfg": dataclasses.replace(TINY_GPT["gpt_cfg"], experts=4, top_k=2)}
+    assert _failures(run_check(cfg, cases), cases) == []
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--schedule", "1f1b", "--virtual", "2"], "--virtual 2: schedule 1f1b runs exactly 1 stage(s) per rank"),
     (["--schedule", "zbv", "--virtual", "3"], "--virtual 3: schedule zbv runs exactly 2"),

@@ -1,0 +1,217 @@
+"""A mixture-of-experts feed-forward layer: a router picks k of E expert feed-forwards per token.
+
+    x (…, C) ─► router: a score per expert (softmax or sigmoid of a linear layer)
+             ─► top k per token (chosen on the scores, plus a balancing bias if one is kept),
+                their weights the chosen scores, renormalised to sum to 1 where the family does
+             ─► dispatch: each (token, choice) pair, sorted by expert ─► every expert's SwiGLU on
+                its own rows, as one grouped matmul (`torch._grouped_mm`) or one matmul an expert
+             ─► combine: each token the weighted sum of its k outputs  (+ a shared expert's)
+
+Dropless: every token reaches every expert it chose (no capacity, nothing dropped), so an expert's
+rows are however many chose it, and a run split any way computes what one device computes.
+
+Dispatch and combine are the seam expert parallelism takes (`Dispatch`): here they sort and
+unsort rows on this process; split over processes they become an all-to-all that sends each row
+to the process holding its expert, and back. The experts' weights are stacked, (E, C, H) and
+(E, H, C), so a process holding some experts holds a slice of the first dimension.
+
+Balance (two ways, as the families do):
+
+    aux_coef    the load-balancing loss (Switch Transformer's, which Mixtral, Qwen-MoE and OLMoE
+                use): E · Σ_e f_e · P_e, f_e the share of the choices that went to expert e and
+                P_e its mean score; taken per sequence and averaged over the sequences (DeepSeek-
+                V3's sequence-wise form), so a batch cut into micro-batches or replicas gives the
+                same total as one device on the whole batch. It joins the training loss through
+                the backward only (`_AddAux`): the layer's output is unchanged, and its input's
+                gradient gains aux_coef × ∂aux/∂x, scaled by this forward's share of the step's
+                sequences (`samples_per_step`)
+    bias_rate   DeepSeek-V3's balancing without a loss: a bias per expert, added to the scores
+                for choosing only (never to the weights), moved after each step by bias_rate
+                towards the under-loaded experts (`update_bias`)
+
+The layer keeps what the last forward saw (`load`: the choices per expert; `aux`: the balancing
+loss; `entropy`: the router's mean entropy), for the run's metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The shape and rules of one MoE layer (module docstring)."""
+
+    experts: int
+    top_k: int
+    hidden: int  # each expert's SwiGLU width
+    scores: str = "softmax"
+    renormalize: bool = True  # the k chosen weights rescaled to sum to 1
+    shared_hidden: int = 0  # a shared expert's width (0: none)
+    aux_coef: float = 0.0
+    bias_rate: float = 0.0
+
+    def check(self) -> None:
+        """Raises ValueError on a top-k outside 1..experts or an unknown score function."""
+        if self.experts < 1 or not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top-k {self.top_k} of {self.experts} experts: top-k must be from 1 to "
+                             "the number of experts")
+        if self.scores not in SCORES:
+            raise ValueError(f"router scores {self.scores!r}: expected one of {', '.join(SCORES)}")
+
+
+class Dispatch:
+    """Rows to experts and back on this process (module docstring): the local case of the seam."""
+
+    def dispatch(self, rows: torch.Tensor, expert: torch.Tensor, experts: int):
+        """(rows sorted by expert, rows per expert, what `combine` needs to undo the sort)."""
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=experts)
+        return rows[order], counts, order
+
+    def combine(self, out: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """The expert outputs `out` back in the order of the rows dispatched."""
+        return torch.empty_like(out).index_copy(0, order, out)
+
+
+class MoE(nn.Module):
+    """The layer (module docstring): (…, C) → (…, C)."""
+
+    def __init__(self, width: int, cfg: MoEConfig):
+        super().__init__()
+        cfg.check()
+        self.cfg = cfg
+        self.router = nn.Linear(width, cfg.experts, bias=False)
+        e, h = cfg.experts, cfg.hidden
+        self.w_gate = nn.Parameter(torch.empty(e, width, h))
+        self.w_up = nn.Parameter(torch.empty(e, width, h))
+        self.w_down = nn.Parameter(torch.empty(e, h, width))
+        for w, fan_in in ((self.w_gate, width), (self.w_up, width), (self.w_down, h)):
+            nn.init.normal_(w, std=1 / math.sqrt(fan_in))
+        self.shared = SwiGLU(width, cfg.shared_hidden) if cfg.shared_hidden else None
+        self.register_buffer("bias", torch.zeros(e), persistent=cfg.bias_rate > 0)
+        self.dispatcher = Dispatch()
+        self.samples_per_step: int | None = None  # None: this forward's own sequences
+        self.load = torch.zeros(e)
+        self.aux = torch.zeros(())
+        self.entropy = torch.zeros(())
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scores (N, E), weights (N, k), chosen experts (N, k)) of the rows `x` (N, C)."""
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if self.cfg.scores == "softmax" else logits.sigmoid()
+        chosen = torch.topk(scores.detach() + self.bias, self.cfg.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.cfg.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return scores, weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        scores, weights, chosen = self.route(rows)
+        k = self.cfg.top_k
+        flat = chosen.reshape(-1)
+        grouped, counts, order = self.dispatcher.dispatch(rows.repeat_interleave(k, 0), flat,
+                                                          self.cfg.experts)
+        out = self.dispatcher.combine(self.experts(grouped, counts), order)
+        y = (out.view(-1, k, shape[-1]) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+        if self.shared is not None:
+            y = y + self.shared(rows)
+        aux = self._aux(scores, chosen, shape) if self.cfg.aux_coef else None
+        self._observe(scores, flat, aux)
+        if aux is not None and self.training and torch.is_grad_enabled():
+            share = shape[0] / (self.samples_per_step or shape[0])
+            y = _AddAux.apply(y, aux * (self.cfg.aux_coef * share))
+        return y.view(shape)
+
+    def experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert's SwiGLU on its rows (`rows` sorted by expert, `counts` per expert)."""
+        gate, up, down = self.w_gate, self.w_up, self.w_down
+        if _grouped(rows, gate, down):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(rows, gate, offs=offs)) * torch._grouped_mm(rows, up, offs=offs)
+            return torch._grouped_mm(h, down, offs=offs)
+        parts = rows.split(counts.tolist())
+        return torch.cat([(F.silu(p @ gate[e]) * (p @ up[e])) @ down[e] for e, p in enumerate(parts)])
+
+    def _aux(self, scores: torch.Tensor, chosen: torch.Tensor, shape) -> torch.Tensor:
+        """The sequence-wise load-balancing loss (module docstring): its mean over sequences."""
+        e = self.cfg.experts
+        seqs = shape[0] if len(shape) > 2 else 1
+        p = scores.view(seqs, -1, e)  # (S, T, E)
+        p = p / p.sum(-1, keepdim=True) if self.cfg.scores == "sigmoid" else p
+        hits = F.one_hot(chosen.view(seqs, -1, self.cfg.top_k), e).sum(2).float()  # (S, T, E)
+        f = hits.mean(1) / self.cfg.top_k  # each sequence's share of choices per expert
+        return (e * (f * p.mean(1)).sum(-1)).mean()
+
+    @torch.no_grad()
+    def _observe(self, scores: torch.Tensor, flat: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """Keep what this forward saw (module docstring), detached."""
+        self.load = torch.bincount(flat, minlength=self.cfg.experts).to(torch.float32)
+        p = scores / scores.sum(-1, keepdim=True)
+        self.entropy = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
+        self.aux = aux.detach() if aux is not None else torch.zeros(())
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's step (module docstring): each expert's bias up by bias_rate when it took
+        fewer than the mean of `load` (the step's choices per expert, summed over every process
+        and micro-batch), down when more."""
+        if self.cfg.bias_rate:
+            self.bias += self.cfg.bias_rate * torch.sign(load.mean() - load)
+
+
+def per_step(modules, samples: int) -> None:
+    """Tell every MoE layer in `modules` how many sequences this process's step takes in all (its
+    replica's batch, over every micro-batch and accumulated chunk): the share each forward's
+    balancing loss carries (module docstring). Called by whoever splits the step's batch."""
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, MoE):
+                m.samples_per_step = samples
+
+
+class SwiGLU(nn.Module):
+    """A shared expert: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(width, hidden, bias=False)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class _AddAux(torch.autograd.Function):
+    """y unchanged in the forward; in the backward, `aux` gets the gradient 1 (so its own graph
+    adds ∂aux/∂ to the router), whatever y's gradient is."""
+
+    @staticmethod
+    def forward(ctx, y, aux):
+        ctx.save_for_backward(aux)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+def _grouped(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes these: it has one, and every row it reads starts at a
+    multiple of 16 bytes (on this CPU it refuses others; a GPU asks bf16 of it too)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if rows.is_cuda and rows.dtype != torch.bfloat16:
+        return False
+    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in (rows, *weights))
