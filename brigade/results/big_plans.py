@@ -33,7 +33,8 @@ SIZES = {"8B": dict(hidden_size=4096, intermediate_size=14336, num_attention_hea
                       num_key_value_heads=8, num_hidden_layers=126)}
 # (model, nodes of 8 GPUs, global batch, recompute, shard, tp, pp, schedule, micro-batches, public GiB)
 CASES = [
-    ("8B", 1, 16, "selective", 8, 1, 1, "1f1b", 1, 82.4),
+    ("8B", 1, 16, "selective", 8, 1, 1, "1f1b", 1, 82.4),  # torchtitan's: local batch 2 in one pass
+    ("8B", 1, 16, "selective", 8, 1, 1, "1f1b", 2, None),  # the same as 2 micro-batches of one
     ("8B", 16, 256, "selective", 128, 1, 1, "1f1b", 1, None),
     ("70B", 32, 512, "full", 32, 8, 1, "1f1b", 1, 72.0),  # torchtitan's: local batch 16 in one pass
     ("70B", 32, 512, "full", 32, 8, 1, "1f1b", 16, None),  # the same as 16 micro-batches of one
