@@ -30,7 +30,9 @@ Balance (two ways, as the families do):
                 towards the under-loaded experts (`update_bias`)
 
 The layer keeps what the last forward saw (`load`: the choices per expert; `aux`: the balancing
-loss; `entropy`: the router's mean entropy), for the run's metrics.
+loss; `entropy`: the router's mean entropy), and adds it to what the step so far saw (`seen`,
+which `take_seen` hands over and clears: the run's metrics, `train.experts`): training forwards
+only, and a forward that recompute runs again inside a backward is not counted twice.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class MoE(nn.Module):
         self.load = torch.zeros(e)
         self.aux = torch.zeros(())
         self.entropy = torch.zeros(())
+        self.seen = torch.zeros(e + 4, dtype=torch.float64)  # load, Σ aux·seqs, seqs, Σ entropy·rows, rows
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scores (N, E), weights (N, k), chosen experts (N, k)) of the rows `x` (N, C)."""
@@ -126,7 +129,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(rows)
         aux = self._aux(scores, chosen, shape) if self.cfg.aux_coef else None
-        self._observe(scores, flat, aux)
+        self._observe(scores, flat, aux, shape[0] if len(shape) > 2 else 1)
         if aux is not None and self.training and torch.is_grad_enabled():
             share = shape[0] / (self.samples_per_step or shape[0])
             y = _AddAux.apply(y, aux * (self.cfg.aux_coef * share))
@@ -153,12 +156,26 @@ class MoE(nn.Module):
         return (e * (f * p.mean(1)).sum(-1)).mean()
 
     @torch.no_grad()
-    def _observe(self, scores: torch.Tensor, flat: torch.Tensor, aux: torch.Tensor | None) -> None:
-        """Keep what this forward saw (module docstring), detached."""
+    def _observe(self, scores: torch.Tensor, flat: torch.Tensor, aux: torch.Tensor | None, seqs: int) -> None:
+        """Keep what this forward saw (module docstring), detached, and add it to the step's."""
         self.load = torch.bincount(flat, minlength=self.cfg.experts).to(torch.float32)
         p = scores / scores.sum(-1, keepdim=True)
         self.entropy = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
         self.aux = aux.detach() if aux is not None else torch.zeros(())
+        if not self.training or torch._C._current_graph_task_id() != -1:
+            return  # an evaluation's forward, or recompute inside a backward (counted already)
+        rows, dev = scores.shape[0], self.load.device  # (on the device: no wait for it here)
+        counts = torch.tensor([seqs, rows], dtype=torch.float64, device=dev)
+        aux, entropy = self.aux.double().to(dev) * seqs, self.entropy.double() * rows
+        step = torch.stack([aux, counts[0], entropy, counts[1]])
+        self.seen = self.seen.to(dev) + torch.cat([self.load.double(), step])
+
+    def take_seen(self) -> torch.Tensor:
+        """What the step's forwards saw since the last call (module docstring), and start again:
+        (E + 4,) float64: the choices per expert, then Σ aux × sequences, sequences, Σ entropy ×
+        tokens, tokens (sums, so that micro-batches and replicas add up)."""
+        seen, self.seen = self.seen, torch.zeros_like(self.seen)
+        return seen
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:

@@ -49,7 +49,7 @@ def finish(cfg: RunConfig, summary: dict) -> None:
         write_atomic(out / "sample.txt", text)
         print("\n--- sample ---\n" + text + "\n--------------", flush=True)
     val = summary.get("val_loss")
-    names = ("metrics.jsonl", "loss.png", "config.toml", "snapshots/", "sample.txt", "logs/")
+    names = ("metrics.jsonl", "loss.png", "experts.png", "config.toml", "snapshots/", "sample.txt", "logs/")
     print(f"brigade: done at step {summary['step']}"
           + (f", validation loss {val:.4f}" if val is not None else "")
           + f". In {out}/: " + ", ".join(n for n in names if (out / n).exists()), flush=True)

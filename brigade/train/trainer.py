@@ -43,6 +43,7 @@ from brigade.dtensors import mesh_of
 from brigade.errors import RunError
 from brigade.launcher import groups
 from brigade.pipeline.stages import structure
+from brigade.train.experts import ExpertStats
 from brigade.train.memory import StepMemory
 from brigade.train.metrics import Metrics
 from brigade.train.precision import LossScaler
@@ -142,6 +143,7 @@ class Trainer:
         self.engine = ProcessModel(blocks, loss_fn, self.parallel, self.world, autocast=autocast,
                                    weights=weights, sample=self._sample(train_data))
         self.model = self.engine.owned
+        self.experts = ExpertStats(blocks)  # a mixture of experts' figures, each step (none without)
         self.optimizer = (optimizer or adamw(self.optim_cfg))(self.model)
         self.train_data, self.val_data = train_data, val_data
         self.state = State()
@@ -226,6 +228,8 @@ class Trainer:
                   "samples": fingerprint(batch)}
         if self.scaler is not None:
             record.update(loss_scale=scale, skipped=skipped)
+        if self.experts:
+            record.update(self.experts.record(self.engine.assembly.held, self.world.device))
         return record
 
     def _unscale_and_clip(self, norm: torch.Tensor, scale: float) -> None:
