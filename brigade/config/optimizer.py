@@ -9,7 +9,7 @@
 
 The run's first line and its config.toml name the update it resolved to (`resolve`), never
 "auto", so a run read back later says what it did. The configuration owns the names; the trainer
-(`train.trainer.adamw`) and the planner's optimizer costs (`planner.optimizer`) ask `resolve`.
+(`train.optimizer.adamw`) and the planner's optimizer costs (`planner.optimizer`) ask `resolve`.
 torch is imported only when a device is asked about.
 """
 

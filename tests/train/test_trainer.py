@@ -14,7 +14,8 @@ from brigade.config import OptimConfig, ParallelConfig, TrainConfig
 from brigade.data.chars import load_text_data
 from brigade.launcher import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
-from brigade.train.trainer import Trainer, lr_at
+from brigade.train.optimizer import lr_at
+from brigade.train.trainer import Trainer
 
 STEPS = 20
 
@@ -139,7 +140,7 @@ def test_lr_warms_up_then_decays_to_min():
 
 
 def test_adamw_is_fused_by_default_and_updates_as_one_tensor_at_a_time_does():
-    from brigade.train.trainer import adamw
+    from brigade.train.optimizer import adamw
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
