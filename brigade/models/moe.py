@@ -100,7 +100,7 @@ class MoE(nn.Module):
         self.shared = SwiGLU(width, cfg.shared_hidden) if cfg.shared_hidden else None
         self.register_buffer("bias", torch.zeros(e), persistent=cfg.bias_rate > 0)
         self.dispatcher = Dispatch()
-        self.samples_per_step: int | None = None  # None: this forward's own sequences
+        self.samples_per_step: float | None = None  # None: this forward's own sequences
         self.load = torch.zeros(e)
         self.aux = torch.zeros(())
         self.entropy = torch.zeros(())
@@ -186,10 +186,13 @@ class MoE(nn.Module):
             self.bias += self.cfg.bias_rate * torch.sign(load.mean() - load)
 
 
-def per_step(modules, samples: int) -> None:
+def per_step(modules, samples: float) -> None:
     """Tell every MoE layer in `modules` how many sequences this process's step takes in all (its
     replica's batch, over every micro-batch and accumulated chunk): the share each forward's
-    balancing loss carries (module docstring). Called by whoever splits the step's batch."""
+    balancing loss carries (module docstring). Called by whoever splits the step's batch. Where
+    the loss is scaled (fp16's loss scale, a chunk's 1/k), `samples` is divided by that scale, so
+    the balancing loss's gradient is scaled with the loss's and unscaled with it: a float, and
+    not rounded (at a loss scale of 65536 it is far below one)."""
     for module in modules:
         for m in module.modules():
             if isinstance(m, MoE):

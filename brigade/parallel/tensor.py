@@ -119,7 +119,7 @@ def _check_entry(where: str, block: nn.Module, name: str, entry, tp: int) -> Non
     if style == "vocab" and name != last_linear(block):
         raise BrigadeError(f"{where}'s tp_plan splits {name} as 'vocab', but the loss reads the block's "
                            f"last layer ({last_linear(block)}): give 'vocab' to the output head only")
-    if size % tp and style != "vocab":  # a vocabulary tp does not divide stays whole (`vocab_splits`)
+    if size % tp and style != "vocab":  # a vocabulary tp does not divide stays whole (`plan_at`)
         raise BrigadeError(f"{where}: {name}'s {size} {'input' if style == 'rowwise' else 'output'} "
                            f"features do not split evenly over --tp {tp}: use a --tp that divides {size}")
 

@@ -181,7 +181,7 @@ class ProcessModel:
         of their gradients, and sequence parallel's partial ones their sum over tp
         (`Assembly.settle_grads`). `trace`: time every action (what `replan` reads).
         """
-        moe.per_step(self.assembly.held.values(), round(batch_size_of(x) / loss_scale))  # its balancing loss
+        moe.per_step(self.assembly.held.values(), batch_size_of(x) / loss_scale)  # its balancing loss
         loss = self.pipe.step(x, y, loss_scale=loss_scale, sync=sync, trace=trace)
         if sync:
             self.assembly.settle_grads()

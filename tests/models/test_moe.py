@@ -61,7 +61,7 @@ def test_the_grouped_matmul_and_the_loop_agree(monkeypatch):
     torch.testing.assert_close(layer(x), grouped, atol=1e-6, rtol=1e-5)
 
 
-def _router_grad(layer: MoE, pieces: list[torch.Tensor], total: int) -> torch.Tensor:
+def _router_grad(layer: MoE, pieces: list[torch.Tensor], total: float) -> torch.Tensor:
     layer.zero_grad()
     moe.per_step([layer], total)
     for x in pieces:  # a loss that ignores the router: its gradient is the balancing loss's alone
@@ -81,6 +81,16 @@ def test_the_balancing_loss_is_the_same_however_the_batch_is_cut():
     assert float(layer.aux) > 0 and float(layer.entropy) == pytest.approx(
         float(-(scores * scores.log()).sum(-1).mean()), rel=1e-5)
     assert layer.load.sum() == 3 * 5 * 2 and layer.load.shape == (4,)
+
+
+def test_a_scaled_loss_scales_the_balancing_loss_alike():
+    """Under fp16's loss scale (65536) the step's sequences are told divided by it: the balancing
+    loss's gradient is scaled as the loss's is (and unscaled with it), not dropped to one
+    forward's own share by a count rounded to 0."""
+    layer = _layer(aux_coef=0.1)
+    x = torch.randn(6, 5, C, generator=torch.Generator().manual_seed(3))
+    plain = _router_grad(layer, [x], 6)
+    torch.testing.assert_close(_router_grad(layer, [x], 6 / 65536), plain * 65536, rtol=1e-5, atol=1e-7)
 
 
 def test_the_balancing_loss_reaches_the_router_as_its_own_gradient():
