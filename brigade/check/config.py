@@ -37,6 +37,7 @@ class CheckConfig:
     dp: int = doc(1, "data-parallel replicas, each on its slice of the batch (dp × stages processes)")
     shard: int = doc(1, sentence(ParallelConfig, "shard"))
     tp: int = doc(1, sentence(ParallelConfig, "tp") + " (dp × stages × tp processes)")
+    ep: int = doc(1, sentence(ParallelConfig, "ep"))
     recompute: str = doc("none", sentence(ParallelConfig, "recompute"), choices=RECOMPUTES)
     reshard: bool = doc(False, sentence(ParallelConfig, "reshard"))
     sequence_parallel: bool = doc(True, sentence(ParallelConfig, "sequence_parallel"))
@@ -68,6 +69,7 @@ class CheckResult:
     recompute: str = "none"
     tp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -51,7 +51,8 @@ def _check_devices(devices: list[str], stages: int) -> None:
 
 def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
     """dp, the workers it starts, and what dp cannot check."""
-    Degrees(dp=cfg.dp, shard=cfg.shard, tp=cfg.tp).check()  # each ≥ 1, --shard dividing --dp
+    Degrees(dp=cfg.dp, shard=cfg.shard, tp=cfg.tp, ep=cfg.ep).check()  # each ≥ 1, --shard, --ep dividing --dp
+    _check_experts(cfg, spec)
     workers, cap = cfg.dp * cfg.stages * cfg.tp, max_workers(cfg.runtime)
     if workers > cap and (cfg.runtime == "process" or cfg.dp > 1):
         tp = f" × --tp {cfg.tp}" if cfg.tp > 1 else ""
@@ -71,6 +72,22 @@ def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
     if cfg.dp > 1 and has_batchnorm(spec.blocks):
         raise BrigadeError(f"{cfg.model} has BatchNorm, whose running statistics DDP takes from replica 0 "
                            "(no single device computes them): check it with --dp 1")
+
+
+def _check_experts(cfg: CheckConfig, spec: ModelSpec) -> None:
+    """--ep: across processes, over a model whose every MoE layer's experts it divides."""
+    if cfg.ep == 1:
+        return
+    from brigade.parallel.experts import check_divides, layers
+
+    if cfg.runtime == "local":
+        raise BrigadeError(f"--ep {cfg.ep} with --runtime local: expert parallel splits experts over "
+                           "processes, and the local runtime drives every stage from one; use "
+                           "--runtime process")
+    if not layers(spec.blocks):
+        raise BrigadeError(f"--ep {cfg.ep} but {cfg.model} has no mixture-of-experts layer to split: give "
+                           "--experts (gpt) or an MoE model, or drop --ep")
+    check_divides(spec.blocks, cfg.ep)
 
 
 def _check_tensor_parallel(cfg: CheckConfig, spec: ModelSpec) -> None:

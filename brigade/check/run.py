@@ -114,7 +114,7 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     return CheckResult(schedule, m, cfg.stages, cfg.runtime, list(cut.balance), loss, d[0], d[1], d[2],
                        ref_kind, ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp,
                        reference_device=str(ref_device), shard=cfg.shard, recompute=mode, tp=cfg.tp,
-                       sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel)
+                       sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, ep=cfg.ep)
 
 
 def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y, warm: bool = False) -> float:
@@ -163,7 +163,7 @@ def _degrees(cfg: CheckConfig) -> Degrees:
     """The check's world: dp × stages × tp processes, or dp processes of the local runtime (each
     drives every stage)."""
     if cfg.runtime == "process":
-        return degrees_of(ParallelConfig(dp=cfg.dp, pp=cfg.stages, shard=cfg.shard, tp=cfg.tp))
+        return degrees_of(ParallelConfig(dp=cfg.dp, pp=cfg.stages, shard=cfg.shard, tp=cfg.tp, ep=cfg.ep))
     return Degrees(dp=cfg.dp)
 
 

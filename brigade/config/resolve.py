@@ -30,7 +30,7 @@ def pipeline_shape(p: ParallelConfig) -> tuple[int, int]:
 def degrees_of(p: ParallelConfig) -> Degrees:
     """The parallel degrees of a resolved layout (dp set): what `world.World` builds its mesh from.
     Local stages are devices inside one process, not a degree of the world."""
-    return Degrees(dp=p.dp, shard=p.shard, pp=p.pp, tp=p.tp)
+    return Degrees(dp=p.dp, shard=p.shard, pp=p.pp, tp=p.tp, ep=p.ep)
 
 
 def resolve_layout(cfg: RunConfig, world: Launched | None = None, given: Collection[str] = ()) -> RunConfig:
@@ -58,7 +58,7 @@ def resolve_layout(cfg: RunConfig, world: Launched | None = None, given: Collect
     by = " ÷ --tp" if p.tp > 1 else ""
     hint = "" if world is None else f", or leave --dp out to derive it ({size} ÷ --pp{by})"
     # --shard is checked with the batch (below), at every node count an elastic range reaches.
-    dp = Degrees.derive(size, dp=p.dp, pp=p.pp, tp=p.tp, where=f" ({where})", hint=hint).dp
+    dp = Degrees.derive(size, dp=p.dp, pp=p.pp, tp=p.tp, ep=p.ep, where=f" ({where})", hint=hint).dp
     out = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp, nproc=nproc, nnodes=nnodes))
     if p.min_nodes:  # every node count the range can reach
         elastic.check_range(out.parallel, given, world is not None, lambda n, d: _check_batch(out, d, n))
@@ -85,7 +85,7 @@ def _check_batch(cfg: RunConfig, dp: int, nodes: int = 0) -> None:
     """The global batch must split evenly over replicas and accumulation, then micro-batches; the
     replicas into shard groups of --shard."""
     p, t, k = cfg.parallel, cfg.train, elastic.accumulation(cfg, dp)
-    Degrees(dp=dp, shard=p.shard).check(where=f" on {nodes} node(s)" if nodes else "")
+    Degrees(dp=dp, shard=p.shard, ep=p.ep).check(where=f" on {nodes} node(s)" if nodes else "")
     if t.batch_size % (dp * k):
         raise BrigadeError(f"--batch-size {t.batch_size} does not split evenly over dp {dp} × grad-accum "
                            f"{k}: use a multiple of {dp * k}")

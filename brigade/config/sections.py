@@ -57,6 +57,9 @@ class ParallelConfig:
     shard: int = doc(1, "of each stage's --dp data-parallel processes, how many shard its parameters, "
                         "gradients and optimizer state between them (FSDP2); the others replicate "
                         "those shards (HSDP when both are > 1); 1: no sharding (DDP)")
+    ep: int = doc(1, "expert parallel: the processes a mixture of experts' experts are split over, "
+                     "taken from the --dp data-parallel ones (each holds experts ÷ ep; tokens reach "
+                     "their experts by all-to-all); dense weights keep their sharding; 1: none")
     tp: int = doc(1, "tensor-parallel processes each block's matmuls are split over (DTensor), the "
                      "innermost mesh dimension, so on the fastest links; the model's blocks say how "
                      "(a tp_plan); 1: none")

@@ -43,6 +43,7 @@ def validate(cfg: RunConfig) -> None:
     if m.n_embd % m.n_head:
         raise BrigadeError(f"--n-embd {m.n_embd} is not a multiple of --n-head {m.n_head}")
     experts(m.experts, m.top_k, m.model)
+    expert_parallel(p.ep, m.experts, m.model, p.local_stages)
     from brigade.pipeline.plans import schedule  # the registry owns the names and each one's V
     sched = schedule.SCHEDULES[schedule.check(p.schedule)]
     v = sched.resolve_virtual(p.virtual)
@@ -78,6 +79,25 @@ def experts(n: int, top_k: int, model: str) -> None:
     if n and not 1 <= top_k <= n:
         raise BrigadeError(f"--top-k {top_k} with --experts {n}: each token goes to from 1 to {n} experts; "
                            f"give a --top-k in that range")
+
+
+def expert_parallel(ep: int, experts: int, model: str, local_stages: int = 1) -> None:
+    """--ep: a positive degree, across processes, over a model with experts that it divides (the
+    built-in gpt's --experts; an hf: model's are checked once its config is read, and that ep
+    divides dp with the world)."""
+    _positive("ep", ep)
+    if ep == 1:
+        return
+    if local_stages > 1:
+        raise BrigadeError(f"--ep {ep} with --local-stages {local_stages}: expert parallel splits experts "
+                           "over processes, and local stages drive several devices from one; pipeline "
+                           "across processes (--pp) instead, or drop --ep")
+    if model == "gpt" and not experts:
+        raise BrigadeError(f"--ep {ep} but the gpt has no experts to split: give --experts (a multiple of "
+                           f"{ep}), or drop --ep")
+    if experts % ep:
+        raise BrigadeError(f"--ep {ep} does not divide --experts {experts}: give --ep a divisor of {experts} "
+                           "(each process of an expert group holds experts ÷ ep of them)")
 
 
 def _tensor_parallel(p) -> None:

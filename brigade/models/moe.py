@@ -11,9 +11,10 @@ Dropless: every token reaches every expert it chose (no capacity, nothing droppe
 rows are however many chose it, and a run split any way computes what one device computes.
 
 Dispatch and combine are the seam expert parallelism takes (`Dispatch`): here they sort and
-unsort rows on this process; split over processes they become an all-to-all that sends each row
-to the process holding its expert, and back. The experts' weights are stacked, (E, C, H) and
-(E, H, C), so a process holding some experts holds a slice of the first dimension.
+unsort rows on this process; split over processes (`parallel.experts.AllToAll`) they become an
+all-to-all that sends each row to the process holding its expert, and back. The experts' weights
+are stacked in a module of their own (`GroupedExperts`: (E, C, H) and (E, H, C)), so a process
+holding some experts holds a slice of the first dimension, and sharding can wrap them alone.
 
 Balance (two ways, as the families do):
 
@@ -70,10 +71,12 @@ class MoEConfig:
 
 
 class Dispatch:
-    """Rows to experts and back on this process (module docstring): the local case of the seam."""
+    """Rows to experts and back on this process (module docstring): the local case of the seam.
+    `parallel.experts.AllToAll` is the other: the same two calls across the expert group."""
 
     def dispatch(self, rows: torch.Tensor, expert: torch.Tensor, experts: int):
-        """(rows sorted by expert, rows per expert, what `combine` needs to undo the sort)."""
+        """(the rows this process's experts take, sorted by expert; how many each takes; what
+        `combine` needs to bring their outputs back) of `rows`, row i chosen for `expert[i]`."""
         order = torch.argsort(expert, stable=True)
         counts = torch.bincount(expert, minlength=experts)
         return rows[order], counts, order
@@ -91,12 +94,8 @@ class MoE(nn.Module):
         cfg.check()
         self.cfg = cfg
         self.router = nn.Linear(width, cfg.experts, bias=False)
-        e, h = cfg.experts, cfg.hidden
-        self.w_gate = nn.Parameter(torch.empty(e, width, h))
-        self.w_up = nn.Parameter(torch.empty(e, width, h))
-        self.w_down = nn.Parameter(torch.empty(e, h, width))
-        for w, fan_in in ((self.w_gate, width), (self.w_up, width), (self.w_down, h)):
-            nn.init.normal_(w, std=1 / math.sqrt(fan_in))
+        e = cfg.experts
+        self.experts = GroupedExperts(e, width, cfg.hidden)
         self.shared = SwiGLU(width, cfg.shared_hidden) if cfg.shared_hidden else None
         self.register_buffer("bias", torch.zeros(e), persistent=cfg.bias_rate > 0)
         self.dispatcher = Dispatch()
@@ -134,16 +133,6 @@ class MoE(nn.Module):
             share = shape[0] / (self.samples_per_step or shape[0])
             y = _AddAux.apply(y, aux * (self.cfg.aux_coef * share))
         return y.view(shape)
-
-    def experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each expert's SwiGLU on its rows (`rows` sorted by expert, `counts` per expert)."""
-        gate, up, down = self.w_gate, self.w_up, self.w_down
-        if _grouped(rows, gate, down):
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(rows, gate, offs=offs)) * torch._grouped_mm(rows, up, offs=offs)
-            return torch._grouped_mm(h, down, offs=offs)
-        parts = rows.split(counts.tolist())
-        return torch.cat([(F.silu(p @ gate[e]) * (p @ up[e])) @ down[e] for e, p in enumerate(parts)])
 
     def _aux(self, scores: torch.Tensor, chosen: torch.Tensor, shape) -> torch.Tensor:
         """The sequence-wise load-balancing loss (module docstring): its mean over sequences."""
@@ -197,6 +186,39 @@ def per_step(modules, samples: float) -> None:
         for m in module.modules():
             if isinstance(m, MoE):
                 m.samples_per_step = samples
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU feed-forwards, their weights stacked: (E, C, H) gate and up, (E, H, C) down.
+
+    `forward(rows, counts)`: each expert's SwiGLU on its own rows, `rows` sorted by expert and
+    `counts` how many each takes, as one grouped matmul per weight (`torch._grouped_mm`) where the
+    device takes it, else one matmul an expert. Under expert parallel the weights are DTensors
+    split along the experts (`parallel.experts`) and this process computes with its own slice."""
+
+    def __init__(self, experts: int, width: int, hidden: int):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(experts, width, hidden))
+        self.w_up = nn.Parameter(torch.empty(experts, width, hidden))
+        self.w_down = nn.Parameter(torch.empty(experts, hidden, width))
+        for w, fan_in in ((self.w_gate, width), (self.w_up, width), (self.w_down, hidden)):
+            nn.init.normal_(w, std=1 / math.sqrt(fan_in))
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (_local(w) for w in (self.w_gate, self.w_up, self.w_down))
+        if _grouped(rows, gate, down):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(rows, gate, offs=offs)) * torch._grouped_mm(rows, up, offs=offs)
+            return torch._grouped_mm(h, down, offs=offs)
+        parts = rows.split(counts.tolist())
+        return torch.cat([(F.silu(p @ gate[e]) * (p @ up[e])) @ down[e] for e, p in enumerate(parts)])
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This process's experts of a weight: a DTensor's own slice (through autograd), or `w`."""
+    from torch.distributed.tensor import DTensor
+
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class SwiGLU(nn.Module):

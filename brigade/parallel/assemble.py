@@ -13,11 +13,16 @@ their stages here, so what the check proves equal to one device is what training
                                     it, with the boundaries between parts and whole blocks
                                     (parallel.sequence)
                2. recompute         each held block's forward, by its mode (parallel.recompute)
-               3. compile           each held block's forward on its own, with --compile
+               3. expert parallel   each held MoE layer's experts split over the expert group,
+                                    its tokens sent to them by all-to-all, with --ep
+                                    (parallel.experts)
+               4. compile           each held block's forward on its own, with --compile
                                     (parallel.compiled)
-               4. shard / replicate each stage under FSDP2 over the world's shard mesh
+               5. shard / replicate each stage under FSDP2 over the world's shard mesh
                                     (parallel.shard), or DDP over its data-parallel group
-                                    (parallel.replicate), where the stage has replicas
+                                    (parallel.replicate), where the stage has replicas; under
+                                    --ep the experts are a unit of their own over the expert
+                                    mesh's "edp" (FSDP2), or left out of DDP and summed by hand
            ─ weights read into what each process holds (hf:DIR: a DTensor's own part)
 
 A run's precision (bf16, fp16) is applied here too, the one way each layout allows: where its
@@ -48,17 +53,17 @@ import torch
 from torch import nn
 
 from brigade.models.hf.weights import materialize
-from brigade.parallel import compiled, recompute, sequence, tensor, vocab
+from brigade.parallel import compiled, experts, recompute, sequence, tensor, vocab
 from brigade.parallel import float8 as fp8
 from brigade.parallel.replicate import data_parallel
-from brigade.parallel.shard import shard_stage
+from brigade.parallel.shard import shard_policy, shard_stage
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
 from brigade.pipeline.stages.partition import split
 from brigade.pipeline.stages.ties import StageTies, aliases, find_shared
 from brigade.world.mesh import World
 
 # the wrappers, first applied first
-ORDER = ("float8", "tensor parallel", "recompute", "compile", "shard or replicate")
+ORDER = ("float8", "tensor parallel", "recompute", "expert parallel", "compile", "shard or replicate")
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,8 @@ class Assembly:
         clipping and the optimizer read is then one gradient per weight, the same wherever it
         is held."""
         self.ties.sum_grads(self.held)
+        if self.world.degrees.ep > 1:  # the experts' mean over dp (DDP left them out)
+            experts.reduce_grads(list(self.held.values()), self.world, sharded(self.world))
         if self.world.degrees.tp > 1:
             sequence.reduce_partial_grads(self.held.values())
             tensor.sum_per_head_grads(self.held.values(), self.world.group("tp"))
@@ -151,9 +158,11 @@ class Assembly:
             stages = [self.stages[s] for s in range(len(self.cut.ranks))]
             return LocalPipeline(stages, self.world.devices, schedule, n_microbatches, loss_fn,
                                  autocast=self.autocast, virtual=self.cut.virtual, costs=costs)
-        return Pipeline(self.stages, schedule, n_microbatches, loss_fn, group=self.world.group("pp"),
+        pipe = Pipeline(self.stages, schedule, n_microbatches, loss_fn, group=self.world.group("pp"),
                         device=self.world.device, autocast=self.autocast, virtual=self.cut.virtual,
                         costs=costs)
+        experts.same_plan(pipe.plan, self.world)  # under --ep: every replica's all-to-alls in one order
+        return pipe
 
 
 def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: str = "none",
@@ -194,12 +203,13 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     converted = fp8.convert(blocks, float8, sharded(world), indices) if float8 else None  # 0. float8
     tp_mesh = world.tp_mesh if world.degrees.tp > 1 else None
     modes = split_blocks(blocks, indices, tp_mesh, recompute_mode, sequence_parallel)  # 1. and 2.
-    eager = compiled.compile_blocks(blocks, indices, modes) if compile else []  # 3. compile
+    experts.split_experts([blocks[i] for i in indices], world)  # 3. expert parallel
+    eager = compiled.compile_blocks(blocks, indices, modes) if compile else []  # 4. compile
     stages = split(blocks, list(cut.balance))
     run_under, mixed = precision(world, autocast)
     reshard = reshard or len(cut.ranks) == 1  # no pipeline: each block's weights freed after its forward
     wrapped = _local_stages(stages, cut, world) if world.local else \
-        {s: _replicated(stages[s], world, reshard, mixed) for s in mine}  # 4. shard or replicate
+        {s: _replicated(stages[s], world, reshard, mixed) for s in mine}  # 5. shard or replicate
     if weights is not None:  # after tensor parallel and sharding: each reads only its part
         weights(held, world.device)
     return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed, eager, converted)
@@ -250,11 +260,14 @@ def _replicated(module: nn.Module, world: World, reshard: bool, mixed: torch.dty
     `mixed` where given, else under DDP over the data-parallel group, when the stage has replicas."""
     d = world.degrees
     if sharded(world):
+        if d.ep > 1:  # the experts first: a unit of their own over the expert mesh's edp
+            experts.shard_experts(module, world, reshard, shard_policy(mixed))
         return shard_stage(module, world.shard_mesh, reshard, mixed)
     if d.dp == 1:
         return module
     device = world.device
-    return data_parallel(module, world.group("dp"), [device] if device.type == "cuda" else None)
+    return data_parallel(module, world.group("dp"), [device] if device.type == "cuda" else None,
+                         ignore=experts.ignored_names(module))
 
 
 def _local_stages(stages: list[nn.Module], cut: Cut, world: World) -> dict[int, nn.Module]:

@@ -15,12 +15,15 @@ from torch.nn.parallel import DistributedDataParallel
 from brigade import forensics
 
 
-def data_parallel(module: nn.Module, group, device_ids) -> DistributedDataParallel:
+def data_parallel(module: nn.Module, group, device_ids, ignore: list[str] = ()) -> DistributedDataParallel:
     """DDP whose gradient all-reduces tell the hang watchdog which bucket is in flight.
 
     Under zb the runner reduces with `GradientReducer` on this DDP's group and bucket cap,
-    and records its buckets the same way.
+    and records its buckets the same way. `ignore`: names of parameters DDP leaves alone (an
+    expert group's experts, `parallel.experts`: reduced over other processes).
     """
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(ignore))
     ddp = DistributedDataParallel(module, process_group=group, device_ids=device_ids)
     ddp.register_comm_hook(group, _recorded_allreduce)
     return ddp

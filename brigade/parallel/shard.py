@@ -52,6 +52,15 @@ def _shared_within(blocks: list[nn.Module]) -> set[int]:
     return {pid for pid, k in seen.items() if k == -1}
 
 
+def shard_policy(param_dtype: torch.dtype | None):
+    """FSDP2's mixed precision for gathered weights of `param_dtype` (the module docstring): fp32
+    reductions; None: fp32 throughout."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
+        if param_dtype is not None else MixedPrecisionPolicy()
+
+
 def shard_stage(module: nn.Module, mesh, reshard: bool = False,
                 param_dtype: torch.dtype | None = None) -> nn.Module:
     """Wrap a stage's blocks and then the stage with `fully_shard` over `mesh`, in place.
@@ -69,10 +78,9 @@ def shard_stage(module: nn.Module, mesh, reshard: bool = False,
     Returns:
         `module`, now an FSDPModule whose parameters are sharded DTensors.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
-        if param_dtype is not None else MixedPrecisionPolicy()
+    policy = shard_policy(param_dtype)
     blocks = list(module.children())
     shared = _shared_within(blocks)
     for block in blocks:

@@ -38,8 +38,8 @@ from brigade.errors import BrigadeError
 from brigade.host.cores import shared_cores
 from brigade.launcher import groups
 from brigade.models import moe
-from brigade.parallel import tensor
-from brigade.parallel.assemble import Cut, assemble
+from brigade.parallel import experts, tensor
+from brigade.parallel.assemble import Cut, assemble, sharded
 from brigade.pipeline.batches.microbatch import batch_size_of
 from brigade.pipeline.plans.action import B, F, I, W
 from brigade.pipeline.plans.generate import Costs
@@ -217,6 +217,7 @@ class ProcessModel:
         costs = Costs.measured({(s, op): mean[s][k] for s in range(self.n_stages)
                                 for k, op in enumerate(kinds)}, self.n_stages, self.limit, self.cores)
         self.pipe.replan(costs)
+        experts.same_plan(self.pipe.plan, self.world)
         return costs
 
     def after_optimizer_step(self) -> None:
@@ -229,11 +230,18 @@ class ProcessModel:
 
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (all stages, a shared parameter once), on every process."""
-        once = [p.grad for name, p in self.owned.named_parameters()
+        held = [p for name, p in self.owned.named_parameters()
                 if p.grad is not None and name not in self.owned.aliases]
+        once = [p.grad for p in held if not experts.is_expert(p)]
         split = [g for g in once if tensor.is_tp_sharded(g)]  # a part on each tp process
         world, d = self.world, self.world.degrees
         sq = _squares([local(g) for g in once if not tensor.is_tp_sharded(g)], world.device)
+        if d.ep > 1:  # each process its own experts (and their shards): summed over those apart
+            mine = _squares([local(p.grad) for p in held if experts.is_expert(p)], world.device)
+            forensics.doing("allreduce gradient norm over expert groups", waiting=True)
+            dist.all_reduce(mine, group=experts.norm_group(world, sharded(world)))
+        else:
+            mine = None
         if d.tp > 1:
             parts = _squares([local(g) for g in split], world.device)
             forensics.doing("allreduce gradient norm over tensor-parallel processes", waiting=True)
@@ -242,6 +250,8 @@ class ProcessModel:
         if d.shard > 1:  # each shard of a copy once (not per replica)
             forensics.doing("allreduce gradient norm over shards", waiting=True)
             dist.all_reduce(sq, group=world.group("shard"))
+        if mine is not None:
+            sq = sq + mine
         if d.pp > 1:
             forensics.doing("allreduce gradient norm over stages", waiting=True)
             dist.all_reduce(sq, group=world.group("pp"))

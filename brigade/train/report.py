@@ -27,6 +27,7 @@ def start(cfg: RunConfig, processes: int | str) -> None:
     write_atomic(out / "config.toml", to_toml(cfg))
     print(f"brigade: training {cfg.model.model} on {processes} processes (dp={p.dp} × pp={p.pp}"
           + (f" × tp={p.tp}" if p.tp > 1 else "")
+          + (f", experts over ep={p.ep} of dp" if p.ep > 1 else "")
           + (f" × {p.local_stages} local stages" if p.local_stages > 1 else "")
           + f", {p.schedule}, AdamW {cfg.optim.adamw}), results in {out}/", flush=True)
 

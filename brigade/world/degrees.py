@@ -157,15 +157,18 @@ class Degrees:
         return rank
 
     def group(self, dim: str, rank: int) -> list[int]:
-        """The ranks of `rank`'s group along `dim` (a dimension, "dp" or "ep"), in coordinate order."""
+        """The ranks of `rank`'s group along `dim` (a dimension, "dp", "ep" or "edp"), in coordinate order."""
         return next(line for line in self.groups(dim) if rank in line)
 
     def groups(self, dim: str) -> list[list[int]]:
-        """Every group along `dim` (a dimension of `DIMS`, "dp": replicate and shard together, or
-        "ep": `ep` consecutive dp ranks), each its ranks in coordinate order; the groups in rank
-        order of the other coordinates. Every rank must create process groups in this order."""
+        """Every group along `dim` (a dimension of `DIMS`, "dp": replicate and shard together,
+        "ep": `ep` consecutive dp ranks, or "edp": the dp ranks of one place in their expert
+        groups, every ep-th), each its ranks in coordinate order; the groups in rank order of the
+        other coordinates. Every rank must create process groups in this order."""
         if dim == "ep":
             return [line[i:i + self.ep] for line in self.groups("dp") for i in range(0, self.dp, self.ep)]
+        if dim == "edp":
+            return [line[i::self.ep] for line in self.groups("dp") for i in range(self.ep)]
         along = FLATTENED.get(dim, (dim,))
         if not set(along) <= set(DIMS):
             raise ValueError(f"unknown dimension {dim!r}: expected one of {', '.join(DIMS)}, dp or ep")

@@ -15,6 +15,16 @@ rank from coordinates.
       ├ "pp": the pipeline's sends and receives, the gradient norm over stages
       └ "ep": the expert groups, ep consecutive dp ranks each (made only where ep > 1)
 
+    expert_mesh ("edp", "ep", "epp", "ecp", "etp")   where ep > 1: the same ranks, dp cut in two
+      ├ "ep": the processes a mixture of experts' experts are split over (`parallel.experts`)
+      └ "edp": the processes holding the same experts, which shard them (FSDP2) or sum their
+               gradients: dp ÷ ep of them, one from each expert group
+
+The expert mesh is a second root over the same ranks in the same order (dp = edp · ep + ep
+rank, ep innermost, as `Degrees.groups("ep")` has it): an expert weight is a DTensor split over
+its "ep" dimension, and FSDP2 shards it further over "edp" of the same root. Its other names
+are its own ("epp", not "pp"): DTensor caches what it computed for a mesh by shape and names.
+
 A world of one process without a process group (`brigade check --runtime local` in the calling
 process) has no mesh: it has nothing to communicate.
 """
@@ -28,6 +38,8 @@ import torch.distributed as dist
 
 from brigade.errors import BrigadeError
 from brigade.world.degrees import DIMS, FLATTENED, Coords, Degrees
+
+EXPERT_DIMS = ("edp", "ep", "epp", "ecp", "etp")  # the expert mesh's (module docstring)
 
 
 class World:
@@ -52,7 +64,7 @@ class World:
         self.local = devices is not None  # it drives its pipeline ranks itself (a LocalPipeline)
         self.rank = dist.get_rank() if joined else 0
         self.coords: Coords = degrees.coords(self.rank)
-        self.mesh, self._flat, self._ep = None, {}, None
+        self.mesh, self._flat, self.expert_mesh = None, {}, None
         if joined:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -62,18 +74,19 @@ class World:
             # hold outlive the process group until a garbage collection, which in a process forked
             # from this one (the launcher forks on CPU) runs their destructors without their threads.
             self._flat = {name: _groups(degrees, name) for name in FLATTENED}
-            if degrees.ep > 1:  # carved out of dp: no dimension of the mesh
-                self._ep = _groups(degrees, "ep")
+            if degrees.ep > 1:  # carved out of dp: no dimension of the mesh, a root of its own
+                shape = (degrees.dp // degrees.ep, degrees.ep, degrees.pp, degrees.cp, degrees.tp)
+                self.expert_mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=EXPERT_DIMS)
 
     def group(self, dim: str):
-        """The process group of this rank along `dim`: a dimension of the mesh, "dp", or "ep"
-        (where ep > 1); None in a world without a process group."""
+        """The process group of this rank along `dim`: a dimension of the mesh, "dp", or "ep" and
+        "edp" (where ep > 1: the expert mesh's); None in a world without a process group."""
         if self.mesh is None:
             return None
-        if dim == "ep":
-            if self._ep is None:
+        if dim in ("ep", "edp"):
+            if self.expert_mesh is None:
                 raise ValueError(f"no expert groups in a world of ep {self.degrees.ep}")
-            return self._ep
+            return self.expert_mesh[dim].get_group()
         if dim in FLATTENED:
             return self._flat[dim]
         return self.mesh[dim].get_group()

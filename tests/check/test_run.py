@@ -238,16 +238,30 @@ def test_tensor_parallel_with_replicas_and_no_pipeline():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("shard", [1, 2], ids=["replicated", "sharded"])
-def test_a_mixture_of_experts_equals_one_device_on_every_schedule(shard):
+@pytest.mark.parametrize("shard,ep", [(1, 1), (2, 1), (1, 2), (2, 2)],
+                         ids=["replicated", "sharded", "replicated-ep2", "sharded-ep2"])
+def test_a_mixture_of_experts_equals_one_device_on_every_schedule(shard, ep):
     """The GPT with a mixture of experts in every block (4 experts, top 2, its load-balancing
-    loss on): dp 2 × pp 2 (DDP, or FSDP2 sharding the stacked experts), every registered schedule
-    and V, one of them under full recompute: the balancing loss, taken per sequence and weighted
-    by each forward's share of the step, sums across micro-batches and replicas to one device's
-    on the whole batch."""
+    loss on): dp 2 × pp 2 (DDP, or FSDP2 sharding the stacked experts), with the experts split
+    over both replicas (--ep 2: tokens sent to them by all-to-all) or whole on each, every
+    registered schedule and V, one of them under full recompute: the balancing loss, taken per
+    sequence and weighted by each forward's share of the step, sums across micro-batches and
+    replicas to one device's on the whole batch, and the experts' gradients, summed over every
+    process whose tokens reached them, to one device's."""
     cases = [(name, 2, v) for name, s in SCHEDULES.items() for v in ([s.virtual] if s.virtual else [1])]
     cases.append(("zb", 2, 1, "full"))
-    cfg = grid_config("gpt", 2, shard=shard)
+    cfg = dataclasses.replace(grid_config("gpt", 2, shard=shard), ep=ep)
+    cfg.model_options = {"gpt_cfg": dataclasses.replace(TINY_GPT["gpt_cfg"], experts=4, top_k=2)}
+    assert _failures(run_check(cfg, cases), cases) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_experts_split_over_part_of_the_replicas_equal_one_device():
+    """dp 4 × pp 2 (8 processes), --ep 2 --shard 2: two expert groups, each expert's weights
+    sharded over the two processes holding it (edp 2) and its gradients summed over them."""
+    cases = [("1f1b", 2, 1), ("zbv", 2, 2), ("dualpipev", 2, 2, "full")]
+    cfg = dataclasses.replace(grid_config("gpt", 4, shard=2), ep=2)
     cfg.model_options = {"gpt_cfg": dataclasses.replace(TINY_GPT["gpt_cfg"], experts=4, top_k=2)}
     assert _failures(run_check(cfg, cases), cases) == []
 

@@ -20,16 +20,17 @@ STEPS = 20
 
 def losses(pp: int = 1, local_stages: int = 1, grad_accum: int = 1, schedule: str = "1f1b",
            batch_size: int = 8, shard: int = 1, recompute: str = "none",
-           tp: int = 1) -> dict[str, list[float]]:
+           tp: int = 1, experts: int = 0, ep: int = 1) -> dict[str, list[float]]:
     """Run 20 steps of a tiny GPT in the current process group; per-step losses and gradient
-    norms (a tied weight counted once, and clipped at 1.0 the same in every layout)."""
+    norms (a tied weight counted once, and clipped at 1.0 the same in every layout). `experts`:
+    a mixture of that many experts (top 2) in each block, split over `ep` processes."""
     vocab, train, val = load_text_data("", 32, 0.1)
     torch.manual_seed(0)
-    blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+    blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0, experts=experts))
     info = groups.init(threads=1)
     par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // (pp * tp),
                          local_stages=local_stages, microbatches=2, schedule=schedule, shard=shard,
-                         recompute=recompute, tp=tp)
+                         recompute=recompute, tp=tp, ep=ep)
     trainer = Trainer(blocks, gpt_loss, train, None, parallel=par,
                       optim=OptimConfig(warmup_steps=5, grad_accum=grad_accum),
                       train=TrainConfig(max_steps=STEPS, batch_size=batch_size), metrics=False)
@@ -104,6 +105,33 @@ def test_layouts_match_a_single_device(reference, layout):
     for rank, got in results.items():
         _assert_same(got, reference, rank)
     assert reference["loss"][-1] < reference["loss"][0]  # it trains
+
+
+@pytest.fixture(scope="session")
+def moe_reference():
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(losses, kwds={"experts": 4})
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [
+    dict(nproc=2, ep=2),                                   # dp = ep = 2: two experts each
+    dict(nproc=4, pp=2, ep=2, schedule="zb"),              # dp 2 × pp 2, split backward
+    dict(nproc=4, pp=2, ep=2, shard=2, schedule="zbv"),    # FSDP2, experts over edp 1
+    dict(nproc=4, ep=2, shard=4),                          # FSDP2 over 4, experts over ep 2 × edp 2
+], ids=["dp2-ep2", "dp2xpp2-ep2-zb", "shard2xpp2-ep2-zbv", "shard4-ep2"])
+def test_expert_parallel_layouts_match_a_single_device(moe_reference, layout):
+    """A mixture of 4 experts in each block, its balancing loss on: 20 steps of each layout give
+    one device's losses and gradient norms (clipped), each expert group's gradients summed over
+    the processes holding the same experts, each expert counted once in the norm."""
+    nproc = layout.pop("nproc")
+    results = agent.launch(losses, nproc, layout.get("pp", 1), 1, 1, layout.get("schedule", "1f1b"), 8,
+                           layout.get("shard", 1), "none", 1, 4, layout["ep"])
+    for rank, got in results.items():
+        _assert_same(got, moe_reference, rank)
+    assert moe_reference["loss"][-1] < moe_reference["loss"][0]
 
 
 @pytest.mark.timeout(120)

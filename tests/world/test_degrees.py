@@ -36,12 +36,13 @@ def test_the_documented_order_tp_innermost_then_cp_then_pp():
 
 @pytest.mark.parametrize("d", GRID, ids=str)
 def test_groups_partition_the_world_and_differ_in_their_own_coordinates_only(d):
-    for dim in (*DIMS, "dp", "ep"):
+    for dim in (*DIMS, "dp", "ep", "edp"):
         groups = d.groups(dim)
         assert sorted(r for g in groups for r in g) == list(range(d.size))
-        size = {"dp": d.dp, "ep": d.ep, "replicate": d.replicate}.get(dim) or getattr(d, dim)
+        size = {"dp": d.dp, "ep": d.ep, "edp": d.dp // d.ep, "replicate": d.replicate}.get(dim) or getattr(d, dim)
         assert all(len(g) == size for g in groups), dim
-        along = {"dp": ("replicate", "shard"), "ep": ("replicate", "shard")}.get(dim, (dim,))
+        along = {"dp": ("replicate", "shard"), "ep": ("replicate", "shard"),
+                 "edp": ("replicate", "shard")}.get(dim, (dim,))
         for g in groups:
             rest = {tuple(getattr(d.coords(r), x) for x in DIMS if x not in along) for r in g}
             assert len(rest) == 1, (dim, g)
@@ -53,6 +54,9 @@ def test_groups_come_in_rank_order_of_the_other_coordinates_and_expert_groups_ar
     assert d.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
     assert d.groups("dp")[0] == [0, 4, 8, 12]
     assert d.groups("ep")[:2] == [[0, 4], [8, 12]]  # dp ranks 0, 1 and 2, 3 of pp 0, tp 0
+    assert d.groups("edp")[:2] == [[0, 8], [4, 12]]  # dp ranks 0, 2 (each its group's first) and 1, 3
+    for r in range(d.size):  # an expert group and an edp group meet in one rank
+        assert set(d.group("ep", r)) & set(d.group("edp", r)) == {r}
 
 
 @pytest.mark.parametrize("degrees,world,message", [

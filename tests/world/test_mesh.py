@@ -32,7 +32,7 @@ def worlds_worker() -> dict:
         got = {"coords": world.coords, "stream": world.stream, "place": world.place,
                "shard_mesh": sorted(world.shard_mesh.mesh.flatten().tolist()),
                "tp_mesh": world.tp_mesh.mesh.flatten().tolist()}
-        for dim in ("replicate", "shard", "pp", "cp", "tp", "dp") + (("ep",) if d.ep > 1 else ()):
+        for dim in ("replicate", "shard", "pp", "cp", "tp", "dp") + (("ep", "edp") if d.ep > 1 else ()):
             got[dim] = _ranks(world.group(dim))
         out[str(d)] = got
     try:
@@ -55,7 +55,7 @@ def test_every_group_and_mesh_is_the_degrees_group(launched, d):
     for rank, got in launched.items():
         case = got[str(d)]
         assert case["coords"] == d.coords(rank)
-        for dim in ("replicate", "shard", "pp", "cp", "tp", "dp") + (("ep",) if d.ep > 1 else ()):
+        for dim in ("replicate", "shard", "pp", "cp", "tp", "dp") + (("ep", "edp") if d.ep > 1 else ()):
             assert case[dim] == d.group(dim, rank), (dim, rank)
         assert case["tp_mesh"] == d.group("tp", rank)
         shard_over = "shard" if d.replicate == 1 else "dp"  # FSDP2's mesh: HSDP's is 2-D

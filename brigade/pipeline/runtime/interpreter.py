@@ -76,7 +76,7 @@ class StageRunner:
         several = len(self.modules) > 1
         # Under DDP: a reducer per stage for split backwards (DDP's reducer does not see them),
         # and for every backward when this rank holds several stages (see the module docstring).
-        self.reducers = {s: GradientReducer(m.module.parameters(), m.process_group, m.bucket_bytes_cap)
+        self.reducers = {s: GradientReducer(_reduced(m), m.process_group, m.bucket_bytes_cap)
                          for s, m in self.modules.items() if isinstance(m, DistributedDataParallel)}
         self.ddp_reduces = not several  # DDP's own reducer, on plain backwards
         # Under FSDP2: its reduction held off for the step, run once at its end, except without a
@@ -165,6 +165,11 @@ class StageRunner:
         where = f"{'from' if a.op in (RECV_F, RECV_B) else 'to'} stage {peer}"
         forensics.doing(f"{a.op} mb{a.microbatch} {where}" + (f" (rank {rank})" if ranks else ""),
                         waiting=True, on=rank)
+
+
+def _reduced(ddp: DistributedDataParallel) -> list[torch.Tensor]:
+    """The parameters DDP reduces: not those it was told to leave alone (`parameters_to_ignore`)."""
+    return [p for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore]
 
 
 def _is_sharded(module: nn.Module) -> bool:
