@@ -78,16 +78,13 @@ def _check_experts(cfg: CheckConfig, spec: ModelSpec) -> None:
     """--ep: across processes, over a model whose every MoE layer's experts it divides."""
     if cfg.ep == 1:
         return
-    from brigade.parallel.experts import check_divides, layers
+    from brigade.parallel.experts import check_model
 
     if cfg.runtime == "local":
         raise BrigadeError(f"--ep {cfg.ep} with --runtime local: expert parallel splits experts over "
                            "processes, and the local runtime drives every stage from one; use "
                            "--runtime process")
-    if not layers(spec.blocks):
-        raise BrigadeError(f"--ep {cfg.ep} but {cfg.model} has no mixture-of-experts layer to split: give "
-                           "--experts (gpt) or an MoE model, or drop --ep")
-    check_divides(spec.blocks, cfg.ep)
+    check_model(spec.blocks, cfg.ep, cfg.model)
 
 
 def _check_tensor_parallel(cfg: CheckConfig, spec: ModelSpec) -> None:

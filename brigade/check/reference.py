@@ -79,7 +79,7 @@ def _transformers_reference(spec: ModelSpec, x, y, lr: float, device: torch.devi
     loss = spec.loss_fn(model(input_ids=x["input_ids"].to(device)).logits, y.to(device))
     loss.backward()
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied head's name too
-    names = [b.hf_names() for b in spec.blocks]
+    names = [b.memory_names() for b in spec.blocks]  # transformers' own (a mixture's experts stacked)
     grads = [[params[names[i][n]].grad.clone() for n, _ in b.named_parameters()]
              for i, b in enumerate(spec.blocks)]
     torch.optim.SGD(model.parameters(), lr=lr).step()

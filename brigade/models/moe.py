@@ -13,7 +13,7 @@ rows are however many chose it, and a run split any way computes what one device
 Dispatch and combine are the seam expert parallelism takes (`Dispatch`): here they sort and
 unsort rows on this process; split over processes (`parallel.experts.AllToAll`) they become an
 all-to-all that sends each row to the process holding its expert, and back. The experts' weights
-are stacked in a module of their own (`GroupedExperts`: (E, C, H) and (E, H, C)), so a process
+are stacked in a module of their own (`GroupedExperts`, as transformers stacks them), so a process
 holding some experts holds a slice of the first dimension, and sharding can wrap them alone.
 
 Balance (two ways, as the families do):
@@ -93,21 +93,23 @@ class MoE(nn.Module):
         super().__init__()
         cfg.check()
         self.cfg = cfg
-        self.router = nn.Linear(width, cfg.experts, bias=False)
+        self.gate = nn.Linear(width, cfg.experts, bias=False)  # the router (transformers' name)
         e = cfg.experts
         self.experts = GroupedExperts(e, width, cfg.hidden)
         self.shared = SwiGLU(width, cfg.shared_hidden) if cfg.shared_hidden else None
         self.register_buffer("bias", torch.zeros(e), persistent=cfg.bias_rate > 0)
         self.dispatcher = Dispatch()
         self.samples_per_step: float | None = None  # None: this forward's own sequences
-        self.load = torch.zeros(e)
-        self.aux = torch.zeros(())
-        self.entropy = torch.zeros(())
-        self.seen = torch.zeros(e + 4, dtype=torch.float64)  # load, Σ aux·seqs, seqs, Σ entropy·rows, rows
+        cpu = torch.device("cpu")  # figures, not weights: real even where the layer is built on meta
+        self.load = torch.zeros(e, device=cpu)
+        self.aux = torch.zeros((), device=cpu)
+        self.entropy = torch.zeros((), device=cpu)
+        self.seen = torch.zeros(e + 4, dtype=torch.float64, device=cpu)  # load, Σ aux·seqs, seqs,
+        # Σ entropy·rows, rows
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scores (N, E), weights (N, k), chosen experts (N, k)) of the rows `x` (N, C)."""
-        logits = self.router(x).float()
+        logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.cfg.scores == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores.detach() + self.bias, self.cfg.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
@@ -189,29 +191,35 @@ def per_step(modules, samples: float) -> None:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU feed-forwards, their weights stacked: (E, C, H) gate and up, (E, H, C) down.
+    """E SwiGLU feed-forwards, their weights stacked as transformers stacks them (its Qwen3-MoE,
+    Mixtral and OLMoE experts): `gate_up_proj` (E, 2H, C), each expert's gate and up rows one
+    above the other, and `down_proj` (E, C, H), each an nn.Linear's weight (out, in).
 
     `forward(rows, counts)`: each expert's SwiGLU on its own rows, `rows` sorted by expert and
-    `counts` how many each takes, as one grouped matmul per weight (`torch._grouped_mm`) where the
-    device takes it, else one matmul an expert. Under expert parallel the weights are DTensors
-    split along the experts (`parallel.experts`) and this process computes with its own slice."""
+    `counts` how many each takes, as one grouped matmul per weight (`torch._grouped_mm`, on the
+    transposed views) where the device takes it, else one matmul an expert. Under expert parallel
+    the weights are DTensors split along the experts (`parallel.experts`) and this process
+    computes with its own slice."""
 
     def __init__(self, experts: int, width: int, hidden: int):
         super().__init__()
-        self.w_gate = nn.Parameter(torch.empty(experts, width, hidden))
-        self.w_up = nn.Parameter(torch.empty(experts, width, hidden))
-        self.w_down = nn.Parameter(torch.empty(experts, hidden, width))
-        for w, fan_in in ((self.w_gate, width), (self.w_up, width), (self.w_down, hidden)):
+        self.hidden = hidden
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * hidden, width))
+        self.down_proj = nn.Parameter(torch.empty(experts, width, hidden))
+        for w, fan_in in ((self.gate_up_proj, width), (self.down_proj, hidden)):
             nn.init.normal_(w, std=1 / math.sqrt(fan_in))
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gate, up, down = (_local(w) for w in (self.w_gate, self.w_up, self.w_down))
-        if _grouped(rows, gate, down):
+        gate_up, down = _local(self.gate_up_proj).transpose(1, 2), _local(self.down_proj).transpose(1, 2)
+        if _grouped(rows, gate_up, down):
             offs = torch.cumsum(counts, 0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(rows, gate, offs=offs)) * torch._grouped_mm(rows, up, offs=offs)
-            return torch._grouped_mm(h, down, offs=offs)
-        parts = rows.split(counts.tolist())
-        return torch.cat([(F.silu(p @ gate[e]) * (p @ up[e])) @ down[e] for e, p in enumerate(parts)])
+            gate, up = torch._grouped_mm(rows, gate_up, offs=offs).chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, down, offs=offs)
+        out = []
+        for e, part in enumerate(rows.split(counts.tolist())):
+            gate, up = (part @ gate_up[e]).chunk(2, dim=-1)
+            out.append((F.silu(gate) * up) @ down[e])
+        return torch.cat(out)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -251,9 +259,11 @@ class _AddAux(torch.autograd.Function):
 
 def _grouped(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` takes these: it has one, and every row it reads starts at a
-    multiple of 16 bytes (on this CPU it refuses others; a GPU asks bf16 of it too)."""
+    multiple of 16 bytes (on this CPU it refuses others; a GPU asks bf16 of it too). The
+    weights are transposed views: their rows run along their second-last dimension."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if rows.is_cuda and rows.dtype != torch.bfloat16:
         return False
-    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in (rows, *weights))
+    sizes = [rows.shape[-1] * rows.element_size()] + [w.shape[-2] * w.element_size() for w in weights]
+    return all(n % 16 == 0 for n in sizes)

@@ -68,6 +68,21 @@ def check_divides(blocks: list[nn.Module], ep: int) -> None:
                                    "group holds experts ÷ ep of them)")
 
 
+def check_model(blocks: list[nn.Module], ep: int, model: str = "the model") -> None:
+    """Refuse an ep > 1 over a model without a mixture of experts, or one whose experts it does
+    not divide, in one line (before any process starts: train's and check's preflight).
+
+    Raises:
+        BrigadeError: as said.
+    """
+    if ep == 1:
+        return
+    if not layers(blocks):
+        raise BrigadeError(f"--ep {ep} but {model} has no mixture-of-experts layer to split: give "
+                           "--experts (gpt) or an MoE model, or drop --ep")
+    check_divides(blocks, ep)
+
+
 def split_experts(blocks: list[nn.Module], world) -> None:
     """Expert parallel on `blocks` (this process's held blocks), in place: each MoE layer's
     experts made DTensors Shard(0) over the world's expert mesh's "ep" (this process's slice of

@@ -1,7 +1,8 @@
 """`brigade export --hf OUT --from RUN`: a run's snapshot back into a Hugging Face directory.
 
 The snapshot is layout-free (any dp, pp, shard, tp the run used reads back whole on one
-process); each block's tensors are written under their directory names (`hf_names`), in the
+process); each block's tensors are written under their directory names (`hf_names`: a
+mixture's stacked experts as one tensor per expert, as transformers stores them), in the
 dtype the original config.json names, a tied head's once (as save_pretrained does). Every other
 file of the original directory (config.json, tokenizer, generation config) is copied as it is,
 so `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads the trained model.
@@ -21,6 +22,7 @@ from torch import nn
 
 from brigade.errors import BrigadeError
 from brigade.models import load_model
+from brigade.models.hf.blocks import Stacked
 from brigade.models.hf.deps import require
 from brigade.models.hf.weights import INDEX, materialize
 from brigade.parallel.assemble import OwnedBlocks
@@ -61,7 +63,11 @@ def state_of(blocks: list[nn.Module], hf) -> dict[str, torch.Tensor]:
     for block in blocks:
         state = block.state_dict()
         for name, theirs in block.hf_names().items():
-            if theirs not in tied:
+            if isinstance(theirs, Stacked):  # a mixture's experts: each expert's tensors apart
+                for e, names in enumerate(theirs.parts):
+                    for n, part in zip(names, state[name][e].chunk(len(names))):
+                        out[n] = part.detach().to(dtype).contiguous()
+            elif theirs not in tied:
                 out[theirs] = state[name].detach().to(dtype).contiguous()
     return out
 

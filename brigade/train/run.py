@@ -26,7 +26,7 @@ from brigade.data.chars import Vocab
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.env import launcher_env, launcher_world, under_launcher
-from brigade.parallel import compiled, sequence, tensor
+from brigade.parallel import compiled, experts, sequence, tensor
 from brigade.pipeline.plans.schedule import SCHEDULES
 from brigade.pipeline.stages.measured_cut import MEASURED
 from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
@@ -92,6 +92,7 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     if cfg.model.model != "gpt" and weights is None:
         check_chain(blocks, train.batch(torch.arange(2))[0])
     tensor.check_plans(blocks, p.tp, cfg.model.model)
+    experts.check_model(blocks, p.ep, cfg.model.model)
     sequence.check_length(blocks, p.tp, cfg.data.block_size, p.sequence_parallel)
     ranks, virtual = pipeline_shape(p)
     given = parse_balance(p.balance) if p.balance and p.balance != MEASURED else None

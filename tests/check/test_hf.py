@@ -48,6 +48,20 @@ def test_tensor_parallel_2_by_pipeline_2_equals_transformers(family, tie):
     assert {(r["tp"], r["sequence_parallel"]) for r in results} == {(2, True)}
 
 
+@pytest.mark.parametrize("shard", [1, 2], ids=["replicated", "sharded"])
+def test_a_mixture_with_its_experts_split_over_ep_equals_transformers(shard):
+    """Qwen3-MoE, dp 2 × pp 2 with --ep 2 (each process 2 of the 4 experts, tokens by all-to-all),
+    with DDP or with FSDP2 sharding the dense weights over both replicas: every schedule."""
+    results = _check(hf("qwen3_moe"), stages=2, dp=2, ep=2, shard=shard)
+    assert {r["ep"] for r in results} == {2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_the_other_mixtures_equal_transformers_with_ep(family):
+    _check(hf(family), stages=2, dp=2, ep=2)
+
+
 def test_a_wrong_cut_fails_the_check(monkeypatch):
     """The comparison can fail: a decoder that skips its layer's mask (attends to the future)."""
     from brigade.models.hf import blocks

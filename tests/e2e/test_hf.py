@@ -112,3 +112,31 @@ def test_gpt2_fine_tunes_under_dp_and_pp(tmp_path, text):
     _train(run, hf("gpt2"), text, "--nproc", "2", "--pp", "2", "--schedule", "1f1b")
     val = _val_losses(run)
     assert abs(val[0] - _transformers_val_loss(tiny_dir("gpt2"), text, run)) < 1e-4 and val[8] < val[0]
+
+
+def test_a_mixture_of_experts_fine_tunes_over_pp_and_ep_and_exports(tmp_path, text):
+    """Qwen3-MoE (4 experts, top 2), dp 2 × pp 2 with the experts split over both replicas:
+    the run starts from the directory's weights (transformers' first validation loss), lowers
+    it, reports each expert's load, and the export, one tensor per expert as transformers
+    stores them, gives transformers the run's last validation loss."""
+    directory = tiny_dir("qwen3_moe", layers=2)
+    run = tmp_path / "run"
+    _train(run, hf("qwen3_moe", layers=2), text, "--nproc", "4", "--pp", "2", "--ep", "2", "--schedule", "zb")
+    val = _val_losses(run)
+    assert abs(val[0] - _transformers_val_loss(directory, text, run)) < 1e-4
+    assert val[8] < val[0] - 0.1, val
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    load = [r["moe_load"] for r in rows if "moe_load" in r]
+    assert len(load) == 8 and all(len(layer) == 4 and abs(sum(layer) - 1) < 1e-3 for layer in load[-1])
+    _logits_equal_after_export(run, tmp_path / "exported")
+    assert abs(val[8] - _transformers_val_loss(str(tmp_path / "exported"), text, run)) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_mixture_sharded_over_what_ep_leaves_reads_its_part_and_exports_whole(tmp_path, text):
+    """dp 4, --shard 4 --ep 2: each process reads its 2 experts' rows of its edp shard (a 2-D
+    DTensor) straight from the per-expert tensors on disk."""
+    run = tmp_path / "run"
+    _train(run, hf("qwen3_moe", layers=2), text, "--nproc", "4", "--shard", "4", "--ep", "2")
+    assert abs(_val_losses(run)[0] - _transformers_val_loss(tiny_dir("qwen3_moe", layers=2), text, run)) < 1e-4
+    _logits_equal_after_export(run, tmp_path / "exported")

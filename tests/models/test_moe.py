@@ -31,8 +31,8 @@ def _by_token(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     _, weights, chosen = layer.route(rows)
     out = []
     for r, w, ks in zip(rows, weights, chosen):
-        ex = layer.experts
-        y = sum(wk * ((F.silu(r @ ex.w_gate[k]) * (r @ ex.w_up[k])) @ ex.w_down[k])
+        ex, h = layer.experts, layer.experts.hidden
+        y = sum(wk * ((F.silu(ex.gate_up_proj[k, :h] @ r) * (ex.gate_up_proj[k, h:] @ r)) @ ex.down_proj[k].T)
                 for wk, k in zip(w, ks))
         out.append(y + (layer.shared(r) if layer.shared is not None else 0))
     return torch.stack(out).view(x.shape)
@@ -57,7 +57,7 @@ def test_the_grouped_matmul_and_the_loop_agree(monkeypatch):
     layer = _layer()
     x = torch.randn(4, 6, C, generator=torch.Generator().manual_seed(2))
     ex = layer.experts
-    assert moe._grouped(x.view(-1, C), ex.w_gate, ex.w_down)  # this CPU takes these shapes
+    assert moe._grouped(x.view(-1, C), ex.gate_up_proj.transpose(1, 2), ex.down_proj.transpose(1, 2))
     grouped = layer(x)
     monkeypatch.setattr(moe, "_grouped", lambda *a: False)
     torch.testing.assert_close(layer(x), grouped, atol=1e-6, rtol=1e-5)
@@ -68,7 +68,7 @@ def _router_grad(layer: MoE, pieces: list[torch.Tensor], total: float) -> torch.
     moe.per_step([layer], total)
     for x in pieces:  # a loss that ignores the router: its gradient is the balancing loss's alone
         (layer(x).sum() * 0 * x.shape[0] / total).backward()
-    return layer.router.weight.grad.clone()
+    return layer.gate.weight.grad.clone()
 
 
 def test_the_balancing_loss_is_the_same_however_the_batch_is_cut():
@@ -79,7 +79,7 @@ def test_the_balancing_loss_is_the_same_however_the_batch_is_cut():
     cut = _router_grad(layer, list(x.split([1, 2, 3])), 6)
     torch.testing.assert_close(cut, whole, atol=1e-7, rtol=1e-5)
     last = x[3:]  # what the layer keeps is what its last forward saw
-    scores = layer.router(last.reshape(-1, C)).softmax(-1)
+    scores = layer.gate(last.reshape(-1, C)).softmax(-1)
     assert float(layer.aux) > 0 and float(layer.entropy) == pytest.approx(
         float(-(scores * scores.log()).sum(-1).mean()), rel=1e-5)
     assert layer.load.sum() == 3 * 5 * 2 and layer.load.shape == (4,)
@@ -99,14 +99,14 @@ def test_the_balancing_loss_reaches_the_router_as_its_own_gradient():
     layer = _layer(aux_coef=0.5)
     x = torch.randn(2, 4, C, generator=torch.Generator().manual_seed(4))
     layer(x).sum().backward()
-    mine = layer.router.weight.grad.clone()
+    mine = layer.gate.weight.grad.clone()
     layer.zero_grad()
     plain = copy.deepcopy(layer)
     plain.cfg = MoEConfig(4, 2, 8)  # no balancing loss
     rows = x.view(-1, C)
     scores, _, chosen = layer.route(rows)
     (plain(x).sum() + 0.5 * layer._aux(scores, chosen, x.shape)).backward()
-    both = plain.router.weight.grad + layer.router.weight.grad
+    both = plain.gate.weight.grad + layer.gate.weight.grad
     torch.testing.assert_close(mine, both, atol=1e-6, rtol=1e-5)
 
 

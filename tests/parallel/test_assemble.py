@@ -64,6 +64,8 @@ def calls(monkeypatch) -> list[tuple[str, object]]:
     real = assembler.recompute.apply
     monkeypatch.setattr(assembler.recompute, "apply",
                         lambda bs, mode, held=None: seen.append(("recompute", mode)) or real(bs, mode, held))
+    monkeypatch.setattr(assembler.experts, "split_experts", lambda held, world: seen.append(
+        ("expert parallel", world.degrees.ep)))
     real_compile = assembler.compiled.compile_blocks
     monkeypatch.setattr(assembler.compiled, "compile_blocks", lambda bs, held, modes: seen.append(
         ("compile", sorted(held))) or real_compile(bs, held, modes))
@@ -71,18 +73,20 @@ def calls(monkeypatch) -> list[tuple[str, object]]:
                         lambda module, mesh, reshard, mixed:
                         seen.append(("shard or replicate", mesh)) or module)
     monkeypatch.setattr(assembler, "data_parallel",
-                        lambda module, group, ids: seen.append(("shard or replicate", group)) or module)
+                        lambda module, group, ids, ignore=(): seen.append(("shard or replicate", group))
+                        or module)
     return seen
 
 
 def test_the_wrappers_come_in_their_one_order(calls):
-    """float8, tensor parallel, recompute, compile, then sharding: ORDER, written once, is what runs."""
+    """float8, tensor parallel, recompute, expert parallel, compile, then sharding: ORDER, written
+    once, is what runs."""
     w = world(Degrees(dp=2, shard=2, pp=2, tp=2), rank=2)  # dp rank 0, pp rank 1, tp rank 0
     built = assemble(blocks(), Cut((2, 2), (0, 1)), w, recompute_mode="full", compile=True,
                      float8="rowwise")
     assert [what for what, _ in calls] == list(ORDER)
     assert calls == [("float8", "rowwise"), ("tensor parallel", "tp mesh"), ("recompute", "full"),
-                     ("compile", [2, 3]), ("shard or replicate", "shard mesh")]
+                     ("expert parallel", 1), ("compile", [2, 3]), ("shard or replicate", "shard mesh")]
     assert sorted(built.held) == [2, 3] and list(built.stages) == [1]  # pipeline rank 1: stage 1
     assert built.modes == ["full"] * 4
 

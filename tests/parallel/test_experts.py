@@ -79,9 +79,9 @@ def test_the_experts_split_over_two_processes_compute_what_the_whole_layer_does(
     on that half; each process's experts' gradient is the whole layer's over both halves (every
     token that reached them, from either process)."""
     for rank, got in launched.items():
-        assert got["placements"] == ["(Shard(dim=0),)"] * 3
-        assert got["local"] == [(2, C, 8), (2, C, 8), (2, 8, C)]  # 2 of the 4 experts
-        assert got["expert"].count(True) == 3  # the router and the shared expert are dense
+        assert got["placements"] == ["(Shard(dim=0),)"] * 2
+        assert got["local"] == [(2, 16, C), (2, C, 8)]  # 2 of the 4 experts: gate_up_proj, down_proj
+        assert got["expert"].count(True) == 2  # the router and the shared expert are dense
         assert got["x_grad"] < 1e-5 and got["w_grad"] < 1e-5, (rank, got)
 
 

@@ -39,7 +39,8 @@ def test_groups_partition_the_world_and_differ_in_their_own_coordinates_only(d):
     for dim in (*DIMS, "dp", "ep", "edp"):
         groups = d.groups(dim)
         assert sorted(r for g in groups for r in g) == list(range(d.size))
-        size = {"dp": d.dp, "ep": d.ep, "edp": d.dp // d.ep, "replicate": d.replicate}.get(dim) or getattr(d, dim)
+        sizes = {"dp": d.dp, "ep": d.ep, "edp": d.dp // d.ep, "replicate": d.replicate}
+        size = sizes.get(dim) or getattr(d, dim)
         assert all(len(g) == size for g in groups), dim
         along = {"dp": ("replicate", "shard"), "ep": ("replicate", "shard"),
                  "edp": ("replicate", "shard")}.get(dim, (dim,))

@@ -25,10 +25,14 @@ form, never an explicit mask. So a decoder hands its layer no mask unless one sa
 causality: padding, or a sliding window shorter than the sequence (`layer_mask`).
 
 Every block knows the name each of its tensors has in the directory (`hf_names`), so a rank
-reads only its own blocks' tensors and an export writes them back under the same names.
+reads only its own blocks' tensors and an export writes them back under the same names, and the
+name it has in transformers' own model (`memory_names`: the same, but for a mixture's experts,
+which transformers stacks in memory and stores one tensor an expert: a `Stacked` name).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -77,15 +81,32 @@ def layer_mask(padding: torch.Tensor | None, window: int | None, length: int,
     return causal_mask(padding, window)
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """A tensor stacked from one directory tensor per expert (a mixture's `gate_up_proj`, (E, 2H,
+    C), or `down_proj`, (E, C, H)): `parts[e]` are expert e's tensors, concatenated along their
+    first dimension (gate then up; or down alone), each stored as an nn.Linear's weight."""
+
+    parts: tuple[tuple[str, ...], ...]
+
+    def __str__(self) -> str:
+        return f"{self.parts[0][0]} … ({len(self.parts)} experts)"
+
+
 class Renamed(nn.Module):
     """A block whose tensors are named in the directory by prefix: `hf_prefixes` maps the
     block's own prefix ("layer.") to the directory's ("model.layers.3.")."""
 
     hf_prefixes: dict[str, str]
 
-    def hf_names(self) -> dict[str, str]:
-        """Every parameter and persistent buffer of the block → its name in the directory."""
+    def memory_names(self) -> dict[str, str]:
+        """Every parameter and persistent buffer of the block → its name in transformers' model."""
         return {name: hf_name(self.hf_prefixes, name) for name in self.state_dict()}
+
+    def hf_names(self) -> dict[str, str | Stacked]:
+        """Every parameter and persistent buffer of the block → its name in the directory (a
+        `Stacked` one for a mixture's experts)."""
+        return self.memory_names()
 
 
 def hf_name(prefixes: dict[str, str], name: str) -> str:
@@ -132,9 +153,10 @@ class Decoder(Renamed):
     side_inputs = ("position_embeddings", "attention_mask")
 
     def __init__(self, layer: nn.Module, prefix: str, heads: int, kv_heads: int, window: int | None,
-                 rotary: nn.Module | None = None):
+                 rotary: nn.Module | None = None, experts=None):
         super().__init__()
         self.layer, self.window = layer, window
+        self.experts = experts  # a mixture's `families.ExpertNames` (None: a dense layer)
         if rotary is not None:  # standalone: no side inputs, the rotary made here
             self.rotary, self.side_inputs = rotary, ()
         self.hf_prefixes = {"layer.": prefix}
@@ -153,6 +175,21 @@ class Decoder(Renamed):
         for norm in ("q_norm", "k_norm"):  # Qwen3: one weight for every head, held whole
             if hasattr(layer.self_attn, norm):
                 self.tp_plan[f"layer.self_attn.{norm}"] = "per-head"
+
+    def hf_names(self) -> dict[str, str | Stacked]:
+        """`Renamed.hf_names`; a mixture's router and experts under the family's names on disk
+        (`families.ExpertNames`), each expert's weights tensors of their own."""
+        names = self.memory_names()
+        if self.experts is None:
+            return names
+        at, on = self.hf_prefixes["layer."], self.experts
+        n = self.layer.mlp.cfg.experts
+        disk = f"{at}{on.moe}experts"
+        names["layer.mlp.gate.weight"] = f"{at}{on.moe}gate.weight"
+        names["layer.mlp.experts.gate_up_proj"] = Stacked(tuple(
+            (f"{disk}.{e}.{on.gate}.weight", f"{disk}.{e}.{on.up}.weight") for e in range(n)))
+        names["layer.mlp.experts.down_proj"] = Stacked(tuple((f"{disk}.{e}.{on.down}.weight",) for e in range(n)))
+        return names
 
     def forward(self, x: torch.Tensor, *, position_embeddings=None, attention_mask=None) -> torch.Tensor:
         if position_embeddings is None:  # standalone: a batch of real tokens

@@ -2,6 +2,12 @@
 
     Llama-like   llama, mistral, qwen2, qwen3: model.embed_tokens, model.layers[i] (taking the
                  rotary (cos, sin) and a mask), model.norm, lm_head
+    mixtures     qwen3_moe, mixtral, olmoe: Llama-like, each sparse layer's feed-forward a mixture
+                 of experts, which brigade's own layer replaces (`models.moe.MoE`, configured by
+                 `moe_config`, its weights where transformers keeps them: `mlp.gate.weight`,
+                 `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`), so that expert parallel
+                 can send its tokens (`parallel.experts`); on disk each expert's weights are
+                 tensors of their own (`EXPERT_NAMES`)
     GPT-2        gpt2: transformer.wte + wpe, transformer.h[i], transformer.ln_f, lm_head
 
 A family is supported when its layers keep that shape; a config field that changes what passes
@@ -27,12 +33,29 @@ class Family:
 
 LLAMA = Family("llama", "model", "model.embed_tokens.weight", ("attention_dropout",))
 GPT2 = Family("gpt2", "transformer", "transformer.wte.weight", ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
-FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gpt2": GPT2}
+FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gpt2": GPT2,
+            "qwen3_moe": LLAMA, "mixtral": LLAMA, "olmoe": LLAMA}
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a family stores a mixture's weights on disk, inside a layer: the module (`moe`),
+    its router `{moe}gate.weight`, and expert e's `{moe}experts.{e}.{gate|up|down}.weight`."""
+
+    moe: str
+    gate: str
+    up: str
+    down: str
+
+
+EXPERT_NAMES = {"qwen3_moe": ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj"),
+                "olmoe": ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj"),
+                "mixtral": ExpertNames("block_sparse_moe.", "w1", "w3", "w2")}
 
 # Config fields whose meaning the blocks do not carry: field → what it is.
 REFUSED = {"quantization_config": "quantized weights", "add_cross_attention": "cross-attention",
            "is_encoder_decoder": "an encoder-decoder", "attn_logit_softcapping": "attention soft-capping",
-           "attention_chunk_size": "chunked attention"}
+           "attention_chunk_size": "chunked attention", "router_jitter_noise": "router jitter noise"}
 
 
 def read_config(directory: Path) -> dict:
@@ -91,6 +114,37 @@ def check_config(config, directory: Path) -> Family:
             raise BrigadeError(f"{directory}/config.json sets {key} ({what}), which brigade's blocks "
                                f"for {config.model_type} do not carry: use a config without it")
     return FAMILIES[config.model_type]
+
+
+def moe_config(config, layer: int):
+    """The `models.moe.MoEConfig` of decoder layer `layer`'s mixture of experts, as the family
+    builds it (a softmax router, top-k, renormalised where the family does: Mixtral always,
+    Qwen3-MoE and OLMoE by `norm_topk_prob`); None for a dense layer (Qwen3-MoE's
+    `mlp_only_layers`, `decoder_sparse_step`) or a family without experts. The balancing loss is
+    brigade's (sequence-wise, per layer) at the config's `router_aux_loss_coef` where the config
+    trains with one (`output_router_logits`), else off, as transformers' training is.
+
+    Raises:
+        BrigadeError: an activation other than silu (the experts are SwiGLUs).
+    """
+    from brigade.models.moe import MoEConfig
+
+    kind = config.model_type
+    if kind not in EXPERT_NAMES:
+        return None
+    if kind == "qwen3_moe":
+        sparse = layer not in (config.mlp_only_layers or []) and config.num_experts > 0 and \
+            (layer + 1) % config.decoder_sparse_step == 0
+        if not sparse:
+            return None
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise BrigadeError(f"config.json: hidden_act {config.hidden_act!r} in a mixture of experts: "
+                           "brigade's experts are SwiGLUs (silu); use a config with silu")
+    experts = config.num_local_experts if kind == "mixtral" else config.num_experts
+    hidden = config.moe_intermediate_size if kind == "qwen3_moe" else config.intermediate_size
+    aux = config.router_aux_loss_coef if getattr(config, "output_router_logits", False) else 0.0
+    return MoEConfig(experts=experts, top_k=config.num_experts_per_tok, hidden=hidden,
+                     renormalize=kind == "mixtral" or bool(config.norm_topk_prob), aux_coef=aux)
 
 
 def windows(config) -> list[int | None]:

@@ -121,11 +121,25 @@ def _cut(model: nn.Module, config, family: families.Family, standalone: bool) ->
         layers = [hb.GPT2Decoder(b, f"transformer.h.{j}.", standalone) for j, b in enumerate(base.h)]
         return [first, *layers, hb.Head(base.ln_f, model.lm_head, "ln_f", "transformer.", _tied(config))]
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    mixtures = [_mixture(layer, config, j) for j, layer in enumerate(base.layers)]
     layers = [hb.Decoder(layer, f"model.layers.{j}.", config.num_attention_heads, kv, window,
-                         _rotary(base, config) if standalone else None)
-              for j, (layer, window) in enumerate(zip(base.layers, families.windows(config)))]
+                         _rotary(base, config) if standalone else None, experts)
+              for j, (layer, window, experts) in enumerate(zip(base.layers, families.windows(config), mixtures))]
     head = hb.Head(base.norm, model.lm_head, "norm", "model.", _tied(config))
     return [hb.Embed(base.embed_tokens, "model."), *layers, head]
+
+
+def _mixture(layer: nn.Module, config, j: int):
+    """Layer j's mixture of experts, if it has one, replaced by brigade's (`families.moe_config`;
+    built where the layer's weights are, on the meta device); its `families.ExpertNames`."""
+    cfg = families.moe_config(config, j)
+    if cfg is None:
+        return None
+    from brigade.models.moe import MoE
+
+    with torch.device(layer.input_layernorm.weight.device):
+        layer.mlp = MoE(config.hidden_size, cfg)
+    return families.EXPERT_NAMES[config.model_type]
 
 
 def _tied(config) -> bool:

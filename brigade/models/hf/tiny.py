@@ -16,22 +16,29 @@ import torch
 
 from brigade.models.hf.deps import require
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral", "olmoe")
 SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 128}
+# the mixtures: 4 experts of width 16 (Mixtral's and OLMoE's intermediate_size), top 2
+EXPERTS = {"qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                         "head_dim": 8},
+           "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
+           "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16}}
 
 
 def config(family: str, vocab_size: int, layers: int = 4, tie: bool = True, **extra):
-    """A tiny config of `family` (4 heads, 2 key/value heads, width 32; GPT-2: its own names)."""
+    """A tiny config of `family` (4 heads, 2 key/value heads, width 32; GPT-2: its own names; a
+    mixture: 4 experts, top 2)."""
     transformers = require("transformers")
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=layers, n_head=4,
                                        n_positions=128, bos_token_id=0, eos_token_id=0,
                                        tie_word_embeddings=tie, **extra)
     cls = transformers.AutoConfig.for_model(family).__class__
-    head_dim = {"head_dim": 8} if family == "qwen3" else {}
+    extra = {k: list(v) if isinstance(v, tuple) else v for k, v in extra.items()}  # (1,): a hashable [1]
+    shape = {**SHAPE, **({"head_dim": 8} if family == "qwen3" else {}), **EXPERTS.get(family, {}), **extra}
     return cls(vocab_size=vocab_size, num_hidden_layers=layers, tie_word_embeddings=tie, bos_token_id=0,
-               eos_token_id=0, pad_token_id=None, **SHAPE, **head_dim, **extra)
+               eos_token_id=0, pad_token_id=None, **shape)
 
 
 def tokenizer(vocab_size: int = 256):

@@ -3,8 +3,10 @@
     Checkpoint(DIR)            which file holds each tensor (model.safetensors, or the shards
                                model.safetensors.index.json lists), opened lazily
     load_blocks(blocks, ckpt)  every parameter and persistent buffer of the given blocks, read
-                               under its directory name; a DTensor (tensor parallel, FSDP2)
-                               reads only its own part, a slice of the stored tensor
+                               under its directory name; a DTensor (tensor parallel, FSDP2,
+                               expert parallel) reads only its own part, a slice of the stored
+                               tensor; a mixture's stacked experts (`blocks.Stacked`) read
+                               expert by expert, only this process's experts' rows
 
 A rank calls `load_blocks` on its own blocks only, after tensor parallel and sharding have
 placed them: it never reads, let alone holds, the rest of the model.
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from brigade.errors import BrigadeError
+from brigade.models.hf.blocks import Stacked
 from brigade.models.hf.deps import require
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -144,7 +147,10 @@ def check_blocks(blocks: list[nn.Module], ckpt: Checkpoint) -> None:
     for block in blocks:
         tensors = _tensors(block)
         for name, hf in block.hf_names().items():
-            _same_shape(ckpt, hf, tuple(tensors[name].shape))
+            if isinstance(hf, Stacked):
+                _stacked_shapes(ckpt, hf, tuple(tensors[name].shape))
+            else:
+                _same_shape(ckpt, hf, tuple(tensors[name].shape))
 
 
 def _tensors(block: nn.Module) -> dict[str, torch.Tensor]:
@@ -158,6 +164,43 @@ def _same_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> None:
         raise BrigadeError(f"{ckpt.directory}: tensor {name!r} is stored with shape {list(stored)} but "
                            f"config.json makes it {list(shape)}: the weights and config.json do "
                            "not match")
+
+
+def _stacked_shapes(ckpt: Checkpoint, stacked: Stacked, shape: tuple[int, ...]) -> None:
+    """Each expert's tensors of `stacked` are there, and stack to `shape` (E, rows, columns): E
+    experts, their parts' rows adding up, each part of `columns`.
+
+    Raises:
+        BrigadeError: a missing tensor (`stored_as`), or one whose shape does not stack so.
+    """
+    experts, rows, columns = shape
+    each = rows // len(stacked.parts[0])
+    for names in stacked.parts:
+        for name in names:
+            _same_shape(ckpt, name, (each, columns))
+    if len(stacked.parts) != experts:
+        raise BrigadeError(f"{ckpt.directory}: {len(stacked.parts)} experts' tensors for {stacked} but "
+                           f"config.json makes {experts}: the weights and config.json do not match")
+
+
+@torch.no_grad()
+def fill_stacked(t: torch.Tensor, ckpt: Checkpoint, stacked: Stacked) -> None:
+    """Copy the experts of `stacked` into `t` (this process's part of it: its experts' rows and
+    columns only, each expert's parts read one at a time).
+
+    Raises:
+        BrigadeError: as `check_blocks`.
+    """
+    _stacked_shapes(ckpt, stacked, tuple(t.shape))
+    dst, index = _part(t)
+    if index == ():  # a placement that is not one box: the whole, then this process's part
+        whole = torch.stack([torch.cat([ckpt.read(n) for n in names]) for names in stacked.parts])
+        dst.copy_(_strided_part(t, whole.to(dst.dtype)))
+        return
+    experts, rows, columns = index or (slice(None),) * 3
+    for k, names in enumerate(stacked.parts[experts]):
+        expert = torch.cat([ckpt.read(n, (slice(None), columns)) for n in names])
+        dst[k].copy_(expert[rows])
 
 
 @torch.no_grad()
@@ -185,13 +228,14 @@ def load_blocks(blocks: dict[int, nn.Module], ckpt: Checkpoint) -> None:
     for block in blocks.values():
         tensors = _tensors(block)
         for name, hf in block.hf_names().items():
-            fill(tensors[name], ckpt, hf)
+            (fill_stacked if isinstance(hf, Stacked) else fill)(tensors[name], ckpt, hf)
 
 
 def materialize(module: nn.Module, device: torch.device | str) -> None:
     """Give every meta parameter and buffer of `module` real (uninitialized) memory on `device`,
     in place, keeping one parameter shared by several submodules shared (`to_empty` would not:
-    a tied embedding and head would become two parameters)."""
+    a tied embedding and head would become two parameters). A buffer no checkpoint holds (not
+    persistent: a mixture's balancing bias) starts at zero, not at whatever the memory held."""
     made: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for key, p in list(sub._parameters.items()):
@@ -201,4 +245,5 @@ def materialize(module: nn.Module, device: torch.device | str) -> None:
                 sub._parameters[key] = made[id(p)]
         for key, b in list(sub._buffers.items()):
             if b is not None and b.is_meta:
-                sub._buffers[key] = made.setdefault(id(b), torch.empty_like(b, device=device))
+                fresh = torch.zeros_like if key in sub._non_persistent_buffers_set else torch.empty_like
+                sub._buffers[key] = made.setdefault(id(b), fresh(b, device=device))

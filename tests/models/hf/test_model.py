@@ -18,7 +18,8 @@ from tests.models.hf.dirs import hf, tiny_dir
 
 transformers = pytest.importorskip("transformers")
 CASES = [("llama", {}), ("llama", {"tie": False}), ("mistral", {"sliding_window": 5}), ("qwen2", {}),
-         ("qwen3", {}), ("gpt2", {}), ("gpt2", {"tie": False})]
+         ("qwen3", {}), ("gpt2", {}), ("gpt2", {"tie": False}), ("qwen3_moe", {}), ("mixtral", {}),
+         ("olmoe", {}), ("qwen3_moe", {"norm_topk_prob": True, "mlp_only_layers": (1,)})]
 
 
 def _original(directory: str):
@@ -34,6 +35,34 @@ def test_logits_equal_transformers(family, extra):
         theirs = _original(tiny_dir(family, **extra))(input_ids=ids).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     assert len(spec.blocks) == 2 + 4 and ours.abs().max() > 0.01  # embedding, 4 layers, head; not zeros
+
+
+def test_a_mixture_is_brigades_layer_with_transformers_names_and_one_tensor_per_expert_on_disk():
+    """Qwen3-MoE with layer 1 dense (`mlp_only_layers`): the others' feed-forwards are brigade's
+    MoE (what --ep splits), named in memory as transformers names them, on disk expert by expert."""
+    from brigade.models.hf.blocks import Stacked
+    from brigade.models.moe import MoE
+
+    spec = load_model(hf("qwen3_moe", mlp_only_layers=(1,)), meta=True)
+    kinds = [type(b.layer.mlp).__name__ for b in spec.blocks[1:-1]]
+    assert kinds == ["MoE", "Qwen3MoeMLP", "MoE", "MoE"]
+    layer = spec.blocks[1]
+    assert isinstance(layer.layer.mlp, MoE) and layer.layer.mlp.cfg.top_k == 2
+    assert layer.memory_names()["layer.mlp.experts.gate_up_proj"] == "model.layers.0.mlp.experts.gate_up_proj"
+    stacked = layer.hf_names()["layer.mlp.experts.gate_up_proj"]
+    assert isinstance(stacked, Stacked) and len(stacked.parts) == 4
+    assert stacked.parts[3] == ("model.layers.0.mlp.experts.3.gate_proj.weight",
+                                "model.layers.0.mlp.experts.3.up_proj.weight")
+    mixtral = load_model(hf("mixtral"), meta=True).blocks[1].hf_names()
+    assert mixtral["layer.mlp.gate.weight"] == "model.layers.0.block_sparse_moe.gate.weight"
+    assert mixtral["layer.mlp.experts.down_proj"].parts[0] == ("model.layers.0.block_sparse_moe.experts.0.w2.weight",)
+
+
+def test_meta_blocks_start_their_balancing_bias_at_zero():
+    """A buffer no checkpoint holds (the router's balancing bias) is zero, not whatever memory held."""
+    spec = load_model(hf("qwen3_moe"), meta=True)
+    spec.hf.load(dict(enumerate(spec.blocks)), "cpu")
+    assert all(not b.layer.mlp.bias.any() for b in spec.blocks[1:-1])
 
 
 def test_a_sliding_window_is_applied():
@@ -141,6 +170,16 @@ BAD = {
                             "5 attention heads do not divide the hidden size 32"),
     "kv heads do not divide": (lambda d: _edit_config(d, num_key_value_heads=3) or d,
                                "3 key/value heads do not divide the 4 attention heads"),
+    "missing expert": (lambda d: _rewrite_weights(d, lambda s: s.pop(
+        "model.layers.1.mlp.experts.3.up_proj.weight")) or d,
+        "no tensor 'model.layers.1.mlp.experts.3.up_proj.weight'", "qwen3_moe"),
+    "misshaped expert": (lambda d: _rewrite_weights(d, lambda s: s.update(
+        {"model.layers.0.mlp.experts.2.down_proj.weight": torch.ones(32, 8)})) or d,
+        r"'model.layers.0.mlp.experts.2.down_proj.weight' is stored with shape \[32, 8\] but config.json "
+        r"makes it \[32, 16\]", "qwen3_moe"),
+    "experts of another count": (lambda d: _edit_config(d, num_experts=8, num_local_experts=8) or d,
+                                 r"tensor 'model.layers.0.mlp.gate.weight' is stored with shape \[4, 32\] "
+                                 r"but config.json makes it \[8, 32\]", "qwen3_moe"),
     "truncated weights": (lambda d: _truncate(d / "model.safetensors") or d,
                           r"model.safetensors \(0.0 GB\) is not a whole safetensors file \(.*\): a "
                           "download cut short"),
@@ -153,8 +192,8 @@ def _truncate(path) -> None:
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_directories_get_one_line(tmp_path, case):
-    make, message = BAD[case]
-    directory = make(_copy(tmp_path))
+    make, message, *family = BAD[case]
+    directory = make(_copy(tmp_path, *family))
     with pytest.raises(BrigadeError, match=message) as info:
         load_model(f"hf:{directory}")
     assert "\n" not in str(info.value)
