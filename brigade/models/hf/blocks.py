@@ -188,7 +188,8 @@ class Decoder(Renamed):
         names["layer.mlp.gate.weight"] = f"{at}{on.moe}gate.weight"
         names["layer.mlp.experts.gate_up_proj"] = Stacked(tuple(
             (f"{disk}.{e}.{on.gate}.weight", f"{disk}.{e}.{on.up}.weight") for e in range(n)))
-        names["layer.mlp.experts.down_proj"] = Stacked(tuple((f"{disk}.{e}.{on.down}.weight",) for e in range(n)))
+        names["layer.mlp.experts.down_proj"] = Stacked(tuple((f"{disk}.{e}.{on.down}.weight",)
+                                                             for e in range(n)))
         return names
 
     def forward(self, x: torch.Tensor, *, position_embeddings=None, attention_mask=None) -> torch.Tensor:

@@ -124,7 +124,8 @@ def _cut(model: nn.Module, config, family: families.Family, standalone: bool) ->
     mixtures = [_mixture(layer, config, j) for j, layer in enumerate(base.layers)]
     layers = [hb.Decoder(layer, f"model.layers.{j}.", config.num_attention_heads, kv, window,
                          _rotary(base, config) if standalone else None, experts)
-              for j, (layer, window, experts) in enumerate(zip(base.layers, families.windows(config), mixtures))]
+              for j, (layer, window, experts)
+              in enumerate(zip(base.layers, families.windows(config), mixtures))]
     head = hb.Head(base.norm, model.lm_head, "norm", "model.", _tied(config))
     return [hb.Embed(base.embed_tokens, "model."), *layers, head]
 

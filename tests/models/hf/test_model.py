@@ -55,7 +55,8 @@ def test_a_mixture_is_brigades_layer_with_transformers_names_and_one_tensor_per_
                                 "model.layers.0.mlp.experts.3.up_proj.weight")
     mixtral = load_model(hf("mixtral"), meta=True).blocks[1].hf_names()
     assert mixtral["layer.mlp.gate.weight"] == "model.layers.0.block_sparse_moe.gate.weight"
-    assert mixtral["layer.mlp.experts.down_proj"].parts[0] == ("model.layers.0.block_sparse_moe.experts.0.w2.weight",)
+    down = mixtral["layer.mlp.experts.down_proj"]
+    assert down.parts[0] == ("model.layers.0.block_sparse_moe.experts.0.w2.weight",)
 
 
 def test_meta_blocks_start_their_balancing_bias_at_zero():
