@@ -4,6 +4,7 @@
     float8.py     float8 matmuls in the body's linear layers, through torchao
     tensor.py     tensor parallel: each block's tp_plan over the world's "tp" mesh
     recompute.py  activation recompute, full or selective, per block
+    experts.py    expert parallel: a mixture's experts split over an expert group, tokens by all-to-all
     compiled.py   each block's forward compiled on its own (torch.compile)
     shard.py      FSDP2 (and HSDP) over the world's shard mesh
     replicate.py  DDP over the data-parallel group, its buckets told to the hang watchdog

@@ -277,6 +277,7 @@ def trained(tmp_path_factory, tiny_run) -> Path:
 
 
 HF_DIR, HF_RUN = "runs/tiny-llama", "runs/hf"  # docs/hf.md's directory and its fine-tune
+MOE_DIR = "runs/tiny-qwen3-moe"  # docs/hf.md's mixture of experts
 SHARDS = "runs/shards"  # docs/data.md's shard set, tokenized by docs/hf.md's directory
 
 
@@ -299,10 +300,15 @@ def hf_run(tmp_path_factory) -> Path:
 def _hf_directories(cmd: str, cwd: Path, request) -> None:
     """docs/hf.md's directory in `cwd` for a command that names it (but the one that writes
     it), and its fine-tune for one that reads it."""
-    if (HF_DIR not in cmd and HF_RUN not in cmd) or "brigade.models.hf.tiny" in cmd:
+    if "brigade.models.hf.tiny" in cmd:
         return
     from tests.models.hf.dirs import tiny_dir
 
+    if MOE_DIR in cmd:
+        (cwd / "runs").mkdir(exist_ok=True)
+        (cwd / MOE_DIR).symlink_to(tiny_dir("qwen3_moe", layers=2))
+    if HF_DIR not in cmd and HF_RUN not in cmd:
+        return
     (cwd / "runs").mkdir(exist_ok=True)
     (cwd / HF_DIR).symlink_to(tiny_dir("llama"))
     if f"--from {HF_RUN}" in cmd:
