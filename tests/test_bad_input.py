@@ -76,8 +76,6 @@ CASES = [
      "--top-k 5 with --experts 4: each token goes to from 1 to 4 experts; give a --top-k in that range", 2),
     ("experts on another model", ["train", "--experts", "4", "--model", "mlp"],
      "--experts 4 with --model mlp: --experts builds the built-in gpt's mixture of experts", 2),
-    ("experts under tp", ["train", "--nproc", "2", "--tp", "2", "--experts", "4"],
-     "block 1 (Block) of gpt has a mixture-of-experts layer, which --tp does not split yet: use --tp 1", 2),
     ("check: top-k over the experts", ["check", "--experts", "2", "--top-k", "3"],
      "--top-k 3 with --experts 2", 2),
     ("ep not dividing the experts", ["train", "--nproc", "3", "--experts", "4", "--ep", "3"],

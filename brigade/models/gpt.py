@@ -86,9 +86,10 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.tp_plan = {"attn.qkv": ("colwise", cfg.n_head), "attn.proj": ("rowwise", cfg.n_head),
                         "ln1": "sequence", "ln2": "sequence", "attn": "gather"}
-        if cfg.experts:  # each expert a SwiGLU of width 2C (tensor parallel refuses it: parallel.tensor)
+        if cfg.experts:  # each expert a SwiGLU of width 2C, whole on every tp process (parallel.tensor)
             moe = MoEConfig(cfg.experts, cfg.top_k, 2 * cfg.n_embd, aux_coef=cfg.aux_coef)
             self.mlp = MoE(cfg.n_embd, moe)
+            self.tp_plan["mlp"] = "whole"
             return
         self.tp_plan.update({"mlp.0": "colwise", "mlp.2": "rowwise", "mlp": "gather"})
         self.mlp = nn.Sequential(

@@ -167,6 +167,13 @@ def gathering(mesh):
     return hook
 
 
+def whole_sequence(module: nn.Module, mesh) -> None:
+    """Hooks on a "whole" module (`parallel.tensor`): handed this process's part, it runs on the
+    whole sequence (`to_whole`) and gives back this process's part of its output (`to_part`)."""
+    module.register_forward_pre_hook(_convert(lambda x: to_whole(x, mesh), type(module).__name__))
+    module.register_forward_hook(lambda m, args, out: to_part(out, mesh, type(m).__name__))
+
+
 def own_masks(block: nn.Module, mesh) -> None:
     """Hooks on a block that takes part: its forward draws from a stream of this tp process's own
     (the module docstring), and the shared stream is where it was plus one draw after it."""

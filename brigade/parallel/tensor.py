@@ -34,6 +34,16 @@ positions may be split instead of kept whole:
     "gather"             a module whose colwise layers share one input (an attention, an MLP):
                          its input is gathered once, for all of them, as a replicated DTensor
 
+A mixture of experts (`models.moe.MoE`) is not split by tensor parallel: it runs whole on every
+tp process, on the whole sequence (its experts are split by expert parallel instead,
+`parallel.experts`). Its entry says so:
+
+    "whole"              a module whose weights stay whole on every tp process, each of which
+                         computes it on every position: under sequence parallel its input is
+                         gathered from parts into the whole sequence (a plain tensor) and its
+                         output cut back to this process's part (`sequence.to_whole`, `to_part`),
+                         so its gradients are complete and the same on every tp process
+
 One more style is for a module that runs on the heads a process holds but whose weight all heads
 share (Qwen3's norms of q and k, applied per head):
 
@@ -64,7 +74,7 @@ from brigade.errors import BrigadeError
 from brigade.models.moe import MoE
 
 STYLES = ("colwise", "rowwise", "vocab")  # split a module's weights
-SEQUENCE_STYLES = ("sequence", "gather")  # place a module in a sequence-parallel block
+SEQUENCE_STYLES = ("sequence", "gather", "whole")  # place a module in a sequence-parallel block
 WHOLE_STYLES = ("per-head",)  # keep a module whole, its gradient summed over tp
 
 
@@ -99,7 +109,7 @@ def _check_entry(where: str, block: nn.Module, name: str, entry, tp: int) -> Non
     if style not in STYLES + SEQUENCE_STYLES + WHOLE_STYLES or (units is not None and style not in STYLES):
         raise BrigadeError(f"{where}'s tp_plan gives {name} the style {style}: expected 'colwise', "
                            "'rowwise', (style, units) like ('colwise', 4), 'vocab', 'sequence', "
-                           "'gather' or 'per-head'")
+                           "'gather', 'whole' or 'per-head'")
     module = dict(block.named_modules()).get(name)
     if module is None:
         raise BrigadeError(f"{where}'s tp_plan names {name!r}, which the block does not have: name "
@@ -142,6 +152,17 @@ def plan_at(block: nn.Module, tp: int) -> dict | None:
     return plan
 
 
+def _experts_whole(where: str, block: nn.Module, plan: dict) -> None:
+    """Refuse a block whose mixture of experts its plan does not name "whole" (nor a module
+    around it): tensor parallel would leave it to run on a part of the sequence, or split what
+    it must not."""
+    whole = [n for n, e in plan.items() if style_of(e)[0] == "whole"]
+    for name, m in block.named_modules():
+        if isinstance(m, MoE) and not any(name == w or name.startswith(w + ".") for w in whole):
+            raise BrigadeError(f"{where} has a mixture of experts ({name}) its tp_plan does not name: give "
+                               f"it {{'{name}': 'whole'}} (it runs whole on every tp process), or use --tp 1")
+
+
 def splits_vocab(block: nn.Module, tp: int) -> bool:
     """Whether the block splits its output along the vocabulary over `tp` processes (`plan_at`)."""
     return tp > 1 and any(style_of(e)[0] == "vocab" for e in (plan_at(block, tp) or {}).values())
@@ -164,9 +185,7 @@ def check_plans(blocks: list[nn.Module], tp: int, model: str = "the model") -> N
                                "the block a tp_plan ({submodule: 'colwise' | 'rowwise'}; {} keeps it "
                                "whole on every tp process), or the model file tp_plan = {index: plan}, "
                                "or use --tp 1")
-        if any(isinstance(m, MoE) for m in block.modules()):
-            raise BrigadeError(f"{where} has a mixture-of-experts layer, which --tp does not split yet: "
-                               "use --tp 1")
+        _experts_whole(where, block, plan)
         for name, entry in plan.items():
             _check_entry(where, block, name, entry, tp)
         if any(style_of(e)[0] == "vocab" for e in plan.values()) and i != len(blocks) - 1:
@@ -193,6 +212,8 @@ def parallelize(blocks: list[nn.Module], mesh, sequence: bool = True) -> None:
         for name, e in plan.items():
             if parts and style_of(e)[0] == "gather":
                 block.get_submodule(name).register_forward_pre_hook(sp.gathering(mesh), with_kwargs=True)
+            if parts and style_of(e)[0] == "whole":
+                sp.whole_sequence(block.get_submodule(name), mesh)
         if parts:
             sp.own_masks(block, mesh)
 
@@ -208,7 +229,7 @@ def _style(name: str, style: str, plan: dict, parts: bool):
                                use_local_output=False)
     if style == "sequence":
         return SequenceParallel(use_local_output=True) if parts else None
-    if style in ("gather", "per-head"):
+    if style in ("gather", "per-head", "whole"):
         return None
     if style == "rowwise":
         return RowwiseParallel(output_layouts=Shard(1)) if parts else RowwiseParallel()

@@ -41,9 +41,11 @@ def test_every_schedule_equals_transformers_in_every_family(family, dp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tie", [("llama", True), ("qwen3", True), ("qwen2", False)])
+@pytest.mark.parametrize("family,tie", [("llama", True), ("qwen3", True), ("qwen2", False),
+                                        ("qwen3_moe", True)])
 def test_tensor_parallel_2_by_pipeline_2_equals_transformers(family, tie):
-    """qwen3: its q and k norms are "per-head"; qwen2 untied: its head splits the vocabulary."""
+    """qwen3: its q and k norms are "per-head"; qwen2 untied: its head splits the vocabulary;
+    qwen3_moe: its mixtures run whole on both tp processes."""
     results = _check(hf(family, tie=tie), stages=2, tp=2)
     assert {(r["tp"], r["sequence_parallel"]) for r in results} == {(2, True)}
 

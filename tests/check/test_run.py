@@ -255,6 +255,27 @@ def test_a_mixture_of_experts_equals_one_device_on_every_schedule(shard, ep):
     assert _failures(run_check(cfg, cases), cases) == []
 
 
+@pytest.mark.timeout(300)
+def test_a_mixture_of_experts_under_tensor_parallel_equals_one_device_on_every_schedule():
+    """tp 2 × pp 2: the mixture whole on both tp processes, on the whole sequence gathered from
+    sequence parallel's parts, its output cut back to each process's part."""
+    cases = [(name, 2, v) for name, s in SCHEDULES.items() for v in ([s.virtual] if s.virtual else [1])]
+    cfg = dataclasses.replace(grid_config("gpt", 1), tp=2)
+    cfg.model_options = {"gpt_cfg": dataclasses.replace(TINY_GPT["gpt_cfg"], experts=4, top_k=2)}
+    assert _failures(run_check(cfg, cases), cases) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_every_axis_with_experts_split_equals_one_device():
+    """dp 2 × pp 2 × tp 2 (8 processes), --ep 2 --shard 2: the experts split over both replicas,
+    FSDP2 over dp × tp, tensor parallel and sequence parallel around the whole mixture."""
+    cases = [("1f1b", 2, 1), ("zbv", 2, 2)]
+    cfg = dataclasses.replace(grid_config("gpt", 2, shard=2), ep=2, tp=2)
+    cfg.model_options = {"gpt_cfg": dataclasses.replace(TINY_GPT["gpt_cfg"], experts=4, top_k=2)}
+    assert _failures(run_check(cfg, cases), cases) == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_experts_split_over_part_of_the_replicas_equal_one_device():

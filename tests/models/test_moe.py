@@ -130,11 +130,15 @@ def test_a_bad_configuration_is_one_line(kw, message):
         _layer(**kw)
 
 
-def test_the_gpt_builds_mixture_of_experts_blocks_and_tensor_parallel_refuses_them():
+def test_the_gpt_builds_mixture_of_experts_blocks_whole_under_tensor_parallel():
+    """The mixture runs whole on every tp process ("whole"); a plan that leaves it out is refused."""
     from brigade.parallel.tensor import check_plans
 
     blocks = gpt(GPTConfig(n_layer=2, n_embd=C, n_head=2, block_size=8, experts=4, top_k=2))
     assert all(isinstance(b.mlp, MoE) for b in blocks[1:-1])
-    assert "mlp.0" not in blocks[1].tp_plan
-    with pytest.raises(BrigadeError, match="block 1 .* has a mixture-of-experts layer, which --tp does not"):
+    assert "mlp.0" not in blocks[1].tp_plan and blocks[1].tp_plan["mlp"] == "whole"
+    check_plans(blocks, 2)
+    del blocks[1].tp_plan["mlp"]
+    with pytest.raises(BrigadeError, match=r"block 1 \(Block\) of the model has a mixture of experts \(mlp\) "
+                                           r"its tp_plan does not name: give it \{'mlp': 'whole'\}"):
         check_plans(blocks, 2)

@@ -44,7 +44,7 @@ class _Planned(nn.Module):
                            "give the block a tp_plan"),
     ([_Planned({"fc": "diagonal"})], 2, "block 0 (_Planned) of m's tp_plan gives fc the style diagonal: "
                                         "expected 'colwise', 'rowwise', (style, units) like ('colwise', 4), "
-                                        "'vocab', 'sequence', 'gather' or 'per-head'"),
+                                        "'vocab', 'sequence', 'gather', 'whole' or 'per-head'"),
     ([_Planned({"act": ("sequence", 2)})], 2, "gives act the style sequence: expected"),
     ([_Planned({"norm": "sequence"})], 2, "tp_plan names 'norm', which the block does not have"),
     ([_Planned({"fc": ("colwise", "x")})], 2, "gives fc the style ('colwise', 'x')"),

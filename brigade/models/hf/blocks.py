@@ -172,9 +172,17 @@ class Decoder(Renamed):
                         "layer.mlp.down_proj": "rowwise",
                         "layer.input_layernorm": "sequence", "layer.post_attention_layernorm": "sequence",
                         "layer.self_attn": "gather", "layer.mlp": "gather"}
+        if experts is not None:  # a mixture: whole on every tp process (split by --ep instead)
+            for name in ("layer.mlp.gate_proj", "layer.mlp.up_proj", "layer.mlp.down_proj"):
+                del self.tp_plan[name]
+            self.tp_plan["layer.mlp"] = "whole"
+        head = layer.self_attn.q_proj.out_features // heads
         for norm in ("q_norm", "k_norm"):  # Qwen3: one weight for every head, held whole
             if hasattr(layer.self_attn, norm):
                 self.tp_plan[f"layer.self_attn.{norm}"] = "per-head"
+                if getattr(layer.self_attn, norm).weight.numel() != head:  # OLMoE: a norm across heads,
+                    self.tp_plan = None  # which split heads cannot take: --tp refuses the block
+                    break
 
     def hf_names(self) -> dict[str, str | Stacked]:
         """`Renamed.hf_names`; a mixture's router and experts under the family's names on disk

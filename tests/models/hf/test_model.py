@@ -59,6 +59,12 @@ def test_a_mixture_is_brigades_layer_with_transformers_names_and_one_tensor_per_
     assert down.parts[0] == ("model.layers.0.block_sparse_moe.experts.0.w2.weight",)
 
 
+def test_a_mixture_runs_whole_under_tp_and_olmoe_whose_norms_span_heads_has_no_plan():
+    plan = load_model(hf("qwen3_moe"), meta=True).blocks[1].tp_plan
+    assert plan["layer.mlp"] == "whole" and "layer.mlp.gate_proj" not in plan
+    assert load_model(hf("olmoe"), meta=True).blocks[1].tp_plan is None  # --tp refuses it, one line
+
+
 def test_meta_blocks_start_their_balancing_bias_at_zero():
     """A buffer no checkpoint holds (the router's balancing bias) is zero, not whatever memory held."""
     spec = load_model(hf("qwen3_moe"), meta=True)
