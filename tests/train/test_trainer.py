@@ -20,7 +20,7 @@ STEPS = 20
 
 def losses(pp: int = 1, local_stages: int = 1, grad_accum: int = 1, schedule: str = "1f1b",
            batch_size: int = 8, shard: int = 1, recompute: str = "none",
-           tp: int = 1, experts: int = 0, ep: int = 1) -> dict[str, list[float]]:
+           tp: int = 1, experts: int = 0, ep: int = 1, precision: str = "") -> dict[str, list[float]]:
     """Run 20 steps of a tiny GPT in the current process group; per-step losses and gradient
     norms (a tied weight counted once, and clipped at 1.0 the same in every layout). `experts`:
     a mixture of that many experts (top 2) in each block, split over `ep` processes."""
@@ -33,7 +33,8 @@ def losses(pp: int = 1, local_stages: int = 1, grad_accum: int = 1, schedule: st
                          recompute=recompute, tp=tp, ep=ep)
     trainer = Trainer(blocks, gpt_loss, train, None, parallel=par,
                       optim=OptimConfig(warmup_steps=5, grad_accum=grad_accum),
-                      train=TrainConfig(max_steps=STEPS, batch_size=batch_size), metrics=False)
+                      train=TrainConfig(max_steps=STEPS, batch_size=batch_size, precision=precision),
+                      metrics=False)
     history = trainer.fit()
     _assert_copies_equal(trainer)
     trainer.close()
@@ -132,6 +133,17 @@ def test_expert_parallel_layouts_match_a_single_device(moe_reference, layout):
     for rank, got in results.items():
         _assert_same(got, moe_reference, rank)
     assert moe_reference["loss"][-1] < moe_reference["loss"][0]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shard", [1, 2], ids=["autocast", "fsdp2-mixed"])
+def test_expert_parallel_trains_in_bf16_as_fp32_does(moe_reference, shard):
+    """bf16 with the experts split over ep 2 of dp 2 × pp 2: autocast over fp32 weights (DDP), or
+    FSDP2's mixed precision (the experts gathered as bf16 over their own unit): the losses follow
+    fp32's within bf16's rounding, and fall as they do."""
+    got = agent.launch(losses, 4, 2, 1, 1, "1f1b", 8, shard, "none", 1, 4, 2, "bf16")[0]
+    assert got["loss"] == pytest.approx(moe_reference["loss"], abs=0.05)
+    assert got["loss"][-1] < got["loss"][0] - 0.3
 
 
 @pytest.mark.timeout(120)
