@@ -64,8 +64,26 @@ def worker() -> dict:
         experts.same_plan(["0F0", "0B0"] if world.rank == 0 else ["0B0", "0F0"], world)
     except RunError as exc:
         out["differs"] = str(exc)
+    out["pipeline"] = _pipelines_that_differ(world)
     groups.destroy()
     return out
+
+
+def _pipelines_that_differ(world) -> str:
+    """The GPT's experts split over both replicas, one replica's pipeline GPipe (F0 F1 B0 B1) and
+    the other's 1F1B (F0 B0 F1 B1): their second all-to-alls would pair an F's rows with a B's
+    gradients. The pipeline is refused where it is built, before any step."""
+    from brigade.models.gpt import GPTConfig, gpt, gpt_loss
+    from brigade.parallel.assemble import Cut, assemble
+
+    torch.manual_seed(0)
+    blocks = gpt(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8, experts=4))
+    built = assemble(blocks, Cut((len(blocks),), (0,)), world)
+    try:
+        built.pipeline("gpipe" if world.rank == 0 else "1f1b", 2, gpt_loss)
+    except RunError as exc:
+        return str(exc)
+    return "built"
 
 
 @pytest.fixture(scope="module")
@@ -88,5 +106,6 @@ def test_the_experts_split_over_two_processes_compute_what_the_whole_layer_does(
 @pytest.mark.timeout(120)
 def test_replicas_whose_plans_differ_are_refused_before_an_all_to_all_could_hang(launched):
     for got in launched.values():
-        assert "pipeline rank 0's plan differs between data-parallel replicas" in got["differs"]
-        assert "all-to-alls would pair in different orders and hang" in got["differs"]
+        for said in (got["differs"], got["pipeline"]):
+            assert "pipeline rank 0's plan differs between data-parallel replicas" in said
+            assert "all-to-alls would pair in different orders and hang" in said
