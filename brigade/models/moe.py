@@ -249,7 +249,9 @@ class _AddAux(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, aux):
         ctx.save_for_backward(aux)
-        return y.view_as(y)
+        # Eager: a view, no copy. Compiled: a copy, as AOTAutograd replays an output that views an
+        # input outside its graph, and so skipped this backward (the router's gradient was 1e-3 off).
+        return y.clone() if torch.compiler.is_compiling() else y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
@@ -259,11 +261,12 @@ class _AddAux(torch.autograd.Function):
 
 def _grouped(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` takes these: it has one, and every row it reads starts at a
-    multiple of 16 bytes (on this CPU it refuses others; a GPU asks bf16 of it too). The
-    weights are transposed views: their rows run along their second-last dimension."""
+    multiple of 16 bytes (on this CPU it refuses others; a GPU asks bf16 of it too, and so does
+    its compiled form, on any device). The weights are transposed views: their rows run along
+    their second-last dimension."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if rows.is_cuda and rows.dtype != torch.bfloat16:
+    if (rows.is_cuda or torch.compiler.is_compiling()) and rows.dtype != torch.bfloat16:
         return False
     sizes = [rows.shape[-1] * rows.element_size()] + [w.shape[-2] * w.element_size() for w in weights]
     return all(n % 16 == 0 for n in sizes)

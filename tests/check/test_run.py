@@ -267,6 +267,18 @@ def test_a_mixture_of_experts_under_tensor_parallel_equals_one_device_on_every_s
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_compiled_experts_split_over_ep_equal_one_device():
+    """--compile with the experts over ep 2 of dp 2 × pp 2: the all-to-alls break the graphs,
+    the balancing loss still reaches the router (`moe._AddAux`), every schedule's split backward
+    takes a compiled block's I and W together."""
+    cases = [("1f1b", 2, 1), ("zb", 2, 1)]
+    cfg = dataclasses.replace(grid_config("gpt", 2), ep=2, compile=True)
+    cfg.model_options = {"gpt_cfg": dataclasses.replace(TINY_GPT["gpt_cfg"], experts=4, top_k=2)}
+    assert _failures(run_check(cfg, cases), cases) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_every_axis_with_experts_split_equals_one_device():
     """dp 2 × pp 2 × tp 2 (8 processes), --ep 2 --shard 2: the experts split over both replicas,
     FSDP2 over dp × tp, tensor parallel and sequence parallel around the whole mixture."""

@@ -142,3 +142,17 @@ def test_the_gpt_builds_mixture_of_experts_blocks_whole_under_tensor_parallel():
     with pytest.raises(BrigadeError, match=r"block 1 \(Block\) of the model has a mixture of experts \(mlp\) "
                                            r"its tp_plan does not name: give it \{'mlp': 'whole'\}"):
         check_plans(blocks, 2)
+
+
+@pytest.mark.slow
+def test_compiled_the_balancing_loss_still_reaches_the_router():
+    """AOTAutograd replays an output that views an input outside its graph: `_AddAux` returning a
+    view lost its backward there (the router's gradient 1e-3 off); compiled, it returns a copy."""
+    layer = _layer(aux_coef=0.01)
+    compiled = copy.deepcopy(layer)
+    compiled.forward = torch.compile(compiled.forward, backend="aot_eager")
+    x = torch.randn(2, 8, C, generator=torch.Generator().manual_seed(3))
+    layer(x).square().sum().backward()
+    compiled(x).square().sum().backward()
+    for (name, p), q in zip(layer.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=0, msg=name)
