@@ -72,9 +72,9 @@ def test_aliases_are_found_by_identity_and_declared():
     assert aliases_of(plain) == {"weight_copy": "weight"}
 
 
-def _trainer(par: ParallelConfig, train, vocab: int) -> Trainer:
+def _trainer(par: ParallelConfig, train, vocab: int, experts: int = 0) -> Trainer:
     torch.manual_seed(0)
-    blocks = gpt(GPTConfig(vocab, 32, n_layer=2, n_head=2, n_embd=32))
+    blocks = gpt(GPTConfig(vocab, 32, n_layer=2, n_head=2, n_embd=32, experts=experts))
     return Trainer(blocks, gpt_loss, train, None, parallel=par, optim=OptimConfig(warmup_steps=2),
                    train=TrainConfig(max_steps=8, batch_size=8), metrics=False)
 
