@@ -11,7 +11,9 @@ memory limit). It measures through `brigade.measure` and imports nothing of benc
     sample    a batch's first rows whatever its shape, each block bound to its side inputs
     formula   the same costs from the model's shapes, for a model too large to run here
     tensor    what tensor parallel does to each block: the share a split divides, its all-reduces, degrees
-    space     the layouts: dp = replicate × shard, pp, V per registered schedule, m, recompute;
+    mixture   a mixture of experts: its experts' weights, parameters in all and active, the grouped
+              matmuls' FLOPs; expert_parallel: what --ep adds (all-to-alls, the experts' reduction)
+    space     the layouts: dp = replicate × shard, pp, V per registered schedule, m, recompute, ep;
               and the tuner's sweep
     memory    each rank's memory by kind
     predict   one layout's step: simulate() over the real plan, the reduction, the optimizer

@@ -6,6 +6,9 @@ The usual bandwidth-optimal ring formulas over n ranks, each sending `bytes` of 
     reduce-scatter      (n-1)/n · bytes / bw  +    (n-1) · latency
     all-gather          (n-1)/n · bytes / bw  +    (n-1) · latency    (bytes: the gathered whole)
     point to point               bytes / bw  +          latency
+    all-to-all          (n-1)/n · bytes, each peer's 1/n on its own link, the node's peers over
+                        the fast one and the others' over the slow one at once: the slower of
+                        the two  +  (n-1) · the slowest latency   (`all_to_all`)
 
 A group's link is the slowest among its ranks: inter-node when they sit on more than one node.
 Ranks are placed as brigade's DeviceMesh orders them (`world.degrees`: replicate, shard, pp, cp,
@@ -47,8 +50,25 @@ def p2p(nbytes: float, bw: float, latency: float) -> float:
     return nbytes / bw + latency
 
 
-def groups(replicate: int, shard: int, pp: int, tp: int = 1) -> dict[str, list[int]]:
+def all_to_all(cluster: Cluster, ranks: list[int], nbytes: float) -> float:
+    """Seconds of an all-to-all over `ranks` in which each sends `nbytes` of its own, 1/n of them to
+    each rank (module docstring), from rank `ranks[0]`'s side: its peers on its node over the
+    node's links, the others over the network, both at once."""
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    d = cluster.device
+    home = cluster.node_of(ranks[0])
+    near = sum(1 for r in ranks if cluster.node_of(r) == home) - 1
+    far = n - 1 - near
+    each = nbytes / n
+    latency = d.inter_latency if far else d.intra_latency
+    return max(near * each / d.intra_bw, far * each / d.inter_bw if far else 0.0) + (n - 1) * latency
+
+
+def groups(replicate: int, shard: int, pp: int, tp: int = 1, ep: int = 1) -> dict[str, list[int]]:
     """Rank 0's groups (the slowest are alike by symmetry): its pipeline, its shard group, its
-    replicas, its whole data-parallel group (all of stage 0's ranks) and its tp group."""
-    degrees = Degrees(dp=replicate * shard, shard=shard, pp=pp, tp=tp)
-    return {dim: degrees.group(dim, 0) for dim in ("pp", "shard", "replicate", "dp", "tp")}
+    replicas, its whole data-parallel group (all of stage 0's ranks), its tp group, its expert
+    group (ep consecutive dp ranks) and the dp ranks holding the same experts (edp)."""
+    degrees = Degrees(dp=replicate * shard, shard=shard, pp=pp, tp=tp, ep=ep)
+    return {dim: degrees.group(dim, 0) for dim in ("pp", "shard", "replicate", "dp", "tp", "ep", "edp")}

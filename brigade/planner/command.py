@@ -20,7 +20,7 @@ def add_plan(sub, option) -> None:
     )
     for f in fields(PlanConfig):
         option(p, PlanConfig, f.name)
-    for name in ("n_layer", "n_head", "n_embd"):
+    for name in ("n_layer", "n_head", "n_embd", "experts", "top_k"):
         option(p, ModelConfig, name)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_plan)
@@ -28,13 +28,16 @@ def add_plan(sub, option) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from brigade.config import ModelConfig, to_toml
+    from brigade.config.validate import experts
     from brigade.fsutil import write_atomic
     from brigade.planner.config import PlanConfig
     from brigade.planner.report import table
     from brigade.planner.run import model_config, plan, to_config
 
     cfg = PlanConfig(**{f.name: getattr(args, f.name) for f in fields(PlanConfig)})
-    base = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    experts(args.experts, args.top_k, cfg.model)
+    base = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, experts=args.experts,
+                       top_k=args.top_k)
     result = plan(cfg, base)
     if cfg.write_config:
         fit = next((r for r in result["rows"] if r["fits"]), None)

@@ -56,6 +56,9 @@ class PlanConfig:
     shard: int = doc(0, "consider only this shard degree (1: DDP); 0: every divisor of dp")
     tp: int = doc(0, "consider only this tensor-parallel degree (1: none); 0: every one the model's "
                      "tp plans allow that divides a node's devices")
+    ep: int = doc(0, "consider only this expert-parallel degree (1: none), for a mixture of experts; 0: "
+                     "every divisor of dp that divides every MoE layer's expert count (1 alone for a "
+                     "dense model)")
     top: int = doc(10, "rows of the ranked table printed")
     write_config: str = doc(
         "", "write the best row that fits as a train config TOML here (brigade train --config FILE)"

@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.host import malloc
 from brigade.measure.stages import block_costs
@@ -57,8 +56,9 @@ from brigade.parallel.vocab import split_loss
 from brigade.pipeline.batches import microbatch
 from brigade.planner.block_memory import block_memory
 from brigade.planner.devices import DeviceSpec
+from brigade.planner.mixture import Mixture, flop_counter, mixture
 from brigade.planner.optimizer import gpu_transient, optimizer_transient, seconds_per_byte
-from brigade.planner.sample import runnable, take
+from brigade.planner.sample import runnable, take, tokens_per_sample
 from brigade.planner.shard_costs import measure_shard
 from brigade.planner.split_costs import TP, SplitCosts, measure_split
 from brigade.planner.tensor import TensorFacts
@@ -109,6 +109,7 @@ class ModelCosts:
     # per block, the seconds FSDP2's own work adds to one gather-forward-gather-backward-reduce
     # cycle of it (`shard_costs`); empty: not measured
     shard_s: list[float] = field(default_factory=list)
+    mixture: Mixture | None = None  # a mixture of experts' facts (`planner.mixture`); None: dense
 
     @property
     def n_blocks(self) -> int:
@@ -118,14 +119,31 @@ class ModelCosts:
         """(forward, backward, weight, input) target seconds of each block at micro-batch `size`."""
         return [tuple(c * self.scale for c in b) for b in interpolate(self.modes[mode].times, size)]
 
-    def param_bytes(self, blocks: range, tp: int = 1) -> float:
+    def param_bytes(self, blocks: range, tp: int = 1, ep: int = 1) -> float:
         """Bytes of the parameters of these blocks, a shared one once; on one of `tp` processes,
-        each block's split share divided by `tp`."""
+        each block's split share divided by `tp`; on one of an expert group of `ep`, its experts'
+        weights divided by `ep` (unsharded: what a process of the group holds whole)."""
         seen: dict[int, float] = {}
         for b in blocks:
             f = self.tp_factor(b, tp)
-            seen.update({pid: n * f for pid, n in self.params[b].items()})
+            seen.update({pid: n * f / self.ep_share(b, pid, ep) for pid, n in self.params[b].items()})
         return sum(seen.values())
+
+    def expert_bytes(self, blocks, ep: int = 1) -> float:
+        """Bytes of these blocks' experts' weights on one process of an expert group of `ep`."""
+        if self.mixture is None:
+            return 0.0
+        return sum(n / ep for b in blocks for pid, n in self.params[b].items() if pid in self.mixture.ids[b])
+
+    def ep_share(self, block: int, pid: int, ep: int) -> int:
+        """What a parameter is divided by on one process of an expert group of `ep`: ep for one of
+        the block's experts' weights, else 1."""
+        return ep if ep > 1 and self.mixture is not None and pid in self.mixture.ids[block] else 1
+
+    def largest(self, block: int, tp: int = 1, ep: int = 1) -> float:
+        """Bytes of the block's largest parameter on one process (`param_bytes`' shares)."""
+        return max((n / self.ep_share(block, pid, ep) for pid, n in self.params[block].items()),
+                   default=0) * self.tp_factor(block, tp)
 
     def opt_transient_bytes(self, blocks: list[int]) -> float:
         """What AdamW's step over these blocks' parameters allocates beyond its state (0: not
@@ -228,7 +246,8 @@ def measure(spec: ModelSpec, sizes: list[int], modes: list[str], here: DeviceSpe
     finally:
         torch.set_num_threads(threads)
     return ModelCosts(spec.name, params, flops, outs, per_mode, opt, here, opt_transient=stepping,
-                      opt_foreach=foreach, precision=precision if precision in HALF else "", shard_s=shard_s)
+                      opt_foreach=foreach, precision=precision if precision in HALF else "", shard_s=shard_s,
+                      mixture=mixture(spec.blocks, tokens_per_sample(spec)))
 
 
 def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
@@ -245,7 +264,8 @@ def measure_memory(spec: ModelSpec, size: int, modes: list[str]) -> ModelCosts:
     params = master_bytes(spec.blocks)
     stepping, foreach = optimizer_transient(spec.blocks)
     return ModelCosts(spec.name, params, [0.0] * len(spec.blocks), _out_bytes(spec, x, size), per_mode, 0.0,
-                      here=None, opt_transient=stepping, opt_foreach=foreach)
+                      here=None, opt_transient=stepping, opt_foreach=foreach,
+                      mixture=mixture(spec.blocks, tokens_per_sample(spec)))
 
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -309,7 +329,7 @@ def _flops_and_outputs(spec: ModelSpec, x, y) -> tuple[list[float], list[float]]
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         inp = h.detach().requires_grad_(h.is_floating_point() and i > 0)
-        with FlopCounterMode(display=False) as counter:
+        with flop_counter() as counter:  # an MoE's grouped matmuls counted too (`planner.mixture`)
             out = block(inp)
             loss = spec.loss_fn(out, y) if last else out
             torch.autograd.backward(loss, None if last else torch.ones_like(loss))

@@ -21,8 +21,10 @@ forward again before the input-gradient pass and holds the whole forward's tenso
 its backward (and, under a split backward, from I until W); `selective` keeps each block's input
 and the outputs of the ops the trainer's selective recompute keeps (`parallel.recompute.kept`:
 matmuls, attention as one fused op), and holds the rest again during its backward, no matmul
-run twice. A block's temporaries are taken as its output and that output's gradient. Every
-figure of a plan made from these says `formula`.
+run twice but an MoE's experts' grouped matmuls, which it does not keep. A block's temporaries are
+taken as its output and that output's gradient. A mixture of experts runs on the meta device
+inside `mixture.OnMeta`, its grouped matmuls counted by `mixture.flop_counter`: the FLOPs of the
+top_k experts each token reaches. Every figure of a plan made from these says `formula`.
 """
 
 from __future__ import annotations
@@ -32,15 +34,15 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
 
 from brigade.models import ModelSpec
 from brigade.parallel import recompute
 from brigade.pipeline.batches.feed import to
 from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts, master_bytes
 from brigade.planner.devices import DeviceSpec
+from brigade.planner.mixture import GROUPED_MM, OnMeta, flop_counter, mixture
 from brigade.planner.optimizer import gpu_transient
-from brigade.planner.sample import runnable
+from brigade.planner.sample import runnable, tokens_per_sample
 
 ASSUMED_MFU = 0.5  # the share of peak a large model's blocks reach (Megatron-LM reports 40-55 %)
 ADAMW_BYTES_MOVED = 7  # per parameter byte: read p, g, exp_avg, exp_avg_sq; write p and both moments
@@ -51,13 +53,15 @@ def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec
     """Costs of `spec` (built on the meta device) on `target`, from a meta micro-batch of `size`."""
     x, y = (to(t, "meta") for t in spec.make_batch(size, torch.Generator().manual_seed(0)))
     rate = target.peak(precision) * ASSUMED_MFU
-    times, held, kept, ops, flops, outs = [], [], [], [], [], []
+    times, held, kept, ops, flops, outs, grouped = [], [], [], [], [], [], []
     x, blocks = runnable(spec.blocks, x)
     h = x
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
-        f, b, saved, at_weights, made, out = _run(block, h, spec.loss_fn if last else None, y, first=i == 0)
+        f, b, saved, at_weights, made, out, g = _run(block, h, spec.loss_fn if last else None, y,
+                                                     first=i == 0)
         times.append((f / rate, b / rate, b / 2 / rate, b / 2 / rate))  # (forward, backward, W, I)
+        grouped.append(g / rate)
         held.append(saved / size)
         kept.append(at_weights / size)
         ops.append(made / size)
@@ -66,26 +70,30 @@ def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec
         h = out.detach()
     inputs = [_bytes(x) / size, *outs[:-1]]  # what a recomputed block keeps: its input
     transient = [2 * o for o in outs]  # a block's output and its gradient, side by side
-    per_mode = {m: _mode(m, size, times, held, kept, inputs, ops, transient) for m in modes}
+    per_mode = {m: _mode(m, size, times, held, kept, inputs, ops, transient, grouped) for m in modes}
     params = master_bytes(spec.blocks)
     costs = ModelCosts(spec.name, params, flops, outs, per_mode, ADAMW_BYTES_MOVED / target.mem_bw,
-                       here=None, source=FORMULA, opt_transient=gpu_transient(params), opt_foreach=True)
+                       here=None, source=FORMULA, opt_transient=gpu_transient(params), opt_foreach=True,
+                       mixture=mixture(spec.blocks, tokens_per_sample(spec)))
     costs.notes.append(f"times from FLOPs at {ASSUMED_MFU:.0%} of {target.name}'s peak; memory from "
                        "the shapes of the tensors autograd saves")
     return costs
 
 
 def _mode(mode: str, size: int, times: list, held: list, kept: list, inputs: list, ops: list,
-          transient: list) -> ModeCosts:
+          transient: list, grouped: list) -> ModeCosts:
     """One recompute mode's costs from the blocks' shapes (module docstring): `held` what autograd
     saves, `kept` the weights' outputs, `inputs` each block's input, `ops` the outputs of the ops
-    selective recompute keeps (`parallel.recompute.kept`), all per sample."""
+    selective recompute keeps (`parallel.recompute.kept`), all per sample; `grouped` the seconds of
+    each block's forward grouped matmuls (an MoE's experts), which selective recompute runs again."""
     if mode == "none":
         return ModeCosts({size: times}, held, [0.0] * len(held), transient, kept)
     if mode == "selective":  # the input and the kept ops' outputs; the cheap rest made again
         keeps = [i + o for i, o in zip(inputs, ops)]
         again = [max(0.0, s - k) for s, k in zip(held, keeps)]
-        # what runs again is the cheap rest: no matmul FLOPs, so the times are none's
+        # what runs again is the cheap rest, no matmul of those it keeps: the times are none's but
+        # for an MoE's experts, whose grouped matmuls it does not keep (before the input pass)
+        times = [(f, b + g, w, i + g) for (f, b, w, i), g in zip(times, grouped)]
         return ModeCosts({size: times}, keeps, again, transient, [k + a for k, a in zip(kept, again)])
     # full: the forward runs again before the input-gradient pass (once, under I and W too), and
     # what the input pass made again stays with the weight outputs' gradients until W
@@ -93,9 +101,10 @@ def _mode(mode: str, size: int, times: list, held: list, kept: list, inputs: lis
     return ModeCosts({size: again}, inputs, held, transient, [k + s for k, s in zip(kept, held)])
 
 
-def _run(block, h, loss_fn, y, first: bool) -> tuple[float, float, float, float, float, torch.Tensor]:
+def _run(block, h, loss_fn, y, first: bool) -> tuple[float, float, float, float, float, torch.Tensor, float]:
     """(forward FLOPs, backward FLOPs, saved bytes, bytes at weights' outputs, bytes of the outputs
-    selective recompute keeps, output) of one meta forward and backward."""
+    selective recompute keeps, output, the forward's FLOPs in grouped matmuls) of one meta forward
+    and backward."""
     own = {id(p) for p in block.parameters()}
     saved, at_weights = [0], [0]
 
@@ -112,18 +121,19 @@ def _run(block, h, loss_fn, y, first: bool) -> tuple[float, float, float, float,
     hooks = [m.register_forward_hook(weighted) for m in owners]
     inp = h.detach().requires_grad_(h.is_floating_point() and not first)
     fused = FusedAttention()
-    try:
-        with FlopCounterMode(display=False) as forward, fused, _KeptOps(fused) as made:
+    try:  # OnMeta: an MoE layer's routing and grouped matmuls run on the meta device (`planner.mixture`)
+        with OnMeta(), flop_counter() as forward, fused, _KeptOps(fused) as made:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = block(inp)
     finally:
         for hook in hooks:
             hook.remove()
-    with FlopCounterMode(display=False) as backward:
+    with OnMeta(), flop_counter() as backward:
         loss = loss_fn(out, y) if loss_fn is not None else out
         torch.autograd.backward(loss, None if loss_fn is not None else torch.ones_like(loss))
+    grouped = forward.get_flop_counts().get("Global", {}).get(GROUPED_MM, 0) if GROUPED_MM is not None else 0
     return (forward.get_total_flops(), backward.get_total_flops(), float(saved[0]), float(at_weights[0]),
-            made.bytes + fused.made, out)
+            made.bytes + fused.made, out, float(grouped))
 
 
 def _bytes(t: torch.Tensor) -> float:

@@ -1,7 +1,8 @@
 """Predicted memory of each rank by kind, the kinds `train/memory.py` measures:
 
     params       its stages' parameter bytes (a tied weight once per rank), ÷ shard; under tp each
-                 block's split share ÷ tp
+                 block's split share ÷ tp; under ep a mixture's experts 1/ep of them, and where
+                 the stages are sharded 1/dp (the group's share sharded over edp: `own_params`)
                  fp32 whatever the precision: every layout keeps fp32 master weights
     grads        the same (fp32: the reduced gradients the optimizer reads)
     optimizer    AdamW: two fp32 moments per parameter, 2 × params: 16 bytes a parameter in all
@@ -19,9 +20,10 @@
                  × micro-batch size × the micro-batches past their I but not their W at the
                  stage's busiest moment (below); 0 when every backward is whole
     peak         params + optimizer + the layout's extras (under DDP the reducer's flat buckets, a
-                 copy of the gradients; sharded under a pipeline, the gathered parameters of its
-                 stages, kept for the step: in fp32 the whole beyond the rank's shard, in bf16 or
-                 fp16 a whole half-precision copy) + the larger of two phases:
+                 copy of the gradients, of the dense weights only under --ep; sharded under a
+                 pipeline, the gathered parameters of its stages, kept for the step: in fp32 the
+                 whole beyond the rank's shard, in bf16 or fp16 a whole half-precision copy) + the
+                 larger of two phases:
                  backward   Σ over its stages of the busiest moment's activations, split and
                             gradients (below) + the largest working set and transient of a block
                             (a recompute's tensors, temporaries; where a backward runs with the
@@ -42,6 +44,17 @@
                  blocks and of two neighbouring blocks (half precision, or fp32 beyond the shard),
                  and the gradients being reduced (a half-precision gradient and its fp32 copy, or
                  fp32 and its flat copy)
+
+Under expert parallel a process's activations are counted as one process's of the whole model:
+with balanced routing its experts take on average as many rows (tokens × top_k) as its own tokens
+send out, so what they hold for the backward is what it would hold alone (a router that sends more
+to one group's experts makes that process hold more: not counted), and the all-to-alls' buffers
+(the rows received, and regrouped by expert) are not counted apart. Under DDP the reducer's
+buckets leave the experts out (`extra` counts the dense parameters only), and the experts'
+gradients are all-reduced by hand through one flat copy after the backward, beside every
+gradient (counted as the optimizer's step is, the larger of the two; measured on this machine
+at ep 2 of dp 4, that moment is the step's peak: params + gradients + AdamW + the dense buckets
++ the flat copy, 141.1 MiB, to the 0.1).
 
 Precision (`--precision`, as `parallel.assemble` applies it): where the stages are sharded
 (`Degrees.sharded`), bf16 and fp16 are FSDP2's mixed precision, so every activation byte above
@@ -106,8 +119,7 @@ def rank_memory(
     bounds = [0, *[sum(balance[: k + 1]) for k in range(len(balance))]]
     stages = _stages(layout, pp_rank)
     blocks = rank_blocks(layout, balance, pp_rank)
-    whole = costs.param_bytes(blocks, layout.tp)
-    mine = whole / layout.shard
+    whole, mine = own_params(costs, layout, blocks)
     mixed = precision in HALF and layout.degrees.sharded  # FSDP2's mixed precision
     amb = mb * (0.5 if mixed else 1.0)  # activation bytes per measured (fp32) byte per sample, × mb
     at = {s: (moments or {}).get(s) or {(peak_held.get(s, 1), 0, 1)} for s in stages}
@@ -116,7 +128,7 @@ def rank_memory(
         at = {s: {(n, j, 1) for n, j, _ in pairs} for s, pairs in at.items()}  # from the start
     # each stage's share of the rank's whole (unsharded) gradient: a weight tied between two of
     # its stages counts once, as in `whole`; block by block, the sharded gradients alone
-    own = [costs.param_bytes(range(bounds[s], bounds[s + 1]), layout.tp) for s in stages]
+    own = [costs.param_bytes(range(bounds[s], bounds[s + 1]), layout.tp, layout.ep) for s in stages]
     grads = [mine] if blockwise else [whole * o / (sum(own) or 1.0) for o in own]
     busiest = [_busiest(costs, layout, bounds, s, amb, peak_held.get(s, 1), g, at[s])
                for s, g in zip(stages, grads)]
@@ -129,14 +141,16 @@ def rank_memory(
         extra = whole / 2  # a whole half-precision copy of its stages, gathered for the step
     elif layout.degrees.sharded:
         extra = whole - mine  # the gathered parameters beyond its shard (none at --shard 1)
-    elif layout.dp > 1:
-        extra = whole  # the reducer's buckets
+    elif layout.dp > 1:  # the reducer's buckets: all but the experts --ep leaves out of DDP
+        extra = whole - (costs.expert_bytes(blocks, layout.ep) if layout.ep > 1 else 0.0)
     else:
         extra = 0.0
     backward = sum(b["bytes"] for b in busiest) + working + transient
     stepping = mine + costs.opt_transient_bytes(blocks) * (mine / (costs.param_bytes(blocks) or 1.0))
+    if layout.ep > 1 and not layout.degrees.sharded:  # beside the gradients, the experts' one flat
+        stepping = max(stepping, mine + costs.expert_bytes(blocks, layout.ep))  # copy, reduced by hand
     if blockwise:
-        gathered, reducing = block_by_block(costs, blocks, layout.tp)
+        gathered, reducing = block_by_block(costs, blocks, layout.tp, layout.ep, expert_shard(layout) > 1)
         backward += gathered * (0.5 if mixed else 1 - 1 / layout.shard) + reducing * (1.5 if mixed else 2.0)
         peak = 3 * mine + max(backward, stepping)
     else:
@@ -156,7 +170,7 @@ def block_transient(costs: ModelCosts, layout: Layout, blocks: list[int], amb: f
     if not adding or not measured.accumulating:  # not measured at this tp: a split block's ÷ tp
         share = [1 / layout.tp if not here and costs.splits(b, layout.tp) else 1.0 for b in blocks]
         return max(measured.transient[b] * f for b, f in zip(blocks, share)) * amb
-    largest = [max(costs.params[b].values(), default=0) * costs.tp_factor(b, layout.tp) for b in blocks]
+    largest = [costs.largest(b, layout.tp, layout.ep) for b in blocks]
     return max(g + measured.accumulating[b] * amb for g, b in zip(largest, blocks))
 
 
@@ -168,21 +182,46 @@ def by_block(layout: Layout, at: Moments) -> bool:
     return layout.degrees.sharded and layout.pp == 1 and not split
 
 
-def block_by_block(costs: ModelCosts, blocks: list[int], tp: int) -> tuple[float, float]:
+def own_params(costs: ModelCosts, layout: Layout, blocks: list[int]) -> tuple[float, float]:
+    """(whole, mine): the fp32 bytes of these blocks' parameters one process holds unsharded (its
+    tp share; of a mixture's experts its expert group's 1/ep), and of those its own. Dense weights
+    ÷ shard; experts, where the stages are sharded, ÷ the edp = dp/ep processes holding the same
+    experts (`parallel.experts.shard_experts`: 1/dp of them in all), else whole (DDP leaves them
+    out; they are all-reduced over edp by hand)."""
+    whole = costs.param_bytes(blocks, layout.tp, layout.ep)
+    experts = costs.expert_bytes(blocks, layout.ep)
+    return whole, (whole - experts) / layout.shard + experts / expert_shard(layout)
+
+
+def expert_shard(layout: Layout) -> int:
+    """The processes one process's experts are sharded over: at ep 1 the dense weights' (they are
+    in the stage's own units), else edp = dp/ep where the stages are sharded (FSDP2), or 1."""
+    if layout.ep == 1:
+        return layout.shard
+    return layout.dp // layout.ep if layout.degrees.sharded else 1
+
+
+def block_by_block(costs: ModelCosts, blocks: list[int], tp: int, ep: int = 1,
+                   experts: bool = True) -> tuple[float, float]:
     """Without a pipeline, what FSDP holds unsharded at once on one of `tp` processes, in fp32
     bytes: (gathered, reducing). Gathered: the root's blocks (those sharing a weight with another
     block: `parallel.shard` leaves them to the stage, gathered from its first forward to its last
     backward) and the two largest neighbouring blocks of the rest (one computing while the next
     is gathered). Reducing: the root's and the largest other block's gradients, unsharded, as a
-    backward makes them and its reduce-scatter copies them into one flat fp32 input."""
+    backward makes them and its reduce-scatter copies them into one flat fp32 input. `experts`
+    False: a mixture's experts left out (under --ep with one process holding each group's share,
+    edp 1, their FSDP unit neither gathers nor reduce-scatters anything)."""
     owners: dict[int, int] = {}
     for b in blocks:
         for pid in costs.params[b]:
             owners[pid] = owners.get(pid, 0) + 1
     root = [b for b in blocks if any(owners[pid] > 1 for pid in costs.params[b])]
-    rest = [costs.param_bytes([b], tp) for b in blocks if b not in root]
+    def size(bs: list[int]) -> float:
+        return costs.param_bytes(bs, tp, ep) - (0.0 if experts else costs.expert_bytes(bs, ep))
+
+    rest = [size([b]) for b in blocks if b not in root]
     pair = max((rest[k] + rest[k + 1] for k in range(len(rest) - 1)), default=sum(rest))
-    mine = costs.param_bytes(root, tp) if root else 0.0
+    mine = size(root) if root else 0.0
     return mine + pair, mine + max(rest, default=0.0)
 
 

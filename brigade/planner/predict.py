@@ -12,14 +12,17 @@ rank's memory (`memory.py`), and whether it fits.
                                                         action plus the runtime's own time for
                                                         one (`DeviceSpec.action_s`; more on a
                                                         host with more processes than cores,
-                                                        `crowded_action_s`)
+                                                        `crowded_action_s`); under ep each
+                                                        MoE layer's all-to-alls on its
+                                                        block's F, B and I (`expert_parallel`)
          + gradient reduction                           DDP: all-reduce; shard: reduce-scatter and
                                                         the step's all-gather, per block (without
                                                         a pipeline, every micro-batch and a
                                                         second all-gather for the backward); HSDP:
                                                         then an all-reduce of the shard across
                                                         replicas (each at what the device says
-                                                        that collective achieves: gloo's probed)
+                                                        that collective achieves: gloo's probed);
+                                                        under ep the experts' apart, over edp
          + FSDP2's own work                             where the costs measured it here
                                                         (`shard_costs`): its copies and hooks per
                                                         block, each gather-reduce cycle
@@ -55,7 +58,8 @@ from brigade.pipeline.stages.partition import solve
 from brigade.planner import comm
 from brigade.planner.cluster import Cluster
 from brigade.planner.costs import MEASURED, ModelCosts, interpolate
-from brigade.planner.memory import HALF, by_block, moments, rank_blocks, rank_memory, worst
+from brigade.planner.expert_parallel import all_to_alls, expert_reduction, step_all_to_all_s
+from brigade.planner.memory import HALF, by_block, expert_shard, moments, rank_blocks, rank_memory, worst
 from brigade.planner.space import Layout
 
 
@@ -71,8 +75,9 @@ def predict(
         PlanError: a schedule that cannot run these sizes (the caller leaves the layout out).
     """
     mb = math.ceil(batch / (layout.dp * layout.microbatches))
-    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
+    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp, layout.ep)
     times, waits = _tensor_parallel(costs, layout, mb, cluster, groups["tp"])
+    times, waits, a2a = all_to_alls(costs, layout, mb, cluster, groups["ep"], precision in HALF, times, waits)
     balance, per = cut(times, layout.pp * layout.virtual)
     slow = _shared(cluster, layout.world)
     own = _action_s(cluster, layout.world)  # the runtime's own time, per action
@@ -95,9 +100,8 @@ def predict(
                                       by_block(layout, at), precision in HALF)
     sync_s = _step_syncs(costs, layout, cluster, balance, groups)
     step = makespan + reduce_s + opt_s + cluster.device.runtime_step_s + sync_s
-    flops = sum(costs.flops) * batch
-    peak = cluster.device.peak(precision)
-    limit = cluster.device.memory
+    a2a_s = step_all_to_all_s(a2a, layout, balance)
+    flops, limit = sum(costs.flops) * batch, cluster.device.memory
     return {
         "layout": layout.to_json(),
         "label": layout.label(),
@@ -108,10 +112,11 @@ def predict(
         "reduce_s": reduce_s,
         "optimizer_s": opt_s,
         "sync_s": sync_s,
+        "all_to_all_s": a2a_s,
         "tokens_per_s": batch * max(seq_len, 1) / step,
-        "mfu": flops / (step * peak * layout.world),
+        "mfu": flops / (step * cluster.device.peak(precision) * layout.world),
         "bubble": sim.bubble_fraction,
-        "comm_share": (reduce_s + sim.makespan - alone) / step,
+        "comm_share": (reduce_s + a2a_s + sim.makespan - alone) / step,
         "memory": top,
         "memory_per_stage_rank": memory,
         "fits": top["peak"] <= limit,
@@ -166,13 +171,18 @@ def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance
     (`memory.by_block`); `half`: it gathers half-precision weights. (Counted uncrowded, as
     waits that leave the core to another rank, HSDP 2 × 2 on 2 cores read 16-25 % fast once
     FSDP2's own work was priced apart, `shard_costs`.)"""
-    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp)
-    whole_grads = max(m["grads"] for m in memory) * layout.shard
+    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp, layout.ep)
     blocks = [rank_blocks(layout, balance, r) for r in range(layout.pp)]
+    # each pp rank's experts, unsharded, where they are reduced apart from the dense weights (ep > 1)
+    experts = [costs.expert_bytes(bs, layout.ep) if layout.ep > 1 else 0.0 for bs in blocks]
+    # the dense weights' whole gradient: the rank's own less its experts' share, times the shard
+    whole_grads = max((m["grads"] - x / expert_shard(layout)) * layout.shard for m, x in zip(memory, experts))
     reduce_s = _reduction(cluster, layout, groups, whole_grads, 1 + max(map(len, blocks)), blockwise, half)
+    reduce_s += max(expert_reduction(costs, cluster, layout, groups, bs, x, blockwise, half)
+                    for bs, x in zip(blocks, experts))
     own_s = _fsdp_own(costs, layout, blocks, blockwise)
     opt_s = costs.optimizer_s_per_byte * costs.mem_scale * worst(memory)["params"]
-    if layout.shard > 1 or layout.tp > 1:  # FSDP2's parameters are DTensors: each op dispatches
+    if layout.shard > 1 or layout.tp > 1 or layout.ep > 1:  # DTensor parameters: each op dispatches
         count = max(len({p for b in bs for p in costs.params[b]}) for bs in blocks)
         opt_s += cluster.device.dtensor_step_s * count
     crowd = _crowding(layout, cluster)
@@ -193,6 +203,8 @@ def _step_syncs(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: li
     t = all_reduce(4, layout.dp, groups["dp"])
     t += sum(all_reduce(4, n, groups[dim]) for dim, n in
              (("tp", layout.tp), ("shard", layout.shard), ("pp", layout.pp)))
+    if layout.ep > 1:  # the experts' norm over their group (`experts.norm_group`), the plans' proof
+        t += all_reduce(4, layout.ep, groups["ep"]) + all_reduce(16, layout.dp, groups["dp"])
     holders: dict[int, set[int]] = {}  # parameter id -> the pipeline ranks holding a copy
     nbytes: dict[int, int] = {}
     for r in range(layout.pp):

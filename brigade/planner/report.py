@@ -1,4 +1,5 @@
-"""The ranked table `brigade plan` prints, and its one-line header."""
+"""The ranked table `brigade plan` prints, its one-line header, and for a mixture of experts a line
+of its parameters in all and active."""
 
 from __future__ import annotations
 
@@ -44,6 +45,19 @@ def cells(row: dict) -> list[str]:
     ]
 
 
+def _count(n: float) -> str:
+    return next(f"{n / d:.3g} {unit}" for d, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k"), (1, ""))
+                if n >= d or d == 1)
+
+
+def parameters(p: dict) -> str:
+    """A mixture of experts' line: its parameters in all and those a token runs through."""
+    experts = "/".join(map(str, p["experts"]))
+    top = "/".join(map(str, p["top_k"]))
+    return (f"parameters: {_count(p['total'])} in all (memory), {_count(p['active'])} active a token "
+            f"(FLOPs): top {top} of {experts} experts in {p['moe_layers']} MoE layers")
+
+
 def table(result: dict, top: int) -> str:
     """A header line, then the best `top` rows as aligned columns (memory: the busiest rank, MiB)."""
     rows = [list(COLUMNS), *(cells(r) for r in result["rows"][:top])]
@@ -52,6 +66,8 @@ def table(result: dict, top: int) -> str:
         f"brigade plan: {result['model']}, batch {result['batch_size']}, on {result['cluster']}: "
         f"{len(result['rows'])} layouts, costs {result['source']} (memory per rank, MiB)"
     ]
+    if result.get("parameters"):
+        lines.append(parameters(result["parameters"]))
     for r in rows:
         lines.append(
             "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

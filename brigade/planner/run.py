@@ -20,6 +20,7 @@ from brigade.planner.config import PlanConfig
 from brigade.planner.costs import FORMULA, MEASURED, measure, scaled
 from brigade.planner.devices import cpu, host_memory
 from brigade.planner.formula import from_shapes
+from brigade.planner.mixture import mixture
 from brigade.planner.predict import predict
 from brigade.planner.sample import tokens_per_sample
 from brigade.planner.space import Layout, enumerate_layouts
@@ -61,12 +62,13 @@ def _names(text: str, flag: str) -> list[str]:
 
 
 def layouts(cfg: PlanConfig, world: int, n_blocks: int, tensor: TensorFacts | None = None,
-            per_node: int = 0) -> list[Layout]:
-    """The space asked for: every valid layout, narrowed by --dp, --pp, --shard, --tp, --schedules, ...
-    `tensor`: what tp does to the model (None: no tp); tp degrees divide `per_node` (0: any).
+            per_node: int = 0, experts: tuple[int, ...] = ()) -> list[Layout]:
+    """The space asked for: every valid layout, narrowed by --dp, --pp, --shard, --tp, --ep, --schedules,
+    ... `tensor`: what tp does to the model (None: no tp); tp degrees divide `per_node` (0: any);
+    `experts`: every MoE layer's expert count (none: a dense model).
 
     Raises:
-        BrigadeError: a --dp/--pp/--shard/--tp that cannot divide the world or the model, or no
+        BrigadeError: a --dp/--pp/--shard/--tp/--ep that cannot divide the world or the model, or no
             layout left.
     """
     from brigade.config.recompute import MODES
@@ -82,15 +84,17 @@ def layouts(cfg: PlanConfig, world: int, n_blocks: int, tensor: TensorFacts | No
     except ValueError:
         raise BrigadeError(f"--microbatches {cfg.microbatches!r}: expected counts like 1,2,4") from None
     _fixed(cfg, world, n_blocks)
+    _fixed_ep(cfg, world, experts)
     sizes = _tp_sizes(cfg, tensor, per_node)
     rows = [
         lay
         for lay in enumerate_layouts(world, n_blocks, cfg.batch_size, modes, schedules or None, ms or None,
-                                     sizes, per_node)
+                                     sizes, per_node, experts)
         if (not cfg.dp or lay.dp == cfg.dp)
         and (not cfg.pp or lay.pp == cfg.pp)
         and (not cfg.shard or lay.shard == cfg.shard)
         and (not cfg.tp or lay.tp == cfg.tp)
+        and (not cfg.ep or lay.ep == cfg.ep)
     ]
     if not rows:
         raise BrigadeError(
@@ -134,6 +138,26 @@ def _fixed(cfg: PlanConfig, world: int, n_blocks: int) -> None:
         raise BrigadeError(f"--shard {cfg.shard} does not divide dp {dp}: give a divisor of it")
 
 
+def _fixed_ep(cfg: PlanConfig, world: int, experts: tuple[int, ...]) -> None:
+    """Refuse an --ep the model's experts or the data-parallel ranks cannot take, one line each."""
+    ep = cfg.ep
+    if ep < 0:
+        raise BrigadeError(f"--ep {ep}: must be ≥ 0 (0: every degree the experts and dp allow)")
+    if ep <= 1:
+        return
+    if not experts:
+        raise BrigadeError(f"--ep {ep} but {cfg.model} has no mixture-of-experts layer to split: give a "
+                           "model with experts (gpt with --experts, an MoE hf: directory), or drop --ep")
+    bad = sorted({n for n in experts if n % ep})
+    if bad:
+        raise BrigadeError(f"--ep {ep} does not divide the {bad[0]} experts of an MoE layer: give a "
+                           f"divisor of {bad[0]} (each process of an expert group holds experts ÷ ep)")
+    dp = cfg.dp or (world // cfg.pp if cfg.pp else world)
+    if dp % ep:
+        raise BrigadeError(f"--ep {ep} does not divide the data-parallel ranks ({dp}): expert groups are "
+                           f"carved out of dp; give a divisor of {dp}")
+
+
 def sizes(rows: list[Layout], batch: int) -> list[int]:
     """Micro-batch sizes to measure at: the smallest, the largest and one between (interpolated)."""
     got = sorted({math.ceil(batch / (r.dp * r.microbatches)) for r in rows})
@@ -168,7 +192,8 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
     with torch.device("meta"):  # shapes only: a model of any size costs nothing to build
         shape = load_spec(cfg, m)
     tensor = facts(shape.blocks)
-    rows = layouts(cfg, where.world, len(shape.blocks), tensor, where.per_node)
+    moe = mixture(shape.blocks, tokens_per_sample(shape))
+    rows = layouts(cfg, where.world, len(shape.blocks), tensor, where.per_node, moe.counts if moe else ())
     modes = sorted({r.recompute for r in rows})
     at = sizes(rows, cfg.batch_size)
     with quiet_stderr():
@@ -197,6 +222,8 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
         "left_out": left,
         # the model planned: the train config's model section, or a directory's own config.json
         "model_config": vars(m) if shape.hf is None else {"model": m.model, **shape.hf.config.to_dict()},
+        # a mixture of experts: its parameters in all and those a token runs through (`planner.mixture`)
+        **({"parameters": moe.describe()} if moe else {}),
     }
 
 
@@ -232,7 +259,7 @@ def _predict_all(cfg: PlanConfig, costs, where, rows: list[Layout],
 
 
 def _shape(lay: Layout) -> tuple:
-    return lay.replicate, lay.shard, lay.pp, lay.virtual, lay.microbatches, lay.recompute, lay.tp
+    return lay.replicate, lay.shard, lay.pp, lay.virtual, lay.microbatches, lay.recompute, lay.tp, lay.ep
 
 
 def to_config(cfg: PlanConfig, row: dict, m: ModelConfig, nodes: int, per_node: int) -> RunConfig:
@@ -244,6 +271,7 @@ def to_config(cfg: PlanConfig, row: dict, m: ModelConfig, nodes: int, per_node: 
     p.nproc, p.nnodes, p.dp, p.pp, p.shard = per_node, nodes, lay["dp"], lay["pp"], lay["shard"]
     p.schedule, p.virtual, p.microbatches = lay["schedule"], lay["virtual"], lay["microbatches"]
     p.recompute, p.tp, p.compile = lay["recompute"], lay.get("tp", 1), cfg.compile
+    p.ep = lay.get("ep", 1)
     if lay["pp"] > 1:
         p.balance = ",".join(map(str, row["balance"]))
     run.train.batch_size = cfg.batch_size

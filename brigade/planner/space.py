@@ -1,5 +1,7 @@
 """The layouts a cluster can run a model in: dp = replicate × shard, pp, tp, V and schedule (every
-schedule of the registry, so one added later is covered), micro-batches and recompute.
+schedule of the registry, so one added later is covered), micro-batches and recompute, and for a
+mixture of experts ep (expert groups carved out of dp: every divisor of dp that divides each MoE
+layer's experts; 1 alone for a dense model).
 
 A layout is valid when dp × pp × tp is the world, shard divides dp, tp is a degree the model's
 plans allow and divides a node's devices (tp innermost: its all-reduces stay inside a node), the
@@ -24,7 +26,8 @@ from brigade.world.degrees import Degrees
 class Layout:
     """One way to run: `replicate` × `shard` data-parallel ranks (dp), each a pipeline of `pp`
     ranks holding `virtual` stages each, each stage split over `tp` processes, `microbatches` per
-    replica's batch, `recompute` mode."""
+    replica's batch, `recompute` mode; a mixture's experts split over expert groups of `ep` of the
+    dp ranks."""
 
     replicate: int
     shard: int
@@ -34,6 +37,7 @@ class Layout:
     microbatches: int
     recompute: str
     tp: int = 1
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -46,7 +50,7 @@ class Layout:
     @property
     def degrees(self) -> Degrees:
         """The world's degrees this layout runs on."""
-        return Degrees(dp=self.dp, shard=self.shard, pp=self.pp, tp=self.tp)
+        return Degrees(dp=self.dp, shard=self.shard, pp=self.pp, tp=self.tp, ep=self.ep)
 
     def label(self) -> str:
         dp = (
@@ -62,7 +66,8 @@ class Layout:
         )
         rc = f", recompute {self.recompute}" if self.recompute != "none" else ""
         tp = f"{' × ' if dp or pipe else ''}tp {self.tp}" if self.tp > 1 else ""
-        return f"{dp}{pipe}{tp}, m {self.microbatches}{rc}"
+        ep = f", ep {self.ep}" if self.ep > 1 else ""  # carved out of dp: no factor of the world
+        return f"{dp}{pipe}{tp}{ep}, m {self.microbatches}{rc}"
 
     def to_json(self) -> dict:
         return {**asdict(self), "dp": self.dp}
@@ -82,6 +87,9 @@ def check(layout: Layout, world: int, n_blocks: int, batch: int) -> None:
         )
     if layout.dp % layout.shard:
         raise BrigadeError(f"--shard {layout.shard} does not divide dp {layout.dp}: give a divisor of it")
+    if layout.dp % layout.ep:
+        raise BrigadeError(f"--ep {layout.ep} does not divide dp {layout.dp}: expert groups are carved "
+                           "out of the data-parallel ranks; give a divisor of it")
     stages = layout.pp * layout.virtual
     if stages > n_blocks:
         raise BrigadeError(
@@ -115,21 +123,29 @@ def enumerate_layouts(
     microbatches: list[int] | None = None,
     tp_sizes: tuple[int, ...] = (1,),
     per_node: int = 0,
+    experts: tuple[int, ...] = (),
 ) -> list[Layout]:
     """Every valid layout (module docstring) for `world` ranks; `schedules` default: the registry's,
     `microbatches` default: powers of two up to 4 · pp (never more than a replica's batch), `tp_sizes`:
-    the degrees the model's plans allow, each kept to those that divide `per_node` (0: any). Without
-    a pipeline the schedule is the default one: it does not matter."""
+    the degrees the model's plans allow, each kept to those that divide `per_node` (0: any);
+    `experts`: every MoE layer's expert count (none: a dense model, ep 1 alone). Without a pipeline
+    the schedule is the default one: it does not matter."""
     out = []
     for tp in tp_sizes:
         if world % tp or (per_node and per_node % tp):
             continue
-        out += _layouts(world // tp, n_blocks, batch, recompute, schedules, microbatches, tp)
+        out += _layouts(world // tp, n_blocks, batch, recompute, schedules, microbatches, tp, experts)
     return out
 
 
+def ep_sizes(dp: int, experts: tuple[int, ...]) -> list[int]:
+    """The ep degrees a dp of `dp` takes: its divisors that divide every layer's `experts` (1 alone
+    without experts)."""
+    return [e for e in divisors(dp) if all(n % e == 0 for n in experts)] if experts else [1]
+
+
 def _layouts(cells: int, n_blocks: int, batch: int, recompute: list[str], schedules: list[str] | None,
-             microbatches: list[int] | None, tp: int) -> list[Layout]:
+             microbatches: list[int] | None, tp: int, experts: tuple[int, ...] = ()) -> list[Layout]:
     """`enumerate_layouts` at one tp degree, over the `cells` = world ÷ tp (dp × pp) positions."""
     out = []
     for pp in divisors(cells):
@@ -140,10 +156,10 @@ def _layouts(cells: int, n_blocks: int, batch: int, recompute: list[str], schedu
                     if pp * v > n_blocks:
                         continue
                     for m in microbatches or _powers(4 * pp):
-                        for mode in recompute:
-                            layout = Layout(dp // shard, shard, pp, name, v, m, mode, tp)
-                            if batch % dp == 0 and (batch // dp) % m == 0:
-                                out.append(layout)
+                        if batch % dp or (batch // dp) % m:
+                            continue
+                        out += [Layout(dp // shard, shard, pp, name, v, m, mode, tp, ep)
+                                for ep in ep_sizes(dp, experts) for mode in recompute]
     return out
 
 

@@ -102,6 +102,31 @@ def _big_plans(d: dict) -> str:
     return "; ".join(parts)
 
 
+@row("brigade plan of Qwen3-30B-A3B from config.json alone, 2 nodes of 8 H100, sequence 4096, bf16: "
+     "parameters in all and active a token, the best layout at each ep, its tokens/s per GPU, all-to-all "
+     "seconds a step and peak", "plan/moe_plan.json", "`python -m brigade.results.moe_plan`")
+def _moe_plan(d: dict) -> str:
+    p = d["parameters"]
+    parts = [f"ep {r['layout']['ep']}: {r['label']}, {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+             f"all-to-all {r['all_to_all_s']:.2f} s, peak {r['memory_gib']['peak']:.1f} GiB"
+             for r in d["by_ep"]]
+    return f"{p['total'] / 1e9:.2f} B parameters, {p['active'] / 1e9:.2f} B active; " + "; ".join(parts)
+
+
+@row("a mixture-of-experts GPT (4×256, 8 experts, top 2; 4 processes on 2 cores) at ep 1, 2, 4, "
+     "replicated and sharded: the busiest rank's peak and the step, measured and as brigade plan predicts "
+     "them; and a tiny Qwen3-MoE's fine-tune over pp 2 × ep 2: the worst layer's busiest expert ÷ the "
+     "mean one, first and last step", "experts/experts.json", "`python -m brigade.results.experts`")
+def _experts(d: dict) -> str:
+    parts = [f"{r['label']}: peak {max(r['measured_peak']) / _MIB:.1f} MiB (predicted "
+             f"{100 * r['memory_error']:+.1f} %), step {r['measured_step_s'] * 1e3:.0f} ms (predicted "
+             f"{r['predicted_step_s'] * 1e3:.0f})" for r in d["rows"]]
+    tune = d["finetune"]
+    first, last = tune["moe_imbalance"][0], tune["moe_imbalance"][-1]
+    return "; ".join(parts) + (f"; fine-tune imbalance {first:.2f} → {last:.2f}, validation loss "
+                               f"{tune['val_loss'][0]:.2f} → {tune['val_loss'][1]:.2f}")
+
+
 @row("brigade plan against brigade train on this machine: GPT 4×256 (context 64, batch 16), the MLP and "
      "examples/llama.py; dp, shard, HSDP, pp (1f1b, interleaved V = 2, zb, zbv, auto), dp × pp, tp 2 × pp 2 "
      "(sequence parallel), tp 2 × shard 2, shard 2 in bf16; recompute none and full",

@@ -47,6 +47,8 @@ SHORT = {
     "brigade.results.plan_accuracy": ["--tiny", "", "--rounds", "1"],
     "brigade.results.cut_bound": ["--tiny", ""],
     "brigade.results.big_plans": ["--tiny", ""],
+    "brigade.results.moe_plan": ["--tiny", ""],
+    "brigade.results.experts": ["--tiny", "", "--steps", "4", "--rounds", "1"],
     "brigade.results.levers": ["--tiny", "", "--rounds", "1"],
     "brigade.results.data_scale": ["--tiny", ""],
     # its 21 runs (11 layouts) at full size took 6+ minutes on a slow day (bf16 steps are 6-9x fp32's on CPU)
@@ -210,7 +212,8 @@ COMMANDS = readme_commands()
 # each, which tests/e2e/test_train.py also runs in the default tier, each way once, checking more.
 BENCHMARKS = ("bench", "tune", "brigade.results.overhead", "brigade.results.speed",
               "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound",
-              "brigade.results.big_plans", "brigade.results.levers", "brigade.results.data_scale")
+              "brigade.results.big_plans", "brigade.results.levers", "brigade.results.data_scale",
+              "brigade.results.moe_plan", "brigade.results.experts")
 LAUNCHERS = ("torchrun", "srun")
 
 

@@ -18,7 +18,11 @@ def test_ring_formulas():
 
 def test_groups_follow_the_mesh_order_pp_innermost():
     g = comm.groups(replicate=2, shard=2, pp=2)
-    assert g == {"pp": [0, 1], "shard": [0, 2], "replicate": [0, 4], "dp": [0, 2, 4, 6], "tp": [0]}
+    assert g == {"pp": [0, 1], "shard": [0, 2], "replicate": [0, 4], "dp": [0, 2, 4, 6], "tp": [0],
+                 "ep": [0], "edp": [0, 2, 4, 6]}
+    # expert groups: ep consecutive dp ranks; edp: the dp ranks holding the same experts
+    g = comm.groups(replicate=2, shard=2, pp=2, ep=2)
+    assert g["ep"] == [0, 2] and g["edp"] == [0, 4]
 
 
 def test_a_group_across_nodes_takes_the_inter_node_link():
