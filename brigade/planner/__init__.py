@@ -6,7 +6,7 @@ memory limit). It measures through `brigade.measure` and imports nothing of benc
     cluster   nodes × devices per node, from flags or a TOML file
     comm      ring collectives and point-to-point from the links
     costs     per-block costs measured here (`measure.stages.block_costs`), interpolated between
-              micro-batch sizes, scaled to the target
+              micro-batch sizes; scaling: as the target runs them
     optimizer what AdamW's step costs here: seconds per byte, the bytes it allocates
     sample    a batch's first rows whatever its shape, each block bound to its side inputs
     formula   the same costs from the model's shapes, for a model too large to run here

@@ -31,13 +31,11 @@ there), FLOPs per sample of its forward and backward (torch.utils.flop_counter),
 bytes per sample (what a pipeline sends), and seconds per byte of parameters for the optimizer
 step (AdamW, clipping, zeroing).
 
-Scaled to a target device: compute by the ratio of this machine's probed fp32 peak to the
-target's peak for the run's precision (the same fraction of peak there as here: "scaled";
-"measured" when the target is this machine), the optimizer step by memory bandwidth. Planned for
-this machine in bf16 or fp16, the times are measured on a copy of the blocks in that dtype
-(`measure(precision=)`): a CPU's half-precision kernels are no fixed fraction of its fp32 ones
-(here a bf16 matmul took 60 times an fp32 one, a GPT block's step 6 to 9 times). Memory is
-always measured in fp32 and halved by the memory model where the run computes in half precision.
+Scaled to a target device by `planner.scaling.scaled`. Planned for this machine in bf16 or fp16,
+the times are measured on a copy of the blocks in that dtype (`measure(precision=)`): a CPU's
+half-precision kernels are no fixed fraction of its fp32 ones (here a bf16 matmul took 60 times
+an fp32 one, a GPT block's step 6 to 9 times). Memory is always measured in fp32 and halved by
+the memory model where the run computes in half precision.
 """
 
 from __future__ import annotations
@@ -57,7 +55,7 @@ from brigade.pipeline.batches import microbatch
 from brigade.planner.block_memory import block_memory
 from brigade.planner.devices import DeviceSpec
 from brigade.planner.mixture import Mixture, flop_counter, mixture
-from brigade.planner.optimizer import gpu_transient, optimizer_transient, seconds_per_byte
+from brigade.planner.optimizer import optimizer_transient, seconds_per_byte
 from brigade.planner.sample import runnable, take, tokens_per_sample
 from brigade.planner.shard_costs import measure_shard
 from brigade.planner.split_costs import TP, SplitCosts, measure_split
@@ -338,22 +336,3 @@ def _flops_and_outputs(spec: ModelSpec, x, y) -> tuple[list[float], list[float]]
         outs.append(out.numel() * out.element_size() / n if torch.is_tensor(out) else 0.0)
         h = out.detach()
     return flops, outs
-
-
-def scaled(costs: ModelCosts, target: DeviceSpec, precision: str) -> ModelCosts:
-    """`costs` as the target device would run them (module docstring).
-
-    Raises:
-        BrigadeError: the target has no known peak for `precision` (DeviceSpec.peak).
-    """
-    peak = target.peak(precision)
-    if target.measured and target.name == costs.here.name and \
-            (precision if precision in HALF else "") == costs.precision:
-        return costs  # measured here, in the run's precision
-    here = costs.here.peak("")
-    out = copy.copy(costs)
-    out.scale, out.mem_scale = here / peak, costs.here.mem_bw / target.mem_bw
-    out.source = SCALED if costs.source == MEASURED else costs.source
-    if not target.cores:  # a GPU: AdamW's foreach update there
-        out.opt_transient, out.opt_foreach = gpu_transient(costs.params), True
-    return out

@@ -3,7 +3,7 @@
 fused on the CPU and on CUDA, `config.optimizer`).
 
     seconds_per_byte      the step's median seconds per parameter byte (the planner scales it to
-                          the target by memory bandwidth: `costs.scaled`)
+                          the target by memory bandwidth: `scaling.scaled`)
     optimizer_transient   per block, the bytes the step allocates beyond its state, and whether a
                           step over several blocks allocates their sum (a foreach update) or the
                           largest (one tensor at a time)

@@ -17,12 +17,13 @@ from brigade.pipeline.plans.action import PlanError
 from brigade.pipeline.plans.schedule import SCHEDULES
 from brigade.planner import cluster as clusters
 from brigade.planner.config import PlanConfig
-from brigade.planner.costs import FORMULA, MEASURED, measure, scaled
+from brigade.planner.costs import FORMULA, MEASURED, measure
 from brigade.planner.devices import cpu, host_memory
 from brigade.planner.formula import from_shapes
 from brigade.planner.mixture import mixture
 from brigade.planner.predict import predict
 from brigade.planner.sample import tokens_per_sample
+from brigade.planner.scaling import scaled
 from brigade.planner.space import Layout, enumerate_layouts
 from brigade.planner.split_costs import TP
 from brigade.planner.tensor import TensorFacts, facts

@@ -6,8 +6,9 @@ from dataclasses import replace
 import pytest
 
 from brigade.models import load_model
-from brigade.planner.costs import measure, scaled
+from brigade.planner.costs import measure
 from brigade.planner.devices import TABLE
+from brigade.planner.scaling import scaled
 
 
 def _here():
