@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from brigade.pipeline.plans.action import COMM_OPS, RECV_B, RECV_F, B, F, I, Plan, PlanError
+from brigade.pipeline.plans.action import COMM_OPS, RECV_B, RECV_F, B, F, I, Plan
 from brigade.pipeline.plans.schedule import stage_ranks
 from brigade.pipeline.transport import nccl
 from brigade.pipeline.transport.ordering import DISCOVERY, PREDICTED, posting
@@ -93,34 +93,14 @@ def simulate(lines: list[tuple[Plan, str]], policy: str, meets: Collection[int],
 
 
 def _run(streams: dict, meeting: dict) -> int:
-    """Every stream's groups in order; an op completes when all of its meeting sit at their
-    streams' heads (a receive's later parts only once its earlier parts arrived)."""
+    """The rounds `nccl.run_streams` takes for these streams, each op with all of its meeting
+    (the module docstring's rules)."""
     where = {op: key for key, groups in streams.items() for grp in groups for op in grp}
-    head = {key: 0 for key in streams}
-    done: set = set()
+    def stuck(head, done) -> str:
+        return "deadlock: " + "; ".join(_stuck(streams, head, done, meeting, where))
 
-    def at_head(op) -> bool:
-        key = where[op]
-        if head[key] >= len(streams[key]) or op not in streams[key][head[key]]:
-            return False
-        return not _unread(streams[key][head[key]], where, done)
-
-    now = 0
-    while any(head[k] < len(g) for k, g in streams.items()):
-        progressed = False
-        for key, groups in streams.items():
-            for op in groups[head[key]] if head[key] < len(groups) else ():
-                if op not in done and all(o in where and at_head(o) for o in meeting[op]):
-                    done.update(meeting[op])
-                    progressed = True
-        for key, groups in streams.items():
-            while head[key] < len(groups) and all(op in done for op in groups[head[key]]):
-                head[key] += 1
-                progressed = True
-        if not progressed:
-            raise PlanError("deadlock: " + "; ".join(_stuck(streams, head, done, meeting, where)))
-        now += 1
-    return now
+    done = nccl.run_streams(streams, meeting, lambda group, done: _unread(group, where, done), stuck)
+    return 1 + max(done.values(), default=-1)
 
 
 def _unread(group, where, done) -> list:

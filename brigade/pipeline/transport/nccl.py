@@ -195,30 +195,47 @@ def simulate_nccl(streams: dict[int, list[tuple[Op, ...]]],
     """
     partner = _pair(streams, ranks if ranks is not None else _identity(streams))
     where = {op: r for r, groups in streams.items() for g in groups for op in g}
-    head = {r: 0 for r in streams}
-    done: dict[Op, int] = {}
+    def stuck(head, done) -> str:
+        return "NCCL deadlock: " + "; ".join(_stuck(streams, head, done, partner, where))
+
+    return run_streams(streams, {op: (op, partner[op]) for op in where},
+                       lambda group, done: _unread(group, where, done), stuck)
+
+
+def run_streams(streams: dict, meeting: dict, unread, stuck) -> dict:
+    """The rounds of a run of `streams` (each a stream's groups, in order), as NCCL runs them: an op
+    completes, with every op of its `meeting` (a send and its receive; a collective's every
+    member), once all of them sit in the groups at the heads of their streams and their hosts
+    could issue those groups (`unread(group, done)`: the earlier parts of its receives not yet
+    arrived, which the host must read first); a group leaves the head once all its ops completed.
+    Returns the round each op completed in.
+
+    Raises:
+        PlanError: `stuck(head, done)`, where no op can complete.
+    """
+    where = {op: key for key, groups in streams.items() for g in groups for op in g}
+    head = {key: 0 for key in streams}
+    done: dict = {}
+
+    def at_head(op) -> bool:
+        key = where[op]
+        return head[key] < len(streams[key]) and op in streams[key][head[key]] and \
+            not unread(streams[key][head[key]], done)
+
     now = 0
-
-    def issued_yet(r: int) -> bool:  # may the host issue rank r's head group?
-        return not _unread(streams[r][head[r]], where, done)
-
-    def at_head(op: Op) -> bool:
-        r = where[op]
-        return head[r] < len(streams[r]) and op in streams[r][head[r]] and issued_yet(r)
-
-    while any(head[r] < len(g) for r, g in streams.items()):
+    while any(head[k] < len(g) for k, g in streams.items()):
         progressed = False
-        for r, groups in streams.items():
-            for op in groups[head[r]] if head[r] < len(groups) else ():
-                if op not in done and at_head(op) and at_head(partner[op]):
-                    done[op] = done[partner[op]] = now
+        for key, groups in streams.items():
+            for op in groups[head[key]] if head[key] < len(groups) else ():
+                if op not in done and all(o in where and at_head(o) for o in meeting[op]):
+                    done.update((o, now) for o in meeting[op])
                     progressed = True
-        for r, groups in streams.items():
-            while head[r] < len(groups) and all(op in done for op in groups[head[r]]):
-                head[r] += 1
+        for key, groups in streams.items():
+            while head[key] < len(groups) and all(op in done for op in groups[head[key]]):
+                head[key] += 1
                 progressed = True
         if not progressed:
-            raise PlanError("NCCL deadlock: " + "; ".join(_stuck(streams, head, done, partner, where)))
+            raise PlanError(stuck(head, done))
         now += 1
     return done
 
