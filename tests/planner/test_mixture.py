@@ -19,6 +19,7 @@ from brigade.planner.memory import rank_memory
 from brigade.planner.mixture import Mixture, mixture
 from brigade.planner.predict import predict
 from brigade.planner.space import Layout, enumerate_layouts
+from brigade.results.moe_plan import QWEN3_30B_A3B
 
 T, C, E, K = 32, 64, 8, 2  # the tiny GPTs' sequence, width, experts and top-k
 DENSE = GPTConfig(vocab_size=96, block_size=T, n_layer=2, n_head=2, n_embd=C)
@@ -159,13 +160,11 @@ def test_a_bad_ep_is_one_line(cli, args, words):
     assert words in done.stderr, done.stderr
 
 
-TINY_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 32,
-                  "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
-                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts": 4,
-                  "num_experts_per_tok": 2, "norm_topk_prob": True, "vocab_size": 64,
-                  "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-                  "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                  "hidden_act": "silu", "torch_dtype": "bfloat16"}
+# Qwen3-30B-A3B's config.json (the results script's) at a tiny size: the same family and fields
+TINY_QWEN3_MOE = {**QWEN3_30B_A3B, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+                  "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                  "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 64, "max_position_embeddings": 128,
+                  "rope_theta": 10000.0}
 
 
 def test_a_config_only_mixture_plans_with_ep_and_writes_it_in_the_config(cli, tmp_path):
