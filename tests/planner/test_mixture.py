@@ -163,8 +163,8 @@ def test_a_bad_ep_is_one_line(cli, args, words):
 # Qwen3-30B-A3B's config.json (the results script's) at a tiny size: the same family and fields
 TINY_QWEN3_MOE = {**QWEN3_30B_A3B, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
                   "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-                  "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 64, "max_position_embeddings": 128,
-                  "rope_theta": 10000.0}
+                  "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 64,
+                  "max_position_embeddings": 128, "rope_theta": 10000.0}
 
 
 def test_a_config_only_mixture_plans_with_ep_and_writes_it_in_the_config(cli, tmp_path):
