@@ -16,8 +16,10 @@ stage's dp rank is replicate · S + shard. Expert parallel adds no dimension: it
 carved out of dp, `ep` consecutive dp ranks each (the experts split over them, the dense
 parameters keep their sharding over all of dp).
 
-Context (cp) and expert (ep) parallel are slots here: their degrees are checked and their
-groups computed, and the issues that bring them fill in what runs on them.
+Context parallel (cp) splits each sequence of a stage over cp processes (`parallel.context`):
+they hold the same weights, as data-parallel ones do, so their gradients are averaged over
+"dpcp" (replicate × shard × cp: DDP's group under --cp) or sharded over shard × cp (FSDP2,
+`world.mesh.World.data_mesh`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from dataclasses import dataclass, fields
 from brigade.errors import BrigadeError
 
 DIMS = ("replicate", "shard", "pp", "cp", "tp")  # the mesh's dimensions, outermost first
-FLATTENED = {"dp": ("replicate", "shard")}  # named groups over several dimensions
+# named groups over several dimensions: dp; under --cp, the processes that share a stage's weights
+FLATTENED = {"dp": ("replicate", "shard"), "dpcp": ("replicate", "shard", "cp")}
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,16 @@ class Degrees:
     @property
     def sharded(self) -> bool:
         """Whether a stage's replicas go under FSDP2: --shard, and tensor parallel with replicas
-        (whose DTensor parameters DDP does not take, at --shard 1 too). Its mixed precision, its
-        gathered copies and its gradient buffers follow (`parallel.assemble`, `planner.memory`)."""
-        return self.shard > 1 or (self.tp > 1 and self.dp > 1)
+        or context-parallel processes (whose DTensor parameters DDP does not take, at --shard 1
+        too). Its mixed precision, its gathered copies and its gradient buffers follow
+        (`parallel.assemble`, `planner.memory`)."""
+        return self.shard > 1 or (self.tp > 1 and self.dp * self.cp > 1)
+
+    @property
+    def fsdp(self) -> int:
+        """The processes FSDP2 shards a stage's weights over where `sharded`: --shard, times cp
+        (the context-parallel processes share the shards, as torchtitan has it)."""
+        return self.shard * self.cp
 
     @property
     def size(self) -> int:
@@ -157,21 +167,23 @@ class Degrees:
         return rank
 
     def group(self, dim: str, rank: int) -> list[int]:
-        """The ranks of `rank`'s group along `dim` (a dimension, "dp", "ep" or "edp"), in coordinate order."""
+        """The ranks of `rank`'s group along `dim` (a dimension, "dp", "dpcp", "ep" or "edp"), in
+        coordinate order."""
         return next(line for line in self.groups(dim) if rank in line)
 
     def groups(self, dim: str) -> list[list[int]]:
         """Every group along `dim` (a dimension of `DIMS`, "dp": replicate and shard together,
-        "ep": `ep` consecutive dp ranks, or "edp": the dp ranks of one place in their expert
-        groups, every ep-th), each its ranks in coordinate order; the groups in rank order of the
-        other coordinates. Every rank must create process groups in this order."""
+        "ep": `ep` consecutive dp ranks, "edp": the dp ranks of one place in their expert
+        groups, every ep-th, or "dpcp": dp and cp together), each its ranks in coordinate
+        order; the groups in rank order of the other coordinates. Every rank must create process
+        groups in this order."""
         if dim == "ep":
             return [line[i:i + self.ep] for line in self.groups("dp") for i in range(0, self.dp, self.ep)]
         if dim == "edp":
             return [line[i::self.ep] for line in self.groups("dp") for i in range(self.ep)]
         along = FLATTENED.get(dim, (dim,))
         if not set(along) <= set(DIMS):
-            raise ValueError(f"unknown dimension {dim!r}: expected one of {', '.join(DIMS)}, dp or ep")
+            raise ValueError(f"unknown dimension {dim!r}: expected one of {', '.join(DIMS)}, dp, dpcp or ep")
         out: dict[tuple, list[int]] = {}
         for r in range(self.size):
             c = self.coords(r)

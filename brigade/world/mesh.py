@@ -13,7 +13,15 @@ rank from coordinates.
       ├ shard_mesh: ("shard") or ("replicate", "shard"): what FSDP2 shards (and HSDP replicates) over
       ├ "tp": parallelize_module's mesh (tensor parallel and FSDP2 from one root: 2-D DTensors)
       ├ "pp": the pipeline's sends and receives, the gradient norm over stages
-      └ "ep": the expert groups, ep consecutive dp ranks each (made only where ep > 1)
+      ├ "ep": the expert groups, ep consecutive dp ranks each (made only where ep > 1)
+      ├ "cp": the processes one stage's sequences are split over (`parallel.context`)
+      └ "dpcp" = replicate × shard × cp, one group where cp > 1: DDP's group (cp processes hold
+               the same weights), the loss's mean over replicas and parts
+
+    data_mesh ("dreplicate", "dshard", "dpp", "dtp")   where cp > 1: the same ranks, shard × cp
+      ├ ("dreplicate", "dshard"): what FSDP2 shards over under --cp (the cp processes share the
+      │  shards, torchtitan's dp_shard × cp), `shard_mesh` then
+      └ "dtp": tensor parallel's mesh then, so that FSDP2's 2-D DTensors have one root
 
     expert_mesh ("edp", "ep", "epp", "ecp", "etp")   where ep > 1: the same ranks, dp cut in two
       ├ "ep": the processes a mixture of experts' experts are split over (`parallel.experts`)
@@ -24,6 +32,9 @@ The expert mesh is a second root over the same ranks in the same order (dp = edp
 rank, ep innermost, as `Degrees.groups("ep")` has it): an expert weight is a DTensor split over
 its "ep" dimension, and FSDP2 shards it further over "edp" of the same root. Its other names
 are its own ("epp", not "pp"): DTensor caches what it computed for a mesh by shape and names.
+
+The data mesh is the main grid with cp moved beside shard (a DeviceMesh over a permuted table of
+the ranks: a rank keeps its coordinates, `Degrees.coords`), so that shard × cp is one dimension.
 
 A world of one process without a process group (`brigade check --runtime local` in the calling
 process) has no mesh: it has nothing to communicate.
@@ -40,6 +51,7 @@ from brigade.errors import BrigadeError
 from brigade.world.degrees import DIMS, FLATTENED, Coords, Degrees
 
 EXPERT_DIMS = ("edp", "ep", "epp", "ecp", "etp")  # the expert mesh's (module docstring)
+DATA_DIMS = ("dreplicate", "dshard", "dpp", "dtp")  # the data mesh's, where cp > 1
 
 
 class World:
@@ -64,7 +76,7 @@ class World:
         self.local = devices is not None  # it drives its pipeline ranks itself (a LocalPipeline)
         self.rank = dist.get_rank() if joined else 0
         self.coords: Coords = degrees.coords(self.rank)
-        self.mesh, self._flat, self.expert_mesh = None, {}, None
+        self.mesh, self._flat, self.expert_mesh, self.data_mesh = None, {}, None, None
         if joined:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -73,10 +85,13 @@ class World:
             # `_flatten`: a flattened mesh and its root point at each other, and the groups they
             # hold outlive the process group until a garbage collection, which in a process forked
             # from this one (the launcher forks on CPU) runs their destructors without their threads.
-            self._flat = {name: _groups(degrees, name) for name in FLATTENED}
+            self._flat = {name: _groups(degrees, name) for name in FLATTENED
+                          if name == "dp" or degrees.cp > 1}
             if degrees.ep > 1:  # carved out of dp: no dimension of the mesh, a root of its own
                 shape = (degrees.dp // degrees.ep, degrees.ep, degrees.pp, degrees.cp, degrees.tp)
                 self.expert_mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=EXPERT_DIMS)
+            if degrees.cp > 1:
+                self.data_mesh = _data_mesh(self.device.type, degrees)
 
     def group(self, dim: str):
         """The process group of this rank along `dim`: a dimension of the mesh, "dp", or "ep" and
@@ -88,19 +103,34 @@ class World:
                 raise ValueError(f"no expert groups in a world of ep {self.degrees.ep}")
             return self.expert_mesh[dim].get_group()
         if dim in FLATTENED:
-            return self._flat[dim]
+            return self._flat[dim] if dim in self._flat else self._flat["dp"]  # dpcp at cp 1: dp
         return self.mesh[dim].get_group()
 
     @property
     def shard_mesh(self):
         """What FSDP2 shards over: ("shard"), or ("replicate", "shard") where there are replicas
-        (HSDP; with --shard 1 under tensor parallel: replication only)."""
-        return self.mesh["shard"] if self.degrees.replicate == 1 else self.mesh["replicate", "shard"]
+        (HSDP; with --shard 1 under tensor parallel: replication only); under --cp the data
+        mesh's, shard × cp."""
+        mesh, (rep, shard) = (self.data_mesh, DATA_DIMS[:2]) if self.data_mesh is not None else \
+            (self.mesh, ("replicate", "shard"))
+        return mesh[shard] if self.degrees.replicate == 1 else mesh[rep, shard]
+
+    @property
+    def shard_group(self):
+        """The group of processes one FSDP2 shard set spreads over (not its replicas): "shard", or
+        under --cp the data mesh's shard × cp. What a sharded gradient norm sums over."""
+        return self.data_mesh["dshard"].get_group() if self.data_mesh is not None else self.group("shard")
 
     @property
     def tp_mesh(self):
-        """parallelize_module's mesh: the "tp" dimension of the one root, which FSDP2 shares."""
-        return self.mesh["tp"]
+        """parallelize_module's mesh: the "tp" dimension of the root FSDP2 shares (the data mesh's
+        under --cp)."""
+        return self.data_mesh["dtp"] if self.data_mesh is not None else self.mesh["tp"]
+
+    @property
+    def cp_mesh(self):
+        """The 1-D mesh of this stage's context-parallel processes (ring attention's DTensors)."""
+        return self.mesh["cp"]
 
     def stage_group(self, device: torch.device):
         """A new group over this rank's data-parallel replicas for one local stage, bound to that
@@ -141,6 +171,16 @@ class World:
         where those are split)."""
         c, d = self.coords, self.degrees
         return f"dp{c.dp} pp{c.pp}" + (f" cp{c.cp}" if d.cp > 1 else "") + (f" tp{c.tp}" if d.tp > 1 else "")
+
+
+def _data_mesh(device_type: str, degrees: Degrees):
+    """The data mesh (module docstring): the ranks' grid with cp beside shard, flattened with it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    d = degrees
+    grid = torch.arange(d.size).view(d.replicate, d.shard, d.pp, d.cp, d.tp).permute(0, 1, 3, 2, 4)
+    return DeviceMesh(device_type, grid.reshape(d.replicate, d.shard * d.cp, d.pp, d.tp),
+                      mesh_dim_names=DATA_DIMS)
 
 
 def _groups(degrees: Degrees, dim: str):

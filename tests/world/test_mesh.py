@@ -15,8 +15,9 @@ from brigade.launcher import agent, groups
 from brigade.world.degrees import Degrees
 from brigade.world.mesh import World
 
+DIMS = ("replicate", "shard", "pp", "cp", "tp", "dp", "dpcp")  # every group the worlds have
 WORLDS = [Degrees(dp=4), Degrees(dp=4, shard=2, ep=2), Degrees(dp=2, pp=2), Degrees(pp=2, tp=2),
-          Degrees(dp=2, shard=2, tp=2), Degrees(cp=2, tp=2)]
+          Degrees(dp=2, shard=2, tp=2), Degrees(cp=2, tp=2), Degrees(dp=2, cp=2)]
 
 
 def _ranks(group) -> list[int]:
@@ -32,7 +33,7 @@ def worlds_worker() -> dict:
         got = {"coords": world.coords, "stream": world.stream, "place": world.place,
                "shard_mesh": sorted(world.shard_mesh.mesh.flatten().tolist()),
                "tp_mesh": world.tp_mesh.mesh.flatten().tolist()}
-        for dim in ("replicate", "shard", "pp", "cp", "tp", "dp") + (("ep", "edp") if d.ep > 1 else ()):
+        for dim in DIMS + (("ep", "edp") if d.ep > 1 else ()):
             got[dim] = _ranks(world.group(dim))
         out[str(d)] = got
     try:
@@ -55,10 +56,11 @@ def test_every_group_and_mesh_is_the_degrees_group(launched, d):
     for rank, got in launched.items():
         case = got[str(d)]
         assert case["coords"] == d.coords(rank)
-        for dim in ("replicate", "shard", "pp", "cp", "tp", "dp") + (("ep", "edp") if d.ep > 1 else ()):
+        for dim in DIMS + (("ep", "edp") if d.ep > 1 else ()):
             assert case[dim] == d.group(dim, rank), (dim, rank)
         assert case["tp_mesh"] == d.group("tp", rank)
-        shard_over = "shard" if d.replicate == 1 else "dp"  # FSDP2's mesh: HSDP's is 2-D
+        # FSDP2's mesh: HSDP's is 2-D; under cp the data mesh's shard × cp (and its replicas)
+        shard_over = "shard" if d.replicate == 1 and d.cp == 1 else "dpcp"
         assert case["shard_mesh"] == sorted(d.group(shard_over, rank))
         assert case["stream"] == rank // d.tp  # the tp processes of a stage share one
         assert case["place"].startswith(f"dp{d.coords(rank).dp} pp{d.coords(rank).pp}")
