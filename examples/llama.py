@@ -1,11 +1,15 @@
-"""A Llama-style decoder as brigade blocks: RMSNorm, rotary embeddings, grouped-query attention,
-SwiGLU, a causal mask built from a padding mask (a side input), and a head tied to the embedding.
+"""A Llama-style decoder as brigade blocks: RMSNorm, rotary embeddings at each token's position (a
+side input), grouped-query causal attention, SwiGLU, and a head tied to the embedding.
 
     brigade check --model examples/llama.py:model --stages 2
 
 Shapes: B batch, T time, C n_embd, H n_head, K n_kv_head, D head size, V vocab_size.
 Nothing here knows about parallelism: the blocks declare the side input they take, and the
-head shares the embedding's weight; brigade delivers the mask and keeps the copies equal. Each
+head shares the embedding's weight; brigade delivers the positions and keeps the copies equal.
+Under context parallel (--cp) brigade cuts the positions with the tokens, so each part of a
+sequence rotates by its global positions, and routes the causal attention over the parts.
+Attention is causal without a mask: data that pads a row pads its end, where no real token
+looks, and gives the pads' targets IGNORE, which the loss skips. Each
 block also declares how tensor parallel (--tp) may split it (`tp_plan`): q, the fused k/v and
 the SwiGLU's gate and up column-wise, by whole heads; the attention output and down row-wise;
 the two norms on a part of the sequence (sequence parallel, where x is (B, T/tp, C)). Attention
@@ -29,7 +33,7 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rotate(x, cos, sin):  # (B, H, T, D), (T, D/2) -> (B, H, T, D): rotate pairs by position
+def rotate(x, cos, sin):  # (B, H, T, D), (B, 1, T, D/2) -> (B, H, T, D): rotate pairs by position
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
@@ -46,7 +50,7 @@ class Embed(nn.Module):
 
 
 class Decoder(nn.Module):
-    side_inputs = ("padding_mask",)  # brigade hands it to forward, from the batch
+    side_inputs = ("positions",)  # brigade hands it to forward, from the batch
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int, block_size: int, theta: float = 10000.0):
         super().__init__()
@@ -65,7 +69,7 @@ class Decoder(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)  # (block_size, D/2)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x, *, padding_mask):  # (B, T, C), (B, T) bool -> (B, T, C)
+    def forward(self, x, *, positions):  # (B, T, C), (B, T) int64 -> (B, T, C)
         h = self.attn_norm(x)
         q = self.q(h)  # (B, T, H * D): the whole sequence even where x holds a part of it
         b, t, _ = q.shape
@@ -73,12 +77,10 @@ class Decoder(nn.Module):
         # Rows of kv are head-major, each head's k and v adjacent: a split hands out whole heads.
         kv = self.kv(h).view(b, t, -1, 2, self.d)  # (B, T, K, 2, D)
         k, v = (kv[..., i, :].transpose(1, 2) for i in range(2))  # (B, K, T, D) each
-        q, k = rotate(q, self.cos[:t], self.sin[:t]), rotate(k, self.cos[:t], self.sin[:t])
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, T, D/2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k, v = (z.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for z in (k, v))  # (B, H, T, D)
-        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        # Attend to earlier real tokens, and always to itself: a padded row never has no key.
-        mask = (causal & padding_mask[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=q.device)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
         x = x + self.o(y.transpose(1, 2).reshape(b, t, -1))
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
@@ -112,19 +114,15 @@ def model(vocab_size: int = 96, block_size: int = 32, n_layer: int = 4, n_embd: 
 
 
 def batch(n: int, generator: torch.Generator, vocab_size: int = 96, block_size: int = 32):
-    """Counting sequences ((start + i) mod V) padded at the end to `block_size`: learnable."""
+    """Counting sequences ((start + i) mod V), each `block_size` long: learnable."""
     start = torch.randint(vocab_size, (n, 1), generator=generator)
     seq = (start + torch.arange(block_size + 1)) % vocab_size  # (B, T + 1)
-    lengths = torch.randint(block_size // 2, block_size + 1, (n, 1), generator=generator)
-    real = torch.arange(block_size + 1) < lengths  # (B, T + 1): True on real tokens
-    seq = seq.masked_fill(~real, 0)
-    targets = seq[:, 1:].masked_fill(~real[:, 1:], IGNORE)
-    return {"tokens": seq[:, :-1], "padding_mask": real[:, :-1]}, targets
+    return text_inputs(seq[:, :-1]), seq[:, 1:]
 
 
-def text_inputs(tokens):  # (B, T) int64 -> the inputs model() takes; used with --data FILE
-    """A text's ids as inputs: every position is real (brigade cuts text into full blocks)."""
-    return {"tokens": tokens, "padding_mask": torch.ones_like(tokens, dtype=torch.bool)}
+def text_inputs(tokens):  # (B, T) int64 -> the inputs model() takes; also used with --data FILE
+    """Token ids as inputs, with each token's position in its row."""
+    return {"tokens": tokens, "positions": torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1)}
 
 
 def loss(logits, targets):  # (B, T, V), (B, T) -> scalar

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from brigade.config import ModelConfig, ParallelConfig
-from brigade.config.fielddoc import FLOAT8, MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
+from brigade.config.fielddoc import CP_METHODS, FLOAT8, MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
 
 Case = tuple  # (schedule, m[, virtual[, recompute]]); virtual 0: the schedule's own V
 
@@ -38,6 +38,8 @@ class CheckConfig:
     shard: int = doc(1, sentence(ParallelConfig, "shard"))
     tp: int = doc(1, sentence(ParallelConfig, "tp") + " (dp × stages × tp processes)")
     ep: int = doc(1, sentence(ParallelConfig, "ep"))
+    cp: int = doc(1, sentence(ParallelConfig, "cp") + " (dp × stages × cp × tp processes)")
+    cp_method: str = doc("auto", sentence(ParallelConfig, "cp_method"), choices=CP_METHODS)
     recompute: str = doc("none", sentence(ParallelConfig, "recompute"), choices=RECOMPUTES)
     reshard: bool = doc(False, sentence(ParallelConfig, "reshard"))
     sequence_parallel: bool = doc(True, sentence(ParallelConfig, "sequence_parallel"))
@@ -70,6 +72,8 @@ class CheckResult:
     tp: int = 1
     sequence_parallel: bool = False
     ep: int = 1
+    cp: int = 1
+    cp_method: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -15,6 +15,7 @@ from brigade.models import ModelSpec, load_model
 from brigade.parallel import recompute, tensor
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.plans.schedule import build, placement
+from brigade.pipeline.stages import structure
 from brigade.pipeline.stages.partition import check_chain, choose_balance
 from brigade.world.degrees import Degrees
 
@@ -51,11 +52,13 @@ def _check_devices(devices: list[str], stages: int) -> None:
 
 def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
     """dp, the workers it starts, and what dp cannot check."""
-    Degrees(dp=cfg.dp, shard=cfg.shard, tp=cfg.tp, ep=cfg.ep).check()  # each ≥ 1, --shard, --ep dividing --dp
+    # each ≥ 1, --shard and --ep dividing --dp
+    Degrees(dp=cfg.dp, shard=cfg.shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep).check()
     _check_experts(cfg, spec)
-    workers, cap = cfg.dp * cfg.stages * cfg.tp, max_workers(cfg.runtime)
+    _check_context(cfg, spec)
+    workers, cap = cfg.dp * cfg.stages * cfg.cp * cfg.tp, max_workers(cfg.runtime)
     if workers > cap and (cfg.runtime == "process" or cfg.dp > 1):
-        tp = f" × --tp {cfg.tp}" if cfg.tp > 1 else ""
+        tp = (f" × --cp {cfg.cp}" if cfg.cp > 1 else "") + (f" × --tp {cfg.tp}" if cfg.tp > 1 else "")
         raise BrigadeError(f"--dp {cfg.dp} × --stages {cfg.stages}{tp} = {workers} workers but this machine "
                            f"should run at most {cap} (one per GPU, four per CPU core): use fewer of either")
     _check_tensor_parallel(cfg, spec)
@@ -85,6 +88,27 @@ def _check_experts(cfg: CheckConfig, spec: ModelSpec) -> None:
                            "processes, and the local runtime drives every stage from one; use "
                            "--runtime process")
     check_model(spec.blocks, cfg.ep, cfg.model)
+
+
+def _check_context(cfg: CheckConfig, spec: ModelSpec) -> None:
+    """--cp: across processes, without --ep, on a batch whose sequences it splits, over heads that
+    all-to-all splits (where the blocks' plans say how many), and the method this device has."""
+    from brigade.parallel import context
+
+    context.check_layout(cfg.cp, cfg.cp_method, ep=cfg.ep, runtime=cfg.runtime)
+    if cfg.cp == 1:
+        return
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    method = context.method_for(cfg.cp_method, device)
+    x, _ = spec.make_batch(1, torch.Generator().manual_seed(0))
+    lengths = [t.shape[1] for t in structure.flatten(x, "input")[0]
+               if torch.is_tensor(t) and t.dim() == 2 and not t.is_floating_point()]
+    if not lengths:
+        raise BrigadeError(f"--cp {cfg.cp} on {cfg.model}, whose inputs hold no token sequence (no (B, T) "
+                           "integer tensor): context parallel splits sequences; drop --cp")
+    context.check_length(lengths[0], cfg.cp, cfg.tp if cfg.sequence_parallel else 1, method,
+                         what=f"{cfg.model}'s sequence length")
+    context.check_model(spec.blocks, cfg.cp, method, cfg.tp, lengths[0], cfg.model)
 
 
 def _check_tensor_parallel(cfg: CheckConfig, spec: ModelSpec) -> None:

@@ -13,6 +13,7 @@ def lines(cfg: CheckConfig, result: dict) -> list[str]:
     sharded += f", tp={cfg.tp}" + (" (sequence parallel)" if result.get("sequence_parallel") else "") \
         if cfg.tp > 1 else ""
     sharded += f", ep={cfg.ep}" if cfg.ep > 1 else ""
+    sharded += f", cp={cfg.cp} ({result.get('cp_method')})" if cfg.cp > 1 else ""
     sharded += f", recompute {cfg.recompute}" if cfg.recompute != "none" else ""
     out = [f"{verdict}: {cfg.model} on {cfg.stages} stages ({cfg.runtime}), {cfg.schedule}, "
            f"V={result['virtual']}, dp={cfg.dp}{sharded}, m={cfg.microbatches}, "

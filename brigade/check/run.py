@@ -97,7 +97,7 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     cut = _cut(cfg, spec, schedule, v, x, world.device)
     # the same assembler as brigade train's (the reference, a deep copy, ran unwrapped)
     built = assemble(spec.blocks, cut, world, mode, cfg.reshard, sequence_parallel=cfg.sequence_parallel,
-                     compile=cfg.compile, float8=cfg.float8)
+                     compile=cfg.compile, float8=cfg.float8, cp_method=cfg.cp_method)
     loss = _step(built, schedule, m, spec.loss_fn, x, y, warm=cfg.compile)
     _compiled_somewhere(cfg, built)
     held = built.held
@@ -114,7 +114,8 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     return CheckResult(schedule, m, cfg.stages, cfg.runtime, list(cut.balance), loss, d[0], d[1], d[2],
                        ref_kind, ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp,
                        reference_device=str(ref_device), shard=cfg.shard, recompute=mode, tp=cfg.tp,
-                       sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, ep=cfg.ep)
+                       sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, ep=cfg.ep, cp=cfg.cp,
+                       cp_method=built.context.method if built.context else "")
 
 
 def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y, warm: bool = False) -> float:
@@ -163,7 +164,8 @@ def _degrees(cfg: CheckConfig) -> Degrees:
     """The check's world: dp × stages × tp processes, or dp processes of the local runtime (each
     drives every stage)."""
     if cfg.runtime == "process":
-        return degrees_of(ParallelConfig(dp=cfg.dp, pp=cfg.stages, shard=cfg.shard, tp=cfg.tp, ep=cfg.ep))
+        return degrees_of(ParallelConfig(dp=cfg.dp, pp=cfg.stages, shard=cfg.shard, tp=cfg.tp, ep=cfg.ep,
+                                         cp=cfg.cp))
     return Degrees(dp=cfg.dp)
 
 

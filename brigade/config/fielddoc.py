@@ -204,3 +204,12 @@ PRECISIONS = Choices(_precision_names)
 RECOMPUTES = Choices(_recompute_names, _recompute_help)
 UPDATES = Choices(_update_names, _update_help)
 FLOAT8 = Choices(_float8_names)
+
+
+def _cp_method_names() -> list[str]:
+    from brigade.config.context import METHODS  # owns the names
+
+    return list(METHODS)
+
+
+CP_METHODS = Choices(_cp_method_names)

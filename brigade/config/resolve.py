@@ -30,11 +30,11 @@ def pipeline_shape(p: ParallelConfig) -> tuple[int, int]:
 def degrees_of(p: ParallelConfig) -> Degrees:
     """The parallel degrees of a resolved layout (dp set): what `world.World` builds its mesh from.
     Local stages are devices inside one process, not a degree of the world."""
-    return Degrees(dp=p.dp, shard=p.shard, pp=p.pp, tp=p.tp, ep=p.ep)
+    return Degrees(dp=p.dp, shard=p.shard, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep)
 
 
 def resolve_layout(cfg: RunConfig, world: Launched | None = None, given: Collection[str] = ()) -> RunConfig:
-    """The one place the layout is derived: dp = world ÷ (pp × tp) when --dp is 0. Pure.
+    """The one place the layout is derived: dp = world ÷ (pp × cp × tp) when --dp is 0. Pure.
 
     Local stages live inside one process, so they do not divide the world. Under a launcher
     the world is the launcher's; `--nproc` and `--nnodes` then only need to agree with it if
@@ -55,10 +55,10 @@ def resolve_layout(cfg: RunConfig, world: Launched | None = None, given: Collect
     if world is not None:
         (nproc, nnodes), size = _launcher_nodes(p, world, given), world.size
         where = f"set by {world.launcher}"
-    by = " ÷ --tp" if p.tp > 1 else ""
+    by = (" ÷ --cp" if p.cp > 1 else "") + (" ÷ --tp" if p.tp > 1 else "")
     hint = "" if world is None else f", or leave --dp out to derive it ({size} ÷ --pp{by})"
     # --shard is checked with the batch (below), at every node count an elastic range reaches.
-    dp = Degrees.derive(size, dp=p.dp, pp=p.pp, tp=p.tp, ep=p.ep, where=f" ({where})", hint=hint).dp
+    dp = Degrees.derive(size, dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep, where=f" ({where})", hint=hint).dp
     out = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp, nproc=nproc, nnodes=nnodes))
     if p.min_nodes:  # every node count the range can reach
         elastic.check_range(out.parallel, given, world is not None, lambda n, d: _check_batch(out, d, n))

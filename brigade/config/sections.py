@@ -12,7 +12,17 @@ import json
 import typing
 from dataclasses import dataclass, field, fields
 
-from brigade.config.fielddoc import FLOAT8, MODELS, PRECISIONS, RECOMPUTES, SCHEDULES, UPDATES, VIRTUALS, doc
+from brigade.config.fielddoc import (
+    CP_METHODS,
+    FLOAT8,
+    MODELS,
+    PRECISIONS,
+    RECOMPUTES,
+    SCHEDULES,
+    UPDATES,
+    VIRTUALS,
+    doc,
+)
 
 
 @dataclass
@@ -60,6 +70,13 @@ class ParallelConfig:
     ep: int = doc(1, "expert parallel: the processes a mixture of experts' experts are split over, "
                      "taken from the --dp data-parallel ones (each holds experts ÷ ep; tokens reach "
                      "their experts by all-to-all); dense weights keep their sharding; 1: none")
+    cp: int = doc(1, "context parallel: the processes each sequence is split over, T ÷ cp positions "
+                     "each (activations ÷ cp); attention exchanges by --cp-method; they share a stage's "
+                     "weights as replicas do (FSDP2 shards over --shard × cp); 1: none")
+    cp_method: str = doc("auto", "how attention reaches the other parts of a sequence under --cp "
+                                 "({choices}): all-to-all over heads (needs the heads ÷ tp divisible by "
+                                 "cp), or ring attention (CUDA); auto: ring on GPUs, all-to-all on CPU",
+                         choices=CP_METHODS)
     tp: int = doc(1, "tensor-parallel processes each block's matmuls are split over (DTensor), the "
                      "innermost mesh dimension, so on the fastest links; the model's blocks say how "
                      "(a tp_plan); 1: none")

@@ -44,6 +44,7 @@ def validate(cfg: RunConfig) -> None:
         raise BrigadeError(f"--n-embd {m.n_embd} is not a multiple of --n-head {m.n_head}")
     experts(m.experts, m.top_k, m.model)
     expert_parallel(p.ep, m.experts, m.model, p.local_stages)
+    _context_parallel(cfg)
     from brigade.pipeline.plans import schedule  # the registry owns the names and each one's V
     sched = schedule.SCHEDULES[schedule.check(p.schedule)]
     v = sched.resolve_virtual(p.virtual)
@@ -98,6 +99,27 @@ def expert_parallel(ep: int, experts: int, model: str, local_stages: int = 1) ->
     if experts % ep:
         raise BrigadeError(f"--ep {ep} does not divide --experts {experts}: give --ep a divisor of {experts} "
                            "(each process of an expert group holds experts ÷ ep of them)")
+
+
+def _context_parallel(cfg: RunConfig) -> None:
+    """--cp: a positive degree over processes (`config.context.check_layout`), a --block-size it
+    splits, and, for the built-in gpt under all-to-all, heads it splits; not under an elastic
+    node range."""
+    from brigade.config import context  # owns the rules
+
+    p, m = cfg.parallel, cfg.model
+    _positive("cp", p.cp)
+    context.check_layout(p.cp, p.cp_method, local_stages=p.local_stages, ep=p.ep)
+    if p.cp == 1:
+        return
+    if p.min_nodes:
+        raise BrigadeError(f"--cp {p.cp} with an elastic --nnodes {p.min_nodes}:{p.nnodes}: not supported "
+                           "yet (the node counts an elastic run reaches are checked against pp only); give "
+                           "a fixed --nnodes, or drop --cp")
+    context.check_length(cfg.data.block_size, p.cp, p.tp if p.sequence_parallel else 1,
+                         "ring" if p.cp_method == "ring" else "all-to-all")
+    if m.model == "gpt" and p.cp_method != "ring":
+        context.check_heads(m.n_head, m.n_head, p.cp, p.tp, where="the gpt (--n-head)")
 
 
 def _tensor_parallel(p) -> None:

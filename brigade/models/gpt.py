@@ -50,11 +50,13 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) int64 -> (B, T, C)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) int64 → (B, T, C); `positions` (T,): each token's place in its sequence (brigade
+        hands a part of a sequence its global ones under context parallel), else 0..T−1."""
         t = idx.shape[1]
-        if t > self.block_size:
+        if positions is None and t > self.block_size:  # given positions: the whole was checked
             raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        pos = torch.arange(t, device=idx.device) if positions is None else positions
         return self.drop(self.tok(idx) + self.pos(pos))
 
 

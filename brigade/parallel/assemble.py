@@ -12,6 +12,10 @@ their stages here, so what the check proves equal to one device is what training
                                     sequence parallel where a plan allows it and the run wants
                                     it, with the boundaries between parts and whole blocks
                                     (parallel.sequence)
+              1b. context parallel  each held block's attention over the world's "cp" group, by
+                                    all-to-all or ring, and its part's global positions, with
+                                    --cp (parallel.context); the pipeline cuts each micro-batch
+                                    along the sequence
                2. recompute         each held block's forward, by its mode (parallel.recompute)
                3. expert parallel   each held MoE layer's experts split over the expert group,
                                     its tokens sent to them by all-to-all, with --ep
@@ -20,7 +24,8 @@ their stages here, so what the check proves equal to one device is what training
                                     (parallel.compiled)
                5. shard / replicate each stage under FSDP2 over the world's shard mesh
                                     (parallel.shard), or DDP over its data-parallel group
-                                    (parallel.replicate), where the stage has replicas; under
+                                    (parallel.replicate), where the stage has replicas (or
+                                    context-parallel processes: over dp × cp); under
                                     --ep the experts are a unit of their own over the expert
                                     mesh's "edp" (FSDP2), or left out of DDP and summed by hand
            ─ weights read into what each process holds (hf:DIR: a DTensor's own part)
@@ -53,7 +58,7 @@ import torch
 from torch import nn
 
 from brigade.models.hf.weights import materialize
-from brigade.parallel import compiled, experts, recompute, sequence, tensor, vocab
+from brigade.parallel import compiled, context, experts, recompute, sequence, tensor, vocab
 from brigade.parallel import float8 as fp8
 from brigade.parallel.replicate import data_parallel
 from brigade.parallel.shard import shard_policy, shard_stage
@@ -63,7 +68,8 @@ from brigade.pipeline.stages.ties import StageTies, aliases, find_shared
 from brigade.world.mesh import World
 
 # the wrappers, first applied first
-ORDER = ("float8", "tensor parallel", "recompute", "expert parallel", "compile", "shard or replicate")
+ORDER = ("float8", "tensor parallel", "context parallel", "recompute", "expert parallel", "compile",
+         "shard or replicate")
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,7 @@ class Assembly:
     mixed: torch.dtype | None = None  # the sharded stages' gathered-weight dtype (FSDP2's policy)
     eager: list[int] = field(default_factory=list)
     float8: fp8.Conversion | None = None  # what --float8 converted (its `line()`)
+    context: context.ContextParallel | None = None  # --cp: the cut of every sequence
 
     def after_optimizer_step(self) -> None:
         """What the wrappers need once the weights changed: float8's scales for FSDP's float8
@@ -160,15 +167,16 @@ class Assembly:
                                  autocast=self.autocast, virtual=self.cut.virtual, costs=costs)
         pipe = Pipeline(self.stages, schedule, n_microbatches, loss_fn, group=self.world.group("pp"),
                         device=self.world.device, autocast=self.autocast, virtual=self.cut.virtual,
-                        costs=costs)
-        experts.same_plan(pipe.plan, self.world)  # under --ep: every replica's all-to-alls in one order
+                        costs=costs, parts=self.context)
+        experts.same_plan(pipe.plan, self.world)  # --ep, --cp: every line's all-to-alls in one order
         return pipe
 
 
 def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: str = "none",
              reshard: bool = False, autocast: torch.dtype | None = None,
              weights: Callable[[dict[int, nn.Module], torch.device], None] | None = None,
-             sequence_parallel: bool = True, compile: bool = False, float8: str = "") -> Assembly:
+             sequence_parallel: bool = True, compile: bool = False, float8: str = "",
+             cp_method: str = "auto") -> Assembly:
     """This process's stages of `blocks`, cut by `cut`, wrapped for `world` in `ORDER`.
 
     Called by every process with the same blocks (built from one seed) and cut.
@@ -188,6 +196,7 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
             allows it would hold whole on every tp process (`parallel.sequence`).
         compile: compile each held block's forward (`parallel.compiled`).
         float8: a float8 recipe, tensorwise or rowwise ("": none; `parallel.float8`).
+        cp_method: under --cp, how attention exchanges (`context.method_for`).
 
     Raises:
         BrigadeError: a mode or plan a block refuses (`recompute.modes`, `tensor.parallelize`).
@@ -202,7 +211,8 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     held = {i: blocks[i] for i in indices}
     converted = fp8.convert(blocks, float8, sharded(world), indices) if float8 else None  # 0. float8
     tp_mesh = world.tp_mesh if world.degrees.tp > 1 else None
-    modes = split_blocks(blocks, indices, tp_mesh, recompute_mode, sequence_parallel)  # 1. and 2.
+    cp = _context(world, cp_method)
+    modes = split_blocks(blocks, indices, tp_mesh, recompute_mode, sequence_parallel, cp)  # 1. and 2.
     experts.split_experts([blocks[i] for i in indices], world)  # 3. expert parallel
     eager = compiled.compile_blocks(blocks, indices, modes) if compile else []  # 4. compile
     stages = split(blocks, list(cut.balance))
@@ -212,21 +222,33 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
         {s: _replicated(stages[s], world, reshard, mixed) for s in mine}  # 5. shard or replicate
     if weights is not None:  # after tensor parallel and sharding: each reads only its part
         weights(held, world.device)
-    return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed, eager, converted)
+    return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed, eager, converted, cp)
+
+
+def _context(world: World, method: str) -> context.ContextParallel | None:
+    """Context parallel's cut, where --cp > 1, by `method` on this world's device."""
+    if world.degrees.cp == 1:
+        return None
+    method = context.method_for(method, world.device.type)
+    return context.ContextParallel(world.group("cp"), world.cp_mesh, method)
 
 
 def split_blocks(blocks: list[nn.Module], indices: list[int], tp_mesh, recompute_mode: str,
-                 sequence_parallel: bool = True) -> list[str]:
+                 sequence_parallel: bool = True, cp: context.ContextParallel | None = None) -> list[str]:
     """Wrappers 1 and 2 on the held blocks `indices`, in place: tensor parallel over `tp_mesh`
     (None: none), sequence parallel where a plan allows it and `sequence_parallel` asks, with the
-    boundaries between parts and whole blocks; then recompute, and what a block without it saves
-    made parts. Returns every block's recompute mode (`recompute.apply`). The planner measures
-    a block on one tp process through this too (`planner.split_costs`)."""
+    boundaries between parts and whole blocks; context parallel by `cp` (None: none); then
+    recompute, and what a block without it saves made parts. Returns every block's recompute
+    mode (`recompute.apply`). The planner measures a block on one tp process through this too
+    (`planner.split_costs`)."""
+    tp, parts = 1, [False] * len(blocks)
     if tp_mesh is not None:  # 1. tensor parallel, sequence parallel where it may
         tensor.parallelize([blocks[i] for i in indices], tp_mesh, sequence_parallel)
         tp = tp_mesh.size()
         parts = [sequence_parallel and sequence.takes_part(b, tensor.plan_at(b, tp)) for b in blocks]
         sequence.boundaries(blocks, parts, indices, tp_mesh)
+    if cp is not None:  # 1b. context parallel
+        context.apply(blocks, indices, cp, parts, tp)
     modes = recompute.apply(blocks, recompute_mode, held=indices)  # 2. recompute
     if tp_mesh is not None and sequence_parallel:  # what a block without recompute saves: parts
         _save_parts([blocks[i] for i in indices if modes[i] == "none"], tp_mesh)
@@ -263,10 +285,10 @@ def _replicated(module: nn.Module, world: World, reshard: bool, mixed: torch.dty
         if d.ep > 1:  # the experts first: a unit of their own over the expert mesh's edp
             experts.shard_experts(module, world, reshard, shard_policy(mixed))
         return shard_stage(module, world.shard_mesh, reshard, mixed)
-    if d.dp == 1:
+    if d.dp * d.cp == 1:
         return module
     device = world.device
-    return data_parallel(module, world.group("dp"), [device] if device.type == "cuda" else None,
+    return data_parallel(module, world.group("dpcp"), [device] if device.type == "cuda" else None,
                          ignore=experts.ignored_names(module))
 
 

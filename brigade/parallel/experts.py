@@ -156,15 +156,16 @@ def norm_group(world, sharded: bool):
 
 
 def same_plan(actions: list, world) -> None:
-    """Prove that every data-parallel replica of this pipeline rank runs `actions` (its plan for
-    a step): an expert group's all-to-alls pair only if its processes reach them in one order
-    (`pipeline.transport.collectives`: lines that run different plans deadlock). One all-reduce
-    over dp of a fingerprint of the plan, where ep > 1.
+    """Prove that every pipeline line this pipeline rank meets in collectives runs `actions` (its
+    plan for a step): an expert group's all-to-alls, and context parallel's in every attention,
+    pair only if their processes reach them in one order (`pipeline.transport.collectives`: lines
+    that run different plans deadlock). One all-reduce over dp (dp × cp under --cp) of a
+    fingerprint of the plan, where ep > 1 or cp > 1.
 
     Raises:
-        RunError: the replicas' plans differ (before any all-to-all could hang on it).
+        RunError: the lines' plans differ (before any all-to-all could hang on it).
     """
-    if world.degrees.ep == 1:
+    if world.degrees.ep == 1 and world.degrees.cp == 1:
         return
     import zlib
 
@@ -172,10 +173,11 @@ def same_plan(actions: list, world) -> None:
 
     mark = zlib.crc32(" ".join(map(str, actions)).encode())
     both = torch.tensor([mark, -mark], dtype=torch.int64, device=world.device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=world.group("dp"))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=world.group("dpcp"))
     if both.tolist() != [mark, -mark]:
+        flag = "--ep" if world.degrees.ep > 1 else "--cp"
         raise RunError(f"pipeline rank {world.coords.pp}'s plan differs between data-parallel replicas "
-                       f"(dp {world.coords.dp}'s is {len(actions)} actions, {mark:08x}): under --ep their "
+                       f"(dp {world.coords.dp}'s is {len(actions)} actions, {mark:08x}): under {flag} their "
                        "all-to-alls would pair in different orders and hang; plan on costs every process "
                        "agrees on")
 

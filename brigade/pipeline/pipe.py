@@ -60,6 +60,8 @@ class Pipeline:
             (`feed.declarations` over all stages); None: gathered from the ranks here, once.
         costs: what a costed schedule (`auto`) is planned on (`generate.Costs`), the same on
             every rank; None: unit costs. Other schedules ignore it.
+        parts: context parallel's cut of every micro-batch and mean of the parts' losses
+            (`feed.Feed`, `parallel.context.ContextParallel`); None: whole sequences.
 
     Raises:
         BrigadeError: another autocast dtype, or modules for other stages than this rank's.
@@ -69,7 +71,7 @@ class Pipeline:
     def __init__(self, module: nn.Module | dict[int, nn.Module], schedule: str, n_microbatches: int,
                  loss_fn, group=None, device: torch.device | str = "cpu",
                  autocast: torch.dtype | None = None, virtual: int = 0,
-                 side_inputs: Mapping[str, str] | None = None, costs=None):
+                 side_inputs: Mapping[str, str] | None = None, costs=None, parts=None):
         check_autocast(autocast)
         self.group = group
         self.device = torch.device(device)
@@ -94,7 +96,8 @@ class Pipeline:
         self.runner = StageRunner(modules, self.n_stages, self.transport, loss_fn, autocast,
                                   draws=self.random.forward if self.random else None)
         declared = dict(side_inputs) if side_inputs is not None else self._gather(modules, n_ranks)
-        self.feed = feed.Feed(modules, declared, feed.first_label(modules.get(0)))
+        self.feed = feed.Feed(modules, declared, feed.first_label(modules.get(0)), parts)
+        self.parts = parts
         self.last_result: StepResult | None = None
 
     def _gather(self, modules: dict[int, nn.Module], n_ranks: int) -> dict[str, str]:
@@ -155,7 +158,8 @@ class Pipeline:
 
     @torch.no_grad()
     def forward(self, inputs):
-        """Inference: returns the merged outputs on the last stage, None elsewhere."""
+        """Inference: returns the merged outputs on the last stage, None elsewhere (under context
+        parallel, this process's part of each sequence's)."""
         m = self.n_microbatches
         xs = self.feed.inputs(inputs, m, self.device) if self.is_first else None
         side = self.feed.side(inputs, m, self.stages, self.device)
@@ -181,6 +185,8 @@ class Pipeline:
     def _share_loss(self, result: StepResult, loss_scale: float) -> torch.Tensor:
         loss = result.loss / loss_scale if self.is_last else torch.zeros((), device=self.device)
         loss = loss.detach().float().reshape(())
+        if self.parts is not None and self.is_last:  # the parts' mean: the whole sequences' loss
+            loss = self.parts.mean(loss)
         if len(set(self.peers)) > 1:
             dist.broadcast(loss, self.peers[-1], group=self.group)
         return loss

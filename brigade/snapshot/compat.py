@@ -29,7 +29,7 @@ def run_facts(cfg: RunConfig, cursor: int, epoch: int, vocab: str | None,
     return {**({"balance": list(balance)} if balance else {}), **({"data": data} if data else {}),
             "cursor": cursor, "epoch": epoch,
             "layout": {"dp": p.dp, "pp": p.pp, "local_stages": p.local_stages,
-                       "virtual": pipeline_shape(p)[1], "tp": p.tp},
+                       "virtual": pipeline_shape(p)[1], "tp": p.tp, "cp": p.cp},
             "config_hash": config_hash(cfg), "config": config_subset(cfg),
             "model": cfg.model.model, "vocab": vocab}
 

@@ -70,7 +70,7 @@ class Manifest:
     step: int
     cursor: int
     epoch: int
-    layout: dict  # {"dp": int, "pp": int, "local_stages": int, "virtual": int, "tp": int} (older: fewer)
+    layout: dict  # {"dp", "pp", "local_stages", "virtual", "tp", "cp": int} (older: fewer)
     config_hash: str
     config: dict  # {"model": {...}, "optim": {...}, ...}: what must match to resume
     model: str

@@ -138,7 +138,7 @@ class ProcessModel:
             print(f"brigade: --balance measured: --schedule {schedule} cuts the blocks {list(cut.balance)}, "
                   f"chosen with its plan (--balance {cut_text} repeats it)", flush=True)
         self.assembly = assemble(blocks, cut, world, cfg.recompute, cfg.reshard, autocast, weights,
-                                 cfg.sequence_parallel, cfg.compile, cfg.float8)
+                                 cfg.sequence_parallel, cfg.compile, cfg.float8, cfg.cp_method)
         if self.assembly.float8 is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"brigade: {self.assembly.float8.line()}", flush=True)
         self.balance, self.owned, self.held = list(cut.balance), self.assembly.owned, self.assembly.held
@@ -247,9 +247,9 @@ class ProcessModel:
             forensics.doing("allreduce gradient norm over tensor-parallel processes", waiting=True)
             dist.all_reduce(parts, group=world.group("tp"))
             sq = sq + parts
-        if d.shard > 1:  # each shard of a copy once (not per replica)
+        if sharded(world) and d.fsdp > 1:  # each shard of a copy once (not per replica): shard × cp
             forensics.doing("allreduce gradient norm over shards", waiting=True)
-            dist.all_reduce(sq, group=world.group("shard"))
+            dist.all_reduce(sq, group=world.shard_group)
         if mine is not None:
             sq = sq + mine
         if d.pp > 1:

@@ -26,6 +26,7 @@ def start(cfg: RunConfig, processes: int | str) -> None:
     p, out = cfg.parallel, Path(cfg.train.out)
     write_atomic(out / "config.toml", to_toml(cfg))
     print(f"brigade: training {cfg.model.model} on {processes} processes (dp={p.dp} × pp={p.pp}"
+          + (f" × cp={p.cp} ({p.cp_method})" if p.cp > 1 else "")
           + (f" × tp={p.tp}" if p.tp > 1 else "")
           + (f", experts over ep={p.ep} of dp" if p.ep > 1 else "")
           + (f" × {p.local_stages} local stages" if p.local_stages > 1 else "")

@@ -26,7 +26,7 @@ from brigade.data.chars import Vocab
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.env import launcher_env, launcher_world, under_launcher
-from brigade.parallel import compiled, experts, sequence, tensor
+from brigade.parallel import compiled, context, experts, sequence, tensor
 from brigade.pipeline.plans.schedule import SCHEDULES
 from brigade.pipeline.stages.measured_cut import MEASURED
 from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
@@ -94,6 +94,8 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     tensor.check_plans(blocks, p.tp, cfg.model.model)
     experts.check_model(blocks, p.ep, cfg.model.model)
     sequence.check_length(blocks, p.tp, cfg.data.block_size, p.sequence_parallel)
+    context.check_model(blocks, p.cp, context.method_for(p.cp_method, device), p.tp, cfg.data.block_size,
+                        cfg.model.model)
     ranks, virtual = pipeline_shape(p)
     given = parse_balance(p.balance) if p.balance and p.balance != MEASURED else None
     if p.balance == MEASURED and (ranks == 1 or not SCHEDULES[p.schedule].costed):

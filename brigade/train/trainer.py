@@ -288,7 +288,7 @@ class Trainer:
         with StepMemory(list(self.model.parameters()), self.optimizer, self.info.device) as mem:
             record = self.train_step(mem)
         c = self.world.coords
-        mine = {**mem.report(), "dp_rank": c.dp, "pp_rank": c.pp, "tp_rank": c.tp}
+        mine = {**mem.report(), "dp_rank": c.dp, "pp_rank": c.pp, "cp_rank": c.cp, "tp_rank": c.tp}
         ranks: list = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
         self.memory_report = ranks

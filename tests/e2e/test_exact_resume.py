@@ -46,14 +46,16 @@ RUN = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "16", "
 # pp 2 rank 3 holds the second shard of the last stage; under tp 2 × pp 2 rank 3 holds the second
 # half of the last pipeline rank's matmuls (under zbv: of both ends of the model); under ep 2 ×
 # pp 2 (a mixture of 4 experts, 2 on each replica, sharded) rank 1 holds the first replica's
-# half of the last stage's experts.
+# half of the last stage's experts; under cp 2 × pp 2 rank 1 holds the second part of every sequence
+# on the first pipeline rank.
 LAYOUTS = {"pp2": (["--nproc", "2", "--pp", "2"], 1, "zbv"),
            "dp2xpp2": (["--nproc", "4", "--pp", "2"], 2, "dualpipev"),
            "local2": (["--nproc", "1", "--local-stages", "2"], 0, "1f1b"),
            "dp2xlocal2": (["--nproc", "2", "--local-stages", "2"], 1, "zbv"),
            "shard2xpp2": (["--nproc", "4", "--pp", "2", "--shard", "2"], 3, "zb"),
            "tp2xpp2": (["--nproc", "4", "--pp", "2", "--tp", "2"], 3, "zbv"),
-           "ep2xpp2": (["--nproc", "4", "--pp", "2", "--experts", "4", "--ep", "2", "--shard", "2"], 1, "zb")}
+           "ep2xpp2": (["--nproc", "4", "--pp", "2", "--experts", "4", "--ep", "2", "--shard", "2"], 1, "zb"),
+           "cp2xpp2": (["--nproc", "4", "--pp", "2", "--cp", "2"], 1, "zb")}
 STOP_AFTER = 3  # the stopped run's last step
 
 
@@ -61,7 +63,7 @@ STOP_AFTER = 3  # the stopped run's last step
 # a sharded layout by the same DCP load that tests/snapshot/test_sharded.py moves across layouts:
 # their worlds (40-50 s each) are the slow tier's, which CI runs after the default tier; so is
 # tensor parallel's, whose snapshots tests/snapshot/test_sharded.py moves across layouts.
-SLOW = ("local2", "dp2xlocal2", "shard2xpp2", "tp2xpp2", "ep2xpp2")
+SLOW = ("local2", "dp2xlocal2", "shard2xpp2", "tp2xpp2", "ep2xpp2", "cp2xpp2")
 
 
 def _marks(layout: str) -> list:

@@ -29,9 +29,10 @@ def test_the_file_loads_as_a_model_with_batch_and_loss(llama):
     spec, _ = llama
     assert len(spec.blocks) == 6 and spec.loss_fn.__name__ == "loss"
     x, y = inputs(spec)
-    assert set(x) == {"tokens", "padding_mask"} and x["tokens"].shape == y.shape == (6, 32)
-    assert (~x["padding_mask"]).any(), "some positions are padding"
-    assert ((y == -100) | x["padding_mask"]).all(), "a padded input position has no target"
+    assert set(x) == {"tokens", "positions"}
+    assert x["tokens"].shape == y.shape == x["positions"].shape == (6, 32)
+    assert (x["positions"] == torch.arange(32)).all()
+    assert (y[:, :-1] == x["tokens"][:, 1:]).all(), "each target is the next token"
     (tie,) = ties.find_shared(spec.blocks)
     assert tie.uses == ((0, "tok.weight"), (5, "out.weight"))
 
@@ -40,10 +41,10 @@ def test_stage_module_equals_the_blocks_by_hand(llama):
     spec, _ = llama
     x, _ = inputs(spec)
     main, extra = side_inputs.split_inputs(x, spec.blocks)
-    assert main is x["tokens"] and list(extra) == ["padding_mask"]
+    assert main is x["tokens"] and list(extra) == ["positions"]
     h = main
     for block in spec.blocks:
-        h = block(h, **({"padding_mask": x["padding_mask"]} if side_inputs.declared(block) else {}))
+        h = block(h, **({"positions": x["positions"]} if side_inputs.declared(block) else {}))
     out = StageModule(spec.blocks)(main, extra)
     assert out.shape == (6, 32, 96)
     torch.testing.assert_close(out, h, rtol=0, atol=0)
@@ -67,15 +68,36 @@ def test_trains_on_one_process(llama):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-def test_padding_does_not_leak_into_real_positions(llama):
-    """Changing padded tokens changes no output at a real position: the mask works."""
+def test_padding_at_the_end_does_not_leak_into_real_positions(llama):
+    """Changing the tokens after position 20 (where a padded row's pads would be) changes no output
+    before it: causal attention needs no mask for padding at the end."""
     spec, _ = llama
     stage = StageModule(spec.blocks).eval()
     x, _ = inputs(spec)
     main, extra = side_inputs.split_inputs(x, spec.blocks)
-    noisy = main.masked_fill(~extra["padding_mask"], 7)
-    real = extra["padding_mask"]
-    torch.testing.assert_close(stage(main, extra)[real], stage(noisy, extra)[real])
+    noisy = main.clone()
+    noisy[:, 20:] = 7
+    torch.testing.assert_close(stage(main, extra)[:, :20], stage(noisy, extra)[:, :20])
+    assert (stage(main, extra)[:, 20:] - stage(noisy, extra)[:, 20:]).abs().max() > 1e-3
+
+
+def test_each_token_rotates_by_the_position_it_is_given(llama):
+    """A part of a sequence given its global positions computes what the whole does there (what
+    context parallel relies on); the same tokens numbered otherwise (the second half from 0
+    again) attend otherwise: rotary embeddings see only positions' differences, so a part's
+    queries and the other parts' keys must be numbered on one scale."""
+    spec, _ = llama
+    decoder = copy.deepcopy(spec.blocks[1]).eval()
+    with torch.no_grad():  # weights large enough that attention moves the output visibly
+        for p in decoder.parameters():
+            p.normal_(std=0.3, generator=torch.Generator().manual_seed(1))
+    h = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+    whole = decoder(h, positions=torch.arange(32).repeat(2, 1))
+    first = decoder(h[:, :16], positions=torch.arange(16).repeat(2, 1))
+    torch.testing.assert_close(first, whole[:, :16])  # causal: the first half sees only itself
+    restarted = decoder(h, positions=torch.arange(16).repeat(2, 2))
+    assert (restarted[:, 16:] - whole[:, 16:]).abs().max() > 1e-3
+
 
 
 def test_microbatched_loss_equals_the_batch_loss(llama):

@@ -34,7 +34,7 @@ def world(degrees: Degrees, rank: int = 0, devices=None) -> SimpleNamespace:
     devices = devices or [CPU]
     return SimpleNamespace(degrees=degrees, coords=degrees.coords(rank), rank=rank, device=devices[0],
                            devices=devices, local=len(devices) > 1, tp_mesh=_Mesh("tp mesh"),
-                           shard_mesh="shard mesh", group=lambda dim: f"{dim} group",
+                           shard_mesh="shard mesh", group=lambda dim: f"{dim} group", cp_mesh="cp mesh",
                            stage_group=lambda d: f"group on {d}", tie_ranks=lambda: degrees.groups("pp"))
 
 
@@ -64,6 +64,9 @@ def calls(monkeypatch) -> list[tuple[str, object]]:
     real = assembler.recompute.apply
     monkeypatch.setattr(assembler.recompute, "apply",
                         lambda bs, mode, held=None: seen.append(("recompute", mode)) or real(bs, mode, held))
+    monkeypatch.setattr(assembler.context, "ContextParallel", lambda group, mesh, method: f"cp {method}")
+    monkeypatch.setattr(assembler.context, "apply", lambda bs, held, cp, parts, tp: seen.append(
+        ("context parallel", cp)))
     monkeypatch.setattr(assembler.experts, "split_experts", lambda held, world: seen.append(
         ("expert parallel", world.degrees.ep)))
     real_compile = assembler.compiled.compile_blocks
@@ -79,20 +82,22 @@ def calls(monkeypatch) -> list[tuple[str, object]]:
 
 
 def test_the_wrappers_come_in_their_one_order(calls):
-    """float8, tensor parallel, recompute, expert parallel, compile, then sharding: ORDER, written
-    once, is what runs."""
-    w = world(Degrees(dp=2, shard=2, pp=2, tp=2), rank=2)  # dp rank 0, pp rank 1, tp rank 0
+    """float8, tensor parallel, context parallel, recompute, expert parallel, compile, then
+    sharding: ORDER, written once, is what runs."""
+    w = world(Degrees(dp=2, shard=2, pp=2, cp=2, tp=2), rank=4)  # dp rank 0, pp rank 1, cp 0, tp 0
     built = assemble(blocks(), Cut((2, 2), (0, 1)), w, recompute_mode="full", compile=True,
                      float8="rowwise")
     assert [what for what, _ in calls] == list(ORDER)
-    assert calls == [("float8", "rowwise"), ("tensor parallel", "tp mesh"), ("recompute", "full"),
-                     ("expert parallel", 1), ("compile", [2, 3]), ("shard or replicate", "shard mesh")]
+    assert calls == [("float8", "rowwise"), ("tensor parallel", "tp mesh"),
+                     ("context parallel", "cp all-to-all"), ("recompute", "full"), ("expert parallel", 1),
+                     ("compile", [2, 3]), ("shard or replicate", "shard mesh")]
     assert sorted(built.held) == [2, 3] and list(built.stages) == [1]  # pipeline rank 1: stage 1
     assert built.modes == ["full"] * 4
 
 
 @pytest.mark.parametrize("degrees,wrapper", [
-    (Degrees(dp=2), "dp group"),                  # replicas: DDP over the data-parallel group
+    (Degrees(dp=2), "dpcp group"),                # replicas: DDP over dp × cp (the dp group at cp 1)
+    (Degrees(cp=2), "dpcp group"),                # a sequence's parts: DDP over them
     (Degrees(dp=2, shard=2), "shard mesh"),       # sharded: FSDP2 over the shard mesh
     (Degrees(dp=2, tp=2), "shard mesh"),          # DTensors: FSDP2 replicates, at shard 1 too
     (Degrees(pp=2), None),                        # no replicas: nothing wraps the stage

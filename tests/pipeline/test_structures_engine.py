@@ -4,7 +4,7 @@ Loss, every gradient and the parameters after one SGD step within 1e-5 of one de
     dict   blocks pass dicts and tuples, a skip connection crosses stage boundaries, the int64
            token ids pass through every stage (no gradient) and a float value rides along;
     seq    the same model, steps of different sequence length (discovery, then predicted);
-    llama  examples/llama.py with its padding-mask side input, head untied from the embedding
+    llama  examples/llama.py with its positions side input, head untied from the embedding
            (shared weights are not carried by the engine yet).
 The process runtime starts 2 gloo processes once and runs every case inside, under both
 posting policies (eager, and grouped as NCCL would run it).
@@ -125,8 +125,8 @@ def stage_modules(blocks, n_stages):
 def reference_step(blocks, loss_fn, inputs, targets):
     """One device: the whole model as one StageModule, loss, backward; returns the loss."""
     whole = StageModule(blocks)
-    main, side = (inputs["tokens"], {"padding_mask": inputs["padding_mask"]}) \
-        if "padding_mask" in inputs else (inputs, {})
+    main, side = (inputs["tokens"], {"positions": inputs["positions"]}) \
+        if "positions" in inputs else (inputs, {})
     loss = loss_fn(whole(main, side), targets)
     loss.backward()
     return loss.item()

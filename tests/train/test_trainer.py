@@ -20,17 +20,19 @@ STEPS = 20
 
 def losses(pp: int = 1, local_stages: int = 1, grad_accum: int = 1, schedule: str = "1f1b",
            batch_size: int = 8, shard: int = 1, recompute: str = "none",
-           tp: int = 1, experts: int = 0, ep: int = 1, precision: str = "") -> dict[str, list[float]]:
+           tp: int = 1, experts: int = 0, ep: int = 1, precision: str = "", cp: int = 1
+           ) -> dict[str, list[float]]:
     """Run 20 steps of a tiny GPT in the current process group; per-step losses and gradient
     norms (a tied weight counted once, and clipped at 1.0 the same in every layout). `experts`:
-    a mixture of that many experts (top 2) in each block, split over `ep` processes."""
+    a mixture of that many experts (top 2) in each block, split over `ep` processes; `cp`: each
+    sequence split over that many."""
     vocab, train, val = load_text_data("", 32, 0.1)
     torch.manual_seed(0)
     blocks = gpt(GPTConfig(len(vocab), 32, n_layer=2, n_head=2, n_embd=32, dropout=0.0, experts=experts))
     info = groups.init(threads=1)
-    par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // (pp * tp),
+    par = ParallelConfig(nproc=info.world_size, pp=pp, dp=info.world_size // (pp * tp * cp),
                          local_stages=local_stages, microbatches=2, schedule=schedule, shard=shard,
-                         recompute=recompute, tp=tp, ep=ep)
+                         recompute=recompute, tp=tp, ep=ep, cp=cp)
     trainer = Trainer(blocks, gpt_loss, train, None, parallel=par,
                       optim=OptimConfig(warmup_steps=5, grad_accum=grad_accum),
                       train=TrainConfig(max_steps=STEPS, batch_size=batch_size, precision=precision),
@@ -143,6 +145,35 @@ def test_expert_parallel_trains_in_bf16_as_fp32_does(moe_reference, shard):
     fp32's within bf16's rounding, and fall as they do."""
     got = agent.launch(losses, 4, 2, 1, 1, "1f1b", 8, shard, "none", 1, 4, 2, "bf16")[0]
     assert got["loss"] == pytest.approx(moe_reference["loss"], abs=0.05)
+    assert got["loss"][-1] < got["loss"][0] - 0.3
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [
+    dict(nproc=2),                                  # cp 2: DDP over the two parts
+    dict(nproc=4, pp=2, schedule="zb"),             # cp 2 × pp 2, split backward
+    dict(nproc=4, shard=2),                         # dp 2 × cp 2: FSDP2 over shard × cp = 4
+    dict(nproc=4, recompute="selective"),           # dp 2 × cp 2 (DDP over 4), selective recompute
+], ids=["cp2", "cp2xpp2-zb", "shard2xcp2", "dp2xcp2-selective"])
+def test_context_parallel_layouts_match_a_single_device(reference, layout):
+    """Each sequence split over 2 processes (all-to-all attention, the embedding at its part's
+    global positions, each part's loss by its share): 20 steps give one device's losses and
+    gradient norms, the parts' gradients averaged with the replicas'."""
+    nproc = layout.pop("nproc")
+    results = agent.launch(losses, nproc, layout.get("pp", 1), 1, 1, layout.get("schedule", "1f1b"), 8,
+                           layout.get("shard", 1), layout.get("recompute", "none"), 1, 0, 1, "", 2)
+    for rank, got in results.items():
+        _assert_same(got, reference, rank)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shard", [1, 2], ids=["autocast", "fsdp2-mixed"])
+def test_context_parallel_trains_in_bf16_as_fp32_does(reference, shard):
+    """bf16 with each sequence over cp 2 of dp 2 × cp 2: autocast over fp32 weights (DDP over
+    dp × cp), or FSDP2's mixed precision over shard × cp: the losses follow fp32's within bf16's
+    rounding, and fall as they do."""
+    got = agent.launch(losses, 4, 1, 1, 1, "1f1b", 8, shard, "none", 1, 0, 1, "bf16", 2)[0]
+    assert got["loss"] == pytest.approx(reference["loss"], abs=0.05)
     assert got["loss"][-1] < got["loss"][0] - 0.3
 
 

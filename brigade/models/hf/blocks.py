@@ -141,9 +141,12 @@ class GPT2Embed(Renamed):
         self.wte, self.wpe, self.drop = wte, wpe, drop
         self.hf_prefixes = {"wte.": f"{prefix}wte.", "wpe.": f"{prefix}wpe."}
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (T,): each token's place in its sequence (a part's global ones under
+        context parallel), else 0..T−1."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.drop(self.wte(input_ids) + self.wpe(positions[None, :]))
 
 
 class Decoder(Renamed):

@@ -9,6 +9,11 @@ and moved to the device of the stage that reads it:
                           side  ─split─► per micro-batch {name: value}, to each rank whose
                                          stages declare the name (from the data on that rank)
     targets ─split─► the last stage's rank; weights: each micro-batch's share of the batch
+
+Under context parallel (`parts`: `parallel.context.ContextParallel`, which this module only
+calls) every micro-batch's tensors of two or more dimensions are then cut to this process's part
+of the sequence (`parts.cut`, along dimension 1), and each micro-batch's weight takes the part's
+share of its counted targets (`parts.share`, from the whole targets).
 """
 
 from __future__ import annotations
@@ -73,10 +78,12 @@ class Feed:
         declared: every side input the model declares → "stage s: block i (Type)" (`declarations`
             over all stages), to separate the main input on the first rank.
         first_label: how messages name the first block's input (e.g. "stage 0: block 0 (Embed)").
+        parts: context parallel's cut of each micro-batch (module docstring); None: whole.
     """
 
-    def __init__(self, modules: Mapping[int, nn.Module], declared: dict[str, str], first_label: str):
-        self.declared = declared
+    def __init__(self, modules: Mapping[int, nn.Module], declared: dict[str, str], first_label: str,
+                 parts=None):
+        self.declared, self.parts = declared, parts
         self.first_label = first_label
         self.wants = {s: _inner(m).side_inputs for s, m in modules.items()
                       if isinstance(_inner(m), side_inputs.StageModule)}
@@ -91,8 +98,17 @@ class Feed:
 
     def split(self, obj: Any, m: int, root: str, device: torch.device,
               batch_size: int | None = None) -> list[Any]:
-        """Micro-batches of a tensor or structure, on `device`."""
-        return [to(x, device) for x in microbatch.split_structure(obj, m, batch_size, root)]
+        """Micro-batches of a tensor or structure, on `device` (this process's part of each under
+        context parallel)."""
+        return [to(self._cut(x), device) for x in microbatch.split_structure(obj, m, batch_size, root)]
+
+    def _cut(self, obj: Any) -> Any:
+        if self.parts is None:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self.parts.cut(obj)
+        tensors, spec = structure.flatten(obj, root="input")
+        return structure.unflatten([self.parts.cut(t) for t in tensors], spec)
 
     def inputs(self, inputs: Any, m: int, device: torch.device) -> list[Any]:
         """The main input's micro-batches for stage 0."""
@@ -127,8 +143,11 @@ class Feed:
         if targets is None:
             raise BrigadeError("targets=None on the rank of the last stage: pass the batch's targets")
         n = microbatch.batch_size_of(targets, "targets")
-        return (self.split(targets, m, "targets", device, n),
-                [w * loss_scale for w in microbatch.weights(n, m)])
+        weights = [w * loss_scale for w in microbatch.weights(n, m)]
+        if self.parts is not None:  # each part's share of its micro-batch's counted targets
+            whole = microbatch.split_structure(targets, m, n, "targets")
+            weights = [w * self.parts.share(y) for w, y in zip(weights, whole)]
+        return self.split(targets, m, "targets", device, n), weights
 
 
 def first_label(module: nn.Module | None) -> str:
