@@ -127,6 +127,16 @@ def _experts(d: dict) -> str:
                                f"{tune['val_loss'][0]:.2f} → {tune['val_loss'][1]:.2f}")
 
 
+@row("the GPT (2×64, 4 heads, a batch of 2) under context parallel (all-to-all) on this machine: each "
+     "rank's activations at sequence 1024 at cp 1, 2, 4, and the longest sequence whose every rank's "
+     "measured peak stays within 64 MiB", "context/context.json", "`python -m brigade.results.context`")
+def _context(d: dict) -> str:
+    at = "; ".join(f"cp {r['cp']}: activations {r['activations'] / _MIB:.2f} MiB ({r['ratio']:.3f} of cp 1)"
+                   for r in d["at_1024"])
+    far = ", ".join(f"cp {r['cp']} {r['longest']:,}" for r in d["longest"])
+    return f"{at}; the longest sequence within {d['limit'] / _MIB:.0f} MiB: {far}"
+
+
 @row("brigade plan against brigade train on this machine: GPT 4×256 (context 64, batch 16), the MLP and "
      "examples/llama.py; dp, shard, HSDP, pp (1f1b, interleaved V = 2, zb, zbv, auto), dp × pp, tp 2 × pp 2 "
      "(sequence parallel), tp 2 × shard 2, shard 2 in bf16; recompute none and full",

@@ -80,7 +80,8 @@ ROUNDS = 3  # rounds of costs and training whose medians a row holds (module doc
 
 
 def train(args: list[str], steps: int) -> dict:
-    """`brigade train` with `args`: the median step time after step 2 and every rank's peak."""
+    """`brigade train` with `args`: the median step time after step 2, every rank's peak and
+    every rank's activations (the `memory` event's, step 2)."""
     with tempfile.TemporaryDirectory(prefix="brigade-plan-") as tmp:
         argv = [
             sys.executable,
@@ -104,6 +105,7 @@ def train(args: list[str], steps: int) -> dict:
     return {
         "step_s": statistics.median(r["step_time_s"] for r in training(recs) if r["step"] > 2),
         "peak": [mem[f"rank{r}/peak"] for r in ranks],
+        "activations": [mem[f"rank{r}/activations"] for r in ranks],
     }
 
 

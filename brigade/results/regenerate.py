@@ -168,6 +168,8 @@ JOBS: dict[str, Job] = {
                     "python -m brigade.results.moe_plan --tiny"),
     "experts": Job("python -m brigade.results.experts", "experts/experts.json",
                    "python -m brigade.results.experts --tiny --steps 4 --rounds 1"),
+    "context": Job("python -m brigade.results.context", "context/context.json",
+                   "python -m brigade.results.context --tiny"),
     "levers": Job("python -m brigade.results.levers", "levers/levers.json",
                   "python -m brigade.results.levers --tiny --rounds 1"),
     "data": Job("python -m brigade.results.data_scale", "data/data_scale.json",

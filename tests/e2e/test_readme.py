@@ -51,6 +51,7 @@ SHORT = {
     "brigade.results.experts": ["--tiny", "", "--steps", "4", "--rounds", "1"],
     "brigade.results.levers": ["--tiny", "", "--rounds", "1"],
     "brigade.results.data_scale": ["--tiny", ""],
+    "brigade.results.context": ["--tiny", ""],
     # its 21 runs (11 layouts) at full size took 6+ minutes on a slow day (bf16 steps are 6-9x fp32's on CPU)
     "brigade.results.footprint": ["--tiny", "", "--steps", "3", "--repeats", "2"],
 }
@@ -213,7 +214,7 @@ COMMANDS = readme_commands()
 BENCHMARKS = ("bench", "tune", "brigade.results.overhead", "brigade.results.speed",
               "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound",
               "brigade.results.big_plans", "brigade.results.levers", "brigade.results.data_scale",
-              "brigade.results.moe_plan", "brigade.results.experts")
+              "brigade.results.moe_plan", "brigade.results.experts", "brigade.results.context")
 LAUNCHERS = ("torchrun", "srun")
 
 
