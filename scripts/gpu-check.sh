@@ -104,6 +104,8 @@ else
     check one-gpu-2procs   refused "$PY" -m brigade train "${TINY[@]}" --nproc 2 --pp 2 --out "$OUT/pp2"
 fi
 check step-time-mfu   "$PY" -m brigade.results.gpu --steps 30 --out "$OUT/gpu"
+# context parallel: ring attention (CUDA only) and all-to-all, two processes on this GPU over gloo
+check context-ring    "$PY" scripts/gpu_context.py "$OUT/context.json"
 
 [ $FAILED -eq 0 ] && echo "gpu-check: all checks passed ($OUT)" || echo "gpu-check: some checks FAILED ($OUT)"
 exit $FAILED
