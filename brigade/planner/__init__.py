@@ -13,10 +13,15 @@ memory limit). It measures through `brigade.measure` and imports nothing of benc
     tensor    what tensor parallel does to each block: the share a split divides, its all-reduces, degrees
     mixture   a mixture of experts: its experts' weights, parameters in all and active, the grouped
               matmuls' FLOPs; expert_parallel: what --ep adds (all-to-alls, the experts' reduction)
-    space     the layouts: dp = replicate × shard, pp, V per registered schedule, m, recompute, ep;
-              and the tuner's sweep
+    attention what context parallel needs of a model's attention (its SDPA calls, observed on the
+              meta device) and the cp degrees it takes; context: what --cp adds (all-to-alls or
+              the ring's unhidden transfers, the method, --cp's refusals)
+    space     the layouts: dp = replicate × shard, pp, cp, tp, V per registered schedule, m,
+              recompute, ep; and the tuner's sweep
     memory    each rank's memory by kind
     predict   one layout's step: simulate() over the real plan, the reduction, the optimizer
+    reduction after the pipeline: the gradient reduction (over dp × cp, or shard × cp), FSDP2's own
+              work, the optimizer step, the trainer's small collectives
     sweep     the tuner's predictions: each configuration of its sweep on this host's costs
     budget    the tuner's memory limit: each configuration's predicted peak, which fit
     report    the table; run: the command's body; command: its flags; config: PlanConfig

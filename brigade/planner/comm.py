@@ -17,6 +17,8 @@ tp, with tp innermost), so a group's ranks are the world's own.
 
 from __future__ import annotations
 
+import functools
+
 from brigade.planner.cluster import Cluster
 from brigade.world.degrees import Degrees
 
@@ -66,9 +68,23 @@ def all_to_all(cluster: Cluster, ranks: list[int], nbytes: float) -> float:
     return max(near * each / d.intra_bw, far * each / d.inter_bw if far else 0.0) + (n - 1) * latency
 
 
-def groups(replicate: int, shard: int, pp: int, tp: int = 1, ep: int = 1) -> dict[str, list[int]]:
+def groups(replicate: int, shard: int, pp: int, tp: int = 1, ep: int = 1,
+           cp: int = 1) -> dict[str, list[int]]:
     """Rank 0's groups (the slowest are alike by symmetry): its pipeline, its shard group, its
     replicas, its whole data-parallel group (all of stage 0's ranks), its tp group, its expert
-    group (ep consecutive dp ranks) and the dp ranks holding the same experts (edp)."""
-    degrees = Degrees(dp=replicate * shard, shard=shard, pp=pp, tp=tp, ep=ep)
-    return {dim: degrees.group(dim, 0) for dim in ("pp", "shard", "replicate", "dp", "tp", "ep", "edp")}
+    group (ep consecutive dp ranks), the dp ranks holding the same experts (edp), its cp group,
+    the processes sharing its stage's weights under cp (dpcp: dp × cp, DDP's group) and those
+    FSDP2 shards them over (fsdp: shard × cp, `Degrees.fsdp`; the shard group at cp 1). Each
+    list is the caller's own."""
+    return {dim: list(ranks) for dim, ranks in _groups(replicate, shard, pp, tp, ep, cp).items()}
+
+
+@functools.cache
+def _groups(replicate: int, shard: int, pp: int, tp: int, ep: int, cp: int) -> dict[str, tuple[int, ...]]:
+    """`groups`, computed once per set of degrees: `Degrees.groups` walks every rank of the world,
+    and a plan predicts thousands of layouts on a few dozen sets of degrees."""
+    degrees = Degrees(dp=replicate * shard, shard=shard, pp=pp, cp=cp, tp=tp, ep=ep)
+    out = {dim: tuple(degrees.group(dim, 0))
+           for dim in ("pp", "shard", "replicate", "dp", "tp", "ep", "edp", "cp", "dpcp")}
+    out["fsdp"] = tuple(sorted(degrees.rank(shard=s, cp=c) for s in range(shard) for c in range(cp)))
+    return out

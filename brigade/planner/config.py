@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from brigade.config.fielddoc import MODELS, RECOMPUTES, SCHEDULES, Choices, doc
+from brigade.config.fielddoc import CP_METHODS, MODELS, RECOMPUTES, SCHEDULES, Choices, doc
 
 COST_SOURCES = Choices(lambda: ("auto", "measured", "formula"))
 
@@ -59,6 +59,12 @@ class PlanConfig:
     ep: int = doc(0, "consider only this expert-parallel degree (1: none), for a mixture of experts; 0: "
                      "every divisor of dp that divides every MoE layer's expert count (1 alone for a "
                      "dense model)")
+    cp: int = doc(0, "consider only this context-parallel degree (1: none): each sequence split over cp "
+                     "processes; 0: every power of two up to a node's devices ÷ tp that the sequence and, "
+                     "under all-to-all, the attention heads split into (1 alone without attention)")
+    cp_method: str = doc("auto", "how attention exchanges under cp, as training's --cp-method ({choices}): "
+                                 "all-to-all (heads ÷ tp split into cp) or ring (CUDA); auto: ring on a "
+                                 "GPU target, all-to-all on cpu", choices=CP_METHODS)
     top: int = doc(10, "rows of the ranked table printed")
     write_config: str = doc(
         "", "write the best row that fits as a train config TOML here (brigade train --config FILE)"

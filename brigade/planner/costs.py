@@ -52,6 +52,7 @@ from brigade.models import ModelSpec
 from brigade.parallel import compiled, recompute
 from brigade.parallel.vocab import split_loss
 from brigade.pipeline.batches import microbatch
+from brigade.planner.attention import AttentionFacts
 from brigade.planner.block_memory import block_memory
 from brigade.planner.devices import DeviceSpec
 from brigade.planner.mixture import Mixture, flop_counter, mixture
@@ -108,6 +109,9 @@ class ModelCosts:
     # cycle of it (`shard_costs`); empty: not measured
     shard_s: list[float] = field(default_factory=list)
     mixture: Mixture | None = None  # a mixture of experts' facts (`planner.mixture`); None: dense
+    # each block's attention calls, what context parallel exchanges (`planner.attention`); None: not
+    # observed, or no attention (cp exchanges nothing)
+    attention: AttentionFacts | None = None
 
     @property
     def n_blocks(self) -> int:

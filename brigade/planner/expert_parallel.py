@@ -17,7 +17,7 @@ the processes holding the same experts (edp = dp/ep) instead of all of dp.
     reduction     DDP leaves the experts out and they are all-reduced over edp by hand (one flat
                   buffer); sharded, each MoE layer's experts are an FSDP2 unit over edp: a
                   reduce-scatter and an all-gather each (per micro-batch and gathered twice
-                  without a pipeline), as `predict._reduction` prices the dense units
+                  without a pipeline), as `reduction.reduction` prices the dense units
 
 Balanced routing is assumed (`planner.mixture`): each process sends and receives as many rows as
 its own tokens chose; an imbalanced router's busiest process waits for more.

@@ -1,6 +1,7 @@
 """Predicted memory of each rank by kind, the kinds `train/memory.py` measures:
 
-    params       its stages' parameter bytes (a tied weight once per rank), ÷ shard; under tp each
+    params       its stages' parameter bytes (a tied weight once per rank), ÷ shard (÷ shard × cp
+                 under cp where the stages are sharded, `shards`; whole under DDP); under tp each
                  block's split share ÷ tp; under ep a mixture's experts 1/ep of them, and where
                  the stages are sharded 1/dp (the group's share sharded over edp: `own_params`)
                  fp32 whatever the precision: every layout keeps fp32 master weights
@@ -44,6 +45,14 @@
                  blocks and of two neighbouring blocks (half precision, or fp32 beyond the shard),
                  and the gradients being reduced (a half-precision gradient and its fp32 copy, or
                  fp32 and its flat copy)
+
+Under context parallel (`--cp C`, `planner.context`) a process holds 1/C of each sequence: every
+activation kind above (held, working, transient, kept, split, and the head's logits, each process
+taking the loss on its part) is what mb/C whole sequences would hold, so `rank_memory` is called
+with mb ÷ C; the all-to-alls' buffers are not counted apart, nor, under all-to-all, the key/value
+heads repeated to the query heads where C does not divide them. Parameters, gradients and AdamW's
+moments are ÷ shard × cp where the stages are sharded, whole under DDP, whose buckets stand
+whenever dp × cp > 1.
 
 Under expert parallel a process's activations are counted as one process's of the whole model:
 with balanced routing its experts take on average as many rows (tokens × top_k) as its own tokens
@@ -112,6 +121,8 @@ def rank_memory(
 
     Args:
         peak_held: per stage, the most micro-batches it holds at once (`simulate`'s).
+        mb: the samples of a micro-batch a process holds the activations of: under cp, its part
+            of each sequence, as many sequences' worth as mb ÷ cp whole ones (a float then).
         moments: per stage, what `moments(plan)` gives; None: each stage at its peak held with
             its gradients made (an upper bound, and no split backward).
         precision: the run's ("" or "fp32", "bf16", "fp16"; the module docstring).
@@ -141,7 +152,7 @@ def rank_memory(
         extra = whole / 2  # a whole half-precision copy of its stages, gathered for the step
     elif layout.degrees.sharded:
         extra = whole - mine  # the gathered parameters beyond its shard (none at --shard 1)
-    elif layout.dp > 1:  # the reducer's buckets: all but the experts --ep leaves out of DDP
+    elif layout.dp * layout.cp > 1:  # the reducer's buckets (over dp × cp): all but --ep's experts
         extra = whole - (costs.expert_bytes(blocks, layout.ep) if layout.ep > 1 else 0.0)
     else:
         extra = 0.0
@@ -151,7 +162,7 @@ def rank_memory(
         stepping = max(stepping, mine + costs.expert_bytes(blocks, layout.ep))  # copy, reduced by hand
     if blockwise:
         gathered, reducing = block_by_block(costs, blocks, layout.tp, layout.ep, expert_shard(layout) > 1)
-        backward += gathered * (0.5 if mixed else 1 - 1 / layout.shard) + reducing * (1.5 if mixed else 2.0)
+        backward += gathered * (0.5 if mixed else 1 - 1 / shards(layout)) + reducing * (1.5 if mixed else 2.0)
         peak = 3 * mine + max(backward, stepping)
     else:
         peak = mine + 2 * mine + extra + max(backward, stepping)
@@ -190,15 +201,22 @@ def own_params(costs: ModelCosts, layout: Layout, blocks: list[int]) -> tuple[fl
     out; they are all-reduced over edp by hand)."""
     whole = costs.param_bytes(blocks, layout.tp, layout.ep)
     experts = costs.expert_bytes(blocks, layout.ep)
-    return whole, (whole - experts) / layout.shard + experts / expert_shard(layout)
+    return whole, (whole - experts) / shards(layout) + experts / expert_shard(layout)
 
 
 def expert_shard(layout: Layout) -> int:
     """The processes one process's experts are sharded over: at ep 1 the dense weights' (they are
     in the stage's own units), else edp = dp/ep where the stages are sharded (FSDP2), or 1."""
     if layout.ep == 1:
-        return layout.shard
+        return shards(layout)
     return layout.dp // layout.ep if layout.degrees.sharded else 1
+
+
+def shards(layout: Layout) -> int:
+    """The processes a stage's dense weights are sharded over: where the stages are sharded, FSDP2's
+    shard × cp (`Degrees.fsdp`: the cp processes share the shards), else 1 (DDP keeps them whole).
+    At cp 1 that is --shard."""
+    return layout.degrees.fsdp if layout.degrees.sharded else 1
 
 
 def block_by_block(costs: ModelCosts, blocks: list[int], tp: int, ep: int = 1,

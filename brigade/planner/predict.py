@@ -14,10 +14,17 @@ rank's memory (`memory.py`), and whether it fits.
                                                         host with more processes than cores,
                                                         `crowded_action_s`); under ep each
                                                         MoE layer's all-to-alls on its
-                                                        block's F, B and I (`expert_parallel`)
-         + gradient reduction                           DDP: all-reduce; shard: reduce-scatter and
-                                                        the step's all-gather, per block (without
-                                                        a pipeline, every micro-batch and a
+                                                        block's F, B and I (`expert_parallel`);
+                                                        under cp each process's mb/cp
+                                                        sequences' worth, plus attention's
+                                                        all-to-alls, or the ring's transfers
+                                                        that its compute does not hide, on
+                                                        F, B and I (`context`)
+         + gradient reduction                           DDP: all-reduce (over dp × cp); shard
+                                                        (over shard × cp, `memory.shards`):
+                                                        reduce-scatter and the step's
+                                                        all-gather, per block (without a
+                                                        pipeline, every micro-batch and a
                                                         second all-gather for the backward); HSDP:
                                                         then an all-reduce of the shard across
                                                         replicas (each at what the device says
@@ -30,10 +37,11 @@ rank's memory (`memory.py`), and whether it fits.
                                                         and under shard or tp what DTensor's
                                                         dispatch adds per parameter
          + the runtime's own time per step              `DeviceSpec.runtime_step_s`
-         + the trainer's small collectives              the loss's mean over replicas, the
-                                                        gradient norm's sum over tp, shard and
-                                                        pp, each weight tied across pipeline
-                                                        ranks summed over them (`_step_syncs`)
+         + the trainer's small collectives              the loss's mean over replicas and
+                                                        over cp, the gradient norm's sum over
+                                                        tp, the shards and pp, each weight tied
+                                                        across pipeline ranks summed over them
+                                                        (`reduction.step_syncs`)
 
 Not overlapped: an upper bound where a GPU overlaps the reduction with the backward; on a CPU
 gloo's collectives take the same cores. Where more processes share a host than it has cores
@@ -57,35 +65,35 @@ from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.stages.partition import solve
 from brigade.planner import comm
 from brigade.planner.cluster import Cluster
+from brigade.planner.context import exchanges, method, step_context_s
 from brigade.planner.costs import MEASURED, ModelCosts, interpolate
-from brigade.planner.expert_parallel import all_to_alls, expert_reduction, step_all_to_all_s
-from brigade.planner.memory import HALF, by_block, expert_shard, moments, rank_blocks, rank_memory, worst
+from brigade.planner.expert_parallel import all_to_alls, step_all_to_all_s
+from brigade.planner.memory import HALF, by_block, moments, rank_memory, worst
+from brigade.planner.reduction import after_pipeline, step_syncs
 from brigade.planner.space import Layout
 
 
 def predict(
     costs: ModelCosts, layout: Layout, cluster: Cluster, batch: int, seq_len: int, precision: str = "",
-    memory_plan: Plan | None = None,
+    memory_plan: Plan | None = None, cp_method: str = "auto",
 ) -> dict:
     """The figures of one layout (module docstring); every figure's `source` is the costs'.
     `memory_plan`: the plan whose memory to predict, when a run holds memory on another plan than
-    the one it is timed on (`auto` before it replans; the accuracy benchmark's case).
+    the one it is timed on (`auto` before it replans; the accuracy benchmark's case). `cp_method`:
+    how attention exchanges under cp (`context.method`).
 
     Raises:
         PlanError: a schedule that cannot run these sizes (the caller leaves the layout out).
     """
     mb = math.ceil(batch / (layout.dp * layout.microbatches))
-    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp, layout.ep)
-    times, waits = _tensor_parallel(costs, layout, mb, cluster, groups["tp"])
-    times, waits, a2a = all_to_alls(costs, layout, mb, cluster, groups["ep"], precision in HALF, times, waits)
+    work = mb / layout.cp if layout.cp > 1 else mb  # a cp process: mb/cp sequences' worth (`context`)
+    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp, layout.ep, layout.cp)
+    times, waits, a2a, ctx = _per_block(costs, layout, mb, work, cluster, groups, precision, cp_method)
     balance, per = cut(times, layout.pp * layout.virtual)
     slow = _shared(cluster, layout.world)
     own = _action_s(cluster, layout.world)  # the runtime's own time, per action
     per = [[t * slow + own for t in row] for row in per]
-    bw, lat = comm.link(cluster, groups["pp"])
-    sent = max((costs.out_bytes[b - 1] * costs.part(b - 1, layout.tp) for b in accumulate(balance[:-1])),
-               default=0.0) * mb  # at each cut: a part of the sequence under sequence parallel
-    p2p = comm.p2p(sent, bw, lat) if layout.pp > 1 else 0.0
+    p2p = _p2p(costs, layout, balance, work, cluster, groups["pp"])
     cores = _pipeline_cores(layout, cluster)
     plan = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual,
                  costed(layout.schedule, per, p2p, cores))
@@ -94,13 +102,14 @@ def predict(
     makespan = _on_cores(sim, plan, per, cut(waits, len(balance), balance)[1], slow, cores)
     held = sim.peak_held if memory_plan is None else simulate(memory_plan, 1.0).peak_held
     at = moments(memory_plan or plan)  # under a split backward, what each stage keeps from I to W too
-    memory = [rank_memory(costs, layout, balance, held, mb, r, at, precision) for r in range(layout.pp)]
+    memory = [rank_memory(costs, layout, balance, held, work, r, at, precision) for r in range(layout.pp)]
     top = worst(memory)
-    reduce_s, opt_s = _after_pipeline(costs, layout, cluster, balance, memory,
+    reduce_s, opt_s = after_pipeline(costs, layout, cluster, balance, memory,
                                       by_block(layout, at), precision in HALF)
-    sync_s = _step_syncs(costs, layout, cluster, balance, groups)
+    sync_s = step_syncs(costs, layout, cluster, balance, groups)
     step = makespan + reduce_s + opt_s + cluster.device.runtime_step_s + sync_s
     a2a_s = step_all_to_all_s(a2a, layout, balance)
+    cp_s = step_context_s(ctx, layout, balance)
     flops, limit = sum(costs.flops) * batch, cluster.device.memory
     return {
         "layout": layout.to_json(),
@@ -113,16 +122,43 @@ def predict(
         "optimizer_s": opt_s,
         "sync_s": sync_s,
         "all_to_all_s": a2a_s,
+        "context_s": cp_s,
         "tokens_per_s": batch * max(seq_len, 1) / step,
         "mfu": flops / (step * cluster.device.peak(precision) * layout.world),
         "bubble": sim.bubble_fraction,
-        "comm_share": (reduce_s + a2a_s + sim.makespan - alone) / step,
+        "comm_share": (reduce_s + a2a_s + cp_s + sim.makespan - alone) / step,
         "memory": top,
         "memory_per_stage_rank": memory,
         "fits": top["peak"] <= limit,
         "over_bytes": max(0.0, top["peak"] - limit),
         "source": costs.source,
     }
+
+
+def _per_block(costs: ModelCosts, layout: Layout, mb: int, work: float, cluster: Cluster, groups: dict,
+               precision: str, cp_method: str):
+    """(times, waits, a2a, ctx): each block's (forward, backward, weight, input) seconds on one
+    process of the layout at micro-batch size `mb` (`work`: what a cp process computes, mb/cp),
+    and of those the seconds its collectives take, with tp's (`_tensor_parallel`), ep's
+    (`expert_parallel.all_to_alls`) and cp's (`context.exchanges`); and per block a micro-batch's
+    ep all-to-alls and cp exchange in seconds."""
+    half = precision in HALF
+    times, waits = _tensor_parallel(costs, layout, work, cluster, groups["tp"])
+    times, waits, a2a = all_to_alls(costs, layout, mb, cluster, groups["ep"], half, times, waits)
+    times, waits, ctx = exchanges(costs.attention, layout, work, cluster, groups["cp"],
+                                  method(cp_method, cluster.device), half, times, waits)
+    return times, waits, a2a, ctx
+
+
+def _p2p(costs: ModelCosts, layout: Layout, balance: list[int], work: float, cluster: Cluster,
+         group: list[int]) -> float:
+    """Seconds of one pipeline message (0 without a pipeline): the largest output at a cut, a
+    part of the sequence under sequence parallel and under cp, `work` sequences' worth."""
+    if layout.pp == 1:
+        return 0.0
+    sent = max((costs.out_bytes[b - 1] * costs.part(b - 1, layout.tp) for b in accumulate(balance[:-1])),
+               default=0.0) * work
+    return comm.p2p(sent, *comm.link(cluster, group))
 
 
 def _on_cores(sim, plan: Plan, per: list[list[float]], waits: list[list[float]], slow: float,
@@ -161,70 +197,10 @@ def costed(schedule: str, per: list[list[float]], p2p: float, cores: float) -> C
     return Costs(tuple(per[0]), tuple(per[3]), tuple(per[2]), backward=tuple(per[1]), comm=p2p, cores=cores)
 
 
-def _after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: list[int],
-                    memory: list[dict], blockwise: bool, half: bool) -> tuple[float, float]:
-    """(seconds of the gradient reduction and FSDP2's own work on it, of the optimizer step)
-    after the pipeline's makespan, on the busiest rank; where more processes than cores share a
-    host, every rank runs these at once and they take turns (`_crowding`): gloo's copies and
-    sums and FSDP2's own work are compute on the shared cores, block by block through the step
-    as much as at its end. `blockwise`: FSDP gathers and reduces each block every micro-batch
-    (`memory.by_block`); `half`: it gathers half-precision weights. (Counted uncrowded, as
-    waits that leave the core to another rank, HSDP 2 × 2 on 2 cores read 16-25 % fast once
-    FSDP2's own work was priced apart, `shard_costs`.)"""
-    groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp, layout.ep)
-    blocks = [rank_blocks(layout, balance, r) for r in range(layout.pp)]
-    # each pp rank's experts, unsharded, where they are reduced apart from the dense weights (ep > 1)
-    experts = [costs.expert_bytes(bs, layout.ep) if layout.ep > 1 else 0.0 for bs in blocks]
-    # the dense weights' whole gradient: the rank's own less its experts' share, times the shard
-    whole_grads = max((m["grads"] - x / expert_shard(layout)) * layout.shard for m, x in zip(memory, experts))
-    reduce_s = _reduction(cluster, layout, groups, whole_grads, 1 + max(map(len, blocks)), blockwise, half)
-    reduce_s += max(expert_reduction(costs, cluster, layout, groups, bs, x, blockwise, half)
-                    for bs, x in zip(blocks, experts))
-    own_s = _fsdp_own(costs, layout, blocks, blockwise)
-    opt_s = costs.optimizer_s_per_byte * costs.mem_scale * worst(memory)["params"]
-    if layout.shard > 1 or layout.tp > 1 or layout.ep > 1:  # DTensor parameters: each op dispatches
-        count = max(len({p for b in bs for p in costs.params[b]}) for bs in blocks)
-        opt_s += cluster.device.dtensor_step_s * count
-    crowd = _crowding(layout, cluster)
-    return (reduce_s + own_s) * crowd, opt_s * crowd
 
 
-def _step_syncs(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: list[int],
-                groups: dict) -> float:
-    """Seconds of the small collectives the trainer issues once a step beside the pipeline's: the
-    loss's mean over replicas (`ProcessModel._dp_mean`), the gradient norm's sum of squares over
-    each of tp, shard and pp (`ProcessModel.grad_norm`), and each weight tied across pipeline
-    ranks summed over the ranks that hold a copy, shard by shard (`Assembly.settle_grads`).
-    Latency, nearly all: about 0.5-1 ms each on gloo, where `examples/llama.py`'s pp 2 step
-    (30 ms, a tied head) spent 2-2.5 ms in its norm's and its tie's."""
-    def all_reduce(nbytes: float, n: int, group: list[int]) -> float:
-        return comm.all_reduce(nbytes, n, *comm.link(cluster, group, "all_reduce"))
-
-    t = all_reduce(4, layout.dp, groups["dp"])
-    t += sum(all_reduce(4, n, groups[dim]) for dim, n in
-             (("tp", layout.tp), ("shard", layout.shard), ("pp", layout.pp)))
-    if layout.ep > 1:  # the experts' norm over their group (`experts.norm_group`), the plans' proof
-        t += all_reduce(4, layout.ep, groups["ep"]) + all_reduce(16, layout.dp, groups["dp"])
-    holders: dict[int, set[int]] = {}  # parameter id -> the pipeline ranks holding a copy
-    nbytes: dict[int, int] = {}
-    for r in range(layout.pp):
-        for b in rank_blocks(layout, balance, r):
-            for pid, n in costs.params[b].items():
-                holders.setdefault(pid, set()).add(r)
-                nbytes[pid] = n
-    return t + sum(all_reduce(nbytes[pid] / layout.shard, len(ranks), groups["pp"])
-                   for pid, ranks in holders.items() if len(ranks) > 1)
 
 
-def _fsdp_own(costs: ModelCosts, layout: Layout, blocks: list[list[int]], blockwise: bool) -> float:
-    """Seconds of FSDP2's own work (its copies around each collective, its hooks) on the busiest
-    pipeline rank: each of its blocks' measured cycle (`shard_costs`), every micro-batch where
-    it gathers and reduces blockwise, else once a step; 0 unsharded, or where not measured on
-    this machine (on a GPU FSDP2 copies on its own streams)."""
-    if layout.shard == 1 or not costs.shard_s or costs.source != MEASURED:
-        return 0.0
-    times = layout.microbatches if blockwise else 1
-    return times * max(sum(costs.shard_s[b] for b in bs) for bs in blocks)
 
 
 def _tensor_parallel(costs: ModelCosts, layout: Layout, mb: int, cluster: Cluster,
@@ -284,12 +260,6 @@ def _pipeline_cores(layout: Layout, cluster: Cluster) -> float:
     return shared_cores(layout.pp, procs, cores=cluster.device.cores)
 
 
-def _crowding(layout: Layout, cluster: Cluster) -> float:
-    """How much longer the step's other phases (reduction, optimizer) take where a host has more
-    ranks than cores: every rank runs them at once, so they share the cores (1: not crowded)."""
-    procs = min(layout.world, cluster.per_node)
-    cores = cluster.device.cores
-    return procs / cores if cores and procs > cores else 1.0
 
 
 def _action_s(cluster: Cluster, world: int) -> float:
@@ -308,24 +278,3 @@ def _shared(cluster: Cluster, world: int) -> float:
         return 1.0
     return 1 + (d.shared_slowdown - 1) * (min(busy, d.cores) - 1) / max(d.cores - 1, 1)
 
-
-def _reduction(cluster: Cluster, layout: Layout, groups: dict, grads: float, units: int,
-               blockwise: bool = False, half: bool = False) -> float:
-    """Seconds of one step's gradient reduction (and a sharded stage's parameter all-gather). A
-    sharded stage reduces and gathers each of its `units` (fully_shard per block, then the
-    stage's root) in a collective of its own: the bytes are the same, the latency `units` times;
-    under a pipeline once a step, gathered once; `blockwise` (no pipeline) every micro-batch,
-    gathered twice (for its forward and again for its backward). The gradients are reduced in
-    fp32; the weights gathered in half precision where `half`."""
-    if layout.dp == 1:
-        return 0.0
-    if layout.shard == 1:
-        return comm.all_reduce(grads, layout.dp, *comm.link(cluster, groups["dp"], "all_reduce"))
-    each = grads / units
-    gathers, times = (2, layout.microbatches) if blockwise else (1, 1)
-    t = comm.reduce_scatter(each, layout.shard, *comm.link(cluster, groups["shard"], "reduce_scatter"))
-    t += gathers * comm.all_gather(each * (0.5 if half else 1.0), layout.shard,
-                                   *comm.link(cluster, groups["shard"], "all_gather"))
-    t += comm.all_reduce(each / layout.shard, layout.replicate,
-                         *comm.link(cluster, groups["replicate"], "all_reduce"))
-    return units * times * t

@@ -16,7 +16,9 @@ from brigade.errors import BrigadeError
 from brigade.pipeline.plans.action import PlanError
 from brigade.pipeline.plans.schedule import SCHEDULES
 from brigade.planner import cluster as clusters
+from brigade.planner.attention import AttentionFacts, observe
 from brigade.planner.config import PlanConfig
+from brigade.planner.context import RING, check_cp, method
 from brigade.planner.costs import FORMULA, MEASURED, measure
 from brigade.planner.devices import cpu, host_memory
 from brigade.planner.formula import from_shapes
@@ -63,14 +65,16 @@ def _names(text: str, flag: str) -> list[str]:
 
 
 def layouts(cfg: PlanConfig, world: int, n_blocks: int, tensor: TensorFacts | None = None,
-            per_node: int = 0, experts: tuple[int, ...] = ()) -> list[Layout]:
-    """The space asked for: every valid layout, narrowed by --dp, --pp, --shard, --tp, --ep, --schedules,
-    ... `tensor`: what tp does to the model (None: no tp); tp degrees divide `per_node` (0: any);
-    `experts`: every MoE layer's expert count (none: a dense model).
+            per_node: int = 0, experts: tuple[int, ...] = (), attention: AttentionFacts | None = None,
+            cp_method: str = "all-to-all") -> list[Layout]:
+    """The space asked for: every valid layout, narrowed by --dp, --pp, --shard, --cp, --tp, --ep,
+    --schedules, ... `tensor`: what tp does to the model (None: no tp); tp degrees divide `per_node`
+    (0: any); `experts`: every MoE layer's expert count (none: a dense model); `attention`: its
+    attention calls (None: none, cp 1 alone), exchanged by `cp_method` (`context.method`).
 
     Raises:
-        BrigadeError: a --dp/--pp/--shard/--tp/--ep that cannot divide the world or the model, or no
-            layout left.
+        BrigadeError: a --dp/--pp/--shard/--cp/--tp/--ep that cannot divide the world or the model,
+            or no layout left.
     """
     from brigade.config.recompute import MODES
     from brigade.pipeline.plans.schedule import check as check_schedule
@@ -87,13 +91,18 @@ def layouts(cfg: PlanConfig, world: int, n_blocks: int, tensor: TensorFacts | No
     _fixed(cfg, world, n_blocks)
     _fixed_ep(cfg, world, experts)
     sizes = _tp_sizes(cfg, tensor, per_node)
+    check_cp(cfg.cp, world, attention, cfg.seq_len, cp_method, cfg.model, cfg.tp, cfg.ep)
+    ring, tried = cp_method == RING, (cfg.cp,) if cfg.cp > 1 else ()
+    contexts = {tp: attention.cp_sizes(world // tp, tp, cfg.seq_len, ring, tried, per_node // tp)
+                for tp in sizes if world % tp == 0} if attention is not None else None
     rows = [
         lay
         for lay in enumerate_layouts(world, n_blocks, cfg.batch_size, modes, schedules or None, ms or None,
-                                     sizes, per_node, experts)
+                                     sizes, per_node, experts, contexts)
         if (not cfg.dp or lay.dp == cfg.dp)
         and (not cfg.pp or lay.pp == cfg.pp)
         and (not cfg.shard or lay.shard == cfg.shard)
+        and (not cfg.cp or lay.cp == cfg.cp)
         and (not cfg.tp or lay.tp == cfg.tp)
         and (not cfg.ep or lay.ep == cfg.ep)
     ]
@@ -125,16 +134,18 @@ def _fixed(cfg: PlanConfig, world: int, n_blocks: int) -> None:
             raise BrigadeError(
                 f"{flag} {v} does not divide the cluster's {world} ranks: give a divisor of {world}"
             )
-    if cfg.dp and cfg.pp and cfg.dp * cfg.pp != world:
+    given = [(f, v) for f, v in (("--dp", cfg.dp), ("--pp", cfg.pp), ("--cp", cfg.cp), ("--tp", cfg.tp)) if v]
+    product = math.prod(v for _, v in given)
+    if cfg.dp and cfg.pp and (world % product or len(given) == 4 and product != world):
         raise BrigadeError(
-            f"--dp {cfg.dp} × --pp {cfg.pp} = {cfg.dp * cfg.pp}, but the cluster has {world} "
-            "ranks: their product must be the world"
+            f"{' × '.join(f'{f} {v}' for f, v in given)} = {product}, but the cluster has {world} "
+            "ranks: dp × pp × cp × tp must be the world"
         )
     if cfg.pp > n_blocks:
         raise BrigadeError(
             f"--pp {cfg.pp}: the model has {n_blocks} blocks, fewer than the stages: give --pp ≤ {n_blocks}"
         )
-    dp = cfg.dp or (world // cfg.pp if cfg.pp else 0)
+    dp = cfg.dp or (world // (cfg.pp * (cfg.cp or 1) * (cfg.tp or 1)) if cfg.pp else 0)
     if cfg.shard and dp and dp % cfg.shard:
         raise BrigadeError(f"--shard {cfg.shard} does not divide dp {dp}: give a divisor of it")
 
@@ -194,7 +205,9 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
         shape = load_spec(cfg, m)
     tensor = facts(shape.blocks)
     moe = mixture(shape.blocks, tokens_per_sample(shape))
-    rows = layouts(cfg, where.world, len(shape.blocks), tensor, where.per_node, moe.counts if moe else ())
+    how, seen = method(cfg.cp_method, where.device), observe(shape)  # what --cp would exchange
+    rows = layouts(cfg, where.world, len(shape.blocks), tensor, where.per_node, moe.counts if moe else (),
+                   seen, how)
     modes = sorted({r.recompute for r in rows})
     at = sizes(rows, cfg.batch_size)
     with quiet_stderr():
@@ -208,7 +221,7 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
                                    shard=here_shard, compile=cfg.compile), where.device, cfg.precision)
     if cfg.compile and costs.source != MEASURED:  # measured elsewhere, or from shapes: the stated factor
         costs.scale *= cfg.compile_factor
-    costs.tensor = tensor
+    costs.tensor, costs.attention = tensor, seen
     out, left = _predict_all(cfg, costs, where, rows, tokens_per_sample(shape))
     return {
         "model": cfg.model,
@@ -218,6 +231,7 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
         "device": vars(where.device),
         "batch_size": cfg.batch_size,
         "seq_len": cfg.seq_len,
+        "cp_method": how,
         "source": costs.source,
         "rows": out,
         "left_out": left,
@@ -245,7 +259,8 @@ def _predict_all(cfg: PlanConfig, costs, where, rows: list[Layout],
     def run(lays: list[Layout]) -> None:
         for lay in lays:
             try:
-                out.append(predict(costs, lay, where, cfg.batch_size, tokens, cfg.precision))
+                out.append(predict(costs, lay, where, cfg.batch_size, tokens, cfg.precision,
+                                   cp_method=cfg.cp_method))
             except PlanError as exc:
                 left.append({"label": lay.label(), "reason": str(exc)})
 
@@ -260,7 +275,8 @@ def _predict_all(cfg: PlanConfig, costs, where, rows: list[Layout],
 
 
 def _shape(lay: Layout) -> tuple:
-    return lay.replicate, lay.shard, lay.pp, lay.virtual, lay.microbatches, lay.recompute, lay.tp, lay.ep
+    return (lay.replicate, lay.shard, lay.pp, lay.virtual, lay.microbatches, lay.recompute, lay.tp, lay.ep,
+            lay.cp)
 
 
 def to_config(cfg: PlanConfig, row: dict, m: ModelConfig, nodes: int, per_node: int) -> RunConfig:
@@ -272,7 +288,7 @@ def to_config(cfg: PlanConfig, row: dict, m: ModelConfig, nodes: int, per_node: 
     p.nproc, p.nnodes, p.dp, p.pp, p.shard = per_node, nodes, lay["dp"], lay["pp"], lay["shard"]
     p.schedule, p.virtual, p.microbatches = lay["schedule"], lay["virtual"], lay["microbatches"]
     p.recompute, p.tp, p.compile = lay["recompute"], lay.get("tp", 1), cfg.compile
-    p.ep = lay.get("ep", 1)
+    p.ep, p.cp, p.cp_method = lay.get("ep", 1), lay.get("cp", 1), cfg.cp_method
     if lay["pp"] > 1:
         p.balance = ",".join(map(str, row["balance"]))
     run.train.batch_size = cfg.batch_size

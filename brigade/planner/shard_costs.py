@@ -19,7 +19,7 @@ backward timed in turn with the same block unsharded. The difference is one cycl
 work on the block: two gathers and one reduction, copies and hooks included, the collectives
 free. It hardly depends on the shard degree (the copies are of the whole block: the gathered
 weights, the gradients before they are reduced), so the prediction reads it at every degree
-(`predict._after_pipeline`).
+(`reduction.after_pipeline`).
 
 Measured only where this process can fake a world (`brigade plan`, the accuracy benchmark's
 costs process), and read only where the target is this machine: on a GPU FSDP2 copies on its

@@ -1,12 +1,14 @@
-"""The layouts a cluster can run a model in: dp = replicate × shard, pp, tp, V and schedule (every
-schedule of the registry, so one added later is covered), micro-batches and recompute, and for a
-mixture of experts ep (expert groups carved out of dp: every divisor of dp that divides each MoE
-layer's experts; 1 alone for a dense model).
+"""The layouts a cluster can run a model in: dp = replicate × shard, pp, cp, tp, V and schedule
+(every schedule of the registry, so one added later is covered), micro-batches and recompute, and
+for a mixture of experts ep (expert groups carved out of dp: every divisor of dp that divides each
+MoE layer's experts; 1 alone for a dense model).
 
-A layout is valid when dp × pp × tp is the world, shard divides dp, tp is a degree the model's
-plans allow and divides a node's devices (tp innermost: its all-reduces stay inside a node), the
-model has the p·V stages' blocks, and each replica's share of the batch divides into its
-micro-batches.
+A layout is valid when dp × pp × cp × tp is the world, shard divides dp, tp is a degree the
+model's plans allow and divides a node's devices (tp innermost: its all-reduces stay inside a
+node), cp is a degree the model's attention and sequence take at that tp (`attention.cp_sizes`:
+powers of two up to a node's devices ÷ tp; 1 alone for a model without attention) and, as the
+runtime has it, cp > 1 only at ep 1, the model has the p·V stages' blocks, and each replica's
+share of the batch divides into its micro-batches (cp splits sequences, not the batch).
 
 The tuner's sweep (`search_space`) is the pipelines of its ranks alone, at the micro-batch counts it
 measures, with the (schedule, V) its model cannot take left out and why. Both try the same V per
@@ -25,9 +27,9 @@ from brigade.world.degrees import Degrees
 @dataclass(frozen=True)
 class Layout:
     """One way to run: `replicate` × `shard` data-parallel ranks (dp), each a pipeline of `pp`
-    ranks holding `virtual` stages each, each stage split over `tp` processes, `microbatches` per
-    replica's batch, `recompute` mode; a mixture's experts split over expert groups of `ep` of the
-    dp ranks."""
+    ranks holding `virtual` stages each, each stage's sequences split over `cp` processes and its
+    matmuls over `tp`, `microbatches` per replica's batch, `recompute` mode; a mixture's experts
+    split over expert groups of `ep` of the dp ranks."""
 
     replicate: int
     shard: int
@@ -38,6 +40,7 @@ class Layout:
     recompute: str
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
@@ -45,12 +48,12 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def degrees(self) -> Degrees:
         """The world's degrees this layout runs on."""
-        return Degrees(dp=self.dp, shard=self.shard, pp=self.pp, tp=self.tp, ep=self.ep)
+        return Degrees(dp=self.dp, shard=self.shard, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep)
 
     def label(self) -> str:
         dp = (
@@ -65,9 +68,10 @@ class Layout:
             else ""
         )
         rc = f", recompute {self.recompute}" if self.recompute != "none" else ""
-        tp = f"{' × ' if dp or pipe else ''}tp {self.tp}" if self.tp > 1 else ""
+        cp = f"{' × ' if dp or pipe else ''}cp {self.cp}" if self.cp > 1 else ""
+        tp = f"{' × ' if dp or pipe or cp else ''}tp {self.tp}" if self.tp > 1 else ""
         ep = f", ep {self.ep}" if self.ep > 1 else ""  # carved out of dp: no factor of the world
-        return f"{dp}{pipe}{tp}{ep}, m {self.microbatches}{rc}"
+        return f"{dp}{pipe}{cp}{tp}{ep}, m {self.microbatches}{rc}"
 
     def to_json(self) -> dict:
         return {**asdict(self), "dp": self.dp}
@@ -80,16 +84,20 @@ def check(layout: Layout, world: int, n_blocks: int, batch: int) -> None:
         BrigadeError: one line naming what does not divide and how to fix it.
     """
     if layout.world != world:
+        cp = f" × cp {layout.cp}" if layout.cp > 1 else ""
         tp = f" × tp {layout.tp}" if layout.tp > 1 else ""
         raise BrigadeError(
-            f"dp {layout.dp} × pp {layout.pp}{tp} = {layout.world} ranks, but the cluster has "
-            f"{world}: choose dp × pp{' × tp' if tp else ''} = {world}"
+            f"dp {layout.dp} × pp {layout.pp}{cp}{tp} = {layout.world} ranks, but the cluster has "
+            f"{world}: choose dp × pp{' × cp' if cp else ''}{' × tp' if tp else ''} = {world}"
         )
     if layout.dp % layout.shard:
         raise BrigadeError(f"--shard {layout.shard} does not divide dp {layout.dp}: give a divisor of it")
     if layout.dp % layout.ep:
         raise BrigadeError(f"--ep {layout.ep} does not divide dp {layout.dp}: expert groups are carved "
                            "out of the data-parallel ranks; give a divisor of it")
+    if layout.cp > 1 and layout.ep > 1:
+        raise BrigadeError(f"cp {layout.cp} with ep {layout.ep}: context parallel does not compose with "
+                           "expert parallel yet; use one of them")
     stages = layout.pp * layout.virtual
     if stages > n_blocks:
         raise BrigadeError(
@@ -124,17 +132,24 @@ def enumerate_layouts(
     tp_sizes: tuple[int, ...] = (1,),
     per_node: int = 0,
     experts: tuple[int, ...] = (),
+    cp_sizes: dict[int, tuple[int, ...]] | None = None,
 ) -> list[Layout]:
     """Every valid layout (module docstring) for `world` ranks; `schedules` default: the registry's,
     `microbatches` default: powers of two up to 4 · pp (never more than a replica's batch), `tp_sizes`:
     the degrees the model's plans allow, each kept to those that divide `per_node` (0: any);
-    `experts`: every MoE layer's expert count (none: a dense model, ep 1 alone). Without a pipeline
-    the schedule is the default one: it does not matter."""
+    `experts`: every MoE layer's expert count (none: a dense model, ep 1 alone); `cp_sizes`: per tp
+    degree, the cp degrees the model takes there (`AttentionFacts.cp_sizes`; a tp not in it, or
+    None: cp 1 alone), each kept to those that divide world ÷ tp. Without a pipeline the schedule is
+    the default one: it does not matter."""
     out = []
     for tp in tp_sizes:
         if world % tp or (per_node and per_node % tp):
             continue
-        out += _layouts(world // tp, n_blocks, batch, recompute, schedules, microbatches, tp, experts)
+        for cp in (cp_sizes or {}).get(tp, (1,)):
+            if (world // tp) % cp:
+                continue
+            out += _layouts(world // (tp * cp), n_blocks, batch, recompute, schedules, microbatches, tp,
+                            experts if cp == 1 else (), cp)  # cp > 1 at ep 1 alone (module docstring)
     return out
 
 
@@ -145,8 +160,10 @@ def ep_sizes(dp: int, experts: tuple[int, ...]) -> list[int]:
 
 
 def _layouts(cells: int, n_blocks: int, batch: int, recompute: list[str], schedules: list[str] | None,
-             microbatches: list[int] | None, tp: int, experts: tuple[int, ...] = ()) -> list[Layout]:
-    """`enumerate_layouts` at one tp degree, over the `cells` = world ÷ tp (dp × pp) positions."""
+             microbatches: list[int] | None, tp: int, experts: tuple[int, ...] = (),
+             cp: int = 1) -> list[Layout]:
+    """`enumerate_layouts` at one tp and cp degree, over the `cells` = world ÷ (cp × tp) (dp × pp)
+    positions."""
     out = []
     for pp in divisors(cells):
         dp = cells // pp
@@ -158,7 +175,7 @@ def _layouts(cells: int, n_blocks: int, batch: int, recompute: list[str], schedu
                     for m in microbatches or _powers(4 * pp):
                         if batch % dp or (batch // dp) % m:
                             continue
-                        out += [Layout(dp // shard, shard, pp, name, v, m, mode, tp, ep)
+                        out += [Layout(dp // shard, shard, pp, name, v, m, mode, tp, ep, cp)
                                 for ep in ep_sizes(dp, experts) for mode in recompute]
     return out
 

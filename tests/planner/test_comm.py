@@ -19,10 +19,14 @@ def test_ring_formulas():
 def test_groups_follow_the_mesh_order_pp_innermost():
     g = comm.groups(replicate=2, shard=2, pp=2)
     assert g == {"pp": [0, 1], "shard": [0, 2], "replicate": [0, 4], "dp": [0, 2, 4, 6], "tp": [0],
-                 "ep": [0], "edp": [0, 2, 4, 6]}
+                 "ep": [0], "edp": [0, 2, 4, 6], "cp": [0], "dpcp": [0, 2, 4, 6], "fsdp": [0, 2]}
     # expert groups: ep consecutive dp ranks; edp: the dp ranks holding the same experts
     g = comm.groups(replicate=2, shard=2, pp=2, ep=2)
     assert g["ep"] == [0, 2] and g["edp"] == [0, 4]
+    # cp between pp and tp: rank = ((shard · 2 + pp) · 2 + cp) · 2 + tp; FSDP2 shards over shard × cp
+    g = comm.groups(replicate=1, shard=2, pp=2, tp=2, cp=2)
+    assert g["cp"] == [0, 2] and g["tp"] == [0, 1] and g["pp"] == [0, 4]
+    assert g["dpcp"] == g["fsdp"] == [0, 2, 8, 10] and g["dp"] == [0, 8]
 
 
 def test_a_group_across_nodes_takes_the_inter_node_link():
