@@ -113,6 +113,20 @@ def _moe_plan(d: dict) -> str:
     return f"{p['total'] / 1e9:.2f} B parameters, {p['active'] / 1e9:.2f} B active; " + "; ".join(parts)
 
 
+@row("brigade plan of Llama 3.1 8B from config.json alone at sequence 32,768, 65,536 and 131,072 on 8 "
+     "and 16 H100s, bf16, ring attention: the best layout (context parallel among them), the best without "
+     "cp and the best pipeline without cp, their tokens/s per GPU and peak", "plan/long_context.json",
+     "`python -m brigade.results.long_context`")
+def _long_context(d: dict) -> str:
+    def one(r: dict) -> str:
+        return (f"{r['label']} {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+                f"{r['memory_gib']['peak']:.1f} GiB")
+
+    return "; ".join(f"{c['gpus']} GPUs at {c['seq_len']:,}: {one(c['best'])} (without cp: "
+                     f"{one(c['best_without_cp'])}; pipeline: {one(c['best_pipeline_without_cp'])})"
+                     for c in d["cases"])
+
+
 @row("a mixture-of-experts GPT (4×256, 8 experts, top 2; 4 processes on 2 cores) at ep 1, 2, 4, "
      "replicated and sharded: the busiest rank's peak and the step, measured and as brigade plan predicts "
      "them; and a tiny Qwen3-MoE's fine-tune over pp 2 × ep 2: the worst layer's busiest expert ÷ the "

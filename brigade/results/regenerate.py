@@ -166,6 +166,8 @@ JOBS: dict[str, Job] = {
                      "python -m brigade.results.big_plans --tiny"),
     "moe-plan": Job("python -m brigade.results.moe_plan", "plan/moe_plan.json",
                     "python -m brigade.results.moe_plan --tiny"),
+    "long-context": Job("python -m brigade.results.long_context", "plan/long_context.json",
+                        "python -m brigade.results.long_context --tiny"),
     "experts": Job("python -m brigade.results.experts", "experts/experts.json",
                    "python -m brigade.results.experts --tiny --steps 4 --rounds 1"),
     "context": Job("python -m brigade.results.context", "context/context.json",
