@@ -147,8 +147,11 @@ class Assembly:
         gradients (`ties`), and every gradient tensor parallel left partial summed over tp
         (`sequence.reduce_partial_grads`, `tensor.sum_per_head_grads`). What the gradient norm,
         clipping and the optimizer read is then one gradient per weight, the same wherever it
-        is held."""
+        is held. Under --cp, after the first step, that attention went through its method
+        (`context.ContextParallel.verify`)."""
         self.ties.sum_grads(self.held)
+        if self.context is not None:  # once: the model's attention went through --cp's method
+            self.context.verify(self.world.device)
         if self.world.degrees.ep > 1:  # the experts' mean over dp (DDP left them out)
             experts.reduce_grads(list(self.held.values()), self.world, sharded(self.world))
         if self.world.degrees.tp > 1:

@@ -110,6 +110,25 @@ class ContextParallel:
     def __init__(self, group, mesh, method: str):
         self.group, self.mesh, self.method = group, mesh, method
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.calls, self.verified = 0, False  # attention calls routed here; `verify` asked once
+
+    def verify(self, device: torch.device) -> None:
+        """After the first step: refuse a model whose attention never reached the method (every
+        process asks, one all-reduce: a process whose stages hold no attention made none). A
+        block that attends by hand (its own softmax) would attend only to its own part.
+
+        Raises:
+            BrigadeError: no process routed an attention call.
+        """
+        if self.verified:
+            return
+        self.verified = True
+        calls = torch.tensor([self.calls], device=device)
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+        if int(calls.item()) == 0:
+            raise BrigadeError(f"--cp {self.size} but no block called F.scaled_dot_product_attention in the "
+                               "first step: context parallel routes attention through it, and attention "
+                               "computed otherwise would see only its own part; call SDPA, or drop --cp")
 
     def index(self, length: int, device=None) -> torch.Tensor:
         """The global positions of this process's part of a sequence of `length`: (length / C,)."""
@@ -154,6 +173,7 @@ class ContextParallel:
     def attend(self, q, k, v, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
                enable_gqa: bool = False) -> torch.Tensor:
         """SDPA of this process's queries over every key of the sequence, by the method."""
+        self.calls += 1
         if self.method == "ring":  # grouped key/value heads repeated: torch's ring takes whole ones
             k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
             return _ring(q, k, v, self.mesh, dropout_p, is_causal, scale)

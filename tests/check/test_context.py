@@ -94,6 +94,50 @@ def test_context_2_with_shard_2_by_pipeline_2_and_more_models():
         assert all(r["ok"] and r["reference"] == "transformers" for r in results), results
 
 
+HAND = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attend(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):  # attention by hand: a softmax over the positions it holds
+        q, k, v = self.qkv(x).chunk(3, -1)
+        t = x.shape[1]
+        scores = (q @ k.transpose(1, 2)).masked_fill(torch.ones(t, t).triu(1).bool(), float("-inf"))
+        return x + scores.softmax(-1) @ v
+
+
+def make():
+    return [nn.Embedding(16, 8), Attend(), nn.Linear(8, 16)]
+
+
+def batch(n, g):
+    x = torch.randint(16, (n, 8), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_attention_that_does_not_call_sdpa_is_refused_after_the_first_step(tmp_path):
+    """A block that attends by hand would see only its own part: nothing routed an attention call
+    through the method, and the first step says so in one line (not a wrong loss)."""
+    from brigade.errors import RunError
+
+    (tmp_path / "hand.py").write_text(HAND)
+    with pytest.raises(RunError, match=r"--cp 2 but no block called F.scaled_dot_product_attention in the "
+                                       r"first step: .*call SDPA, or drop --cp$"):
+        run_check(CheckConfig(model=f"{tmp_path}/hand.py:make", stages=1, batch_size=4, cp=2))
+
+
 def _refused(cli, *args: str) -> str:
     done = cli("check", "--stages", "1", *args)
     err = done.stderr.strip().splitlines()

@@ -282,7 +282,7 @@ def test_resume_under_another_layout(tmp_path):
     assert sorted(got) == list(range(1, 13))
     for step in range(7, 13):
         assert got[step] == pytest.approx(want[step], abs=1e-5)
-    assert inspect(out)["layout"] == {"dp": 2, "pp": 1, "local_stages": 1, "virtual": 1, "tp": 1}
+    assert inspect(out)["layout"] == {"dp": 2, "pp": 1, "local_stages": 1, "virtual": 1, "tp": 1, "cp": 1}
 
 
 class _Evil:

@@ -113,7 +113,7 @@ def readme_commands() -> list[str]:
 def _optional_groups(cmd: str) -> str:
     """`[--json]` is part of the command; a group naming placeholders is left out."""
     def keep(m: re.Match) -> str:
-        return "" if re.search(r"\b(K|HOST|PORT|DIR|V|D|S|T|MODE)\b", m[1]) else m[1]
+        return "" if re.search(r"\b(K|HOST|PORT|DIR|V|D|S|T|C|MODE)\b", m[1]) else m[1]
     return re.sub(r"\[([^\]]*)\]", keep, cmd)
 
 

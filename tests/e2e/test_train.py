@@ -70,7 +70,7 @@ def test_generate_plot_inspect(run_dir, cli):
     assert plot.returncode == 0 and (out / "loss.png").is_file()
     info = inspect(out)
     assert info["step"] == 20
-    assert info["layout"] == {"dp": 2, "pp": 1, "local_stages": 1, "virtual": 1, "tp": 1}
+    assert info["layout"] == {"dp": 2, "pp": 1, "local_stages": 1, "virtual": 1, "tp": 1, "cp": 1}
     assert len(info["params_sha256"]) == 64 and info["checksums"] == "ok"
 
 
@@ -113,7 +113,7 @@ def test_runs_under_torchrun(tmp_path):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert max(losses(out).values()) > 0 and len(losses(out)) == 3
-    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 1, "tp": 1}
+    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 1, "tp": 1, "cp": 1}
     assert_whole_run_folder(out, result.stdout, ranks=4)
 
 
@@ -141,7 +141,7 @@ def test_runs_under_slurm_variables(tmp_path):
         assert p.returncode == 0, err[-2000:]
         printed += text
     assert len(losses(out)) == 3
-    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 2, "tp": 1}
+    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 2, "tp": 1, "cp": 1}
     assert_whole_run_folder(out, printed, ranks=4)
     assert list((out / "logs").iterdir()) == [out / "logs" / "slurm-7"]  # the job's id names the run
 
@@ -196,7 +196,7 @@ def test_two_torchrun_agents_on_loopback(tmp_path):
         _, err = agent.communicate(timeout=240)
         assert agent.returncode == 0, err[-2000:]
     assert len(losses(out)) == 3
-    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 1, "tp": 1}
+    assert _layout(out) == {"dp": 2, "pp": 2, "local_stages": 1, "virtual": 1, "tp": 1, "cp": 1}
 
 
 def test_python_api_example_from_readme(tmp_path):

