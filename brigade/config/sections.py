@@ -63,7 +63,7 @@ class ParallelConfig:
     local_addr: str = doc("", "the address this node advertises to the others; empty: the one that "
                               "routes to node 0")
     dp: int = doc(0, "data-parallel replicas, each on its slice of the batch; 0: derive it as "
-                     "world size ÷ --pp")
+                     "world size ÷ (--pp × --cp × --tp)")
     shard: int = doc(1, "of each stage's --dp data-parallel processes, how many shard its parameters, "
                         "gradients and optimizer state between them (FSDP2); the others replicate "
                         "those shards (HSDP when both are > 1); 1: no sharding (DDP)")
