@@ -126,6 +126,16 @@ def loss(out, y):
 """
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_context_2_compiled():
+    """--compile under cp 2: each block's forward compiled with the attention mode inside it (the
+    all-to-alls among the compiled code), equal to one device; the check refuses a run in which
+    nothing compiled."""
+    cases = [("1f1b", 2, 1)]
+    assert _failures(run_check(_gpt(stages=1, compile=True), cases), cases) == []
+
+
 @pytest.mark.timeout(120)
 def test_attention_that_does_not_call_sdpa_is_refused_after_the_first_step(tmp_path):
     """A block that attends by hand would see only its own part: nothing routed an attention call
