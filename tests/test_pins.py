@@ -55,12 +55,15 @@ def test_setup_and_ci_install_with_the_constraints():
     assert "python3 -m venv" in update and "pytest" in update and "> constraints.txt.new" in update
 
 
-def test_ci_runs_the_readme_command_and_the_slow_tier_it_leaves_out():
-    """`python -m pytest` leaves the slow tier out (pyproject's addopts); CI must not."""
+def test_ci_runs_the_readme_command_and_the_pins_update_runs_the_slow_tier_too():
+    """CI runs the README's `python -m pytest`, which leaves the slow tier out (pyproject's
+    addopts): with it, CI ran past its 90 minutes on a slow day. The slow tier runs before each
+    submission (docs/testing.md), and before new pins are taken."""
     addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
     assert "-m 'not slow'" in addopts
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "python3 -m pytest && python3 -m pytest -m slow" in ci
+    assert "85m python3 -m pytest ||" in ci and "-m slow" not in ci.split("set -euo")[1]
+    assert "python -m pytest" in (ROOT / "README.md").read_text()
     update = (ROOT / "scripts" / "update-pins.sh").read_text()
     assert "-m pytest -m slow" in update
 
