@@ -155,6 +155,7 @@ def _add_train(sub) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from brigade import config
+    from brigade.config.resolve import degrees_of
     from brigade.launcher.agent import Stopped
     from brigade.launcher.env import launcher_world
     from brigade.snapshot.format import latest_step
@@ -163,7 +164,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config.build(args, world=launcher_world())  # under torchrun or srun, their world
     p = cfg.parallel
-    fault = parse_fault(args.inject_fault, world=p.dp * p.pp * p.tp or p.nproc * p.nnodes,
+    fault = parse_fault(args.inject_fault, world=degrees_of(p).size or p.nproc * p.nnodes,
                         max_steps=cfg.train.max_steps) if args.inject_fault else None
     try:
         run(cfg, fault, port=args.port)

@@ -213,3 +213,4 @@ def _cp_method_names() -> list[str]:
 
 
 CP_METHODS = Choices(_cp_method_names)
+SNAPSHOT_ERRORS = Choices(lambda: ("stop", "warn"))

@@ -19,6 +19,7 @@ from brigade.config.fielddoc import (
     PRECISIONS,
     RECOMPUTES,
     SCHEDULES,
+    SNAPSHOT_ERRORS,
     UPDATES,
     VIRTUALS,
     doc,
@@ -143,7 +144,20 @@ class TrainConfig:
     out: str = doc("runs/latest", "folder for the metrics, snapshots, config.toml and sample")
     sample_tokens: int = doc(300, "tokens (characters) of text sampled at the end; 0: no sample")
     snapshot_every: int = doc(100, "steps between snapshots; 0: only at the end")
-    keep: int = doc(2, "snapshots kept, the newest ones")
+    snapshot_minutes: float = doc(float("inf"), "minutes of wall time after which a snapshot is "
+                                                "taken even before --snapshot-every's step; inf: by "
+                                                "steps only")
+    snapshot_async: bool = doc(True, "write snapshots in the background while training goes on: a step "
+                                     "waits only for the copy to memory (--no-snapshot-async: every "
+                                     "rank waits until the snapshot is on disk)")
+    on_snapshot_error: str = doc("stop", "a snapshot that cannot be written (disk full or read-only): "
+                                         "{choices}; stop ends the run, warn says so and trains on; "
+                                         "either way the newest complete snapshot is kept",
+                                 choices=SNAPSHOT_ERRORS)
+    stop_grace: float = doc(30.0, "seconds between a stop signal (SIGTERM, preemption) and the kill "
+                                  "that follows: a snapshot being written is given half of them to "
+                                  "finish, else it is abandoned")
+    keep: int = doc(2, "complete snapshots kept, the newest ones (one being written does not count)")
     tensorboard: bool = doc(False, "also write OUT/tensorboard event files "
                                    "(pip install 'brigade[tensorboard]')")
     bf16: bool = doc(True, "autocast to bf16 on GPUs, ignored on the CPU and when --precision is given")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import types
 import typing
@@ -128,6 +129,15 @@ def build(args: argparse.Namespace | None = None, toml: dict[str, dict] | None =
     return resolve_layout(cfg, world, given=typed)
 
 
+def _toml_value(value: object) -> str:
+    """A value as TOML writes it: JSON's, but for booleans and infinities (`inf`, `-inf`)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return json.dumps(value)
+
+
 def to_toml(cfg: RunConfig) -> str:
     """`cfg` as a TOML file that `load_toml` (and `--config`) reads back, each key under a comment
     that is its field's sentence (`fielddoc.help_of`, the words of `brigade train --help`)."""
@@ -137,7 +147,7 @@ def to_toml(cfg: RunConfig) -> str:
         lines.append(f"[{section}]")
         for f in fields(cls):
             value = getattr(part, f.name)
-            text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+            text = _toml_value(value)
             lines.append("# " + " ".join(help_of(f, long=False).split()))
             lines.append(f"{f.name} = {text}")
         lines.append("")

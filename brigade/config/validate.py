@@ -52,6 +52,7 @@ def validate(cfg: RunConfig) -> None:
     from brigade.config.precision import autocast_dtype  # owns the names; raises on an unknown one
     autocast_dtype(t.precision, t.bf16, "cpu")
     _speed_levers(cfg)
+    _snapshots(t)
     _positive("nnodes", p.nnodes)
     if not 0 <= p.node_rank < p.nnodes:
         raise BrigadeError(f"--node-rank {p.node_rank}: must be between 0 and --nnodes - 1 ({p.nnodes - 1})")
@@ -69,6 +70,19 @@ def validate(cfg: RunConfig) -> None:
         _fsdp_available(p.shard)
     if p.pp > 1 and p.local_stages > 1:
         raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")
+
+
+def _snapshots(t) -> None:
+    """--snapshot-minutes and --stop-grace: spans of time, above 0 (NaN is none); the error policy."""
+    if t.on_snapshot_error not in ("stop", "warn"):
+        raise BrigadeError(f"--on-snapshot-error {t.on_snapshot_error!r}: expected stop (end the run) or "
+                           "warn (say so and train on)")
+    if not t.snapshot_minutes > 0:
+        raise BrigadeError(f"--snapshot-minutes {t.snapshot_minutes:g}: must be above 0, the minutes "
+                           "between snapshots; leave it out to snapshot by --snapshot-every's steps only")
+    if not t.stop_grace > 0:
+        raise BrigadeError(f"--stop-grace {t.stop_grace:g}: must be above 0, the seconds a stop signal "
+                           "leaves before the kill that follows it")
 
 
 def experts(n: int, top_k: int, model: str) -> None:

@@ -203,6 +203,7 @@ def _call_and_leave(fn: Callable[..., Any], *args: Any) -> Any:
 
 _STOP_SIGNALS = (signal.SIGTERM,)
 _stop_signal: list[str] = []  # the name of the first stop signal received, if any
+_stop_at: list[float] = []  # when it came (time.monotonic)
 _returned = threading.Event()  # the worker function has returned (or raised)
 _leaving = threading.Event()
 
@@ -218,9 +219,15 @@ def stop_requested() -> bool:
     return bool(_stop_signal)
 
 
+def seconds_since_stop() -> float:
+    """Seconds since the first stop signal (0 before any: a stop asked another way is new)."""
+    return time.monotonic() - _stop_at[0] if _stop_at else 0.0
+
+
 def _on_stop_signal(signum: int, frame: Any) -> None:
     if not _stop_signal:
         _stop_signal.append(signal.Signals(signum).name)
+        _stop_at.append(time.monotonic())
     if _returned.is_set():  # the signal came after the result was handed over, or while it is
         _leave_once_handed_over()
 

@@ -1,6 +1,7 @@
-"""Saving and restoring a whole training state across all ranks (the collective half of snapshots).
+"""Restoring a whole training state across all ranks, and what writing and reading share.
 
-What a snapshot holds: model and optimizer state (DCP, layout-free names), the
+Writing is `writer.py` (at once or in the background) and its last act `commit.py`. What a
+snapshot holds: model and optimizer state (DCP, layout-free names), the
 step and the data cursor (from which the epoch follows), the LR schedule (a
 pure function of the step), each rank's RNG states, fp16's loss scale, a hash of the
 configuration, and the run's extra metadata (e.g. the vocabulary). The folders and
@@ -16,10 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import pickle
 import re
-import shutil
 import warnings
 from pathlib import Path
 from typing import Protocol
@@ -31,28 +30,20 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from brigade import forensics
 from brigade.dtensors import full
-from brigade.fsutil import fsync_path, write_atomic
 from brigade.snapshot.format import (
-    MANIFEST,
     Manifest,
     Snapshot,
     SnapshotError,
-    folder_name,
     params_sha256,
-    read_pointer,
-    sha256_file,
-    snapshot_dirs,
     tensor_sha256,
-    write_pointer,
 )
-from brigade.snapshot.rng import rng_state, set_rng_state
-from brigade.snapshot.ties import aliases_of, filled, stored, to_load
+from brigade.snapshot.rng import set_rng_state
+from brigade.snapshot.ties import aliases_of, filled, to_load
 
 # Optimizer state keyed per parameter name ("state.blocks.3.w.exp_avg", "param_groups.blocks.3.w.lr"),
 # not by group index: stages hold different groups, and keys must not collide across ranks.
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class LossScale(Protocol):
@@ -121,79 +112,7 @@ def model_params_sha256(model: nn.Module) -> str:
     return params_sha256(_param_hashes(model))
 
 
-def save(out: str | Path, step: int, model: nn.Module, optimizer, meta: dict, keep: int = 2,
-         before_commit=None, loss_scaler: LossScale | None = None) -> Path:
-    """Write a snapshot of `step` collectively; returns its folder (on every rank).
-
-    Args:
-        meta: JSON-able facts for the manifest (`compat.run_facts`: cursor, layout, config hash...).
-        keep: complete snapshots to keep; older ones are removed only after this one is in place.
-        before_commit: test hook, called on every rank after the data is written, before the rename.
-        loss_scaler: fp16's scaler, whose scale the manifest keeps (the same on every rank).
-
-    Raises:
-        SnapshotError: on every rank, when any rank failed to write; the previous snapshot stays.
-    """
-    rank = dist.get_rank()
-    snaps = Path(out) / "snapshots"
-    name = folder_name(step)
-    if loss_scaler is not None:
-        meta = {**meta, "loss_scale": loss_scaler.state_dict()}
-    tmp = snaps / f".tmp-{name}"
-    if rank == 0:
-        snaps.mkdir(parents=True, exist_ok=True)
-        for stale in snaps.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    forensics.doing(f"snapshot step {step}: barrier before writing", waiting=True)
-    dist.barrier()
-    forensics.doing(f"snapshot step {step}: writing")
-    error = _write_data(tmp, rank, model, optimizer)
-    hashes = _param_hashes(model)
-    if before_commit is not None:
-        before_commit()
-    final = snaps / name
-    forensics.doing(f"snapshot step {step}: agreeing that every rank wrote", waiting=True)
-    written = not _failed(error)  # a collective: every rank must call it, in the same order
-    if rank == 0 and written:
-        try:
-            _commit(tmp, final, snaps, step, meta, hashes, keep, Path(out))
-        except OSError as exc:
-            error = _first_line(exc)
-        except ValueError as exc:  # from Manifest.from_json: the manifest would not read back
-            error = f"its manifest {exc}"
-    if _failed(error) or not written:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        kept = read_pointer(snaps) or "none"
-        raise SnapshotError(
-            f"writing snapshot step {step} in {snaps} failed ({error or 'on another rank'}); "
-            f"the previous snapshot ({kept}) is intact: free space or choose another --out"
-        )
-    return final
-
-
-def _write_data(tmp: Path, rank: int, model: nn.Module, optimizer) -> str:
-    """This rank's DCP shards and RNG states into `tmp`; "" or the error's one line."""
-    try:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-        tied = aliases_of(model)
-        dcp.save({"model": stored(model_sd, tied), "optim": stored(optim_sd, tied)},
-                 storage_writer=dcp.FileSystemWriter(tmp))
-        write_atomic(tmp / f"rng_{rank}.json", json.dumps(rng_state(_devices(model))))
-    except (OSError, CheckpointException) as exc:
-        return _first_line(exc)
-    return ""
-
-
-def _failed(error: str) -> bool:
-    """True on every rank if writing failed on any rank."""
-    flag = torch.tensor([1.0 if error else 0.0], device=_collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
-
-
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
     """Where the default group's tensors must live: NCCL takes only CUDA tensors, on the
     device this process was bound to (`torch.cuda.set_device` in `brigade.launcher.groups.init`)."""
     if dist.get_backend() == "nccl":
@@ -201,34 +120,12 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _devices(model: nn.Module) -> list[torch.device]:
+def devices_of(model: nn.Module) -> list[torch.device]:
     """The devices this process computes on, in stage order: whose RNG states it owns."""
     seen: dict[torch.device, None] = {}
     for p in model.parameters():
         seen.setdefault(p.device, None)
     return list(seen)
-
-
-def _commit(tmp: Path, final: Path, snaps: Path, step: int, meta: dict, hashes: dict, keep: int,
-            out: Path) -> None:
-    """Rank 0: checksums and manifest, then the rename, then LATEST, then pruning."""
-    for f in tmp.iterdir():
-        fsync_path(f)
-    manifest = Manifest.from_json({
-        "step": step, **meta,
-        "params_sha256": params_sha256(hashes),
-        "world_size": dist.get_world_size(),
-        "files": {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()},
-    })  # checked as `verify` will read it: a snapshot that cannot be read is never committed
-    write_atomic(tmp / MANIFEST, json.dumps(manifest.to_json(), indent=1))
-    fsync_path(tmp)
-    if final.exists():  # the same step again (a resumed run): replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_path(snaps)
-    write_pointer(snaps, final.name)
-    for old in snapshot_dirs(out)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -246,7 +143,7 @@ def _quiet_dcp():
             lg.setLevel(level)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc)
     refused = re.search(r"snapshot metadata refers to [^\n]*refusing to load it", text)
     if refused:
@@ -267,7 +164,7 @@ def load(snapshot: Snapshot, model: nn.Module, optimizer,
     Raises:
         SnapshotError: DCP cannot load it into this model (one line).
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     tied = aliases_of(model)
     (model_read, model_fill), (optim_read, optim_fill) = to_load(model_sd, tied), to_load(optim_sd, tied)
     state = {"model": model_read, "optim": optim_read}
@@ -277,12 +174,12 @@ def load(snapshot: Snapshot, model: nn.Module, optimizer,
     except SnapshotError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP's own error is a BaseException
-        raise SnapshotError(f"{snapshot.path}: {_first_line(exc)}") from None
+        raise SnapshotError(f"{snapshot.path}: {first_line(exc)}") from None
     set_state_dict(model, optimizer, model_state_dict=filled(state["model"], model_fill),
-                   optim_state_dict=filled(state["optim"], optim_fill), options=_OPTIONS)
+                   optim_state_dict=filled(state["optim"], optim_fill), options=OPTIONS)
     rng_file = snapshot.path / f"rng_{dist.get_rank() if dist.is_initialized() else 0}.json"
     if rng_file.is_file():
-        set_rng_state(json.loads(rng_file.read_text()), _devices(model))
+        set_rng_state(json.loads(rng_file.read_text()), devices_of(model))
     if loss_scaler is not None and snapshot.manifest.loss_scale is not None:
         loss_scaler.load_state_dict(snapshot.manifest.loss_scale)
     return snapshot.manifest
@@ -300,6 +197,6 @@ def load_model_only(path: Path, model: nn.Module) -> None:
         except SnapshotError:
             raise
         except (Exception, CheckpointException) as exc:
-            raise SnapshotError(f"{path}: {_first_line(exc)}") from None
+            raise SnapshotError(f"{path}: {first_line(exc)}") from None
     model.load_state_dict(filled(state["model"], fill))
 

@@ -14,7 +14,7 @@ from brigade.snapshot.format import Manifest, SnapshotError
 
 def run_facts(cfg: RunConfig, cursor: int, epoch: int, vocab: str | None,
               balance: list[int] | None = None, data: str | None = None) -> dict:
-    """The run's part of a manifest (`collective.save` adds the step, checksums and hashes).
+    """The run's part of a manifest (`writer.Writer.save` adds the step, checksums and hashes).
 
     Args:
         cursor, epoch: the data sampler's position.

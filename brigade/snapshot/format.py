@@ -8,11 +8,13 @@
       .tmp-step_00000300/      being written: never read, removed by the next save
       LATEST                   "step_00000200", replaced only after the rename
 
-Write: DCP into a temporary folder → fsync → checksums and manifest → rename →
-LATEST. A kill at any moment leaves the previous snapshot and pointer intact.
+Write: DCP into a temporary folder → fsync → checksums, parameters read back and hashed,
+manifest → rename → LATEST. A kill at any moment leaves the previous snapshot and pointer
+intact; so does a failure, and so does a snapshot abandoned at a stop signal.
 Read: newest first, checksums verified; a corrupt or incomplete one is skipped
-with a warning. Writing and loading across ranks is `collective.py`; whether a snapshot
-fits a configuration is `compat.py`; the RNG states are `rng.py`.
+with a warning. Writing across ranks is `writer.py` (at once or in the background; its last
+act, rank 0's, is `commit.py`), loading `collective.py`; whether a snapshot fits a
+configuration is `compat.py`; the RNG states are `rng.py`.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def params_sha256(named: dict[str, str]) -> str:
 class Manifest:
     """What `manifest.json` holds: the one list of its keys and their types.
 
-    Written by `collective.save` (rank 0, last), read here by `verify`; readers use these
+    Written by `commit.Commit` (rank 0, last), read here by `verify`; readers use these
     attributes. Keys this version does not know are kept in `extra` (a newer writer's additions).
     Optional keys (`loss_scale`, `balance`, `data`) may be absent: snapshots written before them still read.
     """

@@ -2,12 +2,16 @@
 
     kill                  rank R kills itself (SIGKILL) as step S begins
     stall                 rank R stops making progress as step S begins (sleeps)
-    kill-during-snapshot  rank R kills itself after writing snapshot S's data, before it commits
+    kill-during-snapshot  rank R kills itself as it starts writing its part of snapshot S: the
+                          snapshot is never complete, in the background or not
     nan                   rank R's forward turns NaN during step S: its loss (or, on an earlier
                           pipeline stage, the loss it feeds) becomes NaN, as a diverging run's does
 
 Each fault fires once, on the first attempt only: TORCHELASTIC_RESTART_COUNT,
-which the elastic agent sets, tells which attempt a worker belongs to.
+which the elastic agent sets, tells which attempt a worker belongs to. A fault at a step first
+waits for a snapshot still being written in the background to be complete on disk
+(`settled`), so which snapshot a restart resumes from does not hang on timing; a kill at a
+random moment is a kill from outside (tests/e2e/test_kill_campaign.py).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class FaultInjector:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.fault = fault if fault is not None and fault.rank == rank and first_attempt else None
         self.should_stop = lambda: False  # the worker sets this: SIGTERM received
+        self.settled = lambda: None  # the worker sets this: wait for a snapshot in flight to land
         self.poisoning = False  # nan: this step's training forward passes turn NaN
 
     def attach(self, model: nn.Module) -> None:
@@ -81,8 +86,9 @@ class FaultInjector:
         """Called as step `step` (1-based) begins."""
         f = self.fault
         self.poisoning = f is not None and f.kind == "nan" and f.step == step
-        if f is None or f.step != step:
+        if f is None or f.step != step or f.kind == "kill-during-snapshot":
             return
+        self.settled()
         if f.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if f.kind == "stall":

@@ -43,7 +43,8 @@ def finish(cfg: RunConfig, summary: dict) -> None:
     out = Path(cfg.train.out)
     plot_run(out)
     if summary.get("preempted"):
-        print(f"brigade: stopped at step {summary['step']}; newest snapshot: {summary['snapshot']}. "
+        print(f"brigade: stopped at step {summary['step']}; newest snapshot: "
+              f"{summary['snapshot'] or 'none, it starts from the beginning'}. "
               "Run the same command to resume.", flush=True)
         return
     if (cfg.model.model == "gpt" or cfg.model.model.startswith("hf:")) and cfg.train.sample_tokens:

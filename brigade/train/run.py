@@ -22,7 +22,6 @@ import torch.distributed as dist
 from brigade import forensics
 from brigade.config import RunConfig, pipeline_shape, resolve_layout
 from brigade.config.optimizer import resolve as resolve_update
-from brigade.data.chars import Vocab
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.env import launcher_env, launcher_world, under_launcher
@@ -31,12 +30,13 @@ from brigade.pipeline.plans.schedule import SCHEDULES
 from brigade.pipeline.stages.measured_cut import MEASURED
 from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
 from brigade.snapshot import collective
-from brigade.snapshot.compat import check_compatible, run_facts
+from brigade.snapshot.compat import check_compatible
 from brigade.snapshot.format import SnapshotError, find_latest, read_manifest
 from brigade.snapshot.rng import torch_rng_fingerprint
 from brigade.train import metrics, report
 from brigade.train.data import build, hf_data
 from brigade.train.faults import Fault, FaultInjector
+from brigade.train.snapshots import Snapshots
 from brigade.train.supervise import launch_with_events, layout_record, this_round
 from brigade.train.trainer import NonFiniteError, Trainer
 
@@ -189,18 +189,21 @@ def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
     injector.should_stop = agent.stop_requested
     resumed = resume(trainer, cfg, data_sha)
     layout = _announce(cfg, info, resumed)
-    snap = _snapshotter(trainer, cfg, vocab, injector, data_sha)
+    snaps = Snapshots(trainer, cfg, vocab.chars if vocab else None, info.device, injector.during_snapshot,
+                      data_sha)
+    injector.settled = snaps.landed
     trainer.before_step.append(injector.before_step)
-    trainer.callbacks.append(_after_step(cfg, info, resumed, snap))
+    trainer.callbacks.append(_first_step(resumed))
+    trainer.callbacks.append(snaps.after_step)
     injector.attach(trainer.model)
     with trainer.metrics:
         if layout:
             trainer.metrics.write(layout)
-        history = _fit(trainer, cfg)
-        final = find_latest(cfg.train.out, warn=lambda m: None).path if trainer.stop_requested else snap()
-    summary = {"rank": info.rank, "step": trainer.state.step, "snapshot": str(final),
+        history = _fit(trainer, cfg, snaps)
+        final = snaps.final()
+    summary = {"rank": info.rank, "step": trainer.state.step, "snapshot": str(final) if final else None,
                "preempted": trainer.stop_requested,
-               "params_sha256": read_manifest(final).params_sha256,
+               "params_sha256": read_manifest(final).params_sha256 if final else None,
                "rng": {"torch": torch_rng_fingerprint(), "python": random.random()},
                "val_loss": next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)}
     trainer.close()
@@ -234,48 +237,20 @@ def _announce(cfg: RunConfig, info, resumed: int) -> dict | None:
     return layout
 
 
-def _snapshotter(trainer: Trainer, cfg: RunConfig, vocab: Vocab | None, injector: FaultInjector,
-                 data_sha: str | None = None):
-    """A function that writes the trainer's snapshot now (collective) and logs its time."""
-    def snap() -> Path:
-        start = time.perf_counter()
-        facts = run_facts(cfg, trainer.sampler.cursor, trainer.sampler.epoch, vocab.chars if vocab else None,
-                          trainer.engine.balance, data_sha)
-        path = collective.save(cfg.train.out, trainer.state.step, trainer.model, trainer.optimizer, facts,
-                               keep=cfg.train.keep, loss_scaler=trainer.scaler,
-                               before_commit=lambda: injector.during_snapshot(trainer.state.step))
-        trainer.metrics.write({"step": trainer.state.step, "event": "snapshot",
-                               "seconds": time.perf_counter() - start})
-        return path
-
-    return snap
-
-
-def _after_step(cfg: RunConfig, info, resumed: int, snap):
-    """The trainer's callback: first-step timing, the agreed stop flag (SIGTERM), periodic snapshots."""
+def _first_step(resumed: int):
+    """The trainer's callback that logs when this attempt's first step ended (a restart's cost)."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    def after_step(tr: Trainer, record: dict) -> None:
-        if "loss" not in record:
-            return
-        if record["step"] == resumed + 1:
+    def first_step(tr: Trainer, record: dict) -> None:
+        if record.get("step") == resumed + 1 and "loss" in record:
             tr.metrics.write({"step": record["step"], "event": "first_step", "attempt": attempt,
                               "resumed_from": resumed,
                               "seconds_from_process_start": _seconds_since_process_start()})
-        flag = torch.tensor([1.0 if agent.stop_requested() else 0.0], device=info.device)
-        forensics.doing(f"step {record['step']}: allreduce stop flag", waiting=True)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        every = cfg.train.snapshot_every
-        if flag.item() > 0:  # preempted: this step is done; keep it and stop
-            snap()
-            tr.stop_requested = True
-        elif every and record["step"] % every == 0 and record["step"] < cfg.train.max_steps:
-            snap()
 
-    return after_step
+    return first_step
 
 
-def _fit(trainer: Trainer, cfg: RunConfig) -> list[dict]:
+def _fit(trainer: Trainer, cfg: RunConfig, snaps: Snapshots) -> list[dict]:
     """trainer.fit(); a non-finite loss or gradient norm ends the run, naming what to resume from.
 
     Raises:
@@ -285,6 +260,7 @@ def _fit(trainer: Trainer, cfg: RunConfig) -> list[dict]:
     try:
         return trainer.fit()
     except NonFiniteError as exc:
+        snaps.settle_quietly()  # a snapshot of a good step on its way: let it land first
         found = find_latest(cfg.train.out, warn=lambda m: None)
         where = (f"the newest good snapshot is step {found.manifest.step} in {found.path.parent}"
                  if found else f"there is no snapshot in {cfg.train.out} yet")

@@ -87,7 +87,7 @@ def _config(out: Path, layout: str, schedule: str):
 
 def _stop_after(step: int):
     """`agent.stop_requested` as SIGTERM after `step` makes it: the run's after-step callback asks
-    it once per step, then all ranks agree on the flag (train.run._after_step)."""
+    it once per step, then all ranks agree on the flag (train.snapshots.Snapshots.after_step)."""
     asked = [0]
 
     def stop_requested() -> bool:

@@ -82,13 +82,23 @@ def test_hang_report_names_the_stalled_rank(tmp_path):
 
 
 @WITH_REFERENCE
-def test_kill_during_a_snapshot_write(reference, tmp_path):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_kill_during_a_background_snapshot_write(reference, tmp_path, rank):
+    """Snapshot 10 is written in the background (the default) while step 11 runs; rank 0 (which
+    would commit it) or rank 1 dies as it starts writing its part. It is never marked complete:
+    the restart resumes from the previous complete one, 5, and the run ends bit for bit."""
     out = tmp_path / "mid-snapshot"
-    result = train(out, *RUN, "--inject-fault", "kill-during-snapshot:rank=0:step=10",
+    result = train(out, *RUN, "--inject-fault", f"kill-during-snapshot:rank={rank}:step=10",
                    "--max-restarts", "1")
     assert result.returncode == 0, result.stderr
+    assert f"rank {rank} died (SIGKILL)" in result.stdout
     assert "restarting 1/1 from snapshot step 5" in result.stdout  # 10 never committed
+    assert "snapshot_async = true" in (out / "config.toml").read_text()  # the default
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    firsts = [(r["attempt"], r["resumed_from"]) for r in rows if r.get("event") == "first_step"]
+    assert firsts == [(0, 0), (1, 5)]
     assert final_hash(out) == final_hash(reference)
+    assert losses(out) == losses(reference)
 
 
 @WITH_REFERENCE

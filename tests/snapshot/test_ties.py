@@ -14,7 +14,7 @@ from brigade.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from brigade.data.chars import load_text_data
 from brigade.launcher import agent, groups
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
-from brigade.snapshot import collective
+from brigade.snapshot import collective, writer
 from brigade.snapshot.compat import run_facts
 from brigade.snapshot.format import find_latest
 from brigade.snapshot.ties import aliases_of, canonical_key, filled, stored, to_load
@@ -87,7 +87,7 @@ def _steps(trainer: Trainer, until: int) -> list[float]:
 def _save(trainer: Trainer, out) -> None:
     sampler = trainer.sampler
     facts = run_facts(RunConfig(parallel=trainer.parallel), sampler.cursor, sampler.epoch, None)
-    collective.save(out, trainer.state.step, trainer.model, trainer.optimizer, facts)
+    writer.save(out, trainer.state.step, trainer.model, trainer.optimizer, facts)
 
 
 def _resume(trainer: Trainer, out) -> None:

@@ -147,7 +147,7 @@ def fp16_resumed(out: str, stop_at: int | None) -> dict:
     """TINY fp16 for STEPS steps from a loss scale that overflows twice, grown every 2 good steps,
     so the scale at step 3 (2**17, one good step) is not a fresh scaler's (2**16, none). With
     `stop_at`: snapshot there, then a new trainer resumes from it as `brigade train` does."""
-    from brigade.snapshot import collective
+    from brigade.snapshot import collective, writer
     from brigade.snapshot.compat import run_facts
     from brigade.train.data import build
     from brigade.train.run import resume
@@ -172,7 +172,7 @@ def fp16_resumed(out: str, stop_at: int | None) -> dict:
     history = [tr.train_step() for _ in range(stop_at or STEPS)]
     if stop_at:
         facts = run_facts(cfg, tr.sampler.cursor, tr.sampler.epoch, tr.vocab.chars)
-        collective.save(out, stop_at, tr.model, tr.optimizer, facts, loss_scaler=tr.scaler)
+        writer.save(out, stop_at, tr.model, tr.optimizer, facts, loss_scaler=tr.scaler)
         tr.close()
         tr = trainer(None)
         assert resume(tr, cfg) == stop_at

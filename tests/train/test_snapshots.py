@@ -1,0 +1,148 @@
+"""When a run snapshots, and what a stop signal or a failed write does to one in flight.
+
+One launch of 2 gloo processes runs `train.run._train` (what `brigade train`'s workers run) five
+times on a tiny GPT, each with its writes slowed or failed by the `during_write` hook
+(`FaultInjector.during_snapshot`, patched) and SIGTERM stood in for as the exact-resume test
+does (`agent.stop_requested` turns true after step 3):
+
+- stopped while snapshot 2 is being written, within half of --stop-grace: it is finished,
+  step 3's is written, and the run says so;
+- stopped while snapshot 2 is held past half the grace: it is abandoned (never complete),
+  step 3's is not written, and the newest complete snapshot is step 1's;
+- --snapshot-minutes tiny, --snapshot-every 0: a snapshot after every step, by time;
+- a write failing on rank 1 under --on-snapshot-error warn: said, and training goes on to
+  its end and its last snapshot; under stop: the run ends there, on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+RUN = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "16", "--block-size", "16",
+       "--batch-size", "8", "--max-steps", "6", "--eval-every", "100", "--eval-batches", "1",
+       "--sample-tokens", "0", "--nproc", "2"]
+# name: (flags, {step: what the write of that step's snapshot does}, stop after step)
+CASES = {
+    "finished": (["--snapshot-every", "1", "--stop-grace", "60"], {2: ("sleep", 1.0)}, 3),
+    "abandoned": (["--snapshot-every", "1", "--stop-grace", "2"], {2: ("sleep", 6.0)}, 3),
+    "by-time": (["--snapshot-every", "0", "--snapshot-minutes", "0.00001"], {}, None),
+    "warn": (["--snapshot-every", "2", "--on-snapshot-error", "warn"], {2: ("fail", 1)}, None),
+    "stop": (["--snapshot-every", "2"], {2: ("fail", 1)}, None),
+}
+
+
+def _config(out: Path, flags: list[str]):
+    from brigade import config
+    from brigade.cli import build_parser
+
+    return config.build(build_parser().parse_args(["train", "--out", str(out), *RUN, *flags]))
+
+
+def _runs(root: str) -> dict:
+    """Worker: each case's `_train`, with its hook and stop; {case: summary or the error's line}."""
+    import torch.distributed as dist
+
+    from brigade import forensics
+    from brigade.launcher import agent, groups
+    from brigade.train import faults
+    from brigade.train import run as train_run
+
+    info = groups.init("gloo", None, forensics.group_timeout(60))
+    got: dict = {}
+    asked, during = agent.stop_requested, faults.FaultInjector.during_snapshot
+    try:
+        for name, (flags, writes, stop_after) in CASES.items():
+            faults.FaultInjector.during_snapshot = _hook(writes)
+            if stop_after:
+                count = [0]
+                agent.stop_requested = lambda c=count, n=stop_after: (c.__setitem__(0, c[0] + 1) or c[0] >= n)
+            try:
+                got[name] = train_run._train(_config(Path(root) / name, flags), info, None)
+            except Exception as exc:  # the case that stops on a failed snapshot
+                got[name] = f"{type(exc).__name__}: {exc}"
+            finally:
+                agent.stop_requested = asked
+            dist.barrier()
+    finally:
+        faults.FaultInjector.during_snapshot = during
+        groups.destroy()
+    return got
+
+
+def _hook(writes: dict):
+    def during_snapshot(self, step: int) -> None:
+        import torch.distributed as dist
+
+        what = writes.get(step)
+        if what and what[0] == "sleep":
+            time.sleep(what[1])
+        if what and what[0] == "fail" and dist.get_rank() == what[1]:
+            raise OSError(28, "No space left on device")
+    return during_snapshot
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from brigade.launcher import agent
+
+    root = tmp_path_factory.mktemp("snapshots")
+    return root, agent.launch(_runs, 2, str(root))
+
+
+def _events(out: Path, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("event") == kind]
+
+
+def _complete(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "snapshots").iterdir() if p.name.startswith("step_"))
+
+
+def test_a_snapshot_in_flight_at_a_stop_is_finished_within_half_the_grace(runs):
+    root, got = runs
+    out = root / "finished"
+    assert got[0]["finished"]["preempted"] and got[0]["finished"]["step"] == 3
+    [stop] = _events(out, "stop")
+    assert (stop["outcome"], stop["in_flight"]) == ("finished", 2)
+    assert _complete(out) == ["step_00000002", "step_00000003"]
+    assert got[0]["finished"]["snapshot"].endswith("step_00000003")
+
+
+def test_a_snapshot_in_flight_past_half_the_grace_is_abandoned(runs):
+    root, got = runs
+    out = root / "abandoned"
+    [stop] = _events(out, "stop")
+    assert (stop["outcome"], stop["in_flight"]) == ("abandoned", 2)
+    assert stop["waited_s"] < 2.5  # half of --stop-grace 2, not the 6 s the write was held
+    assert _complete(out) == ["step_00000001"]  # neither step 2's nor step 3's
+    assert got[0]["abandoned"]["snapshot"].endswith("step_00000001")
+
+
+def test_snapshots_by_wall_time(runs):
+    root, _ = runs
+    steps = [e["step"] for e in _events(root / "by-time", "snapshot")]
+    assert steps == [1, 2, 3, 4, 5, 6]  # every step's, by time; the last one as every run's last
+    assert [e["async"] for e in _events(root / "by-time", "snapshot")] == [True] * 5 + [False]
+
+
+def test_a_failed_write_under_warn_trains_on(runs):
+    root, got = runs
+    out = root / "warn"
+    [failed] = _events(out, "snapshot_failed")
+    assert failed["snapshot_step"] == 2 and "No space left on device" in failed["error"]
+    assert got[0]["warn"]["step"] == 6 and _complete(out) == ["step_00000004", "step_00000006"]
+
+
+def test_a_failed_write_under_stop_ends_the_run_on_every_rank(runs):
+    root, got = runs
+    for rank in (0, 1):
+        line = got[rank]["stop"]
+        assert line.startswith("SnapshotError: writing snapshot step 2 in "), line
+        assert "no snapshot is complete yet" in line
+    assert "No space left on device" in got[0]["stop"]
+    assert not (root / "stop" / "snapshots" / "step_00000002").exists()
