@@ -67,6 +67,14 @@ check train-bf16      "$PY" -m brigade train "${TINY[@]}" --max-steps 40 --out "
 check train-kill      "$PY" -m brigade train "${TINY[@]}" --max-steps 40 --out "$OUT/killed" \
                         --inject-fault kill:rank=0:step=25 --max-restarts 1
 check resume-identical same_hash "$OUT/straight" "$OUT/killed"
+# Snapshots are written in the background by default (state copied from the GPU to CPU memory
+# first); written at once instead, the run must end on the same parameters.
+check train-sync-snapshots "$PY" -m brigade train "${TINY[@]}" --max-steps 40 --out "$OUT/sync" \
+                        --no-snapshot-async
+check async-equals-sync same_hash "$OUT/straight" "$OUT/sync"
+check kill-mid-snapshot "$PY" -m brigade train "${TINY[@]}" --max-steps 40 --out "$OUT/mid-snapshot" \
+                        --inject-fault kill-during-snapshot:rank=0:step=20 --max-restarts 1
+check mid-snapshot-identical same_hash "$OUT/straight" "$OUT/mid-snapshot"
 check bf16-learns     "$PY" -c "
 import json
 rows = [json.loads(l) for l in open('$OUT/straight/metrics.jsonl')]

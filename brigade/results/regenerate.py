@@ -75,9 +75,11 @@ def _main(run: Path, output: str, code: int, wall_s: float) -> dict:
 def _snapshot(run: Path, output: str, code: int, wall_s: float) -> dict:
     recs = read_records(run)
     every = _toml_value(run / "config.toml", "snapshot_every")
-    return {"snapshot_s": [r["seconds"] for r in events(recs, "snapshot")],
-            "snapshot_every": every, "step_s": statistics.median(loop_seconds(recs, skip=5)),
-            "steps": training(recs)[-1]["step"]}
+    steps = training(recs)[-1]["step"]
+    snaps = events(recs, "snapshot")
+    return {"snapshot_s": [r["seconds"] for r in snaps if r["step"] < steps],  # periodic, in the background
+            "final_s": snaps[-1]["seconds"], "snapshot_every": every,
+            "step_s": statistics.median(loop_seconds(recs, skip=5)), "steps": steps}
 
 
 def _toml_value(path: Path, key: str) -> int:
@@ -176,6 +178,10 @@ JOBS: dict[str, Job] = {
                   "python -m brigade.results.levers --tiny --rounds 1"),
     "data": Job("python -m brigade.results.data_scale", "data/data_scale.json",
                 "python -m brigade.results.data_scale --tiny"),
+    "snapshot-stall": Job("python -m brigade.results.snapshot_stall", "snapshots/snapshot_stall.json",
+                          "python -m brigade.results.snapshot_stall --tiny"),
+    "kill-campaign": Job("python -m brigade.results.kill_campaign", "faults/kill_campaign.json",
+                         "python -m brigade.results.kill_campaign --tiny"),
     "two-hosts": Job("", "two-hosts/two_hosts.json", needs_root=ROOT),
     "doctor-two-hosts": Job("", "two-hosts/doctor.json", needs_root=ROOT),
 }

@@ -52,6 +52,8 @@ SHORT = {
     "brigade.results.levers": ["--tiny", "", "--rounds", "1"],
     "brigade.results.data_scale": ["--tiny", ""],
     "brigade.results.context": ["--tiny", ""],
+    "brigade.results.snapshot_stall": ["--tiny", ""],
+    "brigade.results.kill_campaign": ["--tiny", ""],
     # its 21 runs (11 layouts) at full size took 6+ minutes on a slow day (bf16 steps are 6-9x fp32's on CPU)
     "brigade.results.footprint": ["--tiny", "", "--steps", "3", "--repeats", "2"],
 }
@@ -214,7 +216,8 @@ COMMANDS = readme_commands()
 BENCHMARKS = ("bench", "tune", "brigade.results.overhead", "brigade.results.speed",
               "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound",
               "brigade.results.big_plans", "brigade.results.levers", "brigade.results.data_scale",
-              "brigade.results.moe_plan", "brigade.results.experts", "brigade.results.context")
+              "brigade.results.moe_plan", "brigade.results.experts", "brigade.results.context",
+              "brigade.results.snapshot_stall", "brigade.results.kill_campaign")
 LAUNCHERS = ("torchrun", "srun")
 
 
