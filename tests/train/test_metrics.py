@@ -188,12 +188,15 @@ def test_brigade_train_tensorboard_writes_every_metric_at_its_step(tmp_path):
     assert [v for _, v in got["train/loss"]] == pytest.approx(losses, rel=1e-6)
     assert [s for s, _ in got["val/loss"]] == [0, 6]  # TINY evaluates every 10 steps and at the end
     assert [s for s, _ in got["event/snapshot/seconds"]] == [3, 6]
+    # step 3's written in the background, noticed at a later step's end; step 6's, the last, at once
+    assert [v for _, v in got["event/snapshot_written/snapshot_step"]] == [3.0, 6.0]
     assert got["event/first_step/attempt"] == [(1, 0.0)]
     (memory,) = [r for r in read_records(tmp_path) if r.get("event") == "memory"]
     for rank in (0, 1):  # each rank's bytes by kind, once, at step 2
         for kind in ("params", "grads", "optimizer", "activations", "peak"):
             assert got[f"event/memory/rank{rank}/{kind}"] == [(2, memory[f"rank{rank}/{kind}"])], kind
     assert set(_texts(tmp_path / "tensorboard")) == {"events/snapshot/text_summary",
+                                                     "events/snapshot_written/text_summary",
                                                      "events/first_step/text_summary",
                                                      "events/memory/text_summary"}
 
