@@ -32,7 +32,7 @@ from brigade import forensics
 from brigade.config import RunConfig
 from brigade.launcher import agent
 from brigade.snapshot.compat import run_facts
-from brigade.snapshot.format import SnapshotError, find_latest, latest_step
+from brigade.snapshot.format import SnapshotError, latest_step, read_pointer
 from brigade.snapshot.writer import Writer, Writing, failure_line
 
 
@@ -126,8 +126,10 @@ class Snapshots:
             self._settle()
             if self.last_step != tr.state.step:
                 self.take(background=False, must=True)
-        found = find_latest(self.cfg.train.out, warn=lambda m: None)
-        return found.path if found is not None else None
+        # Every rank has agreed after rank 0's last commit, so LATEST is current; rank 0 checksummed
+        # that snapshot as it committed it: no need to read it all again here, on every rank.
+        name = read_pointer(self.writer.snaps)
+        return self.writer.snaps / name if name else None
 
     def settle_quietly(self) -> None:
         """Wait for the snapshot in flight, if any, without agreeing on anything (a run that is
@@ -223,8 +225,8 @@ def _stop_line(w: Writing | None, outcome: str, waited: float, step: int, grace:
     if outcome == "finished":
         return (f"brigade: stop signal: the snapshot of step {w.step}, being written, was finished "
                 f"({waited:.1f} s); writing step {step}'s before leaving")
-    found = find_latest(snaps.parent, warn=lambda m: None)
-    newest = f"step {found.manifest.step}" if found is not None else "none"
+    kept = latest_step(snaps.parent)  # LATEST, not verified again: within the grace, time counts
+    newest = f"step {kept}" if kept is not None else "none"
     return (f"brigade: stop signal: the snapshot of step {w.step}, being written, was abandoned: not "
             f"finished within {grace / 2:g} s (half of --stop-grace {grace:g}); the newest complete "
             f"snapshot is {newest}; step {step} is not saved")
