@@ -46,7 +46,15 @@ from brigade.world.degrees import Degrees
 from brigade.world.mesh import World
 
 
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+def _max_diff(a: list[torch.Tensor | None], b: list[torch.Tensor]) -> float:
+    """The largest absolute difference between the pipeline's tensors `a` and the reference's `b`.
+
+    The reference gives every parameter a gradient; a pipeline's gradient left None (one that no
+    reduction ever wrote, as when FSDP reduce-scatters before a split backward's weight pass) is
+    a failure of the check, infinitely far off, not a crash of it.
+    """
+    if any(x is None for x, _ in zip(a, b)):
+        return float("inf")
     a = [full(x) for x in a]  # a sharded parameter or gradient: gathered (every rank takes part)
     diffs = [(x.float() - y.float().to(x.device)).abs().max().item() for x, y in zip(a, b) if x.numel()]
     return max(diffs, default=0.0)

@@ -18,6 +18,7 @@ import torch
 from brigade.check import run as check_run
 from brigade.check.run import CheckConfig, exact_matmuls, run_check
 from brigade.cli import main
+from brigade.errors import RunError
 from brigade.models.gpt import GPTConfig
 from brigade.pipeline.plans.schedule import SCHEDULES
 
@@ -108,20 +109,39 @@ def test_hsdp_two_replicas_of_two_shards_on_every_schedule():
     assert _failures(results, cases) == [] and {(r["dp"], r["shard"]) for r in results} == {(4, 2)}
 
 
+def _fsdp_on_its_own(monkeypatch, reshard_after_backward: bool) -> None:
+    """ShardedReducer's hold undone: FSDP reduce-scatters after every backward, the input pass's
+    too, and (as FSDP's default) reshards after it, or keeps the gathered weights (as the reducer
+    keeps them); the reduction at the step's end, which the weight passes' gradients need, gone."""
+    from brigade.pipeline.runtime import reduce
+
+    def own_way(self):
+        self.module.set_requires_gradient_sync(True)
+        self.module.set_is_last_backward(True)
+        self.module.set_reshard_after_backward(reshard_after_backward)
+
+    monkeypatch.setattr(reduce.ShardedReducer, "_hold", own_way)
+    monkeypatch.setattr(reduce.ShardedReducer, "finish", lambda self: None)
+
+
 def test_check_fails_when_fsdp_reduces_on_its_own_under_a_split_backward(monkeypatch):
     """Left to itself FSDP reduce-scatters when a unit's input gradient is done, which under zb's
     split backward is before its weight pass (the trap torch's own PP + zero-bubble met): the
-    check must see the weight gradients that never got reduced."""
-    from brigade.errors import RunError
-    from brigade.pipeline.runtime import reduce
+    check must see the weight gradients that never got reduced (none reached the shards: an
+    infinite difference, and weights that SGD never moved)."""
+    _fsdp_on_its_own(monkeypatch, reshard_after_backward=False)
+    (result,) = run_check(grid_config("gpt", 2, shard=2), [("zb", 2, 1)])
+    assert not result["ok"] and result["max_abs_grad_diff"] == float("inf")
+    assert result["max_abs_param_diff"] > 1e-4 and result["max_abs_loss_diff"] < 1e-5
 
-    monkeypatch.setattr(reduce.ShardedReducer, "_hold", lambda self: None)
-    monkeypatch.setattr(reduce.ShardedReducer, "finish", lambda self: None)
-    try:
-        (result,) = run_check(grid_config("gpt", 2, shard=2), [("zb", 2, 1)])
-    except RunError:  # in torch 2.13: resharded after the input pass, the weight pass finds no storage
-        return
-    assert not result["ok"] and result["max_abs_grad_diff"] > 1e-4
+
+def test_check_fails_when_fsdp_also_reshards_after_the_input_pass(monkeypatch):
+    """With FSDP's default, resharding after each backward, the input pass frees the gathered
+    weights that the weight pass's saved graph still reads (torch 2.13: "its data is not allocated
+    yet"): the check fails as a worker's error, never passes."""
+    _fsdp_on_its_own(monkeypatch, reshard_after_backward=True)
+    with pytest.raises(RunError, match=r"worker rank \d failed: .*allocat"):
+        run_check(grid_config("gpt", 2, shard=2), [("zb", 2, 1)])
 
 
 @pytest.mark.timeout(300)
