@@ -73,7 +73,8 @@ def test_json_then_write_config_that_train_runs_within_the_predicted_memory(cli,
     (mem,) = events(read_records(run), "memory")
     for rank in (0, 1):
         measured, predicted = mem[f"rank{rank}/peak"], row["memory"]["peak"]
-        assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
+        # docs/plan.md's target, memory within 10 % on every layout (here -2.5 % on both ranks)
+        assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
         assert mem[f"rank{rank}/params"] == pytest.approx(row["memory"]["params"], rel=0.01)
 
 
