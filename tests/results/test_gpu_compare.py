@@ -99,6 +99,23 @@ def test_side_by_side_adds_mfu_and_divides_brigade_by_torchtitan():
     assert gc.failed(result) and not gc.failed({"runs": {"bf16": run}})
 
 
+def llama_parameters(shape: dict) -> int:
+    """A Llama's parameter count from its shape alone (no module built): per block the query and
+    output projections (dim × heads × head_dim each), key and value (dim × kv heads × head_dim
+    each), the gated feed-forward's three (dim × ffn), two norms; the embedding (the head too, when
+    tied) and the final norm. No biases: Llama has none."""
+    d, q, kv = shape["dim"], shape["n_heads"] * shape["head_dim"], shape["n_kv_heads"] * shape["head_dim"]
+    block = 2 * d * q + 2 * d * kv + 3 * d * shape["ffn_dim"] + 2 * d
+    embeddings = shape["vocab_size"] * d * (1 if shape["tied"] else 2)
+    return shape["n_layers"] * block + embeddings + d
+
+
+def test_the_count_of_the_shape_is_llama_3_2_1b_published_count():
+    assert llama_parameters(gm.SHAPE) == LLAMA_3_2_1B
+    untied = llama_parameters({**TINY, "tied": False})
+    assert untied == llama_parameters(TINY) + TINY["vocab_size"] * TINY["dim"]  # a head of its own
+
+
 def test_the_shape_is_the_llama_brigade_builds_from_config_json(tmp_path):
     gm.hf_config().save_pretrained(tmp_path)
     shape, params = gm.brigade_model(tmp_path)
@@ -133,16 +150,22 @@ def test_brigade_train_accepts_the_runs_command_line(mode, tmp_path, capsys):
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
+    printed = capsys.readouterr().out  # read once: a second read returns nothing (it once skipped float8)
     flags = ["--compile"] + (["--float8"] if mode == "float8" else [])
-    missing = [flag for flag in flags if flag not in capsys.readouterr().out]
-    if missing:
-        pytest.skip(f"brigade train has no {', '.join(missing)} yet (issue 44): the GPU run would be refused")
+    assert not [flag for flag in flags if flag not in printed], "the GPU run's flags must be brigade train's"
     argv = gc.brigade_argv(mode, tmp_path / "m", tmp_path / "t.jsonl", 40, 4, tmp_path / "o")
     args = build_parser().parse_args(argv[2:])
     assert (args.compile, args.block_size, args.batch_size, args.precision, args.nproc) == \
         (True, 2048, 4, "bf16", 1)
     if mode == "float8":
         assert args.float8 == "rowwise"
+
+
+def transformers_parameters(directory: Path) -> int:
+    """The parameters of DIR's model as transformers itself loads it (not brigade's loader)."""
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(directory).parameters())
 
 
 def test_a_tiny_model_of_the_kind_trains_on_the_text_by_the_runs_command_line(tmp_path):
@@ -153,7 +176,9 @@ def test_a_tiny_model_of_the_kind_trains_on_the_text_by_the_runs_command_line(tm
     docs = [json.loads(line)["text"] for line in data.read_text(encoding="utf-8").splitlines()]
     assert len(docs) > 2 and all(len(d) == gm.DOCUMENT_CHARS for d in docs[:-1])
     assert json.loads((model / "config.json").read_text())["dtype"] == "float32"  # brigade's masters: fp32
-    assert gm.brigade_model(model) == (TINY, pytest.approx(gm.brigade_model(model)[1]))
+    # the count brigade builds, against the formula and the weights transformers wrote (tied: once)
+    weights = transformers_parameters(model)
+    assert gm.brigade_model(model) == (TINY, llama_parameters(TINY)) and weights == llama_parameters(TINY)
     argv = gc.brigade_argv("bf16", model, data, 4, 2, tmp_path / "run", seq_len=32)
     argv = [a for a in argv if a != "--compile"] + ["--precision", "fp32"]
     done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=240)
