@@ -46,6 +46,17 @@ same_hash() {  # a run killed and resumed ends with the uninterrupted run's para
 }
 
 check doctor          "$PY" -m brigade doctor --nproc 1 --out "$OUT/doctor"
+# The suite's GPU tier (tests/conftest.py): every test marked cuda, with the GPUs visible; its
+# JUnit report in OUT/gpu/pytest-cuda.xml. On a GPU none may skip: a skip there is a GPU test
+# that did not run (on the CPU, GPU_CHECK_ON_CPU=1, every one skips, saying why).
+gpu_tests() {
+    mkdir -p "$OUT/gpu"
+    "$PY" -m pytest -m cuda -n 0 -p no:cacheprovider -rs --junitxml "$OUT/gpu/pytest-cuda.xml" tests || return 1
+    if [ -z "${GPU_CHECK_ON_CPU:-}" ] && grep -q "<skipped" "$OUT/gpu/pytest-cuda.xml"; then
+        echo "GPU tests skipped on the GPU (see above): they did not run"; return 1
+    fi
+}
+check pytest-cuda gpu_tests
 check check-nccl-1gpu "$PY" -m brigade check --model gpt --stages 1 --microbatches 4
 GPU=cuda:0; [ -n "${GPU_CHECK_ON_CPU:-}" ] && GPU=cpu
 check check-cpu+gpu   "$PY" -m brigade check --model gpt --stages 2 --runtime local --devices cpu,$GPU

@@ -5,6 +5,16 @@ worker starts (configuration, preflight, launcher variables, a damaged snapshot)
 things in this process: the exit code, exactly one stderr line, no exception escaping `main`
 (which is what prints a traceback), nothing written. A few cases in each catalogue still run as
 a real subprocess, so the real command is proven end to end.
+
+GPUs. The suite's tiers (the default, `-m slow`) are the CPU suite: gloo, with more processes than
+a machine has GPUs. Where GPUs are visible torch would pick NCCL, which needs one per process, so
+`pytest_configure` hides them (CUDA_VISIBLE_DEVICES="") from every case and the processes it
+starts. The tests that need a GPU carry the `cuda` marker and are the GPU tier: GPUs stay visible
+when the run selects exactly that tier, `python -m pytest -m cuda` (scripts/gpu-check.sh runs it,
+docs/gpu.md), or when BRIGADE_TEST_GPU=1 is set (any other selection then sees the GPUs too, and
+its multi-process cases pick NCCL: set it only to run cuda tests under another -m expression).
+A `cuda` test skips, saying why, where torch sees no GPU: hidden by this file in the CPU tiers, or
+none on the machine. tests/test_gpu_tier.py holds the tier to the tests it must collect.
 """
 
 from __future__ import annotations
@@ -21,10 +31,42 @@ from tests.e2e.helpers import train
 # and an xdist_group runs on one worker under pytest 9 too (see there).
 pytest_plugins = ["tests.watchdog", "tests.xdist_groups"]
 
-# The suite is the CPU suite: gloo, with more processes than a machine has GPUs. Where GPUs are
-# visible torch would pick NCCL, which needs one per process, so they are hidden from every case
-# and the processes it starts; scripts/gpu-check.sh is what checks a GPU (docs/gpu.md).
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+GPU_TIER = "cuda"  # the marker, and the -m expression that runs the GPU tier with GPUs visible
+HIDDEN = (f"needs a CUDA GPU, and tests/conftest.py hides GPUs from the CPU tiers: run "
+          f"`python -m pytest -m {GPU_TIER}` (or set BRIGADE_TEST_GPU=1)")
+_HIDDEN = pytest.StashKey[bool]()  # set where this run hid them
+
+
+def gpus_hidden(markexpr: str, env) -> bool:
+    """Whether a run with this -m expression and environment hides the GPUs (module docstring):
+    every run but the GPU tier alone (`-m cuda`) or one with BRIGADE_TEST_GPU=1."""
+    return markexpr.strip() != GPU_TIER and env.get("BRIGADE_TEST_GPU") != "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{GPU_TIER}: needs a CUDA GPU; the GPU tier, run by "
+                            f"`python -m pytest -m {GPU_TIER}` (scripts/gpu-check.sh), skipped without one")
+    # Before any case asks torch about CUDA (which reads the variable once, as CUDA starts).
+    if gpus_hidden(config.getoption("markexpr", "") or "", os.environ):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        config.stash[_HIDDEN] = True
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A `cuda` test skips where torch sees no GPU, its reason saying whether the GPUs were hidden
+    (run the GPU tier) or there are none; asked only when such a test was collected."""
+    tier = [item for item in items if item.get_closest_marker(GPU_TIER)]
+    if not tier:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    empty = " (CUDA_VISIBLE_DEVICES is empty)" if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else ""
+    none = f"needs a CUDA GPU: none is visible to torch{empty}"
+    reason = HIDDEN if config.stash.get(_HIDDEN, False) else none
+    for item in tier:
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 class NoWorkers(AssertionError):

@@ -122,7 +122,7 @@ def test_the_inputs_drop_a_mask_that_pads_nothing():
         spec.text_inputs(ids, padding[:, :7])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernel needs a CUDA GPU")
+@pytest.mark.cuda  # the flash kernel needs a CUDA GPU: the GPU tier (tests/conftest.py)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_on_a_gpu_the_flash_kernel_takes_a_batch_without_padding(family):
     """Only the flash kernel allowed: an explicit mask would find no kernel and raise."""
