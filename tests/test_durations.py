@@ -1,0 +1,37 @@
+"""scripts/durations.py: a JUnit report summed by file and by test, and a missing report refused."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("durations", ROOT / "scripts" / "durations.py")
+durations = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(durations)
+
+REPORT = """<testsuites><testsuite>
+<testcase classname="tests.e2e.test_a" name="one" time="3.0"/>
+<testcase classname="tests.e2e.test_a" name="two" time="1.5"/>
+<testcase classname="tests.test_b" name="three" time="4.0"><skipped message="no GPU"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_a_report_is_summed_by_file_and_its_slowest_tests_ranked(tmp_path):
+    (tmp_path / "r.xml").write_text(REPORT)
+    out = tmp_path / "d.json"
+    assert durations.main([str(tmp_path / "r.xml"), "--tier", "default", "--wall-s", "5",
+                           "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert (data["tests"], data["skipped"], data["summed_test_s"], data["wall_s"]) == (3, 1, 8.5, 5.0)
+    assert [f["file"] for f in data["files"]] == ["tests/e2e/test_a.py", "tests/test_b.py"]
+    assert [t["test"] for t in data["slowest"]] == ["tests/test_b.py::three", "tests/e2e/test_a.py::one",
+                                                    "tests/e2e/test_a.py::two"]
+
+
+def test_a_missing_report_is_one_line_and_exit_2(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert durations.main([str(tmp_path / "none.xml"), "--tier", "default", "--wall-s", "1",
+                           "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "none.xml" in err and "--junitxml" in err
+    assert not out.exists()
