@@ -20,7 +20,9 @@ none on the machine. tests/test_gpu_tier.py holds the tier to the tests it must 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,12 +46,21 @@ def gpus_hidden(markexpr: str, env) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # One folder of kept probes (`planner.probe_cache`) for the whole run, never the user's own:
+    # made by the controller before its workers start, which inherit it.
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["BRIGADE_CACHE_DIR"] = tempfile.mkdtemp(prefix="brigade-test-cache-")
     config.addinivalue_line("markers", f"{GPU_TIER}: needs a CUDA GPU; the GPU tier, run by "
                             f"`python -m pytest -m {GPU_TIER}` (scripts/gpu-check.sh), skipped without one")
     # Before any case asks torch about CUDA (which reads the variable once, as CUDA starts).
     if gpus_hidden(config.getoption("markexpr", "") or "", os.environ):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         config.stash[_HIDDEN] = True
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER") and "brigade-test-cache-" in os.environ.get("BRIGADE_CACHE_DIR", ""):
+        shutil.rmtree(os.environ["BRIGADE_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

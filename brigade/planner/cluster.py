@@ -43,8 +43,8 @@ class Cluster:
         return f"{self.nodes} node{'s' * (self.nodes > 1)} × {self.per_node} {self.device.name}"
 
 
-def from_flags(nodes: int, per_node: int, name: str) -> Cluster:
-    """A cluster of a built-in device.
+def from_flags(nodes: int, per_node: int, name: str, reprobe: bool = False) -> Cluster:
+    """A cluster of a built-in device ("cpu" probed again with `reprobe`).
 
     Raises:
         BrigadeError: a size below 1 or an unknown device.
@@ -52,7 +52,7 @@ def from_flags(nodes: int, per_node: int, name: str) -> Cluster:
     for flag, v in (("--nodes", nodes), ("--gpus-per-node", per_node)):
         if v < 1:
             raise BrigadeError(f"{flag} {v}: must be ≥ 1")
-    return Cluster(nodes, per_node, device(name))
+    return Cluster(nodes, per_node, device(name, reprobe))
 
 
 def load(path: str | Path) -> Cluster:

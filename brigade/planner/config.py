@@ -20,6 +20,8 @@ class PlanConfig:
     device: str = doc(
         "cpu", "the target device: h100, h200, a100 or cpu (this machine, measured by a short probe)"
     )
+    reprobe: bool = doc(False, "--device cpu: measure this machine again instead of reusing its probe "
+                               "from the last day (kept in ~/.cache/brigade, or $BRIGADE_CACHE_DIR)")
     cluster: str = doc(
         "",
         "a TOML file with nodes, devices_per_node and a [device] table (docs/plan.md); "

@@ -14,12 +14,12 @@ microseconds. A TOML file (`cluster.py`) gives any other device.
 planner times bf16 blocks here rather than scale them), how much slower each thread gets when every
 core runs one (memory bandwidth shared), and gloo between two processes of this host, over
 loopback (`gloo_probe`): point to point, each collective, and what a DTensor parameter adds to
-the optimizer's step.
+the optimizer's step. The probe is kept for a day in the cache folder and reused by the next
+command on this machine (`probe_cache`; `brigade plan --reprobe` measures again).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import statistics
 import threading
@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 
 from brigade.errors import BrigadeError
 from brigade.measure import gloo_probe
+from brigade.planner import probe_cache
 
 GB = 1e9
 
@@ -112,8 +113,8 @@ OPTIONAL = ("cores", "shared_slowdown", "all_reduce_bw", "all_gather_bw", "reduc
             "crowded_tp_collective_s")
 
 
-def device(name: str) -> DeviceSpec:
-    """A built-in device by name ("cpu": this machine, probed once per process).
+def device(name: str, reprobe: bool = False) -> DeviceSpec:
+    """A built-in device by name ("cpu": this machine, probed once a day, `cpu`; `reprobe`: now).
 
     Raises:
         BrigadeError: an unknown name.
@@ -121,7 +122,7 @@ def device(name: str) -> DeviceSpec:
     key = name.lower().replace(" ", "").replace("-", "")
     key = {"a10080gb": "a100", "h100sxm": "h100"}.get(key, key)
     if key == "cpu":
-        return cpu()
+        return cpu(reprobe)
     if key not in TABLE:
         raise BrigadeError(
             f"--device {name!r}: unknown device: expected {', '.join(NAMES)}, or a "
@@ -130,8 +131,23 @@ def device(name: str) -> DeviceSpec:
     return TABLE[key]
 
 
-@functools.cache
-def cpu() -> DeviceSpec:
+_PROBED: list[DeviceSpec] = []  # this process's probe, once measured or loaded
+_SOURCES = [__file__, gloo_probe.__file__]  # the code that measures: kept probes are keyed on it
+
+
+def cpu(reprobe: bool = False) -> DeviceSpec:
+    """This machine: its probe from the last day, kept in the cache folder (`probe_cache`), or
+    measured now (`probe`) and kept; `reprobe`: measured now whatever is kept. Once per process."""
+    if reprobe or not _PROBED:
+        spec = None if reprobe else probe_cache.load(DeviceSpec, _SOURCES)
+        if spec is None:
+            spec = probe()
+            probe_cache.save(spec, _SOURCES)
+        _PROBED[:] = [spec]
+    return _PROBED[0]
+
+
+def probe() -> DeviceSpec:
     """This machine, measured (about 20 s, most of it the shared-cores turns and gloo): see the
     module docstring."""
     import torch

@@ -57,7 +57,7 @@ def load_spec(cfg: PlanConfig, m: ModelConfig):
 def target(cfg: PlanConfig) -> clusters.Cluster:
     if cfg.cluster:
         return clusters.load(cfg.cluster)
-    return clusters.from_flags(cfg.nodes, cfg.gpus_per_node, cfg.device)
+    return clusters.from_flags(cfg.nodes, cfg.gpus_per_node, cfg.device, cfg.reprobe)
 
 
 def _names(text: str, flag: str) -> list[str]:

@@ -210,8 +210,7 @@ def one_round(k: int, cases: list[tuple], gpt: dict, steps: int, runs: dict[tupl
     Returns the round's probe of this machine."""
     from brigade.planner.cluster import Cluster
 
-    cpu.cache_clear()
-    where = Cluster(1, 4, cpu())  # this machine, with as many ranks as the largest case
+    where = Cluster(1, 4, cpu(reprobe=True))  # this machine, with as many ranks as the largest case
     for model in dict.fromkeys(c[0] for c in cases):
         sizes = gpt if model == "gpt" else SIZES[model]
         mine = [c for c in cases if c[0] == model]

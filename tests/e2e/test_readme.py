@@ -47,6 +47,7 @@ SHORT = {
     "brigade.results.plan_accuracy": ["--tiny", "", "--rounds", "1"],
     "brigade.results.cut_bound": ["--tiny", ""],
     "brigade.results.big_plans": ["--tiny", ""],
+    "brigade.results.long_context": ["--tiny", ""],  # 30 plans of an 8B at full size: 80-90 s
     "brigade.results.moe_plan": ["--tiny", ""],
     "brigade.results.experts": ["--tiny", "", "--steps", "4", "--rounds", "1"],
     "brigade.results.levers": ["--tiny", "", "--rounds", "1"],
