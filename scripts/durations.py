@@ -1,15 +1,25 @@
-"""Where the suite's time goes: a JUnit report of one pytest run, summed by file and by test.
+"""Where the suite's time goes, and how many tests each tier holds: results/testing/ and the block
+of docs/testing.md that shows them.
 
-Run the tier with a report, then summarise it into a JSON under results/testing/ (issue 59:
+Run a tier with a JUnit report, then summarise it into a JSON under results/testing/ (issue 59:
 find the time where it goes before removing it at the cause):
 
     python -m pytest --junitxml /tmp/default.xml
-    python scripts/durations.py /tmp/default.xml --tier default --wall-s 1434 --out results/testing/durations-default.json
+    python scripts/durations.py /tmp/default.xml --tier default --wall-s 438 --out results/testing/durations-default.json
 
 The JSON holds the test count, the summed test time (both xdist workers together, so it is
 about twice the wall time on two cores), the wall time as pytest printed it (`--wall-s`, given
 by hand: the report does not hold it), every file's total and count, and the slowest tests.
-What else shared the machine during the run goes in `--note`, since it moves every figure.
+What else shared the machine during the run goes in `--note`, since it moves every figure, and
+`--setup-s` the set-up before it where the run was CI's (`.ci/run` from a fresh clone prints
+both, and writes the reports with BRIGADE_CI_REPORTS=DIR).
+
+    python scripts/durations.py --tiers
+
+collects the whole suite (`-m ""`, ~12 s) and writes each tier's count to results/testing/tiers.json.
+Both forms then rewrite the block of docs/testing.md between its `<!-- tiers -->` markers from
+the files (tests/test_docs.py fails when the page and the files disagree); `--check` only
+compares.
 """
 
 from __future__ import annotations
@@ -17,10 +27,20 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results" / "testing"
+PAGE = ROOT / "docs" / "testing.md"
+BEGIN, END = "<!-- tiers: written by `python scripts/durations.py` from results/testing/; do not edit -->", "<!-- /tiers -->"
+BEFORE = "durations-default-deb38ba.json"  # the default tier before tests/tiers.py split it (issue 59)
+RUN_BY = {"default": "`python -m pytest` (the README's; CI)", "full": "`python -m pytest -m full` (CI, after the default)",
+          "slow": "`python -m pytest -m slow` (before a submission)", "cuda": "`python -m pytest -m cuda` (scripts/gpu-check.sh)"}
 
 
 def summarise(report: Path, slowest: int = 30) -> dict:
@@ -41,26 +61,132 @@ def summarise(report: Path, slowest: int = 30) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def collect_tiers() -> dict[str, int]:
+    """How many cases each tier holds: the whole suite collected in a process of its own, each case
+    given its tier by tests/tiers.py."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "tiers.json"
+        argv = [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-m", "", "--collect-only",
+                "-q", f"--tiers-report={report}", "tests"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"durations: collecting the suite failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        tiers = json.loads(report.read_text())
+    return dict(sorted(collections.Counter(tiers.values()).items()))
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+
+def _slowest(data: dict, n: int = 10) -> str:
+    return "\n".join(f"{i}. `{t['test']}`: {t['seconds']:.1f} s" for i, t in enumerate(data["slowest"][:n], 1))
+
+
+def block() -> str:
+    """The block of docs/testing.md: the tests per tier and each tier's last measured wall time, CI's
+    whole run where its tiers were measured together from a fresh clone, and the default tier's ten
+    slowest tests before the split and now; every figure from a file of results/testing/."""
+    counts = json.loads((RESULTS / "tiers.json").read_text())
+    rows = ["| tier | run by | tests | wall time on 2 CPU cores | measured at |", "|---|---|---|---|---|"]
+    for tier, run_by in RUN_BY.items():
+        data = _load(f"durations-{tier}.json")
+        wall = f"{_clock(data['wall_s'])} ({data['tests']} tests)" if data else \
+            ("skipped on CPU" if tier == "cuda" else "not recorded under results/testing/")
+        rows.append(f"| {tier} | {run_by} | {counts['tests'].get(tier, 0)} | {wall} | {data['commit'] if data else ''} |")
+    text = [f"Tests per tier at {counts['commit']} (`results/testing/tiers.json`), and each tier's last run "
+            "(`results/testing/durations-TIER.json`; a run's count includes the GPU tier's, which skip there):",
+            "", *rows, ""]
+    default, full = _load("durations-default.json"), _load("durations-full.json")
+    if default and full and "setup_s" in default and default["commit"] == full["commit"]:
+        ci = default["setup_s"] + default["wall_s"] + full["wall_s"]
+        text += [f"CI (`.ci/run`: set-up, the default tier, the full tier) from a fresh clone and virtual "
+                 f"environment at {default['commit']}: {_clock(ci)} ({_clock(default['setup_s'])} of it set-up).", ""]
+    before = _load(BEFORE)
+    if before and default:
+        text += [f"The default tier's ten slowest tests before the split, at {before['commit']} "
+                 f"({before['tests']} tests, {_clock(before['wall_s'])}, {before['summed_test_s'] / 60:.1f} test-minutes):",
+                 "", _slowest(before), "", f"and at {default['commit']} ({default['tests']} tests, "
+                 f"{_clock(default['wall_s'])}, {default['summed_test_s'] / 60:.1f} test-minutes):", "", _slowest(default), ""]
+    return "\n".join([BEGIN, *text, END])
+
+
+def refresh_page(check: bool = False) -> bool:
+    """Rewrite (or with check, compare) the block of docs/testing.md; whether it was already so."""
+    page = PAGE.read_text(encoding="utf-8")
+    start, end = page.index(BEGIN), page.index(END) + len(END)
+    new = page[:start] + block() + page[end:]
+    if not check and new != page:
+        PAGE.write_text(new, encoding="utf-8")
+    return new == page
+
+
+def commit() -> str:
+    """HEAD's short hash, with `+changes` where the tree differs from it outside results/."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--", ".", ":!results"], capture_output=True,
+                           text=True).stdout.strip()
+    return head + ("+changes" if dirty else "")
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("report", type=Path, help="a JUnit XML report (pytest --junitxml)")
-    parser.add_argument("--tier", required=True, help="which tier the run was: default, slow, ...")
-    parser.add_argument("--wall-s", type=float, required=True, help="the run's wall time, as pytest printed it")
+    parser.add_argument("report", type=Path, nargs="?", help="a JUnit XML report (pytest --junitxml)")
+    parser.add_argument("--tier", help="which tier the run was: default, full, slow")
+    parser.add_argument("--wall-s", type=float, help="the run's wall time, as pytest printed it")
+    parser.add_argument("--setup-s", type=float, help="where the run was CI's: the set-up before it")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile")
-    parser.add_argument("--out", type=Path, required=True, help="where the JSON goes")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, help="where the JSON goes (results/testing/durations-TIER.json)")
+    parser.add_argument("--tiers", action="store_true", help="count the tests of each tier into tiers.json")
+    parser.add_argument("--check", action="store_true", help="only say whether docs/testing.md is up to date")
+    return parser
+
+
+def _summary(args: argparse.Namespace) -> int:
     if not args.report.is_file():
         print(f"durations: {args.report} is not a file: give the report `pytest --junitxml PATH` wrote",
               file=sys.stderr)
         return 2
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parents[1]).stdout.strip()
-    data = {"tier": args.tier, "commit": commit, "wall_s": args.wall_s, "note": args.note,
-            **summarise(args.report)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    print(f"{args.out}: {data['tests']} tests, {data['summed_test_s'] / 60:.1f} test-minutes, "
+    if not args.tier or args.wall_s is None:
+        print("durations: a report needs --tier and --wall-s (the wall time pytest printed at its end)",
+              file=sys.stderr)
+        return 2
+    out = args.out or RESULTS / f"durations-{args.tier}.json"
+    data = {"tier": args.tier, "commit": commit(), "wall_s": args.wall_s, "note": args.note,
+            **({"setup_s": args.setup_s} if args.setup_s is not None else {}), **summarise(args.report)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    print(f"{out}: {data['tests']} tests, {data['summed_test_s'] / 60:.1f} test-minutes, "
           f"{args.wall_s / 60:.1f} minutes of wall time")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.check:
+        fresh = refresh_page(check=True)
+        print("docs/testing.md is up to date" if fresh else
+              "docs/testing.md differs from results/testing/: run `python scripts/durations.py --tiers`")
+        return 0 if fresh else 1
+    if args.report is not None:
+        status = _summary(args)
+        if status or (args.out and args.out.parent.resolve() != RESULTS):
+            return status
+    elif args.tiers:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "tiers.json").write_text(json.dumps({"commit": commit(), "tests": collect_tiers()},
+                                                       indent=1) + "\n", encoding="utf-8")
+    else:
+        print("durations: give a JUnit report (with --tier and --wall-s), or --tiers, or --check", file=sys.stderr)
+        return 2
+    refresh_page()
     return 0
 
 

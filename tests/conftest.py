@@ -31,7 +31,7 @@ from tests.e2e.helpers import train
 
 # A test that blocks in C with the GIL held still ends, with every thread's stack (see there);
 # and an xdist_group runs on one worker under pytest 9 too (see there).
-pytest_plugins = ["tests.watchdog", "tests.xdist_groups"]
+pytest_plugins = ["tests.watchdog", "tests.xdist_groups", "tests.tiers"]
 
 GPU_TIER = "cuda"  # the marker, and the -m expression that runs the GPU tier with GPUs visible
 HIDDEN = (f"needs a CUDA GPU, and tests/conftest.py hides GPUs from the CPU tiers: run "

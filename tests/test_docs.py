@@ -134,3 +134,14 @@ def test_every_module_a_page_names_exists(page):
         found = (name in here or f"brigade/{name}" in here
                  or ("/" not in name and any(h.endswith(f"/{name}") for h in here)))
         assert found, f"{page.name} names {name}, which is not in the checkout: fix the page"
+
+
+def test_the_testing_pages_figures_are_what_scripts_durations_writes_from_results():
+    """docs/testing.md's tiers block (tests per tier, wall times, the slowest tests) is rendered
+    from results/testing/ by scripts/durations.py; a hand edit of the block or a stale file fails."""
+    spec = importlib.util.spec_from_file_location("durations", ROOT / "scripts" / "durations.py")
+    durations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(durations)
+    assert durations.refresh_page(check=True), \
+        "docs/testing.md's tiers block differs from results/testing/: run `python scripts/durations.py --tiers`"
+

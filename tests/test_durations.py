@@ -35,3 +35,26 @@ def test_a_missing_report_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "none.xml" in err and "--junitxml" in err
     assert not out.exists()
+
+
+def test_a_report_without_its_tier_or_wall_time_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "r.xml").write_text(REPORT)
+    out = tmp_path / "d.json"
+    assert durations.main([str(tmp_path / "r.xml"), "--wall-s", "5", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--tier" in err and "--wall-s" in err
+    assert not out.exists()
+
+
+def test_nothing_to_do_is_one_line_and_exit_2(capsys):
+    assert durations.main([]) == 2
+    assert "--tiers" in capsys.readouterr().err
+
+
+def test_the_block_shows_every_tier_and_the_slowest_before_and_after():
+    block = durations.block()
+    assert block.startswith(durations.BEGIN) and block.endswith(durations.END)
+    for tier, run_by in durations.RUN_BY.items():
+        assert f"| {tier} | {run_by} |" in block
+    assert block.count("\n1. `tests/") == 2
+

@@ -26,7 +26,8 @@ GPU_TESTS = sorted(f"{FLASH}[{family}]" for family in families.FAMILIES)
 
 def test_only_the_gpu_tier_alone_or_brigade_test_gpu_leaves_the_gpus_visible():
     assert gpus_hidden("not slow", {}) and gpus_hidden("slow", {}) and gpus_hidden("", {})
-    assert gpus_hidden("cuda or slow", {}) and gpus_hidden("not cuda", {})
+    assert gpus_hidden("cuda or slow", {}) and gpus_hidden("not cuda", {}) and gpus_hidden("full", {})
+    assert gpus_hidden("not slow and not full", {})
     assert not gpus_hidden(" cuda ", {}) and not gpus_hidden("not slow", {"BRIGADE_TEST_GPU": "1"})
 
 

@@ -210,10 +210,11 @@ def run_all(procs: list[tuple[list[str], dict]], cwd: Path,
 
 
 COMMANDS = readme_commands()
-# The slow tier's (`python -m pytest -m slow`, which CI runs after the default tier): the
-# benchmarks' and the tuner's commands, which measure (10-20 s each); and the commands that
-# start several processes through another launcher (torchrun, srun) or on two nodes (K), 20-35 s
-# each, which tests/e2e/test_train.py also runs in the default tier, each way once, checking more.
+README_COMMANDS = {_case(_as_shown(c)) for c in page_commands(README)}
+# The slow tier's (`python -m pytest -m slow`): the benchmarks' and the tuner's commands, which
+# measure (10-20 s each); and the commands that start several processes through another launcher
+# (torchrun, srun) or on two nodes (K), 20-35 s each, which tests/e2e/test_train.py also runs (in
+# the full tier), each way once, checking more.
 BENCHMARKS = ("bench", "tune", "brigade.results.overhead", "brigade.results.speed",
               "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound",
               "brigade.results.big_plans", "brigade.results.levers", "brigade.results.data_scale",
@@ -223,11 +224,18 @@ LAUNCHERS = ("torchrun", "srun")
 
 
 def _param(cmd: str):
+    """A command as a case, in its tier: slow (above); the default for the README's own commands,
+    but a `brigade plan` that measures the model and this machine (40-100 s: all but `--costs
+    formula`); the full tier (tests/tiers.py, which CI runs after the default) for the rest, the
+    commands of docs/ and that `brigade plan`."""
     argv = shlex.split(cmd)
     # and what compiles (20-40 s a world) or converts to float8 (torchao): the slow tier's too
-    slow = _subcommand(argv) in BENCHMARKS or argv[0] in LAUNCHERS or "K" in argv or \
-        "--compile" in argv or "--float8" in argv
-    return pytest.param(cmd, marks=[pytest.mark.slow] if slow else [])
+    if _subcommand(argv) in BENCHMARKS or argv[0] in LAUNCHERS or "K" in argv or \
+            "--compile" in argv or "--float8" in argv:
+        return pytest.param(cmd, marks=[pytest.mark.slow])
+    measures = _subcommand(argv) == "plan" and "formula" not in argv
+    full = _case(cmd) not in README_COMMANDS or measures
+    return pytest.param(cmd, marks=[pytest.mark.full] if full else [])
 
 
 def in_this_process(argv: list[str], cmd: str) -> bool:
