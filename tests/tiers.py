@@ -166,8 +166,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if in_full(item.nodeid):
+    for item in items:  # a slow or cuda case of a grid named in FULL stays in its own tier
+        if in_full(item.nodeid) and not any(item.get_closest_marker(name) for name in ("slow", "cuda")):
             item.add_marker(pytest.mark.full)
     report = config.getoption("tiers_report")
     if report and not hasattr(config, "workerinput"):  # written where collection ends: run it with -n 0
