@@ -34,6 +34,8 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from brigade.results import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "testing"
 PAGE = ROOT / "docs" / "testing.md"
@@ -127,15 +129,6 @@ def refresh_page(check: bool = False) -> bool:
     return new == page
 
 
-def commit() -> str:
-    """HEAD's short hash, with `+changes` where the tree differs from it outside results/."""
-    git = ["git", "-C", str(ROOT)]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--", ".", ":!results"], capture_output=True,
-                           text=True).stdout.strip()
-    return head + ("+changes" if dirty else "")
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("report", type=Path, nargs="?", help="a JUnit XML report (pytest --junitxml)")
@@ -159,7 +152,7 @@ def _summary(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     out = args.out or RESULTS / f"durations-{args.tier}.json"
-    data = {"tier": args.tier, "commit": commit(), "wall_s": args.wall_s, "note": args.note,
+    data = {"tier": args.tier, "commit": provenance.commit(ROOT), "wall_s": args.wall_s, "note": args.note,
             **({"setup_s": args.setup_s} if args.setup_s is not None else {}), **summarise(args.report)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
@@ -181,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             return status
     elif args.tiers:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "tiers.json").write_text(json.dumps({"commit": commit(), "tests": collect_tiers()},
+        (RESULTS / "tiers.json").write_text(json.dumps({"commit": provenance.commit(ROOT), "tests": collect_tiers()},
                                                        indent=1) + "\n", encoding="utf-8")
     else:
         print("durations: give a JUnit report (with --tier and --wall-s), or --tiers, or --check", file=sys.stderr)

@@ -5,6 +5,7 @@ import json
 import re
 from pathlib import Path
 
+from brigade.results import page
 from brigade.results.regenerate import JOBS, main, select
 from brigade.results.table import ROWS, table
 
@@ -23,8 +24,32 @@ def _results_section() -> str:
 def test_results_table_is_the_one_written_from_the_result_files():
     expected = table(ROOT / "results")
     assert expected in _results_section(), (
-        "docs/results.md's table differs from the files: paste the output of "
-        "`python -m brigade.results --table` there")
+        "docs/results.md's table differs from the files: run `python -m brigade.results --page`")
+
+
+def test_every_block_of_the_page_is_what_its_files_give():
+    """The table and each paragraph that quotes a figure (brigade/results/page.py): written from
+    results/, so prose and file cannot disagree."""
+    text = RESULTS_PAGE.read_text(encoding="utf-8")
+    assert sorted(page.names(text)) == sorted(page.BLOCKS), "docs/results.md lacks a block or holds an unknown one"
+    assert page.render(text, ROOT / "results") == text, \
+        "docs/results.md differs from results/: run `python -m brigade.results --page`"
+
+
+def test_a_changed_figure_changes_its_paragraph(tmp_path):
+    import shutil
+    shutil.copytree(ROOT / "results", tmp_path / "results")
+    data = json.loads((tmp_path / "results/check/check.json").read_text())
+    data["max_abs_loss_diff"] = 0.5
+    (tmp_path / "results/check/check.json").write_text(json.dumps(data))
+    text = RESULTS_PAGE.read_text(encoding="utf-8")
+    assert page.render(text, tmp_path / "results") != text
+
+
+def test_page_without_results_folder_is_refused_in_one_line(tmp_path, capsys):
+    assert main(["--page", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--page" in err and "leave out --out" in err
 
 
 def _first_run() -> list[str]:
@@ -53,7 +78,7 @@ def test_every_table_row_names_its_file_and_no_other_figure_table_exists():
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| what")]
     assert len(rows) == len(ROWS)
     for line, row in zip(rows, ROWS):
-        assert line.rstrip().endswith(f"`results/{row.file}` |"), line
+        assert f"| `results/{row.file}` | " in line, line  # then the commit that wrote it
         assert (ROOT / "results" / row.file).is_file(), row.file
 
 

@@ -1,9 +1,10 @@
-"""Regenerate every file in results/ with the current code, then print the results table (docs/results.md).
+"""Regenerate every file in results/ with the current code, then rewrite docs/results.md from them.
 
     python -m brigade.results                      # everything (about 25 minutes on 2 cores)
     python -m brigade.results --only overhead,restart
     python -m brigade.results --quick --out /tmp/r  # tiny sizes: tests this script, not brigade
     python -m brigade.results --table              # only print the table from the files
+    python -m brigade.results --page               # only rewrite docs/results.md's blocks (page.py)
 
 Benchmarks write their own JSON (`--out results/NAME`). Figures that only a training run
 shows (loss, duration, snapshot seconds, restart and hang timing) are read from its
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from brigade.errors import BrigadeError, RunError
+from brigade.results import provenance
 from brigade.train.metrics import events, loop_seconds, read_records, training, validation
 
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "32", "--block-size", "32",
@@ -112,22 +114,36 @@ def _check(run: Path, output: str, code: int, wall_s: float) -> dict:
 
 
 def _transparency(run: Path, output: str, code: int, wall_s: float) -> dict:
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error)", output)}
+    """Each case of the trainer's layouts (`pytest -rA` names every one): those in fp32 against one
+    device, and those in bf16 (their test names say so) against fp32, each group with the
+    tolerance its tests assert (FP32_ABS and BF16_ABS of the test file)."""
     source = Path("tests/train/test_trainer.py").read_text(encoding="utf-8")
-    tolerances = [float(t) for t in re.findall(r"approx\([^,()]+, abs=([0-9.e-]+)\)", source)]
-    return {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0) + counts.get("error", 0),
-            "tolerance": max(tolerances), "wall_s": wall_s}
+    tolerance = {k: float(re.search(rf"^{k.upper()}_ABS = (\S+)$", source, re.M)[1]) for k in ("fp32", "bf16")}
+    outcomes = re.findall(r"^(PASSED|FAILED|ERROR) tests/train/test_trainer\.py::(\w+)(?:\[([^\]]+)\])?", output, re.M)
+    if not outcomes:
+        raise RunError("pytest named no case of tests/train/test_trainer.py: the run did not get that far")
+    groups: dict[str, dict] = {k: {"tolerance": tolerance[k], "passed": 0, "failed": 0, "cases": []}
+                               for k in ("fp32", "bf16")}
+    for outcome, test, case in outcomes:
+        group = groups["bf16" if "bf16" in test else "fp32"]
+        group["passed" if outcome == "PASSED" else "failed"] += 1
+        group["cases"].append(f"{test.removeprefix('test_')}[{case}]" if case else test.removeprefix("test_"))
+    return {**groups, "wall_s": wall_s}
 
 
 ROOT = "needs root for network namespaces: run `sudo python -m pytest -m slow tests/e2e/test_two_hosts.py -s`"
 _T = " ".join(TINY)
-_PYTEST = "python -m pytest tests/train/test_trainer.py -p no:cacheprovider"
+_PYTEST = "python -m pytest tests/train/test_trainer.py -p no:cacheprovider -m '' -rA"  # every tier's cases
 JOBS: dict[str, Job] = {
     "main": Job("brigade train", "train/main.json", f"brigade train {_T} --max-steps 4", _main),
     "transparency": Job(_PYTEST, "check/transparency.json", f"{_PYTEST} -k accumulation_matches",
                         _transparency, takes_out=False),
     "check": Job("brigade check --model gpt --stages 4 --microbatches 8 --json", "check/check.json",
                  "brigade check --model toy --stages 2 --microbatches 2 --json", _check, takes_out=False),
+    "check-local": Job("brigade check --model gpt --stages 4 --microbatches 8 --runtime local --json",
+                       "check/check-local.json",
+                       "brigade check --model toy --stages 2 --microbatches 2 --runtime local --json", _check,
+                       takes_out=False),
     "overhead": Job("python -m brigade.results.overhead", "overhead/overhead.json",
                     "python -m brigade.results.overhead --tiny --steps 3 --rounds 1 --warmup 1"),
     "speed": Job("python -m brigade.results.speed --schedule zb --microbatches 2", "speed/speed.json",
@@ -209,11 +225,14 @@ def run_job(name: str, job: Job, results: Path, quick: bool) -> Path:
             raise RunError(f"[{name}] exit {done.returncode}, expected {job.expect_exit}: {tail}")
         if job.extract:
             figures = job.extract(out, done.stdout + done.stderr, done.returncode, wall)
-            figures = {**figures, "command": job.quick if quick else job.command}
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
     if not target.is_file():
         raise RunError(f"[{name}] finished but wrote no {target}")
+    # what wrote it: the command as the page shows it, and the code that ran it
+    stamped = {"command": job.quick if quick else job.command, **json.loads(target.read_text(encoding="utf-8")),
+               "measured_at": provenance.commit()}
+    target.write_text(json.dumps(stamped, indent=1) + "\n", encoding="utf-8")
     print(f"[{name}] wrote {target} in {wall:.0f} s", flush=True)
     return target
 
@@ -238,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to test this script")
     parser.add_argument("--table", action="store_true",
                         help="only print the results table (docs/results.md) from --out")
+    parser.add_argument("--page", action="store_true",
+                        help="only rewrite docs/results.md's table and paragraphs from --out")
     args = parser.parse_args(argv)
+    from brigade.results import page
     from brigade.results.table import table
 
     try:
@@ -246,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         results = Path(args.out)
         if args.quick and results.resolve() == Path("results").resolve():
             raise BrigadeError("--quick writes toy figures: give another --out than results/")
-        for name in [] if args.table else names:
+        for name in [] if args.table or args.page else names:
             job = JOBS[name]
             if job.needs_root and os.geteuid() != 0:
                 print(f"[{name}] skipped, {job.needs_root}; {results / job.file} kept", flush=True)
@@ -254,7 +276,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{name}] {job.needs_root}, then write {results / job.file}", flush=True)
             else:
                 run_job(name, job, results, args.quick)
-        if not args.quick:
+        ours = results.resolve() == (provenance.CHECKOUT / "results").resolve()
+        if args.page and not ours:
+            raise BrigadeError(f"--page writes docs/results.md from results/, not {results}: leave out --out")
+        if args.page or (ours and not args.table):  # a run into results/ rewrites the page it measured for
+            changed = page.rewrite(results)
+            print(f"docs/results.md {'rewritten' if changed else 'already up to date'} from results/", flush=True)
+        elif not args.quick:
             print(table(results))
     except (OSError, KeyError) as exc:  # from table(): a file or a figure is missing
         print(f"brigade results: error: the table needs {exc}: run the job that writes it", file=sys.stderr)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from brigade.results.regenerate import JOBS
+from brigade.results import provenance
+from brigade.results.regenerate import JOBS, Job, _transparency, run_job
 from brigade.results.table import ROWS
 from brigade.train.metrics import loop_seconds
 
@@ -49,3 +50,33 @@ def test_loop_seconds_times_whole_steps_and_skips_evaluation_gaps():
                {"step": 5, "loss": 2.0, "time": 15.5}]
     assert loop_seconds(records) == [1.0, 1.5, 0.5]
     assert loop_seconds(records, skip=2) == [0.5]
+
+
+def test_a_job_writes_its_file_stamped_with_its_command_and_commit(tmp_path):
+    """Whichever way the figures came (a command that writes its own JSON, here), the file says
+    what wrote it: the command as the page shows it, and the code it ran (`measured_at`)."""
+    script = "import json, pathlib, sys; p = pathlib.Path(sys.argv[-1]); p.mkdir(parents=True); " \
+             "(p / 'f.json').write_text(json.dumps({'figure': 1}))"
+    job = Job(f'python -c "{script}"', "own/f.json")
+    data = json.loads(run_job("own", job, tmp_path, quick=False).read_text())
+    assert data == {"command": job.command, "figure": 1, "measured_at": provenance.commit()}
+
+
+PYTEST_RA = """
+PASSED tests/train/test_trainer.py::test_layouts_match_a_single_device[dp2]
+FAILED tests/train/test_trainer.py::test_layouts_match_a_single_device[tp2]
+PASSED tests/train/test_trainer.py::test_context_parallel_trains_in_bf16_as_fp32_does[autocast]
+PASSED tests/train/test_trainer.py::test_gradient_accumulation_matches_one_big_batch
+1 failed, 3 passed in 9.0s
+"""
+
+
+def test_the_transparency_figures_keep_fp32_and_bf16_apart_with_their_tolerances():
+    d = _transparency(Path("."), PYTEST_RA, 1, 9.0)
+    assert (d["fp32"]["passed"], d["fp32"]["failed"], d["fp32"]["tolerance"]) == (2, 1, 1e-5)
+    assert d["fp32"]["cases"] == ["layouts_match_a_single_device[dp2]", "layouts_match_a_single_device[tp2]",
+                                  "gradient_accumulation_matches_one_big_batch"]
+    assert (d["bf16"]["passed"], d["bf16"]["failed"], d["bf16"]["tolerance"]) == (1, 0, 0.05)
+    table_row = next(r for r in ROWS if r.file == "check/transparency.json")
+    assert "1 FAIL" in table_row.figure(d) and "within 0.05 of fp32" in table_row.figure(d)
+
