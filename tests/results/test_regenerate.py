@@ -59,7 +59,9 @@ def test_a_job_writes_its_file_stamped_with_its_command_and_commit(tmp_path):
              "(p / 'f.json').write_text(json.dumps({'figure': 1}))"
     job = Job(f'python -c "{script}"', "own/f.json")
     data = json.loads(run_job("own", job, tmp_path, quick=False).read_text())
-    assert data == {"command": job.command, "figure": 1, "measured_at": provenance.commit()}
+    stamp = data.pop("measured_at")  # the tree may change beside it (other tests' files): compare the commit
+    assert data == {"command": job.command, "figure": 1}
+    assert stamp.split("+")[0] == provenance.commit().split("+")[0] and stamp != "unknown"
 
 
 PYTEST_RA = """
