@@ -63,19 +63,27 @@ def summarise(report: Path, slowest: int = 30) -> dict:
     }
 
 
-def collect_tiers() -> dict[str, int]:
-    """How many cases each tier holds: the whole suite collected in a process of its own, each case
-    given its tier by tests/tiers.py."""
+def collect() -> dict[str, str]:
+    """{node id: tier} for every case of the suite: collected in a process of its own (`-m ""`),
+    each case given its tier by tests/tiers.py's `--tiers-report`.
+
+    Raises:
+        SystemExit: the collection failed (its output's tail says why).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "tiers.json"
         argv = [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-m", "", "--collect-only",
                 "-q", f"--tiers-report={report}", "tests"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-        done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env)
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=170)
         if done.returncode != 0:
             raise SystemExit(f"durations: collecting the suite failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        tiers = json.loads(report.read_text())
-    return dict(sorted(collections.Counter(tiers.values()).items()))
+        return json.loads(report.read_text())
+
+
+def collect_tiers() -> dict[str, int]:
+    """How many cases each tier holds."""
+    return dict(sorted(collections.Counter(collect().values()).items()))
 
 
 def _load(name: str) -> dict | None:

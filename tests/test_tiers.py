@@ -9,10 +9,8 @@ One collection of the whole suite (`-m ""`, ~12 s) in a process of its own serve
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -23,18 +21,15 @@ from tests.test_gpu_tier import GPU_TESTS
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNTS = ROOT / "results" / "testing" / "tiers.json"
+_spec = importlib.util.spec_from_file_location("durations", ROOT / "scripts" / "durations.py")
+durations = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(durations)
 
 
 @pytest.fixture(scope="module")
-def collected(tmp_path_factory) -> dict[str, str]:
+def collected() -> dict[str, str]:
     """{node id: tier} for every case of the suite, as `--tiers-report` writes it."""
-    report = tmp_path_factory.mktemp("tiers") / "tiers.json"
-    argv = [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-m", "", "--collect-only",
-            "-q", f"--tiers-report={report}", "tests"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=170, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(report.read_text())
+    return durations.collect()
 
 
 def test_an_id_splits_into_its_file_its_test_and_its_case():

@@ -12,6 +12,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from brigade.results.memory_rows import _largest  # MiB on the rank holding the most, as the table reads it
+
 
 def load(results: Path, file: str) -> dict:
     return json.loads((results / file).read_text(encoding="utf-8"))
@@ -26,11 +28,6 @@ BRIGADE, TORCH = "brigade", "torch.distributed.pipelining"
 
 def _run(fp: dict, layout: str, recompute: str = "none") -> dict:
     return next(r for r in fp["runs"] if r["layout"] == layout and r["recompute"] == recompute)
-
-
-def _largest(run: dict, *kinds: str) -> float:
-    """MiB of `kinds` together on the rank that holds the most of them (as memory_rows reads them)."""
-    return max(sum(r[k] for k in kinds) for r in run["ranks"]) / MIB
 
 
 def _target(fp: dict, group: str, layout: str) -> dict:
