@@ -102,18 +102,21 @@ class Snapshots:
         t = self.cfg.train
         ended = self.writer.settle(0) if self.writer.inflight is not None else None
         due = time.monotonic() - self.last_start >= t.snapshot_minutes * 60
+        # In flight is agreed too: rank 0's snapshot ends with its commit, after the others' DCP
+        # has ended, so one rank may still hold it where the rest have settled theirs.
         flags = torch.tensor([float(agent.stop_requested()), float(due),
-                              float(ended is not None and ended.error is not None)], device=self.device)
+                              float(ended is not None and ended.error is not None),
+                              float(self.writer.inflight is not None)], device=self.device)
         forensics.doing(f"step {record['step']}: allreduce stop flag", waiting=True)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, due, failed = (bool(v) for v in flags.tolist())
+        stop, due, failed, inflight = (bool(v) for v in flags.tolist())
         if ended is not None:
             self._report(ended, agreed_failed=failed)
         elif failed:
             self._fail_everywhere(None)
         step = record["step"]
         if stop:  # preempted: this step is done; keep it if the grace allows, and stop
-            self._on_stop(step)
+            self._on_stop(step, inflight)
             tr.stop_requested = True
         elif step < t.max_steps and ((t.snapshot_every and step % t.snapshot_every == 0) or due):
             self.take()
@@ -193,14 +196,19 @@ class Snapshots:
             self.trainer.metrics.write({"step": self.trainer.state.step, "event": "snapshot_failed",
                                         "snapshot_step": step, "error": line})
 
-    def _on_stop(self, step: int) -> None:
+    def _on_stop(self, step: int, inflight: bool) -> None:
         """Collective, on a stop signal: the snapshot in flight, given half of --stop-grace from the
         signal, finished or abandoned (rank 0's decides, as it commits); then, unless abandoned,
-        this step's snapshot, written at once."""
+        this step's snapshot, written at once.
+
+        `inflight` is what every rank agreed: some rank still holds a snapshot in flight. Each
+        rank branches on that, not on its own (rank 0 holds its snapshot until the commit ends,
+        the others only until DCP does): a rank that branched alone called other collectives than
+        the rest, and the run hung."""
         w, outcome, start = self.writer.inflight, "none", time.perf_counter()
-        if w is not None:
+        if inflight:
             half = self.cfg.train.stop_grace / 2
-            ended = w.wait(max(half - agent.seconds_since_stop(), 0.0))
+            ended = w is None or w.wait(max(half - agent.seconds_since_stop(), 0.0))
             abandoned = not ended and w.abandon()  # False: it was committed in the meantime
             flag = torch.tensor([float(self.rank == 0 and abandoned)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

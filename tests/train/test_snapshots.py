@@ -1,6 +1,6 @@
 """When a run snapshots, and what a stop signal or a failed write does to one in flight.
 
-One launch of 2 gloo processes runs `train.run._train` (what `brigade train`'s workers run) five
+One launch of 2 gloo processes runs `train.run._train` (what `brigade train`'s workers run) six
 times on a tiny GPT, each with its writes slowed or failed by the `during_write` hook
 (`FaultInjector.during_snapshot`, patched) and SIGTERM stood in for as the exact-resume test
 does (`agent.stop_requested` turns true after step 3):
@@ -9,6 +9,11 @@ does (`agent.stop_requested` turns true after step 3):
   step 3's is written, and the run says so;
 - stopped while snapshot 2 is held past half the grace: it is abandoned (never complete),
   step 3's is not written, and the newest complete snapshot is step 1's;
+- stopped while rank 0 still commits snapshot 2 and rank 1's part of it has long ended (rank 0
+  holds a snapshot in flight until its commit ends, the others until DCP does): every rank
+  takes the same path, the commit is waited for and step 3's is written (the exact-resume
+  worlds of the slow tier once hung here, rank 0 waiting in one collective and the rest in
+  another);
 - --snapshot-minutes tiny, --snapshot-every 0: a snapshot after every step, by time;
 - a write failing on rank 1 under --on-snapshot-error warn: said, and training goes on to
   its end and its last snapshot; under stop: the run ends there, on every rank.
@@ -30,6 +35,7 @@ RUN = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "16", "
 CASES = {
     "finished": (["--snapshot-every", "1", "--stop-grace", "60"], {2: ("sleep", 1.0)}, 3),
     "abandoned": (["--snapshot-every", "1", "--stop-grace", "2"], {2: ("sleep", 6.0)}, 3),
+    "commit-late": (["--snapshot-every", "2", "--stop-grace", "60"], {"commit": 1.5}, 3),
     "by-time": (["--snapshot-every", "0", "--snapshot-minutes", "0.00001"], {}, None),
     "warn": (["--snapshot-every", "2", "--on-snapshot-error", "warn"], {2: ("fail", 1)}, None),
     "stop": (["--snapshot-every", "2"], {2: ("fail", 1)}, None),
@@ -58,6 +64,7 @@ def _runs(root: str) -> dict:
     try:
         for name, (flags, writes, stop_after) in CASES.items():
             faults.FaultInjector.during_snapshot = _hook(writes)
+            _commit_late(writes.get("commit"))
             if stop_after:
                 count = [0]
                 agent.stop_requested = lambda c=count, n=stop_after: (c.__setitem__(0, c[0] + 1) or c[0] >= n)
@@ -67,11 +74,43 @@ def _runs(root: str) -> dict:
                 got[name] = f"{type(exc).__name__}: {exc}"
             finally:
                 agent.stop_requested = asked
+            _join_abandoned_writes()
             dist.barrier()
     finally:
         faults.FaultInjector.during_snapshot = during
+        _commit_late(None)
         groups.destroy()
     return got
+
+
+def _join_abandoned_writes() -> None:
+    """Wait for the writes a case left behind. An abandoned snapshot's DCP thread goes on writing
+    after its run has left, on the writer's gloo group, which every run of this world shares: a
+    real run's process exits there, but here the next case's snapshots would call collectives on
+    that group beside it, and ranks that paired them in another order would hang."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name.startswith("snapshot-"):  # writer.Writing.finish, one a background snapshot
+            thread.join(60)
+
+
+_ORIGINAL: dict = {}
+
+
+def _commit_late(seconds: float | None) -> None:
+    """Rank 0's commit held `seconds` (None: as it is), and every other rank's part of a snapshot
+    taken as ended by the next step's end: the order of a slow commit, made certain."""
+    import torch.distributed as dist
+
+    from brigade.snapshot import commit, writer
+
+    run, settle = _ORIGINAL.setdefault("run", commit.Commit.run), _ORIGINAL.setdefault("settle", writer.Writer.settle)
+    commit.Commit.run, writer.Writer.settle = run, settle
+    if seconds is None:
+        return
+    commit.Commit.run = lambda self: (time.sleep(seconds), run(self))[1]
+    writer.Writer.settle = lambda self, timeout=None: settle(self, None if dist.get_rank() else timeout)
 
 
 def _hook(writes: dict):
@@ -121,6 +160,15 @@ def test_a_snapshot_in_flight_past_half_the_grace_is_abandoned(runs):
     assert stop["waited_s"] < 2.5  # half of --stop-grace 2, not the 6 s the write was held
     assert _complete(out) == ["step_00000001"]  # neither step 2's nor step 3's
     assert got[0]["abandoned"]["snapshot"].endswith("step_00000001")
+
+
+def test_a_stop_while_rank_0_still_commits_takes_one_path_on_every_rank(runs):
+    root, got = runs
+    out = root / "commit-late"
+    assert all(got[rank]["commit-late"]["preempted"] for rank in (0, 1)), got
+    [stop] = _events(out, "stop")
+    assert (stop["outcome"], stop["in_flight"]) == ("finished", 2)
+    assert _complete(out) == ["step_00000002", "step_00000003"]
 
 
 def test_snapshots_by_wall_time(runs):
