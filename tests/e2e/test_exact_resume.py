@@ -131,7 +131,7 @@ def worlds(tmp_path_factory):
     scoped fixture would be torn down (and its world started again) at each such switch."""
     from brigade.launcher import agent
 
-    made: dict[str, tuple[Path, dict]] = {}
+    made: dict[str, tuple[Path, dict] | Exception] = {}
 
     def get(layout: str) -> tuple[Path, dict]:
         if layout not in made:
@@ -142,8 +142,12 @@ def worlds(tmp_path_factory):
                         **({"again": _config(root / s / "again", layout, s)} if local else {})}
                     for s in names()}
             nproc = runs[names()[0]]["plain"].parallel.nproc
-            results = agent.launch(_every_schedule, nproc, runs)
-            made[layout] = root, results[0]
+            try:
+                made[layout] = root, agent.launch(_every_schedule, nproc, runs)[0]
+            except Exception as exc:  # every case of the layout fails with it, not one world each
+                made[layout] = exc
+        if isinstance(made[layout], Exception):
+            raise made[layout]
         return made[layout]
 
     return get
