@@ -2,8 +2,10 @@
 tree differed from that commit (outside results/, which the runs themselves write).
 
 `regenerate.run_job` stamps every file it writes with `measured_at`, the results table shows it
-beside each row, and scripts/durations.py stamps the suite's timings the same way; a file written
-before the stamp existed shows "not recorded".
+beside each row, and scripts/durations.py stamps the suite's timings the same way. A file written
+before the stamp existed holds `committed_in` instead: the commit that last changed it before the
+stamp was added (read from git's history then), so its figures came from that commit's code or
+earlier; tests/results/test_provenance.py holds that commit to the history.
 """
 
 from __future__ import annotations
@@ -28,4 +30,8 @@ def commit(root: Path = CHECKOUT) -> str:
 
 def measured_at(data: dict) -> str:
     """The commit a results file records, as the table shows it."""
-    return f"`{data['measured_at']}`" if "measured_at" in data else "not recorded"
+    if "measured_at" in data:
+        return f"`{data['measured_at']}`"
+    if "committed_in" in data:
+        return f"at or before `{data['committed_in']}` (committed there, not stamped)"
+    return "not recorded"

@@ -33,3 +33,23 @@ def test_outside_a_checkout_it_is_unknown(tmp_path):
 def test_the_table_shows_the_commit_or_that_none_was_recorded():
     assert provenance.measured_at({"measured_at": "abc1234"}) == "`abc1234`"
     assert provenance.measured_at({}) == "not recorded"
+    assert provenance.measured_at({"committed_in": "abc1234"}) == \
+        "at or before `abc1234` (committed there, not stamped)"
+
+
+def test_every_table_file_names_the_code_it_came_from_and_that_commit_is_in_the_history():
+    """A file of the results table is stamped (`measured_at`) or says the commit it was committed
+    in (`committed_in`, for files written before the stamp): a commit of this history."""
+    import json
+    from pathlib import Path
+
+    from brigade.results.table import ROWS
+
+    root = Path(__file__).resolve().parents[2]
+    for file in sorted({row.file for row in ROWS}):
+        data = json.loads((root / "results" / file).read_text())
+        assert "measured_at" in data or "committed_in" in data, f"results/{file} names no commit"
+        if "committed_in" in data:
+            known = subprocess.run(["git", "-C", str(root), "merge-base", "--is-ancestor",
+                                    data["committed_in"], "HEAD"], capture_output=True)
+            assert known.returncode == 0, f"results/{file}: {data['committed_in']} is not in this history"
