@@ -1,18 +1,24 @@
 """Where the suite's time goes, and how many tests each tier holds: results/testing/ and the block
 of docs/testing.md that shows them.
 
-Run a tier with a JUnit report, then summarise it into a JSON under results/testing/ (issue 59:
-find the time where it goes before removing it at the cause):
+CI (`.ci/run`) runs the suite in two steps: the README's `python -m pytest` (the default tier),
+then `python -m pytest -m "full or slow"` (every other CPU tier, in one session: "rest"). Run a
+step with a JUnit report, then summarise it into a JSON under results/testing/ (issue 59: find
+the time where it goes before removing it at the cause):
 
     python -m pytest --junitxml /tmp/default.xml
-    python scripts/durations.py /tmp/default.xml --tier default --wall-s 438 --out results/testing/durations-default.json
+    python scripts/durations.py /tmp/default.xml --step default --wall-s 438
 
 The JSON holds the test count, the summed test time (both xdist workers together, so it is
 about twice the wall time on two cores), the wall time as pytest printed it (`--wall-s`, given
 by hand: the report does not hold it), every file's total and count, and the slowest tests.
 What else shared the machine during the run goes in `--note`, since it moves every figure, and
-`--setup-s` the set-up before it where the run was CI's (`.ci/run` from a fresh clone prints
-both, and writes the reports with BRIGADE_CI_REPORTS=DIR).
+`--setup-s` the set-up before it where the run was CI's from a fresh clone (`.ci/run` prints
+each step's time, and writes the reports with BRIGADE_CI_REPORTS=DIR):
+
+    BRIGADE_CI_REPORTS=/tmp/ci bash .ci/run        # in a fresh clone and virtual environment
+    python scripts/durations.py /tmp/ci/default.xml --step default --wall-s D --setup-s S
+    python scripts/durations.py /tmp/ci/rest.xml --step rest --wall-s R
 
     python scripts/durations.py --tiers
 
@@ -41,8 +47,13 @@ RESULTS = ROOT / "results" / "testing"
 PAGE = ROOT / "docs" / "testing.md"
 BEGIN, END = "<!-- tiers: written by `python scripts/durations.py` from results/testing/; do not edit -->", "<!-- /tiers -->"
 BEFORE = "durations-default-deb38ba.json"  # the default tier before tests/tiers.py split it (issue 59)
-RUN_BY = {"default": "`python -m pytest` (the README's; CI)", "full": "`python -m pytest -m full` (CI, after the default)",
-          "slow": "`python -m pytest -m slow` (before a submission)", "cuda": "`python -m pytest -m cuda` (scripts/gpu-check.sh)"}
+RUN_BY = {"default": "`python -m pytest` (the README's; CI's first step)",
+          "full": "`python -m pytest -m full` (CI's second step, with the slow tier)",
+          "slow": "`python -m pytest -m slow` (CI's second step, with the full tier)",
+          "cuda": "`python -m pytest -m cuda` (scripts/gpu-check.sh, where a GPU is)"}
+# CI's steps after its set-up (.ci/run): the command each runs and the tiers it holds
+STEPS = {"default": ("`python -m pytest`", ("default",)),
+         "rest": ("`python -m pytest -m \"full or slow\"`", ("full", "slow"))}
 
 
 def summarise(report: Path, slowest: int = 30) -> dict:
@@ -100,31 +111,45 @@ def _slowest(data: dict, n: int = 10) -> str:
 
 
 def block() -> str:
-    """The block of docs/testing.md: the tests per tier and each tier's last measured wall time, CI's
-    whole run where its tiers were measured together from a fresh clone, and the default tier's ten
-    slowest tests before the split and now; every figure from a file of results/testing/."""
+    """The block of docs/testing.md: the tests per tier, CI's steps as last measured, CI's whole run
+    where both steps were measured together from a fresh clone, and the ten slowest tests of each
+    step (the default's also before the split); every figure from a file of results/testing/."""
     counts = json.loads((RESULTS / "tiers.json").read_text())
-    rows = ["| tier | run by | tests | wall time on 2 CPU cores | measured at |", "|---|---|---|---|---|"]
-    for tier, run_by in RUN_BY.items():
-        data = _load(f"durations-{tier}.json")
-        wall = f"{_clock(data['wall_s'])} ({data['tests']} tests)" if data else \
-            ("skipped on CPU" if tier == "cuda" else "not recorded under results/testing/")
-        rows.append(f"| {tier} | {run_by} | {counts['tests'].get(tier, 0)} | {wall} | {data['commit'] if data else ''} |")
-    text = [f"Tests per tier at {counts['commit']} (`results/testing/tiers.json`), and each tier's last run "
-            "(`results/testing/durations-TIER.json`; a run's count includes the GPU tier's, which skip there):",
-            "", *rows, ""]
-    default, full = _load("durations-default.json"), _load("durations-full.json")
-    if default and full and "setup_s" in default and default["commit"] == full["commit"]:
-        ci = default["setup_s"] + default["wall_s"] + full["wall_s"]
-        text += [f"CI (`.ci/run`: set-up, the default tier, the full tier) from a fresh clone and virtual "
-                 f"environment at {default['commit']}: {_clock(ci)} ({_clock(default['setup_s'])} of it set-up).", ""]
+    text = [f"Tests per tier at {counts['commit']} (`results/testing/tiers.json`):", "",
+            "| tier | run by | tests |", "|---|---|---|",
+            *(f"| {tier} | {run_by} | {counts['tests'].get(tier, 0)} |" for tier, run_by in RUN_BY.items()),
+            "", _steps(counts), ""]
+    default, rest = _load("durations-default.json"), _load("durations-rest.json")
+    if default and rest and "setup_s" in default and default["commit"] == rest["commit"]:
+        ci = default["setup_s"] + default["wall_s"] + rest["wall_s"]
+        text += [f"CI (`.ci/run`: set-up, then both steps) from a fresh clone and virtual environment "
+                 f"at {default['commit']}: {_clock(ci)} in all, {_clock(default['setup_s'])} of it set-up.", ""]
     before = _load(BEFORE)
     if before and default:
-        text += [f"The default tier's ten slowest tests before the split, at {before['commit']} "
-                 f"({before['tests']} tests, {_clock(before['wall_s'])}, {before['summed_test_s'] / 60:.1f} test-minutes):",
-                 "", _slowest(before), "", f"and at {default['commit']} ({default['tests']} tests, "
-                 f"{_clock(default['wall_s'])}, {default['summed_test_s'] / 60:.1f} test-minutes):", "", _slowest(default), ""]
+        text += [f"The default tier's ten slowest tests before the split, {_run(before)}:", "", _slowest(before), ""]
+    for step, data in (("default", default), ("rest", rest)):
+        if data:
+            text += [f"The {step} step's ten slowest, {_run(data)}:", "", _slowest(data), ""]
     return "\n".join([BEGIN, *text, END])
+
+
+def _run(data: dict) -> str:
+    """A run as the block names it: its commit, tests, wall time and summed test time."""
+    return (f"at {data['commit']} ({data['tests']} tests, {_clock(data['wall_s'])}, "
+            f"{data['summed_test_s'] / 60:.1f} test-minutes)")
+
+
+def _steps(counts: dict) -> str:
+    """The table of CI's steps: what each runs, its tests now, its last measured wall time."""
+    rows = ["CI's steps, each as last measured (`results/testing/durations-STEP.json`; a run's count "
+            "includes the GPU tier's where it skips there):", "",
+            "| step | runs | tests now | wall time on 2 CPU cores | measured at |", "|---|---|---|---|---|"]
+    for step, (command, tiers) in STEPS.items():
+        data = _load(f"durations-{step}.json")
+        wall = f"{_clock(data['wall_s'])} ({data['tests']} tests)" if data else "not recorded"
+        now = sum(counts["tests"].get(tier, 0) for tier in tiers)
+        rows.append(f"| {step} | {command} | {now} | {wall} | {data['commit'] if data else ''} |")
+    return "\n".join(rows)
 
 
 def refresh_page(check: bool = False) -> bool:
@@ -140,11 +165,11 @@ def refresh_page(check: bool = False) -> bool:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("report", type=Path, nargs="?", help="a JUnit XML report (pytest --junitxml)")
-    parser.add_argument("--tier", help="which tier the run was: default, full, slow")
+    parser.add_argument("--step", choices=list(STEPS), help="which of CI's steps the run was")
     parser.add_argument("--wall-s", type=float, help="the run's wall time, as pytest printed it")
     parser.add_argument("--setup-s", type=float, help="where the run was CI's: the set-up before it")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile")
-    parser.add_argument("--out", type=Path, help="where the JSON goes (results/testing/durations-TIER.json)")
+    parser.add_argument("--out", type=Path, help="where the JSON goes (results/testing/durations-STEP.json)")
     parser.add_argument("--tiers", action="store_true", help="count the tests of each tier into tiers.json")
     parser.add_argument("--check", action="store_true", help="only say whether docs/testing.md is up to date")
     return parser
@@ -155,12 +180,12 @@ def _summary(args: argparse.Namespace) -> int:
         print(f"durations: {args.report} is not a file: give the report `pytest --junitxml PATH` wrote",
               file=sys.stderr)
         return 2
-    if not args.tier or args.wall_s is None:
-        print("durations: a report needs --tier and --wall-s (the wall time pytest printed at its end)",
+    if not args.step or args.wall_s is None:
+        print("durations: a report needs --step and --wall-s (the wall time pytest printed at its end)",
               file=sys.stderr)
         return 2
-    out = args.out or RESULTS / f"durations-{args.tier}.json"
-    data = {"tier": args.tier, "commit": provenance.commit(ROOT), "wall_s": args.wall_s, "note": args.note,
+    out = args.out or RESULTS / f"durations-{args.step}.json"
+    data = {"step": args.step, "commit": provenance.commit(ROOT), "wall_s": args.wall_s, "note": args.note,
             **({"setup_s": args.setup_s} if args.setup_s is not None else {}), **summarise(args.report)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
@@ -185,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         (RESULTS / "tiers.json").write_text(json.dumps({"commit": provenance.commit(ROOT), "tests": collect_tiers()},
                                                        indent=1) + "\n", encoding="utf-8")
     else:
-        print("durations: give a JUnit report (with --tier and --wall-s), or --tiers, or --check", file=sys.stderr)
+        print("durations: give a JUnit report (with --step and --wall-s), or --tiers, or --check", file=sys.stderr)
         return 2
     refresh_page()
     return 0

@@ -19,7 +19,7 @@ REPORT = """<testsuites><testsuite>
 def test_a_report_is_summed_by_file_and_its_slowest_tests_ranked(tmp_path):
     (tmp_path / "r.xml").write_text(REPORT)
     out = tmp_path / "d.json"
-    assert durations.main([str(tmp_path / "r.xml"), "--tier", "default", "--wall-s", "5",
+    assert durations.main([str(tmp_path / "r.xml"), "--step", "default", "--wall-s", "5",
                            "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert (data["tests"], data["skipped"], data["summed_test_s"], data["wall_s"]) == (3, 1, 8.5, 5.0)
@@ -30,19 +30,19 @@ def test_a_report_is_summed_by_file_and_its_slowest_tests_ranked(tmp_path):
 
 def test_a_missing_report_is_one_line_and_exit_2(tmp_path, capsys):
     out = tmp_path / "d.json"
-    assert durations.main([str(tmp_path / "none.xml"), "--tier", "default", "--wall-s", "1",
+    assert durations.main([str(tmp_path / "none.xml"), "--step", "default", "--wall-s", "1",
                            "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "none.xml" in err and "--junitxml" in err
     assert not out.exists()
 
 
-def test_a_report_without_its_tier_or_wall_time_is_one_line_and_exit_2(tmp_path, capsys):
+def test_a_report_without_its_step_or_wall_time_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "r.xml").write_text(REPORT)
     out = tmp_path / "d.json"
     assert durations.main([str(tmp_path / "r.xml"), "--wall-s", "5", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--tier" in err and "--wall-s" in err
+    assert len(err.splitlines()) == 1 and "--step" in err and "--wall-s" in err
     assert not out.exists()
 
 
@@ -51,10 +51,10 @@ def test_nothing_to_do_is_one_line_and_exit_2(capsys):
     assert "--tiers" in capsys.readouterr().err
 
 
-def test_the_block_shows_every_tier_and_the_slowest_before_and_after():
+def test_the_block_shows_every_tier_and_each_of_cis_steps():
     block = durations.block()
     assert block.startswith(durations.BEGIN) and block.endswith(durations.END)
     for tier, run_by in durations.RUN_BY.items():
         assert f"| {tier} | {run_by} |" in block
-    assert block.count("\n1. `tests/") == 2
-
+    for step, (command, _) in durations.STEPS.items():
+        assert f"| {step} | {command} |" in block

@@ -65,3 +65,28 @@ def test_the_counts_per_tier_in_results_are_the_suites(collected):
     counts = json.loads(COUNTS.read_text())["tests"]
     assert counts == dict(sorted(Counter(collected.values()).items())), \
         "results/testing/tiers.json is stale: run `python scripts/durations.py --tiers`"
+
+
+def _mutation_selection() -> tuple[list[str], list[str]]:
+    """The paths scripts/mutation.sh runs against each mutant, and the node ids it deselects."""
+    lines = (ROOT / "scripts" / "mutation.sh").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "pytest_add_cli_args_test_selection" in line)
+    args = []
+    for line in lines[start + 1:]:
+        if not line.strip().startswith('echo "    '):
+            break
+        args.append(line.strip().removeprefix('echo "').removesuffix('"').strip())
+    paths = [a for a in args if not a.startswith("--")]
+    return paths, [a.split("=", 1)[1] for a in args if a.startswith("--deselect=")]
+
+
+@pytest.mark.timeout(200)
+def test_the_tests_that_catch_mutants_are_all_in_the_default_tier(collected):
+    """scripts/mutation.sh counts the mutants its tests catch: none of those tests may leave the
+    default tier, so the faster suite catches every mutant the mutation run counts as caught."""
+    paths, deselected = _mutation_selection()
+    assert paths, "scripts/mutation.sh: no test selection found"
+    chosen = {nodeid: tier for nodeid, tier in collected.items()
+              if any(nodeid.startswith(p) for p in paths) and nodeid not in deselected}
+    assert chosen, paths
+    assert {nodeid for nodeid, tier in chosen.items() if tier != "default"} == set()

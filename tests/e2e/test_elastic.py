@@ -132,12 +132,19 @@ def _same_losses(out: Path, reference: dict[int, float]) -> None:
     assert worst <= 1e-5, f"largest per-step loss difference {worst:.2e}"
 
 
+def _written_after(rows: list[dict], record: dict) -> list[dict]:
+    """The snapshots reported complete after `record` (they are written in the background: one
+    taken at step 10 may still be on its way at step 13)."""
+    return [r for r in rows[rows.index(record) + 1:] if r.get("event") == "snapshot_written"]
+
+
 def _lose_node_1(nodes: Nodes, out: Path) -> tuple[list[dict], float]:
-    """Both nodes train past a snapshot; node 1 is killed; node 0 resumes alone."""
+    """Both nodes train past a complete snapshot; node 1 is killed; node 0 resumes alone."""
     nodes.start(0)
     nodes.start(1)
     rows = _wait_for(out, lambda rows: _layouts(rows) and _layouts(rows)[-1]["n_nodes"] == 2
-                     and len(_steps_after(rows, _layouts(rows)[-1])) >= 12)  # past a snapshot
+                     and len(_steps_after(rows, _layouts(rows)[-1])) >= 12
+                     and _written_after(rows, _layouts(rows)[-1]))  # past a complete snapshot
     killed = nodes.kill(1)
     rows = _wait_for(out, lambda rows: _layouts(rows)[-1].get("change") == "lost"
                      and _steps_after(rows, _layouts(rows)[-1]))

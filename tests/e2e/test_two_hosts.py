@@ -263,14 +263,16 @@ def _elastic_flags(hosts, out: Path) -> list:
 
 
 def _lose_host_1(hosts, out: Path) -> tuple[subprocess.Popen, float]:
-    """dp 2 × pp 2 across both hosts past a snapshot, then host 1 goes down; host 0 resumes alone."""
-    from tests.e2e.test_elastic import _layouts, _steps_after, _wait_for
+    """dp 2 × pp 2 across both hosts past a complete snapshot, then host 1 goes down; host 0 resumes
+    alone."""
+    from tests.e2e.test_elastic import _layouts, _steps_after, _wait_for, _written_after
 
     node0 = hosts.start(0, *_elastic_flags(hosts, out), "--node-rank", "0")
     time.sleep(1)
     hosts.start(1, *_elastic_flags(hosts, out), "--node-rank", "1")
     _wait_for(out, lambda rows: _layouts(rows) and _layouts(rows)[-1]["n_nodes"] == 2
-              and len(_steps_after(rows, _layouts(rows)[-1])) >= 12, seconds=240)
+              and len(_steps_after(rows, _layouts(rows)[-1])) >= 12
+              and _written_after(rows, _layouts(rows)[-1]), seconds=240)
     hosts.kill_all(1)  # agent and workers, never to return
     killed = time.time()
     rows = _wait_for(out, lambda rows: _layouts(rows)[-1].get("change") == "lost"

@@ -105,7 +105,8 @@ def _commit_late(seconds: float | None) -> None:
 
     from brigade.snapshot import commit, writer
 
-    run, settle = _ORIGINAL.setdefault("run", commit.Commit.run), _ORIGINAL.setdefault("settle", writer.Writer.settle)
+    run = _ORIGINAL.setdefault("run", commit.Commit.run)
+    settle = _ORIGINAL.setdefault("settle", writer.Writer.settle)
     commit.Commit.run, writer.Writer.settle = run, settle
     if seconds is None:
         return
