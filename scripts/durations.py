@@ -2,8 +2,8 @@
 of docs/testing.md that shows them.
 
 CI (`.ci/run`) runs the suite in two steps: the README's `python -m pytest` (the default tier),
-then `python -m pytest -m "full or slow"` (every other CPU tier, in one session: "rest"). Run a
-step with a JUnit report, then summarise it into a JSON under results/testing/ (issue 59: find
+then `python -m pytest -m full` (the full tier); the slow tier runs before a submission. Run a
+step (or the slow tier) with a JUnit report, then summarise it into a JSON under results/testing/ (issue 59: find
 the time where it goes before removing it at the cause):
 
     python -m pytest --junitxml /tmp/default.xml
@@ -18,7 +18,9 @@ each step's time, and writes the reports with BRIGADE_CI_REPORTS=DIR):
 
     BRIGADE_CI_REPORTS=/tmp/ci bash .ci/run        # in a fresh clone and virtual environment
     python scripts/durations.py /tmp/ci/default.xml --step default --wall-s D --setup-s S
-    python scripts/durations.py /tmp/ci/rest.xml --step rest --wall-s R
+    python scripts/durations.py /tmp/ci/full.xml --step full --wall-s F
+    python -m pytest -m slow --junitxml /tmp/slow.xml
+    python scripts/durations.py /tmp/slow.xml --step slow --wall-s W
 
     python scripts/durations.py --tiers
 
@@ -48,12 +50,12 @@ PAGE = ROOT / "docs" / "testing.md"
 BEGIN, END = "<!-- tiers: written by `python scripts/durations.py` from results/testing/; do not edit -->", "<!-- /tiers -->"
 BEFORE = "durations-default-deb38ba.json"  # the default tier before tests/tiers.py split it (issue 59)
 RUN_BY = {"default": "`python -m pytest` (the README's; CI's first step)",
-          "full": "`python -m pytest -m full` (CI's second step, with the slow tier)",
-          "slow": "`python -m pytest -m slow` (CI's second step, with the full tier)",
+          "full": "`python -m pytest -m full` (CI's second step)",
+          "slow": "`python -m pytest -m slow` (before a submission; not yet in CI)",
           "cuda": "`python -m pytest -m cuda` (scripts/gpu-check.sh, where a GPU is)"}
-# CI's steps after its set-up (.ci/run): the command each runs and the tiers it holds
-STEPS = {"default": ("`python -m pytest`", ("default",)),
-         "rest": ("`python -m pytest -m \"full or slow\"`", ("full", "slow"))}
+# CI's steps after its set-up (.ci/run), then the slow tier: the command each runs and its tiers
+STEPS = {"default": ("`python -m pytest`", ("default",)), "full": ("`python -m pytest -m full`", ("full",)),
+         "slow": ("`python -m pytest -m slow`", ("slow",))}
 
 
 def summarise(report: Path, slowest: int = 30) -> dict:
@@ -119,17 +121,18 @@ def block() -> str:
             "| tier | run by | tests |", "|---|---|---|",
             *(f"| {tier} | {run_by} | {counts['tests'].get(tier, 0)} |" for tier, run_by in RUN_BY.items()),
             "", _steps(counts), ""]
-    default, rest = _load("durations-default.json"), _load("durations-rest.json")
-    if default and rest and "setup_s" in default and default["commit"] == rest["commit"]:
-        ci = default["setup_s"] + default["wall_s"] + rest["wall_s"]
-        text += [f"CI (`.ci/run`: set-up, then both steps) from a fresh clone and virtual environment "
+    default, full = _load("durations-default.json"), _load("durations-full.json")
+    if default and full and "setup_s" in default and default["commit"] == full["commit"]:
+        ci = default["setup_s"] + default["wall_s"] + full["wall_s"]
+        text += [f"CI (`.ci/run`: set-up, the default step, the full step) from a fresh clone and virtual environment "
                  f"at {default['commit']}: {_clock(ci)} in all, {_clock(default['setup_s'])} of it set-up.", ""]
     before = _load(BEFORE)
     if before and default:
         text += [f"The default tier's ten slowest tests before the split, {_run(before)}:", "", _slowest(before), ""]
-    for step, data in (("default", default), ("rest", rest)):
+    for step in STEPS:
+        data = _load(f"durations-{step}.json")
         if data:
-            text += [f"The {step} step's ten slowest, {_run(data)}:", "", _slowest(data), ""]
+            text += [f"The {step} tier's ten slowest, {_run(data)}:", "", _slowest(data), ""]
     return "\n".join([BEGIN, *text, END])
 
 
@@ -141,8 +144,8 @@ def _run(data: dict) -> str:
 
 def _steps(counts: dict) -> str:
     """The table of CI's steps: what each runs, its tests now, its last measured wall time."""
-    rows = ["CI's steps, each as last measured (`results/testing/durations-STEP.json`; a run's count "
-            "includes the GPU tier's where it skips there):", "",
+    rows = ["CI's two steps and the slow tier, each as last measured (`results/testing/durations-STEP.json`; "
+            "a run's count includes the GPU tier's where it skips there):", "",
             "| step | runs | tests now | wall time on 2 CPU cores | measured at |", "|---|---|---|---|---|"]
     for step, (command, tiers) in STEPS.items():
         data = _load(f"durations-{step}.json")
@@ -165,10 +168,11 @@ def refresh_page(check: bool = False) -> bool:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("report", type=Path, nargs="?", help="a JUnit XML report (pytest --junitxml)")
-    parser.add_argument("--step", choices=list(STEPS), help="which of CI's steps the run was")
+    parser.add_argument("--step", choices=list(STEPS), help="which run it was: CI's default or full step, or the slow tier")
     parser.add_argument("--wall-s", type=float, help="the run's wall time, as pytest printed it")
     parser.add_argument("--setup-s", type=float, help="where the run was CI's: the set-up before it")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile")
+    parser.add_argument("--commit", help="the commit the run tested, where it is not the checkout's now")
     parser.add_argument("--out", type=Path, help="where the JSON goes (results/testing/durations-STEP.json)")
     parser.add_argument("--tiers", action="store_true", help="count the tests of each tier into tiers.json")
     parser.add_argument("--check", action="store_true", help="only say whether docs/testing.md is up to date")
@@ -185,7 +189,7 @@ def _summary(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     out = args.out or RESULTS / f"durations-{args.step}.json"
-    data = {"step": args.step, "commit": provenance.commit(ROOT), "wall_s": args.wall_s, "note": args.note,
+    data = {"step": args.step, "commit": args.commit or provenance.commit(ROOT), "wall_s": args.wall_s, "note": args.note,
             **({"setup_s": args.setup_s} if args.setup_s is not None else {}), **summarise(args.report)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

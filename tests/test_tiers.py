@@ -26,7 +26,12 @@ durations = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(durations)
 
 
-@pytest.fixture(scope="module")
+# One worker runs them all, on one collection: each worker would otherwise collect the suite
+# (a session fixture: xdist interleaves modules on a worker, and a module's would be made again).
+pytestmark = pytest.mark.xdist_group("tiers")
+
+
+@pytest.fixture(scope="session")
 def collected() -> dict[str, str]:
     """{node id: tier} for every case of the suite, as `--tiers-report` writes it."""
     return durations.collect()

@@ -35,7 +35,9 @@ import pytest
 from brigade.pipeline.plans.schedule import names
 from tests.e2e.helpers import final_hash, losses
 
-pytestmark = pytest.mark.timeout(300)
+# A layout's first case starts its world, which runs every schedule's three runs: under a loaded
+# machine (the other xdist worker running several processes too) a world took over 300 s.
+pytestmark = pytest.mark.timeout(600)
 RUN = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "16", "--block-size", "16",
        "--batch-size", "8", "--microbatches", "2", "--dropout", "0.1", "--seed", "21",
        "--max-steps", "6", "--snapshot-every", "2", "--eval-every", "100", "--eval-batches", "1",
@@ -131,7 +133,7 @@ def worlds(tmp_path_factory):
     scoped fixture would be torn down (and its world started again) at each such switch."""
     from brigade.launcher import agent
 
-    made: dict[str, tuple[Path, dict] | Exception] = {}
+    made: dict[str, tuple[Path, dict] | BaseException] = {}
 
     def get(layout: str) -> tuple[Path, dict]:
         if layout not in made:
@@ -144,9 +146,9 @@ def worlds(tmp_path_factory):
             nproc = runs[names()[0]]["plain"].parallel.nproc
             try:
                 made[layout] = root, agent.launch(_every_schedule, nproc, runs)[0]
-            except Exception as exc:  # every case of the layout fails with it, not one world each
-                made[layout] = exc
-        if isinstance(made[layout], Exception):
+            except (Exception, pytest.fail.Exception) as exc:  # a timeout too: every case of the
+                made[layout] = exc  # layout fails with it once, not one world (and timeout) each
+        if isinstance(made[layout], BaseException):
             raise made[layout]
         return made[layout]
 
