@@ -3,8 +3,8 @@ of docs/testing.md that shows them.
 
 CI (`.ci/run`) runs the suite in two steps: the README's `python -m pytest` (the default tier),
 then `python -m pytest -m full` (the full tier); the slow tier runs before a submission. Run a
-step (or the slow tier) with a JUnit report, then summarise it into a JSON under results/testing/ (issue 59: find
-the time where it goes before removing it at the cause):
+step (or the slow tier) with a JUnit report, then summarise it into a JSON under results/testing/
+(issue 59: find the time where it goes before removing it at the cause):
 
     python -m pytest --junitxml /tmp/default.xml
     python scripts/durations.py /tmp/default.xml --step default --wall-s 438
@@ -120,17 +120,18 @@ def block() -> str:
     text = [f"Tests per tier at {counts['commit']} (`results/testing/tiers.json`):", "",
             "| tier | run by | tests |", "|---|---|---|",
             *(f"| {tier} | {run_by} | {counts['tests'].get(tier, 0)} |" for tier, run_by in RUN_BY.items()),
-            "", _steps(counts), ""]
-    default, full = _load("durations-default.json"), _load("durations-full.json")
+            "", _steps(counts, runs := {step: _load(f"durations-{step}.json") for step in STEPS}), ""]
+    default, full = runs["default"], runs["full"]
     if default and full and "setup_s" in default and default["commit"] == full["commit"]:
         ci = default["setup_s"] + default["wall_s"] + full["wall_s"]
-        text += [f"CI (`.ci/run`: set-up, the default step, the full step) from a fresh clone and virtual environment "
-                 f"at {default['commit']}: {_clock(ci)} in all, {_clock(default['setup_s'])} of it set-up.", ""]
+        text += [f"CI (`.ci/run`: set-up, the default step, the full step) from a fresh clone and virtual "
+                 f"environment at {default['commit']}: {_clock(ci)} in all, "
+                 f"{_clock(default['setup_s'])} of it set-up.", ""]
     before = _load(BEFORE)
     if before and default:
-        text += [f"The default tier's ten slowest tests before the split, {_run(before)}:", "", _slowest(before), ""]
-    for step in STEPS:
-        data = _load(f"durations-{step}.json")
+        text += [f"The default tier's ten slowest tests before the split, {_run(before)}:", "",
+                 _slowest(before), ""]
+    for step, data in runs.items():
         if data:
             text += [f"The {step} tier's ten slowest, {_run(data)}:", "", _slowest(data), ""]
     return "\n".join([BEGIN, *text, END])
@@ -142,13 +143,14 @@ def _run(data: dict) -> str:
             f"{data['summed_test_s'] / 60:.1f} test-minutes)")
 
 
-def _steps(counts: dict) -> str:
-    """The table of CI's steps: what each runs, its tests now, its last measured wall time."""
+def _steps(counts: dict, runs: dict[str, dict | None]) -> str:
+    """The table of CI's steps and the slow tier: what each runs, its tests now, its last measured
+    wall time (`runs`: each one's durations file, None where there is none)."""
     rows = ["CI's two steps and the slow tier, each as last measured (`results/testing/durations-STEP.json`; "
             "a run's count includes the GPU tier's where it skips there):", "",
             "| step | runs | tests now | wall time on 2 CPU cores | measured at |", "|---|---|---|---|---|"]
     for step, (command, tiers) in STEPS.items():
-        data = _load(f"durations-{step}.json")
+        data = runs[step]
         wall = f"{_clock(data['wall_s'])} ({data['tests']} tests)" if data else "not recorded"
         now = sum(counts["tests"].get(tier, 0) for tier in tiers)
         rows.append(f"| {step} | {command} | {now} | {wall} | {data['commit'] if data else ''} |")
@@ -168,7 +170,8 @@ def refresh_page(check: bool = False) -> bool:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("report", type=Path, nargs="?", help="a JUnit XML report (pytest --junitxml)")
-    parser.add_argument("--step", choices=list(STEPS), help="which run it was: CI's default or full step, or the slow tier")
+    parser.add_argument("--step", choices=list(STEPS),
+                        help="which run it was: CI's default or full step, or the slow tier")
     parser.add_argument("--wall-s", type=float, help="the run's wall time, as pytest printed it")
     parser.add_argument("--setup-s", type=float, help="where the run was CI's: the set-up before it")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile")
@@ -189,7 +192,8 @@ def _summary(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     out = args.out or RESULTS / f"durations-{args.step}.json"
-    data = {"step": args.step, "commit": args.commit or provenance.commit(ROOT), "wall_s": args.wall_s, "note": args.note,
+    data = {"step": args.step, "commit": args.commit or provenance.commit(ROOT), "wall_s": args.wall_s,
+            "note": args.note,
             **({"setup_s": args.setup_s} if args.setup_s is not None else {}), **summarise(args.report)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
