@@ -125,7 +125,9 @@ def train_row(data: Path, directory: str, out: Path, repeats: int = 3) -> dict:
             "seconds": statistics.median(walls), "peak_rss_bytes": rss}
 
 
-def run_sizes(sizes: dict, work: Path, directory: str) -> list[dict]:
+def run_sizes(sizes: dict, work: Path, directory: str, repeats: int = 3) -> list[dict]:
+    """Per corpus size: tokenize it, the tokenizer's own ceiling on it, and `repeats` runs on its
+    shards."""
     rows = []
     for name, size in sizes.items():
         corpus = work / f"corpus-{size}.txt"
@@ -136,7 +138,7 @@ def run_sizes(sizes: dict, work: Path, directory: str) -> list[dict]:
                "tokenize": tokenize_row(corpus, directory, work / f"shards-{size}"),
                "ceiling": ceiling(corpus, directory)}
         print(f"[{name}] train on the shards", flush=True)
-        row["train"] = train_row(work / f"shards-{size}", directory, work / f"run-{size}")
+        row["train"] = train_row(work / f"shards-{size}", directory, work / f"run-{size}", repeats)
         rows.append(row)
         print(f"[{name}] {json.dumps(row)}", flush=True)
     return rows
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (work / "tiny-llama" / "tokenizer.json").is_file():
             write_tiny(directory, "llama", 4)
         sizes = TINY_SIZES if args.tiny else SIZES
-        rows = run_sizes(sizes, work, directory)
+        rows = run_sizes(sizes, work, directory, repeats=1 if args.tiny else 3)  # tiny: one run a size
         name, size = list(sizes.items())[min(1, len(sizes) - 1)]
         print(f"[{name}] train on the unprepared file", flush=True)
         unprepared = {"corpus": name, "train": train_row(work / f"corpus-{size}.txt", directory,

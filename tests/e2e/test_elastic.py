@@ -21,7 +21,7 @@ import pytest
 from tests.e2e.helpers import TINY, losses, train
 from tests.e2e.test_train import _wait_until_listening
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.full]
 # Many steps: node 0 alone must still be training when node 1 has started again (seconds).
 RUN = ["--max-steps", "300", "--snapshot-every", "10", "--eval-every", "1000", "--sample-tokens", "0",
        "--batch-size", "16"]

@@ -9,7 +9,8 @@ the tie were handed one optimizer state, stepped twice). Local stages are thread
 process that share its CPU generator, whose dropout masks once followed the threads' timing:
 two runs that never stopped parted within a few steps (so they are also compared with each other).
 
-Six steps, a snapshot every two. Two ways to stop:
+Six steps, a snapshot every two (the runs that never stop: at the end only, so a snapshot taken
+or not is shown to leave training as it is). Two ways to stop:
 
 - **every schedule**, in one spawned world per layout (the processes start once and run every
   schedule's runs one after another, as `brigade train`'s workers run one: `train.run._train`
@@ -59,31 +60,30 @@ LAYOUTS = {"pp2": (["--nproc", "2", "--pp", "2"], 1, "zbv"),
            "ep2xpp2": (["--nproc", "4", "--pp", "2", "--experts", "4", "--ep", "2", "--shard", "2"], 1, "zb"),
            "cp2xpp2": (["--nproc", "4", "--pp", "2", "--cp", "2"], 1, "zb")}
 STOP_AFTER = 3  # the stopped run's last step
+LAST_ONLY = ["--snapshot-every", "6"]  # the never-stopped runs' snapshots: the last step's alone
 
 
-# Local stages resume by the same code as processes do (the same snapshot, the same sampler), and
-# a sharded layout by the same DCP load that tests/snapshot/test_sharded.py moves across layouts:
-# their worlds (40-50 s each) are the slow tier's, which CI runs after the default tier; so is
-# tensor parallel's, whose snapshots tests/snapshot/test_sharded.py moves across layouts.
-SLOW = ("local2", "dp2xlocal2", "shard2xpp2", "tp2xpp2", "ep2xpp2", "cp2xpp2")
+# pp 2's world is the default tier's representative (every schedule, one world of 2 processes);
+# the other layouts' worlds (40-260 s each) are the full tier's, which CI runs after the default.
 
 
 def _marks(layout: str) -> list:
-    """On the xdist worker that holds the layout's world (one world per layout); slow or not."""
-    return [pytest.mark.xdist_group(f"resume-{layout}"), *([pytest.mark.slow] if layout in SLOW else [])]
+    """On the xdist worker that holds the layout's world (one world per layout); the full tier but
+    for pp 2's (tests/tiers.py names the representatives kept in the default)."""
+    return [pytest.mark.xdist_group(f"resume-{layout}")]
 
 
 CASES = [pytest.param(layout, name, id=f"{layout}-{name}", marks=_marks(layout))
          for layout in LAYOUTS for name in names()]
 
 
-def _config(out: Path, layout: str, schedule: str):
-    """The configuration `brigade train --out OUT RUN LAYOUT --schedule S` builds."""
+def _config(out: Path, layout: str, schedule: str, *more: str):
+    """The configuration `brigade train --out OUT RUN LAYOUT --schedule S MORE` builds."""
     from brigade import config
     from brigade.cli import build_parser
 
     args = build_parser().parse_args(["train", "--out", str(out), *RUN, *LAYOUTS[layout][0],
-                                      "--schedule", schedule])
+                                      "--schedule", schedule, *more])
     return config.build(args)
 
 
@@ -139,9 +139,11 @@ def worlds(tmp_path_factory):
         if layout not in made:
             root = tmp_path_factory.mktemp(f"resume-{layout}")
             local = "--local-stages" in LAYOUTS[layout][0]
-            runs = {s: {"plain": _config(root / s / "plain", layout, s),
+            # The runs that never stop snapshot only at their end (the stopped one every 2 steps):
+            # fewer writes, and a proof that snapshots taken or not leave training as it is.
+            runs = {s: {"plain": _config(root / s / "plain", layout, s, *LAST_ONLY),
                         "stopped": _config(root / s / "stopped", layout, s),
-                        **({"again": _config(root / s / "again", layout, s)} if local else {})}
+                        **({"again": _config(root / s / "again", layout, s, *LAST_ONLY)} if local else {})}
                     for s in names()}
             nproc = runs[names()[0]]["plain"].parallel.nproc
             try:
@@ -197,7 +199,7 @@ def test_a_killed_run_restarted_by_the_agent_resumes_bit_for_bit(worlds, tmp_pat
 KILLS = [(0, 2), (1, 3), (2, 4), (3, 5), (0, 6), (1, 4), (2, 3), (3, 2), (0, 5), (1, 6)]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.xdist_group("resume-shard2xpp2")
 @pytest.mark.parametrize("rank,step", KILLS, ids=[f"rank{r}-step{s}" for r, s in KILLS])
 def test_the_kill_campaign_under_shard_2_x_pp_2(worlds, tmp_path, rank, step):
@@ -214,7 +216,7 @@ def test_the_kill_campaign_under_shard_2_x_pp_2(worlds, tmp_path, rank, step):
     assert final_hash(out) == final_hash(plain)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(400)
 def test_a_measured_cut_is_kept_so_a_restart_goes_on_exactly(tmp_path):
     """--balance measured: auto's cut is measured once, at the run's start, and kept in its

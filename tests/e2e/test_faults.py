@@ -188,7 +188,7 @@ def _sigterm(out: Path, proc, step: int, attempt: int = 0) -> tuple[str, int]:
 # One run takes two faults from outside, then is resumed to the end, bit for bit: a worker
 # SIGKILLed by someone else (the agent restarts the group from the snapshot at step 40), then the
 # whole run SIGTERMed (the dp2 case of the grace test below).
-@pytest.mark.slow
+@pytest.mark.full
 def test_sigkill_from_outside_then_sigterm_then_resume(long_reference, tmp_path):
     out = tmp_path / "outside"
     proc = _start(out, "--max-restarts", "1")
@@ -276,7 +276,7 @@ def test_rng_streams_after_resume_equal_uninterrupted(tmp_path):
     assert plain[0]["rng"] != plain[1]["rng"]  # each rank has a stream of its own
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_resume_under_another_layout(tmp_path):
     base = ["--max-steps", "12", "--snapshot-every", "3", "--sample-tokens", "0"]
     whole = tmp_path / "whole"

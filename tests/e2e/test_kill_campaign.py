@@ -1,4 +1,4 @@
-"""The slow tier's short kill campaign: on every layout of `brigade.results.kill_campaign` (shard 2
+"""The full tier's short kill campaign: on every layout of `brigade.results.kill_campaign` (shard 2
 × pp 2, tp 2 × pp 2, HSDP 2 × 2 × pp 2, ep 2 × pp 2, cp 2 × pp 2), one kill under its zero-bubble
 schedule and one under 1f1b, snapshots in the background; each run must end bit for bit where
 its uninterrupted twin ends. The kinds (a kill at a step, during a background snapshot's write,
@@ -10,7 +10,7 @@ import pytest
 
 from brigade.results import kill_campaign
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.full, pytest.mark.timeout(900)]
 TRIALS = kill_campaign.plan(list(kill_campaign.LAYOUTS), per_layout=2, seed=7)
 
 

@@ -20,7 +20,7 @@ import pytest
 from tests.e2e.helpers import TINY, final_hash, losses, train
 
 # One group under pytest-xdist: the namespaces and the two hosts' processes fill both cores.
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("two-hosts"), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("two-hosts"), pytest.mark.full]
 SUBNET = "10.213.77"  # only ever inside the two namespaces this file makes
 RUN = ["--max-steps", "30", "--snapshot-every", "10", "--pp", "2", "--microbatches", "2",
        "--sample-tokens", "0"]
