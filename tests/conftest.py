@@ -50,6 +50,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # made by the controller before its workers start, which inherit it.
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["BRIGADE_CACHE_DIR"] = tempfile.mkdtemp(prefix="brigade-test-cache-")
+    # `--log wandb` (the docs' commands too) writes its runs locally: no test reaches W&B's
+    # servers, and none needs an account; MLflow's default is a file store in the run's folder.
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
     config.addinivalue_line("markers", f"{GPU_TIER}: needs a CUDA GPU; the GPU tier, run by "
                             f"`python -m pytest -m {GPU_TIER}` (scripts/gpu-check.sh), skipped without one")
     # Before any case asks torch about CUDA (which reads the variable once, as CUDA starts).

@@ -51,6 +51,16 @@ CASES = [
     ("zero size", ["train", "--batch-size", "0"], "--batch-size 0: must be ≥ 1", 2),
     ("negative size", ["train", "--n-layer", "-2"], "--n-layer -2: must be ≥ 1", 2),
     ("negative lr", ["train", "--lr", "-1"], "--lr -1.0: must be ≥ 0", 2),
+    ("unknown lr schedule", ["train", "--lr-schedule", "step"],
+     "--lr-schedule 'step': expected one of cosine, wsd, linear, constant", 2),
+    ("unknown tracker", ["train", "--log", "wandb,neptune"],
+     "--log wandb,neptune: 'neptune' is not a tracker: expected tensorboard, wandb, mlflow, comma-separated "
+     "(--log wandb,mlflow)", 2),
+    ("negative decay steps", ["train", "--decay-steps", "-1"], "--decay-steps -1: must be ≥ 0", 2),
+    ("decay fraction 0", ["train", "--lr-schedule", "wsd", "--decay-fraction", "0"],
+     "--decay-fraction 0.0: must be above 0 and at most 1", 2),
+    ("decay within the warm-up", ["train", "--decay-steps", "20", "--warmup-steps", "50"],
+     "--decay-steps 20: the decay would end before the warm-up (--warmup-steps 50) does", 2),
     ("dp x pp != world", ["train", "--nproc", "2", "--dp", "2", "--pp", "2"],
      "the world size must equal dp × pp", 2),
     ("tp does not divide the world", ["train", "--nproc", "3", "--tp", "2"],
@@ -356,6 +366,19 @@ def test_snapshot_of_another_model(run, cli, tmp_path):
     before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
     result = cli("train", "--out", copy, *TINY, "--max-steps", "6", "--n-layer", "3")
     assert_clean(result, "is of another model (differs in model.n_layer)", 2)
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+
+
+def test_a_resume_that_would_move_the_decay_is_refused(run, cli, tmp_path):
+    """--max-steps changed on resume without --decay-steps: the decay's end is the snapshot's."""
+    copy = tmp_path / "longer"
+    shutil.copytree(run, copy)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    result = cli("train", "--out", copy, *TINY, "--max-steps", "9")
+    assert_clean(result, "--max-steps 9: the snapshot in", 2)
+    assert "ends its cosine decay on step 6 (--max-steps then)" in result.stderr
+    assert "add --decay-steps 6 to keep it" in result.stderr
+    assert "or --decay-steps 9 to stretch" in result.stderr
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
 
 

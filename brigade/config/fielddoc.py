@@ -191,6 +191,18 @@ def _update_help() -> str:
     return "; ".join(f"{name}: {what}" for name, what in UPDATES.items())
 
 
+def _lr_schedule_names() -> list[str]:
+    from brigade.config.lr import LR_SCHEDULES  # owns the names and what each does
+
+    return list(LR_SCHEDULES)
+
+
+def _lr_schedule_help() -> str:
+    from brigade.config.lr import LR_SCHEDULES
+
+    return "; ".join(f"{name}: {what}" for name, what in LR_SCHEDULES.items())
+
+
 def _float8_names() -> list[str]:
     from brigade.config.precision import FLOAT8_RECIPES  # owns the recipes (torchao's names)
 
@@ -203,6 +215,7 @@ MODELS = Choices(_model_names, more="path/to/file.py:factory, hf:DIR (a Hugging 
 PRECISIONS = Choices(_precision_names)
 RECOMPUTES = Choices(_recompute_names, _recompute_help)
 UPDATES = Choices(_update_names, _update_help)
+LR_SCHEDULES = Choices(_lr_schedule_names, _lr_schedule_help)
 FLOAT8 = Choices(_float8_names)
 
 
@@ -214,3 +227,4 @@ def _cp_method_names() -> list[str]:
 
 CP_METHODS = Choices(_cp_method_names)
 SNAPSHOT_ERRORS = Choices(lambda: ("stop", "warn"))
+LOGS = Choices(lambda: ("tensorboard", "wandb", "mlflow"))  # train.metrics and train.trackers write them

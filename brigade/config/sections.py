@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from brigade.config.fielddoc import (
     CP_METHODS,
     FLOAT8,
+    LOGS,
+    LR_SCHEDULES,
     MODELS,
     PRECISIONS,
     RECOMPUTES,
@@ -122,8 +124,14 @@ class ParallelConfig:
 @dataclass
 class OptimConfig:
     lr: float = doc(3e-3, "peak learning rate of AdamW, reached after the warm-up")
-    min_lr: float = doc(3e-4, "learning rate the cosine decay ends at, on the last step")
+    min_lr: float = doc(3e-4, "learning rate the decay ends at, on step --decay-steps, and holds after")
     warmup_steps: int = doc(50, "steps of linear warm-up from 0 to --lr; 0: start at --lr")
+    lr_schedule: str = doc("cosine", "the learning rate after the warm-up ({choices})", choices=LR_SCHEDULES)
+    decay_steps: int = doc(0, "the step the decay reaches --min-lr on; 0: --max-steps as the run first "
+                              "started, kept in its snapshots (a resume with another --max-steps is "
+                              "then refused unless this is given)")
+    decay_fraction: float = doc(0.2, "wsd: the last part of the steps up to --decay-steps over which the "
+                                     "rate decays, from 0 (excluded) to 1")
     weight_decay: float = doc(0.1, "AdamW's decoupled weight decay, on matrices only")
     beta1: float = doc(0.9, "AdamW's decay rate of the gradient's running mean")
     beta2: float = doc(0.99, "AdamW's decay rate of the squared gradient's running mean")
@@ -160,6 +168,13 @@ class TrainConfig:
     keep: int = doc(2, "complete snapshots kept, the newest ones (one being written does not count)")
     tensorboard: bool = doc(False, "also write OUT/tensorboard event files "
                                    "(pip install 'brigade[tensorboard]')")
+    log: str = doc("", "also send the metrics to each of {choices}, comma-separated (pip install "
+                       "'brigade[wandb]', 'brigade[mlflow]'); W&B and MLflow read their usual "
+                       "environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI)",
+                   choices=LOGS)
+    peak_tflops: float = doc(0.0, "each device's peak TFLOP/s that the log's MFU is held to; 0: an H100's, "
+                                  "H200's or A100's from the planner's table, on a CPU one core's "
+                                  "measured at the start (× --threads), on another GPU no MFU")
     bf16: bool = doc(True, "autocast to bf16 on GPUs, ignored on the CPU and when --precision is given")
     precision: str = doc("", "autocast type on any device: {choices}, fp16 with loss scaling; empty: "
                              "follow --bf16", choices=PRECISIONS)
@@ -191,14 +206,18 @@ def field_types(cls: type) -> dict[str, type]:
     return {k: v for k, v in typing.get_type_hints(cls).items()}
 
 
-# What a snapshot must agree on to be resumed; the layout and run length may change.
+# What a snapshot must agree on to be resumed; the layout and run length may change, and so may
+# the step the learning rate's decay ends on, where the user says so (`config.lr`).
 _HASHED = {"model": None, "data": None, "optim": None, "train": ("batch_size", "seed")}
+_UNHASHED = {"optim": ("decay_steps",)}
 
 
 def config_subset(cfg: RunConfig) -> dict:
     """The sections and keys a snapshot must match to resume `cfg` (the manifest's `config`)."""
     d = cfg.to_dict()
-    return {s: {k: v for k, v in d[s].items() if keys is None or k in keys} for s, keys in _HASHED.items()}
+    kept = {s: [k for k in d[s] if (keys is None or k in keys) and k not in _UNHASHED.get(s, ())]
+            for s, keys in _HASHED.items()}
+    return {s: {k: d[s][k] for k in names} for s, names in kept.items()}
 
 
 def config_hash(cfg: RunConfig) -> str:

@@ -8,6 +8,23 @@ from brigade.errors import BrigadeError
 from brigade.host.net import parse_endpoint
 
 
+def logs(text: str) -> tuple[str, ...]:
+    """--log's trackers, in order, each once.
+
+    Raises:
+        BrigadeError: a name that is not a tracker's.
+    """
+    from brigade.config.fielddoc import LOGS
+
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    known = list(LOGS.names())
+    for name in names:
+        if name not in known:
+            raise BrigadeError(f"--log {text}: {name!r} is not a tracker: expected {', '.join(known)}, "
+                               "comma-separated (--log wandb,mlflow)")
+    return names
+
+
 def _positive(name: str, value: float, zero_ok: bool = False) -> None:
     if value < 0 or (value == 0 and not zero_ok):
         raise BrigadeError(f"--{name.replace('_', '-')} {value}: must be {'≥ 0' if zero_ok else '≥ 1'}")
@@ -29,7 +46,8 @@ def validate(cfg: RunConfig) -> None:
     _positive("block_size", d.block_size)
     for name, value in (("dp", p.dp), ("virtual", p.virtual), ("max_restarts", p.max_restarts), ("lr", o.lr),
                         ("warmup_steps", o.warmup_steps), ("grad_clip", o.grad_clip),
-                        ("snapshot_every", t.snapshot_every), ("sample_tokens", t.sample_tokens)):
+                        ("snapshot_every", t.snapshot_every), ("sample_tokens", t.sample_tokens),
+                        ("peak_tflops", t.peak_tflops)):
         _positive(name, value, zero_ok=True)
     if not 0 <= m.dropout < 1:
         raise BrigadeError(f"--dropout {m.dropout}: must be in [0, 1)")
@@ -52,6 +70,9 @@ def validate(cfg: RunConfig) -> None:
     from brigade.config.precision import autocast_dtype  # owns the names; raises on an unknown one
     autocast_dtype(t.precision, t.bf16, "cpu")
     _speed_levers(cfg)
+    from brigade.config.lr import check as check_lr  # owns the schedules' names
+    check_lr(o.lr_schedule, o.decay_steps, o.decay_fraction, o.warmup_steps)
+    logs(t.log)
     _snapshots(t)
     _positive("nnodes", p.nnodes)
     if not 0 <= p.node_rank < p.nnodes:

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from brigade.errors import BrigadeError
+from brigade.models.flops import OnMeta
 from brigade.parallel.context import check_heads, check_length
-from brigade.planner.mixture import OnMeta
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -129,7 +129,7 @@ class _Observe(TorchFunctionMode):
 def attention(blocks, x) -> AttentionFacts | None:
     """The `AttentionFacts` of `blocks` (as `sample.runnable` binds them) run on the meta batch `x`
     (one sample); None where no block calls SDPA. A mixture of experts' routing runs there inside
-    `mixture.OnMeta`."""
+    `models.flops.OnMeta`."""
     per: list[tuple[Call, ...]] = []
     h = x
     with torch.no_grad(), OnMeta():
@@ -144,7 +144,7 @@ def attention(blocks, x) -> AttentionFacts | None:
 def observe(spec) -> AttentionFacts | None:
     """`attention` of a model built on the meta device, on a meta batch of one sample."""
     from brigade.pipeline.batches.feed import to
-    from brigade.planner.sample import runnable
+    from brigade.pipeline.batches.sample import runnable
 
     x, _ = spec.make_batch(1, torch.Generator().manual_seed(0))
     h, blocks = runnable(spec.blocks, to(x, "meta"))

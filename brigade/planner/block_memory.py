@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from brigade.dtensors import local
+from brigade.pipeline.batches.sample import runnable, take
 from brigade.pipeline.runtime.backward import backward_split
-from brigade.planner.sample import runnable, take
 from brigade.train.memory import StepMemory, storage_bytes
 
 

@@ -49,15 +49,16 @@ import torch
 from brigade.host import malloc
 from brigade.measure.stages import block_costs
 from brigade.models import ModelSpec
+from brigade.models.flops import flop_counter
 from brigade.parallel import compiled, recompute
 from brigade.parallel.vocab import split_loss
 from brigade.pipeline.batches import microbatch
+from brigade.pipeline.batches.sample import runnable, take, tokens_per_sample
 from brigade.planner.attention import AttentionFacts
 from brigade.planner.block_memory import block_memory
 from brigade.planner.devices import DeviceSpec
-from brigade.planner.mixture import Mixture, flop_counter, mixture
+from brigade.planner.mixture import Mixture, mixture
 from brigade.planner.optimizer import optimizer_transient, seconds_per_byte
-from brigade.planner.sample import runnable, take, tokens_per_sample
 from brigade.planner.shard_costs import measure_shard
 from brigade.planner.split_costs import TP, SplitCosts, measure_split
 from brigade.planner.tensor import TensorFacts
@@ -331,7 +332,7 @@ def _flops_and_outputs(spec: ModelSpec, x, y) -> tuple[list[float], list[float]]
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         inp = h.detach().requires_grad_(h.is_floating_point() and i > 0)
-        with flop_counter() as counter:  # an MoE's grouped matmuls counted too (`planner.mixture`)
+        with flop_counter() as counter:  # an MoE's grouped matmuls counted too (`models.flops`)
             out = block(inp)
             loss = spec.loss_fn(out, y) if last else out
             torch.autograd.backward(loss, None if last else torch.ones_like(loss))

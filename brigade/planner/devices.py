@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import os
 import statistics
-import threading
 import time
 from dataclasses import dataclass, fields
 
 from brigade.errors import BrigadeError
+from brigade.host.peaks import DENSE, MATMUL_N, half_matmul_seconds, matmul_seconds
 from brigade.measure import gloo_probe
 from brigade.planner import probe_cache
 
@@ -100,10 +100,10 @@ def _gpu(name: str, bf16: float, fp32: float, mem: float, nvlink: float, ib: flo
     )
 
 
-TABLE = {
-    "h100": _gpu("h100", 989, 67, 80, 900, 50, 3350),
-    "h200": _gpu("h200", 989, 67, 141, 900, 50, 4800),
-    "a100": _gpu("a100", 312, 19.5, 80, 600, 25, 2039),
+TABLE = {  # the dense peaks are `host.peaks.DENSE`'s (TFLOP/s), the one copy of those figures
+    "h100": _gpu("h100", *(f / 1e12 for f in DENSE["h100"]), 80, 900, 50, 3350),
+    "h200": _gpu("h200", *(f / 1e12 for f in DENSE["h200"]), 141, 900, 50, 4800),
+    "a100": _gpu("a100", *(f / 1e12 for f in DENSE["a100"]), 80, 600, 25, 2039),
 }
 NAMES = (*TABLE, "cpu")
 FIELDS = tuple(f.name for f in fields(DeviceSpec) if f.name not in ("name", "measured"))
@@ -156,18 +156,18 @@ def probe() -> DeviceSpec:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _, fastest = _matmul_seconds(1)
-        half = _half_matmul_seconds()
+        _, fastest = matmul_seconds(1)
+        half = half_matmul_seconds()
         alone, together = _shared_slowdown(min(cores, 8))
         gloo = gloo_probe.measure()
     finally:
         torch.set_num_threads(threads)
-    flops = 2 * _N**3 / fastest
+    flops = 2 * MATMUL_N**3 / fastest
     mem_bw = _copy_rate()
     bw, latency = gloo.pop("intra_bw"), gloo.pop("intra_latency")
     return DeviceSpec(
         "cpu",
-        2 * _N**3 / half,
+        2 * MATMUL_N**3 / half,
         flops,
         host_memory(),
         bw,
@@ -180,48 +180,6 @@ def probe() -> DeviceSpec:
         measured=True,
         **gloo,
     )
-
-
-_N = 256  # the probe's square matmul: a few milliseconds on one core
-
-
-def _matmul_seconds(n_threads: int, repeats: int = 30) -> tuple[float, float]:
-    """(median, fastest) seconds of one matmul while `n_threads` threads each run them (torch frees
-    the GIL); the fastest gives the peak, medians the slowdown."""
-    import statistics
-
-    import torch
-
-    a = [torch.randn(_N, _N) for _ in range(n_threads)]
-    times: list[list[float]] = [[] for _ in range(n_threads)]
-
-    def run(k: int) -> None:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a[k] @ a[k]
-            times[k].append(time.perf_counter() - t0)
-
-    workers = [threading.Thread(target=run, args=(k,)) for k in range(n_threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    got = [t for ts in times for t in ts[2:]]
-    return statistics.median(got), min(got)
-
-
-def _half_matmul_seconds(repeats: int = 6) -> float:
-    """The fastest of a few bf16 matmuls of the probe's size (the bf16 peak, for MFU: a CPU
-    without bf16 units takes tens of times an fp32 one; `costs.measure` times bf16 blocks)."""
-    import torch
-
-    a = torch.randn(_N, _N, dtype=torch.bfloat16)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ a
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
 
 
 _MATMULS = """

@@ -23,7 +23,7 @@ and the outputs of the ops the trainer's selective recompute keeps (`parallel.re
 matmuls, attention as one fused op), and holds the rest again during its backward, no matmul
 run twice but an MoE's experts' grouped matmuls, which it does not keep. A block's temporaries are
 taken as its output and that output's gradient. A mixture of experts runs on the meta device
-inside `mixture.OnMeta`, its grouped matmuls counted by `mixture.flop_counter`: the FLOPs of the
+inside `models.flops.OnMeta`, its grouped matmuls counted by `models.flops.flop_counter`: the FLOPs of the
 top_k experts each token reaches. Every figure of a plan made from these says `formula`.
 """
 
@@ -36,13 +36,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from brigade.models import ModelSpec
+from brigade.models.flops import GROUPED_MM, OnMeta, flop_counter
 from brigade.parallel import recompute
 from brigade.pipeline.batches.feed import to
+from brigade.pipeline.batches.sample import runnable, tokens_per_sample
 from brigade.planner.costs import FORMULA, ModeCosts, ModelCosts, master_bytes
 from brigade.planner.devices import DeviceSpec
-from brigade.planner.mixture import GROUPED_MM, OnMeta, flop_counter, mixture
+from brigade.planner.mixture import mixture
 from brigade.planner.optimizer import gpu_transient
-from brigade.planner.sample import runnable, tokens_per_sample
 
 ASSUMED_MFU = 0.5  # the share of peak a large model's blocks reach (Megatron-LM reports 40-55 %)
 ADAMW_BYTES_MOVED = 7  # per parameter byte: read p, g, exp_avg, exp_avg_sq; write p and both moments
@@ -121,7 +122,7 @@ def _run(block, h, loss_fn, y, first: bool) -> tuple[float, float, float, float,
     hooks = [m.register_forward_hook(weighted) for m in owners]
     inp = h.detach().requires_grad_(h.is_floating_point() and not first)
     fused = FusedAttention()
-    try:  # OnMeta: an MoE layer's routing and grouped matmuls run on the meta device (`planner.mixture`)
+    try:  # OnMeta: an MoE layer's routing and grouped matmuls run on the meta device (`models.flops`)
         with OnMeta(), flop_counter() as forward, fused, _KeptOps(fused) as made:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = block(inp)

@@ -13,6 +13,7 @@ import torch
 
 from brigade.config import ModelConfig, RunConfig
 from brigade.errors import BrigadeError
+from brigade.pipeline.batches.sample import tokens_per_sample
 from brigade.pipeline.plans.action import PlanError
 from brigade.pipeline.plans.schedule import SCHEDULES
 from brigade.planner import cluster as clusters
@@ -24,7 +25,6 @@ from brigade.planner.devices import cpu, host_memory
 from brigade.planner.formula import from_shapes
 from brigade.planner.mixture import mixture
 from brigade.planner.predict import predict
-from brigade.planner.sample import tokens_per_sample
 from brigade.planner.scaling import scaled
 from brigade.planner.space import Layout, enumerate_layouts
 from brigade.planner.split_costs import TP

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from brigade.parallel.shard import shard_stage
-from brigade.planner.sample import Bound, runnable
+from brigade.pipeline.batches.sample import Bound, runnable
 
 WARMUPS = 2
 

@@ -42,7 +42,7 @@ import torch
 from brigade.measure.collectives import Collectives
 from brigade.measure.stages import block_costs
 from brigade.parallel.assemble import split_blocks
-from brigade.planner.sample import runnable, take
+from brigade.pipeline.batches.sample import runnable, take
 
 TP = 2  # the degree measured: a node's smallest split, the one this machine can run
 

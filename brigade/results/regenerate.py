@@ -131,7 +131,7 @@ def _transparency(run: Path, output: str, code: int, wall_s: float) -> dict:
     return {**groups, "wall_s": wall_s}
 
 
-ROOT = "needs root for network namespaces: run `sudo python -m pytest -m slow tests/e2e/test_two_hosts.py -s`"
+ROOT = "needs root for network namespaces: run `sudo python -m pytest -m full tests/e2e/test_two_hosts.py -s`"
 _T = " ".join(TINY)
 _PYTEST = "python -m pytest tests/train/test_trainer.py -p no:cacheprovider -m '' -rA"  # every tier's cases
 JOBS: dict[str, Job] = {

@@ -229,7 +229,7 @@ def _restart(d: dict) -> str:
 
 
 @row("two hosts (network namespaces, veth), dp 2 × pp 2 across them", "two-hosts/two_hosts.json",
-     "`python -m pytest -m slow tests/e2e/test_two_hosts.py` (as root)")
+     "`python -m pytest -m full tests/e2e/test_two_hosts.py` (as root)")
 def _two_hosts(d: dict) -> str:
     same = "the one-host run's `params_sha256` and losses" if d["same_params_sha256"] and d["same_losses"] \
         else "DIFFERENT parameters or losses than one host"

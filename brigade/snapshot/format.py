@@ -66,7 +66,8 @@ class Manifest:
 
     Written by `commit.Commit` (rank 0, last), read here by `verify`; readers use these
     attributes. Keys this version does not know are kept in `extra` (a newer writer's additions).
-    Optional keys (`loss_scale`, `balance`, `data`) may be absent: snapshots written before them still read.
+    Optional keys (`loss_scale`, `balance`, `data`, `lr_end`) may be absent: snapshots written
+    before them still read.
     """
 
     step: int
@@ -83,6 +84,7 @@ class Manifest:
     loss_scale: dict | None = None  # fp16: {"scale", "good_steps"} of the LossScaler; else absent
     balance: list | None = None  # blocks per stage the run was cut into; absent in older snapshots
     data: str | None = None  # a token shard set's content_sha256: the ids it trained on; else absent
+    lr_end: int | None = None  # the step the learning rate's decay ends on (`config.lr`); else absent
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -133,7 +135,7 @@ def _is_loss_scale(v: object) -> bool:
             and v["scale"] > 0 and _is_count(v["good_steps"]))
 
 
-_OPTIONAL = ("loss_scale", "balance", "data")
+_OPTIONAL = ("loss_scale", "balance", "data", "lr_end")
 _KEY_TYPES = {
     "step": _is_count, "cursor": _is_count, "epoch": _is_count,
     "layout": lambda v: isinstance(v, dict) and all(_is_count(x) for x in v.values()),
@@ -148,6 +150,7 @@ _KEY_TYPES = {
     "balance": lambda v: v is None or isinstance(v, list) and len(v) > 0 and all(
         _is_count(x) and x >= 1 for x in v),
     "data": lambda v: v is None or _is_digest(v),
+    "lr_end": lambda v: v is None or _is_count(v) and v >= 1,
 }
 _KEY_DOCS = {
     "step": "an integer ≥ 0", "cursor": "an integer ≥ 0", "epoch": "an integer ≥ 0",
@@ -158,6 +161,7 @@ _KEY_DOCS = {
     "loss_scale": "null or an object of scale > 0 and good_steps ≥ 0",
     "balance": "null or a non-empty list of integers ≥ 1",
     "data": "null or a sha256 hex digest",
+    "lr_end": "null or an integer ≥ 1",
 }
 
 

@@ -7,7 +7,8 @@ OUT/tensorboard (`--tensorboard`), and the console (a progress bar on a terminal
 elsewhere). A record is a flat dict with a `step`; `Metrics` adds `time`. Three kinds:
 
     {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",    a training step
-     "samples"}  (`sampler.fingerprint` of its global batch: equal across layouts on resume)
+     "samples", "mfu", "tflops"}  (`sampler.fingerprint` of its global batch: equal across
+                 layouts on resume; `mfu` and `tflops` where the device's peak is known: train.mfu)
     {"step", "val_loss"}                                                  an evaluation
     {"step", "event", ...}        snapshot, first_step (attempt > 0: a restart), layout, ...
 """
@@ -15,7 +16,6 @@ elsewhere). A record is a flat dict with a `step`; `Metrics` adds `time`. Three 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -25,10 +25,11 @@ from tqdm import tqdm
 
 from brigade.errors import BrigadeError
 from brigade.fsutil import write_atomic
+from brigade.train import trackers
+from brigade.train.trackers import scalars
 
 FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-_NOT_SCALARS = ("step", "time", "event", "samples")
 
 
 class Sink(Protocol):
@@ -92,24 +93,14 @@ class TensorBoardSink:
         step, wall = record["step"], record.get("time")
         event = record.get("event")
         if event is not None:
-            prefix = f"event/{event}"
             text = ", ".join(f"{k} = {v}" for k, v in record.items() if k not in ("time", "event"))
             self._writer.add_text(f"events/{event}", text, step, walltime=wall)
-        else:
-            prefix = "val" if "val_loss" in record else "train"
-        for key, value in record.items():
-            if key in _NOT_SCALARS or not _is_number(value):
-                continue
-            tag = "val/loss" if key == "val_loss" else f"{prefix}/{key}"
+        for tag, value in scalars(record):
             self._writer.add_scalar(tag, value, step, walltime=wall)
         self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Console:
@@ -134,13 +125,15 @@ class Console:
             return
         if self._bar is not None:
             self._bar.n = record["step"]
-            post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+            post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",
+                    **({"MFU": f"{100 * record['mfu']:.1f}%"} if "mfu" in record else {})}
             if self._last_val is not None:
                 post["val"] = f"{self._last_val:.3f}"
             self._bar.set_postfix(post, refresh=True)
         elif record["step"] % self.log_every == 0 or record["step"] == self.total:
+            mfu = f"  MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
             print(f"step {record['step']:>6}/{self.total}  loss {record['loss']:.4f}  "
-                  f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s  "
+                  f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s{mfu}  "
                   f"{record['step_time_s'] * 1e3:.0f} ms/step", flush=True)
 
     def _say(self, text: str) -> None:
@@ -168,19 +161,25 @@ class Metrics:
         total_steps: the run's last step, for the progress bar and log lines.
         log_every: steps between log lines when stdout is not a terminal.
         tensorboard: also write TensorBoard event files in out/tensorboard.
+        log: --log's trackers (`config.validate.logs`): tensorboard, wandb, mlflow
+            (`train.trackers`).
 
     Raises:
-        BrigadeError: `tensorboard` without the tensorboard package (see `require_tensorboard`).
+        BrigadeError: a tracker whose package is missing (see `require_tensorboard`,
+            `trackers.require`).
     """
 
     def __init__(self, out: str | Path | None, total_steps: int, log_every: int = 25,
-                 tensorboard: bool = False):
+                 tensorboard: bool = False, log: tuple[str, ...] = ()):
         self.out = Path(out) if out else None
         self.total = total_steps
         self.log_every = log_every
-        self.tensorboard = tensorboard
-        if self.out is not None and tensorboard:
+        self.tensorboard = tensorboard or "tensorboard" in log
+        self.trackers = tuple(name for name in log if name != "tensorboard")
+        if self.out is not None and self.tensorboard:
             require_tensorboard()
+        if self.out is not None:
+            trackers.require(self.trackers)
         self._sinks: list[Sink] = []
         self._depth = 0
 
@@ -198,6 +197,7 @@ class Metrics:
             # TensorBoard whatever the attempt that died logged after it.
             done = last_step(self.out)
             sinks.append(TensorBoardSink(self.out / TENSORBOARD_DIR, purge_step=done + 1 if done else None))
+        sinks += [trackers.SINKS[name](self.out) for name in self.trackers]
         return [JsonlSink(self.out / FILE), *sinks, Console(self.total, self.log_every)]
 
     def write(self, record: dict) -> None:

@@ -1,6 +1,7 @@
 """The optimizer a run steps with and its learning rate at each step: AdamW with weight decay on
 matrices only, grouped so that its fused and foreach updates never mix kinds of tensor, and a
-linear warm-up into a cosine decay (`Trainer` uses both; the planner prices the same update)."""
+linear warm-up into --lr-schedule's decay (`config.lr`: cosine, wsd, linear or constant).
+`Trainer` uses both; the planner prices the same update."""
 
 from __future__ import annotations
 
@@ -11,17 +12,40 @@ import torch
 from torch import nn
 
 from brigade.config import OptimConfig
+from brigade.config.lr import decay_end
 from brigade.config.optimizer import flags, resolve
 from brigade.dtensors import mesh_of
 
 
+def _cosine(progress: float) -> float:
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _wsd(progress: float, fraction: float) -> float:
+    """Held at 1 until the last `fraction` of the decay's span, then a straight line to 0."""
+    return min(1.0, (1 - progress) / fraction)
+
+
+# After the warm-up: the part of (lr - min_lr) left at `progress` ∈ [0, 1] of the decay's span.
+# One per name of `config.lr.LR_SCHEDULES` (tests/train/test_optimizer.py holds the two equal).
+SHAPES: dict[str, Callable[[float, float], float]] = {
+    "cosine": lambda progress, fraction: _cosine(progress),
+    "wsd": _wsd,
+    "linear": lambda progress, fraction: 1 - progress,
+    "constant": lambda progress, fraction: 1.0,
+}
+
+
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `min_lr` at `max_steps`."""
+    """Linear warm-up to `lr` over `warmup_steps`, then --lr-schedule's way down to `min_lr` on
+    step `decay_steps` (0: `max_steps`), and `min_lr` after it."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, decay_end(cfg.decay_steps, max_steps) - cfg.warmup_steps)
+    progress = min(1.0, max(0.0, (step - cfg.warmup_steps) / span))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * SHAPES[cfg.lr_schedule](progress, cfg.decay_fraction)
 
 
 def adamw(cfg: OptimConfig) -> Callable[[nn.Module], torch.optim.Optimizer]:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from brigade import forensics
 from brigade.config import RunConfig, pipeline_shape, resolve_layout
 from brigade.config.optimizer import resolve as resolve_update
+from brigade.config.validate import logs
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.env import launcher_env, launcher_world, under_launcher
@@ -33,12 +34,12 @@ from brigade.snapshot import collective
 from brigade.snapshot.compat import check_compatible
 from brigade.snapshot.format import SnapshotError, find_latest, read_manifest
 from brigade.snapshot.rng import torch_rng_fingerprint
-from brigade.train import metrics, report
+from brigade.train import metrics, mfu, report, trackers
 from brigade.train.data import build, hf_data
 from brigade.train.faults import Fault, FaultInjector
 from brigade.train.snapshots import Snapshots
 from brigade.train.supervise import launch_with_events, layout_record, this_round
-from brigade.train.trainer import NonFiniteError, Trainer
+from brigade.train.trainer import NonFiniteError, Trainer, sample_of
 
 _IMPORTED = time.perf_counter()
 
@@ -79,8 +80,9 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     Raises:
         BrigadeError: naming what is wrong; nothing has been written.
     """
-    if cfg.train.tensorboard:
+    if cfg.train.tensorboard or "tensorboard" in logs(cfg.train.log):
         metrics.require_tensorboard()
+    trackers.require(logs(cfg.train.log))
     # nccl without any GPU: refused here, one line
     p, (_, device) = cfg.parallel, groups.pick_backend(cfg.parallel.backend)
     if device == "cuda" and (gpus := torch.cuda.device_count()) < (need := p.nproc * p.local_stages):
@@ -184,6 +186,8 @@ def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
     blocks, loss_fn, train, val, vocab, weights, data_sha = build(cfg)
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train, weights=weights)
+    if info.rank == 0:  # the rank that logs
+        trainer.utilization = _utilization(cfg, vocab, train, info)
     injector = FaultInjector(fault, info.rank)
     agent.watch_signals()  # SIGTERM: finish this step, snapshot, leave
     injector.should_stop = agent.stop_requested
@@ -208,6 +212,22 @@ def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
                "val_loss": next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)}
     trainer.close()
     return summary
+
+
+def _utilization(cfg: RunConfig, vocab, train, info) -> mfu.Utilization | None:
+    """What the log's MFU is held to (`train.mfu`), counted on the run's first sample; None, said
+    in one line, where the device's peak is not known or the model does not run on the meta device."""
+    try:
+        vocab_size = len(vocab) if vocab else None
+        got = mfu.utilization(cfg, vocab_size, sample_of(train), info.device, info.world_size)
+    except Exception as exc:  # a model of the user's that needs real tensors: train on without MFU
+        print(f"brigade: MFU left out of the log: the model's FLOPs could not be counted on the meta "
+              f"device ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", flush=True)
+        return None
+    if got is None:
+        print(f"brigade: MFU left out of the log: {torch.cuda.get_device_name(info.device)}'s peak is not "
+              "in the planner's table; --peak-tflops gives it", flush=True)
+    return got
 
 
 def resumed_cut(cfg: RunConfig) -> RunConfig:

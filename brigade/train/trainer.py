@@ -37,6 +37,7 @@ from brigade.config import (
     resolve_layout,
 )
 from brigade.config.precision import autocast_dtype
+from brigade.config.validate import logs
 from brigade.data.sampler import Sampler, fingerprint
 from brigade.errors import RunError
 from brigade.launcher import groups
@@ -54,6 +55,11 @@ def _batch(data, indices: torch.Tensor):
         return data.batch(indices)
     items = [data[int(i)] for i in indices]
     return torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+
+
+def sample_of(data):
+    """The first sample of `data`, as a batch of one (x, y)."""
+    return _batch(data, torch.zeros(1, dtype=torch.long))
 
 
 class NonFiniteError(RunError):
@@ -117,6 +123,7 @@ class Trainer:
         self.state = State()
         self.sampler = Sampler(len(train_data), self.cfg.batch_size, self.cfg.seed)
         self.callbacks = list(callbacks)
+        self.utilization = None  # train.mfu.Utilization: the records' MFU, where the run gives one
         self.before_step: list[Callable[[int], None]] = []  # called with the step about to run
         self.stop_requested = False  # set by a callback to end fit() after this step
         # The step whose memory is measured and logged: the second (its optimizer state exists at
@@ -129,7 +136,7 @@ class Trainer:
         self.steps_here = 0
         self.is_main = dist.get_rank() == 0
         self.metrics = Metrics(self.cfg.out if metrics and self.is_main else None, self.cfg.max_steps,
-                               tensorboard=self.cfg.tensorboard)
+                               tensorboard=self.cfg.tensorboard, log=logs(self.cfg.log))
         self.watchdog = forensics.start(self.parallel.hang_timeout, self.cfg.out,
                                         self.world.place)
 
@@ -194,6 +201,8 @@ class Trainer:
         record = {"step": self.state.step, "loss": loss_v, "lr": lr, "grad_norm": norm_v,
                   "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
                   "samples": fingerprint(batch)}
+        if self.utilization is not None:
+            record.update(self.utilization.of(elapsed))
         if self.scaler is not None:
             record.update(loss_scale=scale, skipped=skipped)
         if self.experts:

@@ -36,7 +36,8 @@ def test_outputs_of_a_run(run_dir):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 21))
-    assert {"step", "loss", "lr", "tokens_per_s", "step_time_s"} <= set(steps[0])
+    assert {"step", "loss", "lr", "tokens_per_s", "step_time_s", "mfu", "tflops"} <= set(steps[0])
+    assert all(0 < r["mfu"] < 1 for r in steps)  # held to this CPU's cores, measured at the start
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(vals) == 3 and vals[-1] < vals[0]
     (memory,) = [r for r in rows if r.get("event") == "memory"]  # once, every rank's, on step 2
@@ -98,6 +99,49 @@ def assert_whole_run_folder(out: Path, stdout: str, ranks: int) -> None:
     from brigade.config import load_toml
 
     assert load_toml(out / "config.toml")["parallel"]["pp"] == 2  # `brigade train --config` reads it
+
+
+@pytest.mark.full
+def test_a_longer_resume_goes_on_with_the_decay_end_it_is_given(tiny_run, tmp_path):
+    """The 6-step run resumed to step 9: --decay-steps 6 keeps its cosine's end (the added steps
+    at --min-lr), --decay-steps 9 stretches what is left of it to the new end."""
+    import shutil
+
+    rates = {}
+    for end in (6, 9):
+        out = tmp_path / f"end{end}"
+        shutil.copytree(tiny_run, out)
+        result = train(out, "--max-steps", "9", "--decay-steps", str(end), "--sample-tokens", "0")
+        assert result.returncode == 0, result.stderr
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rates[end] = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert rates[6][6] == rates[9][6]  # the first 6 steps are the snapshot's run, as it was
+    assert [rates[6][s] for s in (7, 8, 9)] == pytest.approx([3e-4] * 3)  # --min-lr from the end on
+    from brigade.config import OptimConfig
+    from brigade.train.optimizer import lr_at
+
+    stretched = OptimConfig(warmup_steps=5, decay_steps=9)  # TINY's warm-up; --lr, --min-lr defaults
+    assert [rates[9][s] for s in (7, 8, 9)] == pytest.approx([lr_at(s - 1, stretched, 9) for s in (7, 8, 9)])
+    assert rates[9][7] > rates[9][8] > rates[9][9] > 3e-4
+
+
+@pytest.mark.full
+def test_the_metrics_go_to_wandb_and_mlflow_too(tmp_path, monkeypatch):
+    """`--log wandb,mlflow` offline, as CI can: W&B writes its run (the id the run kept) for a
+    later `wandb sync`, MLflow's file store holds every step's loss as metrics.jsonl does."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks it of a file store's readers
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "tracked"
+    result = train(out, "--max-steps", "6", "--log", "wandb,mlflow", "--sample-tokens", "0", "--nproc", "2")
+    assert result.returncode == 0, result.stderr
+    run_id = (out / "wandb-run-id").read_text().strip()
+    assert list(out.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    client = MlflowClient((out / "mlruns").resolve().as_uri())
+    history = client.get_metric_history((out / "mlflow-run-id").read_text().strip(), "train/loss")
+    assert {m.step: m.value for m in history} == losses(out)
 
 
 def test_runs_under_torchrun(tmp_path):

@@ -185,7 +185,7 @@ def test_measured_costs_of_a_directory_without_weights_is_one_line(cli, config_o
 
 def test_tokens_per_sample_is_a_language_models_sequence_and_one_otherwise():
     from brigade.models import load_model
-    from brigade.planner.sample import tokens_per_sample
+    from brigade.pipeline.batches.sample import tokens_per_sample
 
     assert tokens_per_sample(load_model("examples/llama.py:model")) == 32  # its batch()'s block_size
     assert tokens_per_sample(load_model("toy")) == 1

@@ -1,4 +1,4 @@
-"""`planner.sample`: a batch's first rows whatever its shape, and blocks bound to their side inputs,
+"""`pipeline.batches.sample`: a batch's first rows whatever its shape, and blocks bound to their side inputs,
 so the planner runs each block as the pipeline's feed would hand it its inputs."""
 
 import pytest
@@ -7,7 +7,7 @@ from torch import nn
 
 from brigade import unbatched
 from brigade.errors import BrigadeError
-from brigade.planner.sample import Bound, runnable, take
+from brigade.pipeline.batches.sample import Bound, runnable, take
 
 
 class Masked(nn.Module):
