@@ -53,6 +53,11 @@ CASES = [
     ("negative lr", ["train", "--lr", "-1"], "--lr -1.0: must be ≥ 0", 2),
     ("unknown lr schedule", ["train", "--lr-schedule", "step"],
      "--lr-schedule 'step': expected one of cosine, wsd, linear, constant", 2),
+    ("held-out text missing", ["train", "--val-data", "{tmp}/none.txt"],
+     "--val-data '{tmp}/none.txt' not found: give a UTF-8 text file", 2),
+    ("held-out text for made-up batches", ["train", "--model", "mlp", "--val-data", "README.md"],
+     "--val-data 'README.md': mlp trains on made-up batches, not text: give it --data FILE to hold text "
+     "out from", 2),
     ("unknown tracker", ["train", "--log", "wandb,neptune"],
      "--log wandb,neptune: 'neptune' is not a tracker: expected tensorboard, wandb, mlflow, comma-separated "
      "(--log wandb,mlflow)", 2),

@@ -51,6 +51,8 @@ class DataConfig:
     block_size: int = doc(128, "training sequence length in characters (hf:DIR: tokens), at most "
                                "--context (hf:DIR: its positions)")
     val_fraction: float = doc(0.1, "share of the text held out for the validation loss, between 0 and 1")
+    val_data: str = doc("", "a held-out text (an hf:DIR model: a corpus or a shard set) for the validation "
+                            "loss instead of --data's last --val-fraction, all of which then trains")
 
 
 @dataclass

@@ -38,18 +38,39 @@ class Vocab:
         return "".join(self.chars[int(i)] for i in ids)
 
 
-def load_text_data(path: str, block_size: int, val_fraction: float) -> tuple[Vocab, CharDataset,
-                                                                               CharDataset]:
-    """Vocabulary, and train / validation sets split at a fixed character position."""
+def load_text_data(path: str, block_size: int, val_fraction: float, val_path: str = "") -> tuple[
+        Vocab, CharDataset, CharDataset]:
+    """Vocabulary (the training text's characters), and train / validation sets: the text split at
+    a fixed character position, its last `val_fraction` held out; or, given `val_path`
+    (--val-data), all of the text to train on and that held-out text to validate on.
+
+    Raises:
+        BrigadeError: either text shorter than one block, or a held-out text with characters the
+            training text lacks (the model has no embedding for them).
+    """
     text = read_text(path)
     vocab = Vocab.of(text)
     ids = vocab.encode(text)
-    cut = int(len(ids) * (1 - val_fraction))
     if len(ids) < block_size + 1:
         raise BrigadeError(
             f"the corpus has {len(ids)} characters, fewer than one block of {block_size} + 1: "
             "use more text or a smaller --block-size"
         )
+    if val_path:
+        held = _held_out(val_path, vocab, block_size)
+        return vocab, CharDataset(ids, block_size, "the training text"), held
+    cut = int(len(ids) * (1 - val_fraction))
     train = CharDataset(ids[:cut], block_size, "training part of the corpus")
     val = CharDataset(ids[cut:], block_size, "validation part of the corpus")
     return vocab, train, val
+
+
+def _held_out(path: str, vocab: Vocab, block_size: int) -> CharDataset:
+    """--val-data's text in the training text's vocabulary."""
+    text = read_text(path, "--val-data")
+    unknown = sorted(set(text) - set(vocab.chars))
+    if unknown:
+        raise BrigadeError(f"--val-data {path!r} has {len(unknown)} character(s) the training text lacks "
+                           f"({''.join(unknown[:12])!r}): the model knows only its training text's "
+                           "characters; hold out text written in them")
+    return CharDataset(vocab.encode(text), block_size, f"held-out text {path!r} (--val-data)")

@@ -20,6 +20,7 @@ from brigade.data.tokenize import TokenizeConfig, tokenize
 from brigade.data.tokenizer import tokenizer_sha256
 
 CACHE = "tokens"  # the cache's folder in a run's --out
+VAL_CACHE = "tokens-val"  # --val-data's, when it is a corpus
 
 
 def is_shard_set(data: str) -> bool:
@@ -27,8 +28,10 @@ def is_shard_set(data: str) -> bool:
 
 
 def token_data(data: str, directory: str, block_size: int, val_fraction: float,
-               out: str) -> tuple[ShardSet, TokenWindows, TokenWindows]:
-    """The shard set `--data` names or becomes, and its training and validation windows.
+               out: str, val_data: str = "") -> tuple[ShardSet, TokenWindows, TokenWindows]:
+    """The shard set `--data` names or becomes, and its training and validation windows: the
+    stream's last `val_fraction` held out; or, given `val_data` (--val-data: a shard set or a
+    corpus, tokenized into `out/tokens-val`), all of `data` to train on and that to validate on.
 
     Args:
         data: `--data`: a shard set, a corpus to tokenize into `out/tokens`, or "" (built in).
@@ -37,18 +40,27 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
         out: the run's folder, where an unprepared corpus is cached.
 
     Raises:
-        BrigadeError: as `tokenize.tokenize`, `ShardSet.open` and `shards.split`.
+        BrigadeError: as `tokenize.tokenize`, `ShardSet.open` and `shards.split` (either set
+            shorter than one sequence).
     """
-    if is_shard_set(data):
-        folder = Path(data)
-    else:
-        folder = Path(out) / CACHE
+    shards = _shard_set(data, directory, Path(out) / CACHE)
+    if not val_data:
+        train, val = split(shards, block_size, val_fraction)
+        return shards, train, val
+    held = _shard_set(val_data, directory, Path(out) / VAL_CACHE)
+    return (shards, TokenWindows(shards, 0, len(shards), block_size, "--data"),
+            TokenWindows(held, 0, len(held), block_size, f"held-out set {val_data!r} (--val-data)"))
+
+
+def _shard_set(data: str, directory: str, cache: Path) -> ShardSet:
+    """`data` itself where it is a shard set, else the corpus tokenized into `cache` (once a
+    machine: a file lock beside it)."""
+    folder = Path(data) if is_shard_set(data) else cache
+    if not is_shard_set(data):
         with _lock(folder):
             tokenize(TokenizeConfig(corpus=[data], model=f"hf:{directory}", out=str(folder)),
                      progress=False, verify=False, say=lambda line: None)
-    shards = ShardSet.open(folder, tokenizer_sha256(directory))
-    train, val = split(shards, block_size, val_fraction)
-    return shards, train, val
+    return ShardSet.open(folder, tokenizer_sha256(directory))
 
 
 @contextmanager

@@ -16,8 +16,9 @@ def default_corpus() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def read_text(path: str) -> str:
-    """Read a UTF-8 text file, or the default corpus for "".
+def read_text(path: str, flag: str = "--data") -> str:
+    """Read a UTF-8 text file, or the default corpus for "" (`flag`: the option that named it, for
+    the error's line).
 
     Raises:
         BrigadeError: missing, a directory, empty, or not text.
@@ -26,19 +27,19 @@ def read_text(path: str) -> str:
         return default_corpus()
     p = Path(path)
     if p.is_dir():
-        raise BrigadeError(f"--data {path!r} is a directory: give a text file")
+        raise BrigadeError(f"{flag} {path!r} is a directory: give a text file")
     if not p.is_file():
-        raise BrigadeError(f"--data {path!r} not found: give a UTF-8 text file, or omit it for the "
-                           "built-in corpus")
+        raise BrigadeError(f"{flag} {path!r} not found: give a UTF-8 text file"
+                           + (", or omit it for the built-in corpus" if flag == "--data" else ""))
     raw = p.read_bytes()
     if not raw.strip():
-        raise BrigadeError(f"--data {path!r} is empty: give a file with text in it")
+        raise BrigadeError(f"{flag} {path!r} is empty: give a file with text in it")
     if b"\x00" in raw[:65536]:
-        raise BrigadeError(f"--data {path!r} looks binary (it has NUL bytes): give a UTF-8 text file")
+        raise BrigadeError(f"{flag} {path!r} looks binary (it has NUL bytes): give a UTF-8 text file")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise BrigadeError(f"--data {path!r} is not UTF-8 text (byte {exc.start}): convert it to UTF-8") \
+        raise BrigadeError(f"{flag} {path!r} is not UTF-8 text (byte {exc.start}): convert it to UTF-8") \
             from None
 
 

@@ -71,11 +71,15 @@ def build(cfg: RunConfig, data: bool = True) -> Built:
     if cfg.model.model.startswith("hf:"):
         return _build_hf(cfg, data)
     if cfg.model.model == "gpt" or cfg.data.data:
-        vocab, train, val = load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction)
+        vocab, train, val = load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction,
+                                           cfg.data.val_data)
         spec = from_config(cfg.model, cfg.train.seed, vocab_size=len(vocab), block_size=cfg.data.block_size)
         if spec.text_inputs is not None:
             train, val = TextInputs(train, spec.text_inputs), TextInputs(val, spec.text_inputs)
         return Built(spec.blocks, spec.loss_fn, train, val, vocab)
+    if cfg.data.val_data:
+        raise BrigadeError(f"--val-data {cfg.data.val_data!r}: {cfg.model.model} trains on made-up "
+                           "batches, not text: give it --data FILE to hold text out from")
     spec = from_config(cfg.model, cfg.train.seed)
     return Built(spec.blocks, spec.loss_fn, SyntheticData(spec), SyntheticData(spec, 4096), None)
 
@@ -111,7 +115,7 @@ def hf_data(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TextInputs, 
     spec = spec or from_config(cfg.model, cfg.train.seed, meta=True)
     vocab_size, d = spec.hf.config.vocab_size, cfg.data
     shards, train, val = token_data(d.data, str(spec.hf.directory), d.block_size, d.val_fraction,
-                                    cfg.train.out)
+                                    cfg.train.out, d.val_data)
     if shards.manifest.max_id >= vocab_size:
         raise BrigadeError(f"the tokenizer of {spec.hf.directory} gives id {shards.manifest.max_id} "
                            f"but the model has {vocab_size} embeddings: use the tokenizer the "

@@ -27,3 +27,27 @@ def test_split_is_deterministic_and_windows_shift_by_one(tmp_path):
 def test_vocab_rejects_unknown_characters():
     with pytest.raises(BrigadeError, match="not in the run's vocabulary"):
         Vocab("ab").encode("abc")
+
+
+def test_a_held_out_text_validates_and_all_of_the_training_text_trains(tmp_path):
+    text, held = tmp_path / "t.txt", tmp_path / "held.txt"
+    text.write_text("abcdefghij" * 50)
+    held.write_text("jihgfedcba" * 3)
+    vocab, train, val = load_text_data(str(text), 8, 0.2, str(held))
+    assert len(train) == 500 - 8 and len(val) == 30 - 8  # --val-fraction no longer cuts the text
+    x, _ = val.batch(torch.tensor([0]))
+    assert vocab.decode(x[0]) == "jihgfedc"
+
+
+@pytest.mark.parametrize("held,message", [
+    ("abcxyz" * 10, "--val-data '{path}' has 3 character(s) the training text lacks ('xyz'): the model knows "
+                    "only its training text's characters; hold out text written in them"),
+    ("abc", "the held-out text '{path}' (--val-data) has 3 characters, fewer than one block of 8 + 1"),
+])
+def test_a_held_out_text_the_model_cannot_read_is_one_line(tmp_path, held, message):
+    text, path = tmp_path / "t.txt", tmp_path / "held.txt"
+    text.write_text("abcdefghij" * 50)
+    path.write_text(held)
+    with pytest.raises(BrigadeError) as refused:
+        load_text_data(str(text), 8, 0.2, str(path))
+    assert message.format(path=path) in str(refused.value) and "\n" not in str(refused.value)

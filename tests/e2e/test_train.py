@@ -126,6 +126,30 @@ def test_a_longer_resume_goes_on_with_the_decay_end_it_is_given(tiny_run, tmp_pa
 
 
 @pytest.mark.full
+def test_a_held_out_text_is_validated_on_and_all_of_data_trains(tmp_path):
+    """--val-data: the training losses do not depend on which text is held out (it is never
+    trained on), the validation losses do; and without it --data's last tenth is held out, so the
+    run trains on other windows."""
+    from brigade.data.text import default_corpus
+
+    corpus = default_corpus()
+    (tmp_path / "train.txt").write_text(corpus[:30000])
+    (tmp_path / "a.txt").write_text(corpus[30000:33000])
+    (tmp_path / "b.txt").write_text(corpus[:30000][-3000:])  # text the run also trains on
+    runs = {}
+    for name, extra in (("a", ["--val-data", str(tmp_path / "a.txt")]),
+                        ("b", ["--val-data", str(tmp_path / "b.txt")]), ("split", [])):
+        out = tmp_path / name
+        result = train(out, "--data", str(tmp_path / "train.txt"), "--max-steps", "6", "--eval-every", "3",
+                       "--sample-tokens", "0", *extra)
+        assert result.returncode == 0, result.stderr
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = losses(out), [r["val_loss"] for r in rows if "val_loss" in r]
+    assert runs["a"][0] == runs["b"][0] != runs["split"][0]
+    assert runs["a"][1] != runs["b"][1]
+
+
+@pytest.mark.full
 def test_the_metrics_go_to_wandb_and_mlflow_too(tmp_path, monkeypatch):
     """`--log wandb,mlflow` offline, as CI can: W&B writes its run (the id the run kept) for a
     later `wandb sync`, MLflow's file store holds every step's loss as metrics.jsonl does."""
