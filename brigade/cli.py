@@ -314,8 +314,10 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     from brigade.bench.command import add_bench, add_tune
     from brigade.planner.command import add_plan
+    from brigade.train.evaluate import add_eval
 
-    for add in (_add_train, _add_tokenize, _add_generate, _add_export, _add_plot, _add_inspect,
+    for add in (_add_train, _add_tokenize, _add_generate, lambda s: add_eval(s, _json_arg), _add_export,
+                _add_plot, _add_inspect,
                 _add_schedule, _add_check,
                 lambda s: add_bench(s, _json_arg), lambda s: add_tune(s, _json_arg),
                 lambda s: add_plan(s, _option), _add_doctor):

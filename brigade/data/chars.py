@@ -38,11 +38,12 @@ class Vocab:
         return "".join(self.chars[int(i)] for i in ids)
 
 
-def load_text_data(path: str, block_size: int, val_fraction: float, val_path: str = "") -> tuple[
-        Vocab, CharDataset, CharDataset]:
+def load_text_data(path: str, block_size: int, val_fraction: float, val_path: str = "",
+                   val_flag: str = "--val-data") -> tuple[Vocab, CharDataset, CharDataset]:
     """Vocabulary (the training text's characters), and train / validation sets: the text split at
     a fixed character position, its last `val_fraction` held out; or, given `val_path`
-    (--val-data), all of the text to train on and that held-out text to validate on.
+    (--val-data; `val_flag` names the option in an error's line), all of the text to train on and
+    that held-out text to validate on.
 
     Raises:
         BrigadeError: either text shorter than one block, or a held-out text with characters the
@@ -57,7 +58,7 @@ def load_text_data(path: str, block_size: int, val_fraction: float, val_path: st
             "use more text or a smaller --block-size"
         )
     if val_path:
-        held = _held_out(val_path, vocab, block_size)
+        held = _held_out(val_path, vocab, block_size, val_flag)
         return vocab, CharDataset(ids, block_size, "the training text"), held
     cut = int(len(ids) * (1 - val_fraction))
     train = CharDataset(ids[:cut], block_size, "training part of the corpus")
@@ -65,12 +66,12 @@ def load_text_data(path: str, block_size: int, val_fraction: float, val_path: st
     return vocab, train, val
 
 
-def _held_out(path: str, vocab: Vocab, block_size: int) -> CharDataset:
-    """--val-data's text in the training text's vocabulary."""
-    text = read_text(path, "--val-data")
+def _held_out(path: str, vocab: Vocab, block_size: int, flag: str) -> CharDataset:
+    """--val-data's text (`flag`'s) in the training text's vocabulary."""
+    text = read_text(path, flag)
     unknown = sorted(set(text) - set(vocab.chars))
     if unknown:
-        raise BrigadeError(f"--val-data {path!r} has {len(unknown)} character(s) the training text lacks "
+        raise BrigadeError(f"{flag} {path!r} has {len(unknown)} character(s) the training text lacks "
                            f"({''.join(unknown[:12])!r}): the model knows only its training text's "
                            "characters; hold out text written in them")
-    return CharDataset(vocab.encode(text), block_size, f"held-out text {path!r} (--val-data)")
+    return CharDataset(vocab.encode(text), block_size, f"held-out text {path!r} ({flag})")

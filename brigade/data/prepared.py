@@ -28,7 +28,8 @@ def is_shard_set(data: str) -> bool:
 
 
 def token_data(data: str, directory: str, block_size: int, val_fraction: float,
-               out: str, val_data: str = "") -> tuple[ShardSet, TokenWindows, TokenWindows]:
+               out: str, val_data: str = "", val_flag: str = "--val-data") -> tuple[
+        ShardSet, TokenWindows, TokenWindows]:
     """The shard set `--data` names or becomes, and its training and validation windows: the
     stream's last `val_fraction` held out; or, given `val_data` (--val-data: a shard set or a
     corpus, tokenized into `out/tokens-val`), all of `data` to train on and that to validate on.
@@ -38,6 +39,7 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
         directory: the model directory (its tokenizer.json).
         block_size, val_fraction: as `shards.split`.
         out: the run's folder, where an unprepared corpus is cached.
+        val_flag: the option that named `val_data`, for an error's line.
 
     Raises:
         BrigadeError: as `tokenize.tokenize`, `ShardSet.open` and `shards.split` (either set
@@ -49,7 +51,7 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
         return shards, train, val
     held = _shard_set(val_data, directory, Path(out) / VAL_CACHE)
     return (shards, TokenWindows(shards, 0, len(shards), block_size, "--data"),
-            TokenWindows(held, 0, len(held), block_size, f"held-out set {val_data!r} (--val-data)"))
+            TokenWindows(held, 0, len(held), block_size, f"held-out set {val_data!r} ({val_flag})"))
 
 
 def _shard_set(data: str, directory: str, cache: Path) -> ShardSet:

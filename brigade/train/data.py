@@ -53,7 +53,7 @@ class Built(NamedTuple):
     data_sha256: str | None = None
 
 
-def build(cfg: RunConfig, data: bool = True) -> Built:
+def build(cfg: RunConfig, data: bool = True, val_flag: str = "--val-data") -> Built:
     """Blocks, loss, train and validation data, vocabulary (GPT; else None) and weights for a run.
 
     The model comes from the registry (`from_config`), a GPT sized to the text's real
@@ -63,28 +63,29 @@ def build(cfg: RunConfig, data: bool = True) -> Built:
     by DIR's tokenizer (`tokens`), its blocks without memory until each rank fills its own.
 
     `data` False: an `hf:DIR` model's data is left for later (train and val None), since it is
-    written (tokenized into OUT/tokens); the launcher checks everything else first.
+    written (tokenized into OUT/tokens); the launcher checks everything else first. `val_flag`:
+    the option that named `cfg.data.val_data` (`brigade eval`'s is --data), for an error's line.
 
     Raises:
         BrigadeError: unreadable data, or a model the registry cannot build.
     """
     if cfg.model.model.startswith("hf:"):
-        return _build_hf(cfg, data)
+        return _build_hf(cfg, data, val_flag)
     if cfg.model.model == "gpt" or cfg.data.data:
         vocab, train, val = load_text_data(cfg.data.data, cfg.data.block_size, cfg.data.val_fraction,
-                                           cfg.data.val_data)
+                                           cfg.data.val_data, val_flag)
         spec = from_config(cfg.model, cfg.train.seed, vocab_size=len(vocab), block_size=cfg.data.block_size)
         if spec.text_inputs is not None:
             train, val = TextInputs(train, spec.text_inputs), TextInputs(val, spec.text_inputs)
         return Built(spec.blocks, spec.loss_fn, train, val, vocab)
     if cfg.data.val_data:
-        raise BrigadeError(f"--val-data {cfg.data.val_data!r}: {cfg.model.model} trains on made-up "
+        raise BrigadeError(f"{val_flag} {cfg.data.val_data!r}: {cfg.model.model} trains on made-up "
                            "batches, not text: give it --data FILE to hold text out from")
     spec = from_config(cfg.model, cfg.train.seed)
     return Built(spec.blocks, spec.loss_fn, SyntheticData(spec), SyntheticData(spec, 4096), None)
 
 
-def _build_hf(cfg: RunConfig, data: bool = True) -> Built:
+def _build_hf(cfg: RunConfig, data: bool = True, val_flag: str = "--val-data") -> Built:
     """`build` for `hf:DIR`: blocks on the meta device, and (`data`) their token windows.
 
     Raises:
@@ -98,12 +99,13 @@ def _build_hf(cfg: RunConfig, data: bool = True) -> Built:
                            f"{cfg.model.model} knows: use --block-size ≤ {positions}")
     train = val = sha = None
     if data:
-        train, val = hf_data(cfg, spec)
+        train, val = hf_data(cfg, spec, val_flag)
         sha = train.data.shards.manifest.content_sha256()
     return Built(spec.blocks, spec.loss_fn, train, val, None, spec.hf.load, sha)
 
 
-def hf_data(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TextInputs, TextInputs]:
+def hf_data(cfg: RunConfig, spec: ModelSpec | None = None,
+            val_flag: str = "--val-data") -> tuple[TextInputs, TextInputs]:
     """An `hf:DIR` model's training and validation windows: from a shard set (`--data` one, or the
     corpus tokenized into OUT/tokens by DIR's tokenizer: `data.prepared`), as the blocks' inputs.
 
@@ -115,7 +117,7 @@ def hf_data(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TextInputs, 
     spec = spec or from_config(cfg.model, cfg.train.seed, meta=True)
     vocab_size, d = spec.hf.config.vocab_size, cfg.data
     shards, train, val = token_data(d.data, str(spec.hf.directory), d.block_size, d.val_fraction,
-                                    cfg.train.out, d.val_data)
+                                    cfg.train.out, d.val_data, val_flag)
     if shards.manifest.max_id >= vocab_size:
         raise BrigadeError(f"the tokenizer of {spec.hf.directory} gives id {shards.manifest.max_id} "
                            f"but the model has {vocab_size} embeddings: use the tokenizer the "
