@@ -70,9 +70,7 @@ def validate(cfg: RunConfig) -> None:
     from brigade.config.precision import autocast_dtype  # owns the names; raises on an unknown one
     autocast_dtype(t.precision, t.bf16, "cpu")
     _speed_levers(cfg)
-    from brigade.config.lr import check as check_lr  # owns the schedules' names
-    check_lr(o.lr_schedule, o.decay_steps, o.decay_fraction, o.warmup_steps)
-    logs(t.log)
+    _schedule_and_logs(o, t)
     _snapshots(t)
     _positive("nnodes", p.nnodes)
     if not 0 <= p.node_rank < p.nnodes:
@@ -168,6 +166,14 @@ def _tensor_parallel(p) -> None:
         raise BrigadeError(f"--tp {p.tp} with an elastic --nnodes {p.min_nodes}:{p.nnodes}: not supported "
                            "yet (the node counts an elastic run reaches are checked against pp only); give a "
                            "fixed --nnodes, or drop --tp")
+
+
+def _schedule_and_logs(o, t) -> None:
+    """The learning rate's schedule (`config.lr` owns the names) and --log's trackers."""
+    from brigade.config.lr import check as check_lr
+
+    check_lr(o.lr_schedule, o.decay_steps, o.decay_fraction, o.warmup_steps)
+    logs(t.log)
 
 
 def _speed_levers(cfg: RunConfig) -> None:

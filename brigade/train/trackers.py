@@ -84,7 +84,19 @@ def _kept_id(path: Path, make) -> str:
     return made
 
 
-class WandbSink:
+class _Tracker:
+    """A tracker's sink: each record's numbers (`scalars`), where it has any, to `_log`."""
+
+    def write(self, record: dict) -> None:
+        values = dict(scalars(record))
+        if values:
+            self._log(values, record["step"])
+
+    def _log(self, values: dict, step: int) -> None:
+        raise NotImplementedError
+
+
+class WandbSink(_Tracker):
     """The records as a W&B run's history (module docstring)."""
 
     def __init__(self, out: Path):
@@ -95,16 +107,14 @@ class WandbSink:
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "brigade"), name=out.resolve().name,
                                id=run_id, resume="allow", dir=str(out), config=_config(out))
 
-    def write(self, record: dict) -> None:
-        values = dict(scalars(record))
-        if values:
-            self._run.log(values, step=record["step"])
+    def _log(self, values: dict, step: int) -> None:
+        self._run.log(values, step=step)
 
     def close(self) -> None:
         self._run.finish()
 
 
-class MLflowSink:
+class MLflowSink(_Tracker):
     """The records as an MLflow run's metrics (module docstring)."""
 
     def __init__(self, out: Path):
@@ -123,10 +133,8 @@ class MLflowSink:
             params = {f"{s}.{k}": v for s, keys in _config(out).items() for k, v in keys.items()}
             mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
 
-    def write(self, record: dict) -> None:
-        values = dict(scalars(record))
-        if values:
-            self._mlflow.log_metrics(values, step=record["step"])
+    def _log(self, values: dict, step: int) -> None:
+        self._mlflow.log_metrics(values, step=step)
 
     def close(self) -> None:
         self._mlflow.end_run()
