@@ -47,7 +47,8 @@ class ModelConfig:
 class DataConfig:
     data: str = doc("", "a UTF-8 text file to train on, character by character; an hf:DIR model "
                         "takes a shard set from brigade tokenize, or any corpus it reads (tokenized "
-                        "into OUT/tokens first); empty: CPython's pydoc topics, which every machine has")
+                        "into OUT/tokens first); several mixed by weight as a.txt:0.7,b.txt:0.3; "
+                        "empty: CPython's pydoc topics, which every machine has")
     block_size: int = doc(128, "training sequence length in characters (hf:DIR: tokens), at most "
                                "--context (hf:DIR: its positions)")
     val_fraction: float = doc(0.1, "share of the text held out for the validation loss, between 0 and 1")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from brigade.data import mix
 from brigade.data.text import CharDataset, read_text
 from brigade.errors import BrigadeError
 
@@ -43,27 +44,44 @@ def load_text_data(path: str, block_size: int, val_fraction: float, val_path: st
     """Vocabulary (the training text's characters), and train / validation sets: the text split at
     a fixed character position, its last `val_fraction` held out; or, given `val_path`
     (--val-data; `val_flag` names the option in an error's line), all of the text to train on and
-    that held-out text to validate on.
+    that held-out text to validate on. `path` may name several texts by weight
+    (`a.txt:0.7,b.txt:0.3`, `data.mix`): the vocabulary is all of theirs, and each is split (or
+    trained on whole) as one text would be, the parts mixed by the weights.
 
     Raises:
         BrigadeError: either text shorter than one block, or a held-out text with characters the
-            training text lacks (the model has no embedding for them).
+            training text lacks (the model has no embedding for them); a mixture `mix.parse`
+            refuses.
     """
-    text = read_text(path)
-    vocab = Vocab.of(text)
-    ids = vocab.encode(text)
+    corpora = mix.parse(path) or [(path, 1.0)]
+    texts = [read_text(p) for p, _ in corpora]
+    vocab = Vocab.of("".join(texts))
+    parts = [_split(vocab.encode(t), block_size, val_fraction, p if len(corpora) > 1 else "", val_path)
+             for t, (p, _) in zip(texts, corpora)]
+    held = _held_out(val_path, vocab, block_size, val_flag) if val_path else None
+    if len(corpora) == 1:
+        train, val = parts[0]
+        return vocab, train, held or val
+    weights = [w for _, w in corpora]
+    train = mix.Mixture([t for t, _ in parts], weights)
+    return vocab, train, held or mix.Mixture([v for _, v in parts], weights)
+
+
+def _split(ids: torch.Tensor, block_size: int, val_fraction: float, name: str,
+           val_path: str) -> tuple[CharDataset, CharDataset | None]:
+    """One text's training part and its last `val_fraction` (all of it trains, and None, where
+    --val-data holds text out instead); `name`: the corpus's path in a mixture, for errors."""
+    of = f" of {name!r}" if name else " of the corpus"
     if len(ids) < block_size + 1:
         raise BrigadeError(
-            f"the corpus has {len(ids)} characters, fewer than one block of {block_size} + 1: "
-            "use more text or a smaller --block-size"
+            f"the corpus{' ' + repr(name) if name else ''} has {len(ids)} characters, fewer than one "
+            f"block of {block_size} + 1: use more text or a smaller --block-size"
         )
     if val_path:
-        held = _held_out(val_path, vocab, block_size, val_flag)
-        return vocab, CharDataset(ids, block_size, "the training text"), held
+        return CharDataset(ids, block_size, f"the training text{of[3:] if name else ''}"), None
     cut = int(len(ids) * (1 - val_fraction))
-    train = CharDataset(ids[:cut], block_size, "training part of the corpus")
-    val = CharDataset(ids[cut:], block_size, "validation part of the corpus")
-    return vocab, train, val
+    return (CharDataset(ids[:cut], block_size, f"training part{of}"),
+            CharDataset(ids[cut:], block_size, f"validation part{of}"))
 
 
 def _held_out(path: str, vocab: Vocab, block_size: int, flag: str) -> CharDataset:

@@ -12,9 +12,12 @@ windows read from a shard set.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 from contextlib import contextmanager
 from pathlib import Path
 
+from brigade.data import mix
+from brigade.data.mix import Mixture
 from brigade.data.shards import MANIFEST, ShardSet, TokenWindows, split
 from brigade.data.tokenize import TokenizeConfig, tokenize
 from brigade.data.tokenizer import tokenizer_sha256
@@ -29,10 +32,13 @@ def is_shard_set(data: str) -> bool:
 
 def token_data(data: str, directory: str, block_size: int, val_fraction: float,
                out: str, val_data: str = "", val_flag: str = "--val-data") -> tuple[
-        ShardSet, TokenWindows, TokenWindows]:
-    """The shard set `--data` names or becomes, and its training and validation windows: the
+        list[ShardSet], TokenWindows | Mixture, TokenWindows | Mixture]:
+    """The shard sets `--data` names or becomes, and their training and validation windows: the
     stream's last `val_fraction` held out; or, given `val_data` (--val-data: a shard set or a
     corpus, tokenized into `out/tokens-val`), all of `data` to train on and that to validate on.
+    `data` may name several corpora by weight (`a.txt:0.7,b:0.3`, `data.mix`): each is a shard
+    set (or tokenized into `out/tokens-K`, K its place in the list) split as one would be, and
+    the parts are mixed by the weights.
 
     Args:
         data: `--data`: a shard set, a corpus to tokenize into `out/tokens`, or "" (built in).
@@ -43,15 +49,31 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
 
     Raises:
         BrigadeError: as `tokenize.tokenize`, `ShardSet.open` and `shards.split` (either set
-            shorter than one sequence).
+            shorter than one sequence); a mixture `mix.parse` refuses.
     """
-    shards = _shard_set(data, directory, Path(out) / CACHE)
-    if not val_data:
-        train, val = split(shards, block_size, val_fraction)
-        return shards, train, val
-    held = _shard_set(val_data, directory, Path(out) / VAL_CACHE)
-    return (shards, TokenWindows(shards, 0, len(shards), block_size, "--data"),
-            TokenWindows(held, 0, len(held), block_size, f"held-out set {val_data!r} ({val_flag})"))
+    corpora = mix.parse(data)
+    named = corpora or [(data, 1.0)]
+    caches = [Path(out) / (CACHE if corpora is None else f"{CACHE}-{k}") for k in range(len(named))]
+    sets = [_shard_set(path, directory, cache) for (path, _), cache in zip(named, caches)]
+    if val_data:
+        parts = [(TokenWindows(s, 0, len(s), block_size, "--data"), None) for s in sets]
+        held = _shard_set(val_data, directory, Path(out) / VAL_CACHE)
+        val = TokenWindows(held, 0, len(held), block_size, f"held-out set {val_data!r} ({val_flag})")
+    else:
+        parts = [split(s, block_size, val_fraction) for s in sets]
+        val = None
+    if corpora is None:
+        return sets, parts[0][0], val or parts[0][1]
+    weights = [w for _, w in corpora]
+    return sets, Mixture([t for t, _ in parts], weights), val or Mixture([v for _, v in parts], weights)
+
+
+def content_sha256(sets: list[ShardSet]) -> str:
+    """One digest of the ids in `sets` (one set's own `content_sha256`; a mixture's, of theirs in
+    order), which a run's snapshots keep."""
+    if len(sets) == 1:
+        return sets[0].manifest.content_sha256()
+    return hashlib.sha256(" ".join(s.manifest.content_sha256() for s in sets).encode()).hexdigest()
 
 
 def _shard_set(data: str, directory: str, cache: Path) -> ShardSet:

@@ -99,30 +99,31 @@ def _build_hf(cfg: RunConfig, data: bool = True, val_flag: str = "--val-data") -
                            f"{cfg.model.model} knows: use --block-size ≤ {positions}")
     train = val = sha = None
     if data:
-        train, val = hf_data(cfg, spec, val_flag)
-        sha = train.data.shards.manifest.content_sha256()
+        train, val, sha = hf_data(cfg, spec, val_flag)
     return Built(spec.blocks, spec.loss_fn, train, val, None, spec.hf.load, sha)
 
 
 def hf_data(cfg: RunConfig, spec: ModelSpec | None = None,
-            val_flag: str = "--val-data") -> tuple[TextInputs, TextInputs]:
+            val_flag: str = "--val-data") -> tuple[TextInputs, TextInputs, str]:
     """An `hf:DIR` model's training and validation windows: from a shard set (`--data` one, or the
-    corpus tokenized into OUT/tokens by DIR's tokenizer: `data.prepared`), as the blocks' inputs.
+    corpus tokenized into OUT/tokens by DIR's tokenizer: `data.prepared`; or several, mixed), as
+    the blocks' inputs; and the digest of the ids they read, which the snapshots keep.
 
     Raises:
         BrigadeError: as `prepared.token_data`; a token id the model's vocabulary does not have.
     """
-    from brigade.data.prepared import token_data
+    from brigade.data.prepared import content_sha256, token_data
 
     spec = spec or from_config(cfg.model, cfg.train.seed, meta=True)
     vocab_size, d = spec.hf.config.vocab_size, cfg.data
-    shards, train, val = token_data(d.data, str(spec.hf.directory), d.block_size, d.val_fraction,
-                                    cfg.train.out, d.val_data, val_flag)
-    if shards.manifest.max_id >= vocab_size:
-        raise BrigadeError(f"the tokenizer of {spec.hf.directory} gives id {shards.manifest.max_id} "
+    sets, train, val = token_data(d.data, str(spec.hf.directory), d.block_size, d.val_fraction,
+                                  cfg.train.out, d.val_data, val_flag)
+    max_id = max(s.manifest.max_id for s in sets)
+    if max_id >= vocab_size:
+        raise BrigadeError(f"the tokenizer of {spec.hf.directory} gives id {max_id} "
                            f"but the model has {vocab_size} embeddings: use the tokenizer the "
                            "model was trained with")
-    return TextInputs(train, spec.text_inputs), TextInputs(val, spec.text_inputs)
+    return TextInputs(train, spec.text_inputs), TextInputs(val, spec.text_inputs), content_sha256(sets)
 
 
 class TextInputs:

@@ -150,6 +150,31 @@ def test_a_held_out_text_is_validated_on_and_all_of_data_trains(tmp_path):
 
 
 @pytest.mark.full
+def test_a_mixture_of_texts_resumes_under_another_layout_on_the_same_samples(tmp_path):
+    """--data a:3,b:1: a run stopped at step 3 on two replicas and resumed on one process reads
+    the samples the uninterrupted run reads at every step (the mixture is a pure function of the
+    global cursor); its decay's end kept with --decay-steps across the longer resume."""
+    from brigade.data.text import default_corpus
+
+    corpus = default_corpus()
+    (tmp_path / "a.txt").write_text(corpus[:20000])
+    (tmp_path / "b.txt").write_text(corpus[40000:50000])
+    mixture = ["--data", f"{tmp_path / 'a.txt'}:3,{tmp_path / 'b.txt'}:1", "--sample-tokens", "0",
+               "--snapshot-every", "3"]
+    whole, moved = tmp_path / "whole", tmp_path / "moved"
+    assert train(whole, *mixture, "--max-steps", "6", "--nproc", "2").returncode == 0
+    assert train(moved, *mixture, "--max-steps", "3", "--decay-steps", "6", "--nproc", "2").returncode == 0
+    done = train(moved, *mixture, "--max-steps", "6", "--decay-steps", "6", "--nproc", "1")
+    assert done.returncode == 0 and "resuming from snapshot step 3" in done.stdout, done.stderr
+
+    def samples(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["samples"] for r in rows if "samples" in r}
+
+    assert samples(moved) == samples(whole) and sorted(samples(whole)) == list(range(1, 7))
+
+
+@pytest.mark.full
 def test_the_metrics_go_to_wandb_and_mlflow_too(tmp_path, monkeypatch):
     """`--log wandb,mlflow` offline, as CI can: W&B writes its run (the id the run kept) for a
     later `wandb sync`, MLflow's file store holds every step's loss as metrics.jsonl does."""
