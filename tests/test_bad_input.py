@@ -68,8 +68,6 @@ CASES = [
     ("negative decay steps", ["train", "--decay-steps", "-1"], "--decay-steps -1: must be ≥ 0", 2),
     ("decay fraction 0", ["train", "--lr-schedule", "wsd", "--decay-fraction", "0"],
      "--decay-fraction 0.0: must be above 0 and at most 1", 2),
-    ("decay within the warm-up", ["train", "--decay-steps", "20", "--warmup-steps", "50"],
-     "--decay-steps 20: the decay would end before the warm-up (--warmup-steps 50) does", 2),
     ("dp x pp != world", ["train", "--nproc", "2", "--dp", "2", "--pp", "2"],
      "the world size must equal dp × pp", 2),
     ("tp does not divide the world", ["train", "--nproc", "3", "--tp", "2"],

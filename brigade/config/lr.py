@@ -6,7 +6,8 @@
     --lr-schedule linear     a straight line down to --min-lr at --decay-steps
     --lr-schedule constant   --lr to the end
 
-Past --decay-steps the rate stays at --min-lr. --decay-steps 0 (the default) ends the decay at
+Past --decay-steps the rate stays at --min-lr (from the warm-up's end, where --decay-steps is
+within it: a short run's end kept on resume). --decay-steps 0 (the default) ends the decay at
 --max-steps as the run first started, and the run's snapshots keep that end (`lr_end` in their
 manifest): a run resumed with another --max-steps would otherwise have its decay reshaped from
 the step it resumes at, a change nobody asked for, so the resume is refused in one line that
@@ -37,7 +38,7 @@ def decay_end(decay_steps: int, max_steps: int) -> int:
     return decay_steps or max_steps
 
 
-def check(schedule: str, decay_steps: int, decay_fraction: float, warmup_steps: int) -> None:
+def check(schedule: str, decay_steps: int, decay_fraction: float) -> None:
     """--lr-schedule, --decay-steps and --decay-fraction, before anything runs.
 
     Raises:
@@ -50,6 +51,3 @@ def check(schedule: str, decay_steps: int, decay_fraction: float, warmup_steps: 
     if not 0 < decay_fraction <= 1:
         raise BrigadeError(f"--decay-fraction {decay_fraction}: must be above 0 and at most 1 (0.2: "
                            "the last fifth of the steps up to --decay-steps)")
-    if decay_steps and decay_steps <= warmup_steps and schedule != "constant":
-        raise BrigadeError(f"--decay-steps {decay_steps}: the decay would end before the warm-up "
-                           f"(--warmup-steps {warmup_steps}) does: use --decay-steps above {warmup_steps}")

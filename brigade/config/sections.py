@@ -175,6 +175,9 @@ class TrainConfig:
                        "'brigade[wandb]', 'brigade[mlflow]'); W&B and MLflow read their usual "
                        "environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI)",
                    choices=LOGS)
+    mfu: bool = doc(True, "count the model's FLOPs at the start (on the meta device: about a second "
+                          "the first time a process uses it) and log MFU each step (--no-mfu: tokens/s "
+                          "alone)")
     peak_tflops: float = doc(0.0, "each device's peak TFLOP/s that the log's MFU is held to; 0: an H100's, "
                                   "H200's or A100's from the planner's table, on a CPU one core's "
                                   "measured at the start (× --threads), on another GPU no MFU")

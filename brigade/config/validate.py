@@ -172,7 +172,7 @@ def _schedule_and_logs(o, t) -> None:
     """The learning rate's schedule (`config.lr` owns the names) and --log's trackers."""
     from brigade.config.lr import check as check_lr
 
-    check_lr(o.lr_schedule, o.decay_steps, o.decay_fraction, o.warmup_steps)
+    check_lr(o.lr_schedule, o.decay_steps, o.decay_fraction)
     logs(t.log)
 
 

@@ -64,18 +64,27 @@ class OnMeta(TorchDispatchMode):
 
 
 def model_flops(blocks, x, y, loss_fn) -> float:
-    """Forward and backward FLOPs of `blocks` (built on the meta device) in a chain on the meta
-    batch x, y, the loss included: each block run on the one before's output, as a pipeline runs
-    them. `blocks` are callable as `block(h)` (a caller binds side inputs first:
+    """Forward and backward FLOPs of `blocks` in a chain on the meta batch x, y, the loss
+    included: each block run on the one before's output, as a pipeline runs them. The blocks may
+    hold real weights or none (built on the meta device): each runs on meta stand-ins of its
+    parameters and buffers (`torch.func.functional_call`), so nothing is computed, copied or
+    initialised. `blocks` are callable as `block(h)` (a caller binds side inputs first:
     `pipeline.batches.sample.runnable`)."""
     total, h = 0.0, x
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         inp = h.detach().requires_grad_(h.is_floating_point() and i > 0)
         with OnMeta(), flop_counter() as counter:
-            out = block(inp)
+            out = torch.func.functional_call(block, _on_meta(block), (inp,))
             loss = loss_fn(out, y) if last else out
             torch.autograd.backward(loss, None if last else torch.ones_like(loss))
         total += counter.get_total_flops()
         h = out.detach()
     return float(total)
+
+
+def _on_meta(block) -> dict:
+    """A block's parameters and buffers as meta tensors of their shapes, by name (a tied one under
+    each of its names)."""
+    named = [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]
+    return {name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad) for name, t in named}

@@ -5,7 +5,7 @@ step's time and what the devices could do at their peak.
 
 FLOPs per sample are counted once, at the start, as the planner counts them (`models.flops`:
 torch's FLOP counter, an MoE's grouped matmuls included, over the forward and backward of the
-whole model built on the meta device, on a sample of the run's own data), so they are the
+whole model, its weights' meta stand-ins, on a sample of the run's own data), so they are the
 model's whatever the layout: recompute, a pipeline's bubble, communication and padding are not
 FLOPs of the model, and lower the MFU, as they should. The peak per device is --peak-tflops
 where given; else an H100's, H200's or A100's dense figure (`host.peaks`, which the planner's
@@ -54,27 +54,24 @@ def peak_per_device(cfg: RunConfig, device: torch.device) -> float | None:
     return peaks.core_peak(precision) * cfg.parallel.threads
 
 
-def flops_per_sample(cfg: RunConfig, vocab_size: int | None, sample) -> float:
-    """The model's forward and backward FLOPs per sample of a batch (x, y) of its data, on the
-    meta device (`models.flops.model_flops`)."""
+def flops_per_sample(blocks, loss_fn, sample) -> float:
+    """The model's forward and backward FLOPs per sample of a batch (x, y) of its data, counted on
+    the meta device (`models.flops.model_flops`): the run's own blocks, before any layout wraps
+    them, on meta stand-ins of their weights."""
     from brigade.models.flops import model_flops
     from brigade.pipeline.batches import microbatch
     from brigade.pipeline.batches.feed import to
     from brigade.pipeline.batches.sample import runnable
-    from brigade.train.data import from_config
 
-    with torch.device("meta"):
-        spec = from_config(cfg.model, cfg.train.seed, vocab_size=vocab_size, block_size=cfg.data.block_size,
-                           meta=True)
     x, y = (to(t, "meta") for t in sample)
-    h, blocks = runnable(spec.blocks, x)
-    return model_flops(blocks, h, y, spec.loss_fn) / microbatch.batch_size_of(h)
+    h, bound = runnable(blocks, x)
+    return model_flops(bound, h, y, loss_fn) / microbatch.batch_size_of(h)
 
 
-def utilization(cfg: RunConfig, vocab_size: int | None, sample, device: torch.device,
+def utilization(cfg: RunConfig, blocks, loss_fn, sample, device: torch.device,
                 devices: int) -> Utilization | None:
     """What the run's MFU is held to, or None where the device's peak is not known."""
     peak = peak_per_device(cfg, device)
     if peak is None:
         return None
-    return Utilization(flops_per_sample(cfg, vocab_size, sample) * cfg.train.batch_size, peak, devices)
+    return Utilization(flops_per_sample(blocks, loss_fn, sample) * cfg.train.batch_size, peak, devices)

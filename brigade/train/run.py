@@ -184,10 +184,12 @@ def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
         compiled.use_cache(cfg.train.out)
     cfg = resumed_cut(cfg)
     blocks, loss_fn, train, val, vocab, weights, data_sha = build(cfg)
+    # counted on the whole model, before the layout cuts and wraps it; on the rank that logs
+    logs_mfu = info.rank == 0 and cfg.train.mfu
+    utilization = _utilization(cfg, blocks, loss_fn, train, info) if logs_mfu else None
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
                       train=cfg.train, weights=weights)
-    if info.rank == 0:  # the rank that logs
-        trainer.utilization = _utilization(cfg, vocab, train, info)
+    trainer.utilization = utilization
     injector = FaultInjector(fault, info.rank)
     agent.watch_signals()  # SIGTERM: finish this step, snapshot, leave
     injector.should_stop = agent.stop_requested
@@ -214,12 +216,11 @@ def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
     return summary
 
 
-def _utilization(cfg: RunConfig, vocab, train, info) -> mfu.Utilization | None:
+def _utilization(cfg: RunConfig, blocks, loss_fn, train, info) -> mfu.Utilization | None:
     """What the log's MFU is held to (`train.mfu`), counted on the run's first sample; None, said
     in one line, where the device's peak is not known or the model does not run on the meta device."""
     try:
-        vocab_size = len(vocab) if vocab else None
-        got = mfu.utilization(cfg, vocab_size, sample_of(train), info.device, info.world_size)
+        got = mfu.utilization(cfg, blocks, loss_fn, sample_of(train), info.device, info.world_size)
     except Exception as exc:  # a model of the user's that needs real tensors: train on without MFU
         print(f"brigade: MFU left out of the log: the model's FLOPs could not be counted on the meta "
               f"device ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", flush=True)

@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+# --no-mfu: a process's first count of FLOPs on the meta device imports some 800 modules of torch's
+# (about 1.3 s); tests/train/test_mfu.py and test_outputs_of_a_run count them
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "32", "--block-size", "32",
         "--batch-size", "8", "--eval-every", "10", "--eval-batches", "2", "--sample-tokens", "20",
-        "--warmup-steps", "5"]
+        "--warmup-steps", "5", "--no-mfu"]
 
 
 def brigade(*args, timeout=240, env=None, cwd=None):

@@ -64,7 +64,8 @@ def test_unprepared_data_is_tokenized_once_into_the_run(tmp_path):
     text.write_text(default_corpus()[:20_000])
     run = tmp_path / "run"
     args = ["train", "--out", run, "--model", hf("llama"), "--data", text, "--nproc", "1",
-            *RUN[:2], "--eval-every", "100", "--sample-tokens", "0"]
+            *RUN[:2], "--eval-every", "100", "--sample-tokens", "0",
+            "--decay-steps", "6"]  # one schedule for the three runs, 2, 4 then 6 steps long
     assert brigade(*args, "--max-steps", "2").returncode == 0
     manifest = json.loads((run / "tokens" / "manifest.json").read_text())
     assert manifest["sources"][0]["path"] == str(text.resolve())

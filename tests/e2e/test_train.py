@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="session")  # not module: xdist interleaves modules, which tears it down
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    result = train(out, "--max-steps", "20", "--snapshot-every", "10")
+    result = train(out, "--max-steps", "20", "--snapshot-every", "10", "--mfu")
     assert result.returncode == 0, result.stderr
     return out, result
 
@@ -395,6 +395,7 @@ def test_a_compiled_run_restarts_from_its_own_compile_cache_and_float8_resumes_i
     print(f"step times of the two attempts, s: {[round(s, 2) for s in steps]}")  # the restart's: cached
     f8 = tmp_path / "float8"
     assert train(f8, "--float8", "tensorwise", "--shard", "2", "--max-steps", "3").returncode == 0
-    resumed = train(f8, "--max-steps", "4", "--pp", "2", "--nproc", "2")  # no float8, another layout
+    # no float8, another layout; one step more, the decay's end kept where the 3-step run put it
+    resumed = train(f8, "--max-steps", "4", "--decay-steps", "3", "--pp", "2", "--nproc", "2")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from snapshot step 3" in resumed.stdout

@@ -11,11 +11,13 @@ from brigade.host import peaks
 from brigade.train import mfu
 
 
-def _gpt(layers: int = 2, width: int = 32, heads: int = 2, block: int = 16) -> RunConfig:
-    cfg = RunConfig()
-    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.context = layers, width, heads, 32
-    cfg.data.block_size = block
-    return cfg
+def _gpt(vocab: int, layers: int = 2, width: int = 32, heads: int = 2):
+    """A GPT's blocks and loss, built with weights, as a run builds them."""
+    from brigade.config import ModelConfig
+    from brigade.train.data import from_config
+
+    spec = from_config(ModelConfig(n_layer=layers, n_embd=width, n_head=heads, context=32), vocab_size=vocab)
+    return spec.blocks, spec.loss_fn
 
 
 def test_a_gpts_flops_are_the_textbook_count():
@@ -25,14 +27,14 @@ def test_a_gpts_flops_are_the_textbook_count():
     count sits within 3 % above the textbook's."""
     vocab, layers, d, t = 50, 2, 32, 16
     x, y = torch.randint(vocab, (1, t)), torch.randint(vocab, (1, t))
-    got = mfu.flops_per_sample(_gpt(layers, d, block=t), vocab, (x, y))
+    got = mfu.flops_per_sample(*_gpt(vocab, layers, d), (x, y))
     textbook = 3 * t * (2 * (12 * layers * d * d + d * vocab) + 4 * layers * t * d)
     assert textbook <= got <= 1.03 * textbook
 
 
 def test_the_flops_are_per_sample_whatever_the_batch():
     x, y = torch.randint(50, (3, 16)), torch.randint(50, (3, 16))
-    assert mfu.flops_per_sample(_gpt(), 50, (x, y)) == mfu.flops_per_sample(_gpt(), 50, (x[:1], y[:1]))
+    assert mfu.flops_per_sample(*_gpt(50), (x, y)) == mfu.flops_per_sample(*_gpt(50), (x[:1], y[:1]))
 
 
 def test_a_step_is_held_to_every_device_at_its_peak():
@@ -63,11 +65,12 @@ def test_a_model_that_needs_real_tensors_trains_on_without_mfu(tmp_path, capsys)
         "    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(4, 4)\n"
         "    def forward(self, x):\n        return self.lin(x) * float(x.abs().max().item() > 0)\n"
         "def make():\n    return [Reads(), nn.Linear(4, 2)]\n")
-    cfg = RunConfig()
-    cfg.model.model = f"{tmp_path / 'reads.py'}:make"
+    from brigade.models import load_model
+
+    spec = load_model(f"{tmp_path / 'reads.py'}:make")
     data = [(torch.randn(4), torch.randn(2))]
     info = types.SimpleNamespace(device=torch.device("cpu"), world_size=1)
-    assert _utilization(cfg, None, data, info) is None
+    assert _utilization(RunConfig(), spec.blocks, spec.loss_fn, data, info) is None
     said = capsys.readouterr().out.strip().splitlines()
     assert len(said) == 1 and said[0].startswith("brigade: MFU left out of the log: the model's FLOPs "
                                                  "could not be counted on the meta device")
