@@ -8,7 +8,7 @@ A cycle of `CYCLE` examples holds round(w_k / Σw · CYCLE) of corpus k's (large
 the counts fill the cycle), interleaved so that each corpus's share of every prefix of the cycle
 stays within one example of its weight (the error-minimising order of Megatron's blended
 datasets, computed once, for one cycle). Example i of the mixture is place i % CYCLE of cycle
-i // CYCLE: corpus k's example (cycle · count_k + its rank among k's places), modulo k's length,
+i // CYCLE: corpus k's example (cycle · count_k + its number among k's places), modulo k's length,
 so a corpus smaller than its share repeats within an epoch and a larger one is read in part.
 The mixture is Σ len_k examples long, and a pure function of the index: the sampler's global
 cursor, all the state a run keeps (`data.sampler`), resumes it exactly, under any layout.
@@ -92,12 +92,11 @@ class Mixture:
         self.parts, self.per = parts, counts(weights)
         order = interleave(self.per)
         self.order = torch.tensor(order)
-        seen = [0] * len(parts)
-        rank = []
+        seen, nth = [0] * len(parts), []  # each place's number among its corpus's places
         for k in order:
-            rank.append(seen[k])
+            nth.append(seen[k])
             seen[k] += 1
-        self.rank = torch.tensor(rank)
+        self.nth = torch.tensor(nth)
         self.n = sum(len(p) for p in parts)
 
     def __len__(self) -> int:
@@ -109,7 +108,7 @@ class Mixture:
         corpus = self.order[place]
         per = torch.tensor(self.per)[corpus]
         sizes = torch.tensor([len(p) for p in self.parts])[corpus]
-        return corpus, (cycle * per + self.rank[place]) % sizes
+        return corpus, (cycle * per + self.nth[place]) % sizes
 
     def batch(self, indices: torch.Tensor):
         corpus, example = self.locate(indices.to(torch.int64))

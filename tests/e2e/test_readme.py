@@ -37,8 +37,18 @@ PREFIXES = ("brigade ", "python -m brigade", "python scripts/", "torchrun ", "sr
 # Flags that shorten a command without changing what it shows.
 _SMALL_SWEEP = ["--quick", "", "--repeats", "1", "--batch-size", "4", "--splits", "2", "--image-size", "32",
                 "--schedules", "1f1b"]
+def _pairs(args: list[str]) -> list[str]:
+    """`args` as flag, value pairs, a switch (`--no-mfu`) paired with "" as SHORT writes one."""
+    out, i = [], 0
+    while i < len(args):
+        value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+        out += [args[i], value if value is not None else ""]
+        i += 1 if value is None else 2
+    return out
+
+
 SHORT = {
-    "train": [*TINY, "--max-steps", "4"],
+    "train": [*_pairs(TINY), "--max-steps", "4"],
     "bench": _SMALL_SWEEP,
     "tune": _SMALL_SWEEP,
     "plan": ["--recompute", "none"],  # one recompute mode measured instead of three (~25 s less each)
