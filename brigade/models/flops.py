@@ -11,6 +11,7 @@ many rows as the router sends; from shapes the rows split evenly over the expert
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -65,17 +66,18 @@ class OnMeta(TorchDispatchMode):
 
 def model_flops(blocks, x, y, loss_fn) -> float:
     """Forward and backward FLOPs of `blocks` in a chain on the meta batch x, y, the loss
-    included: each block run on the one before's output, as a pipeline runs them. The blocks may
-    hold real weights or none (built on the meta device): each runs on meta stand-ins of its
-    parameters and buffers (`torch.func.functional_call`), so nothing is computed, copied or
-    initialised. `blocks` are callable as `block(h)` (a caller binds side inputs first:
-    `pipeline.batches.sample.runnable`)."""
+    included: each block run on the one before's output, as a pipeline runs them. Each runs as a
+    copy of itself whose parameters and buffers are meta stand-ins (`_meta_copy`): nothing is
+    computed or initialised, no weight is copied, and whatever a block keeps from a forward (a
+    mixture of experts' routing counts) stays in the copy. `blocks` are callable as `block(h)`
+    (a caller binds side inputs first: `pipeline.batches.sample.runnable`)."""
     total, h = 0.0, x
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         inp = h.detach().requires_grad_(h.is_floating_point() and i > 0)
+        stand_in = _meta_copy(block)
         with OnMeta(), flop_counter() as counter:
-            out = torch.func.functional_call(block, _on_meta(block), (inp,))
+            out = stand_in(inp)
             loss = loss_fn(out, y) if last else out
             torch.autograd.backward(loss, None if last else torch.ones_like(loss))
         total += counter.get_total_flops()
@@ -83,8 +85,11 @@ def model_flops(blocks, x, y, loss_fn) -> float:
     return float(total)
 
 
-def _on_meta(block) -> dict:
-    """A block's parameters and buffers as meta tensors of their shapes, by name (a tied one under
-    each of its names)."""
-    named = [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]
-    return {name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad) for name, t in named}
+def _meta_copy(block):
+    """A deep copy of `block` with every parameter and buffer a meta tensor of its shape (a
+    weight shared inside it, one stand-in): the copy's other state is the block's, copied."""
+    memo: dict = {}
+    for t in [*block.parameters(), *block.buffers()]:
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = torch.nn.Parameter(meta, t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+    return copy.deepcopy(block, memo)

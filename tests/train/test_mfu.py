@@ -74,3 +74,20 @@ def test_a_model_that_needs_real_tensors_trains_on_without_mfu(tmp_path, capsys)
     said = capsys.readouterr().out.strip().splitlines()
     assert len(said) == 1 and said[0].startswith("brigade: MFU left out of the log: the model's FLOPs "
                                                  "could not be counted on the meta device")
+
+
+def test_counting_leaves_the_model_as_it_was():
+    """A mixture of experts keeps routing counts from each forward: counted on a meta copy, the
+    run's own blocks keep theirs real and train on (the ep × pp exact-resume world once failed
+    its first step on a meta count left in the model)."""
+    from brigade.config import ModelConfig
+    from brigade.train.data import from_config
+
+    spec = from_config(ModelConfig(n_layer=2, n_embd=32, n_head=2, context=16, experts=4), vocab_size=50)
+    x, y = torch.randint(50, (2, 16)), torch.randint(50, (2, 16))
+    assert mfu.flops_per_sample(spec.blocks, spec.loss_fn, (x[:1], y[:1])) > 0
+    assert not any(t.is_meta for b in spec.blocks for t in [*b.parameters(), *b.buffers()])
+    h = x
+    for block in spec.blocks:
+        h = block(h)
+    spec.loss_fn(h, y).backward()  # a real step's forward and backward, as before the count
