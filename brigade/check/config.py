@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from brigade.config import ModelConfig, ParallelConfig
+from brigade.errors import BrigadeError
 from brigade.config.fielddoc import CP_METHODS, FLOAT8, MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
 
 Case = tuple  # (schedule, m[, virtual[, recompute]]); virtual 0: the schedule's own V
@@ -49,6 +50,9 @@ class CheckConfig:
                           "scales its own); empty: none", choices=FLOAT8)
     experts: int = doc(0, sentence(ModelConfig, "experts"))
     top_k: int = doc(2, sentence(ModelConfig, "top_k"))
+    lora: int = doc(0, "adapters of this rank on the attention and MLP projections, the rest frozen, "
+                       "on both sides; their B drawn at random, not zero as training starts it, so "
+                       "both adapters have gradients to compare; 0: no LoRA")
 
 
 @dataclass
@@ -74,6 +78,7 @@ class CheckResult:
     ep: int = 1
     cp: int = 1
     cp_method: str = ""
+    lora: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,3 +87,17 @@ class CheckResult:
 def case_of(cfg: CheckConfig, case: Case) -> tuple[str, int, int, str]:
     """(schedule, m, virtual, recompute): a case without V or recompute takes the config's."""
     return (*case, cfg.virtual, cfg.recompute)[:4] if len(case) < 3 else (*case, cfg.recompute)[:4]
+
+
+def adapters_of(cfg: CheckConfig):
+    """--lora's adapters for both sides of the check (`parallel.lora.LoraSpec`), B drawn; None
+    without --lora.
+
+    Raises:
+        BrigadeError: a negative rank.
+    """
+    from brigade.parallel.lora import LoraSpec
+
+    if cfg.lora < 0:
+        raise BrigadeError(f"--lora {cfg.lora}: the adapters' rank must be ≥ 1; 0 checks without LoRA")
+    return LoraSpec(cfg.lora, seed=cfg.seed, draw_b=True) if cfg.lora else None

@@ -7,12 +7,12 @@ import os
 
 import torch
 
-from brigade.check.config import Case, CheckConfig, case_of
+from brigade.check.config import Case, CheckConfig, adapters_of, case_of
 from brigade.check.reference import has_batchnorm
 from brigade.config.precision import check_float8
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
-from brigade.parallel import recompute, tensor
+from brigade.parallel import lora, recompute, tensor
 from brigade.pipeline.batches import microbatch
 from brigade.pipeline.plans.schedule import build, placement
 from brigade.pipeline.stages import structure
@@ -149,6 +149,9 @@ def preflight(cfg: CheckConfig, cases: list[Case]) -> None:
     if cfg.balance_by not in ("params", "time"):
         raise BrigadeError(f"unknown balance method {cfg.balance_by!r}: expected params or time")
     _check_layout(cfg, spec)
+    if cfg.lora:
+        lora.check_with(cfg.float8)
+        lora.targets(spec.blocks, adapters_of(cfg))
     for case in cases:
         schedule, m, virtual, mode = case_of(cfg, case)
         recompute.modes(spec.blocks, mode)

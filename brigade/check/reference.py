@@ -26,7 +26,7 @@ def has_batchnorm(blocks: list[nn.Module]) -> bool:
 
 
 def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device, float8: str = "",
-              replicas: int = 1):
+              replicas: int = 1, adapters=None):
     """Single device: loss, and per block its gradients and post-SGD state, of a deep copy that
     keeps ties (one device sums their uses: the gradient every stage's copy must hold). Where it
     runs micro-batch by micro-batch, the batch is cut as the pipeline's `replicas` cut it: into
@@ -34,8 +34,9 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device, fl
 
     A Hugging Face directory's model (`spec.hf`) is compared with the unmodified transformers
     model instead, its tensors matched to the blocks' by their directory names; under `float8`
-    with its own blocks converted (transformers' model has no float8 to compare with)."""
-    if spec.hf is not None and not float8:
+    with its own blocks converted (transformers' model has no float8 to compare with), or with
+    --lora's `adapters` on them (`parallel.lora`): gradients are then the adapters' alone."""
+    if spec.hf is not None and not float8 and adapters is None:
         return _transformers_reference(spec, x, y, lr, device)
     blocks = copy.deepcopy(spec.blocks)  # one deepcopy of the list keeps ties between blocks
     moe.per_step(blocks, microbatch.batch_size_of(x))  # the whole batch: its balancing loss's share
@@ -43,6 +44,10 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device, fl
         from brigade.parallel.float8 import convert
 
         convert(blocks, float8)
+    if adapters is not None:
+        from brigade.parallel import lora
+
+        lora.apply(blocks, list(range(len(blocks))), adapters)
     model = whole(blocks).to(device)  # side inputs, where blocks declare them, taken out of the batch
     x, y = feed.to(x, device), feed.to(y, device)
     per_mb = m > 1 and (has_batchnorm(spec.blocks) or bool(float8))
@@ -56,7 +61,7 @@ def reference(spec: ModelSpec, x, y, m: int, lr: float, device: torch.device, fl
     else:
         loss = spec.loss_fn(model(x), y)
         loss.backward()
-    grads = [[p.grad.clone() for p in b.parameters()] for b in blocks]
+    grads = [[p.grad.clone() for p in b.parameters() if p.requires_grad] for b in blocks]
     torch.optim.SGD(model.parameters(), lr=lr).step()
     state = [[t.detach().clone() for t in b.state_dict().values()] for b in blocks]
     why = "float8" if float8 else "BatchNorm"

@@ -15,6 +15,7 @@ def lines(cfg: CheckConfig, result: dict) -> list[str]:
     sharded += f", ep={cfg.ep}" if cfg.ep > 1 else ""
     sharded += f", cp={cfg.cp} ({result.get('cp_method')})" if cfg.cp > 1 else ""
     sharded += f", recompute {cfg.recompute}" if cfg.recompute != "none" else ""
+    sharded += f", LoRA rank {cfg.lora}" if cfg.lora else ""
     out = [f"{verdict}: {cfg.model} on {cfg.stages} stages ({cfg.runtime}), {cfg.schedule}, "
            f"V={result['virtual']}, dp={cfg.dp}{sharded}, m={cfg.microbatches}, "
            f"balance {result['balance']}, reference: {result['reference']} on {result['reference_device']}",

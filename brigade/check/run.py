@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from brigade.check.config import Case, CheckConfig, CheckResult, case_of
+from brigade.check.config import Case, CheckConfig, CheckResult, adapters_of, case_of
 from brigade.check.inputs import sample
 from brigade.check.preflight import local_devices, preflight
 from brigade.check.reference import exact_matmuls, reference
@@ -100,16 +100,17 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
     ref_device = _reference_device(world)
     # float8's reference cuts the batch as the replicas and their micro-batches do
+    adapters = adapters_of(cfg)
     ref_loss, ref_grads, ref_state, ref_kind = reference(spec, x, y, m, lr, ref_device, cfg.float8,
-                                                         cfg.dp if cfg.float8 else 1)
+                                                         cfg.dp if cfg.float8 else 1, adapters)
     cut = _cut(cfg, spec, schedule, v, x, world.device)
     # the same assembler as brigade train's (the reference, a deep copy, ran unwrapped)
     built = assemble(spec.blocks, cut, world, mode, cfg.reshard, sequence_parallel=cfg.sequence_parallel,
-                     compile=cfg.compile, float8=cfg.float8, cp_method=cfg.cp_method)
+                     compile=cfg.compile, float8=cfg.float8, cp_method=cfg.cp_method, adapters=adapters)
     loss = _step(built, schedule, m, spec.loss_fn, x, y, warm=cfg.compile)
     _compiled_somewhere(cfg, built)
     held = built.held
-    grad_diff = _max_diff([p.grad for b in held.values() for p in b.parameters()],
+    grad_diff = _max_diff([p.grad for b in held.values() for p in b.parameters() if p.requires_grad],
                           [g for b in held for g in ref_grads[b]])
     torch.optim.SGD(built.owned.parameters(), lr=lr).step()
     param_diff = _max_diff([t.detach() for b in held.values() for t in b.state_dict().values()],
@@ -123,7 +124,7 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
                        ref_kind, ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp,
                        reference_device=str(ref_device), shard=cfg.shard, recompute=mode, tp=cfg.tp,
                        sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, ep=cfg.ep, cp=cfg.cp,
-                       cp_method=built.context.method if built.context else "")
+                       cp_method=built.context.method if built.context else "", lora=cfg.lora)
 
 
 def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y, warm: bool = False) -> float:

@@ -41,6 +41,13 @@ class ModelConfig:
     experts: int = doc(0, "gpt: experts in each block's feed-forward, a mixture of experts that sends "
                           "each token to --top-k of them; 0: one dense feed-forward")
     top_k: int = doc(2, "gpt with --experts: the experts each token goes to, from 1 to --experts")
+    lora: int = doc(0, "train low-rank adapters of this rank on the attention and MLP projections, "
+                       "every other weight frozen (8 or 16 are usual); 0: train every weight")
+    lora_alpha: float = doc(16.0, "with --lora: the adapters' update is scaled by alpha / rank")
+    lora_dropout: float = doc(0.0, "with --lora: dropout on the adapters' input, from 0 up to below 1")
+    lora_targets: str = doc("", "with --lora: the linear layers to adapt, comma-separated names or their "
+                                "last parts (q_proj,v_proj or attn.qkv); empty: the attention and MLP "
+                                "projections")
 
 
 @dataclass

@@ -17,6 +17,9 @@ their stages here, so what the check proves equal to one device is what training
                                     --cp (parallel.context); the pipeline cuts each micro-batch
                                     along the sequence
                2. recompute         each held block's forward, by its mode (parallel.recompute)
+              2b. lora             with --lora, adapters on each held block's targeted linear
+                                   layers, split as tensor parallel split them, and every other
+                                   weight frozen (parallel.lora)
                3. expert parallel   each held MoE layer's experts split over the expert group,
                                     its tokens sent to them by all-to-all, with --ep
                                     (parallel.experts)
@@ -58,7 +61,7 @@ import torch
 from torch import nn
 
 from brigade.models.hf.weights import materialize
-from brigade.parallel import compiled, context, experts, recompute, sequence, tensor, vocab
+from brigade.parallel import compiled, context, experts, lora, recompute, sequence, tensor, vocab
 from brigade.parallel import float8 as fp8
 from brigade.parallel.replicate import data_parallel
 from brigade.parallel.shard import shard_policy, shard_stage
@@ -68,8 +71,8 @@ from brigade.pipeline.stages.ties import StageTies, aliases, find_shared
 from brigade.world.mesh import World
 
 # the wrappers, first applied first
-ORDER = ("float8", "tensor parallel", "context parallel", "recompute", "expert parallel", "compile",
-         "shard or replicate")
+ORDER = ("float8", "tensor parallel", "context parallel", "recompute", "lora", "expert parallel",
+         "compile", "shard or replicate")
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,7 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
              reshard: bool = False, autocast: torch.dtype | None = None,
              weights: Callable[[dict[int, nn.Module], torch.device], None] | None = None,
              sequence_parallel: bool = True, compile: bool = False, float8: str = "",
-             cp_method: str = "auto") -> Assembly:
+             cp_method: str = "auto", adapters: lora.LoraSpec | None = None) -> Assembly:
     """This process's stages of `blocks`, cut by `cut`, wrapped for `world` in `ORDER`.
 
     Called by every process with the same blocks (built from one seed) and cut.
@@ -200,6 +203,7 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
         compile: compile each held block's forward (`parallel.compiled`).
         float8: a float8 recipe, tensorwise or rowwise ("": none; `parallel.float8`).
         cp_method: under --cp, how attention exchanges (`context.method_for`).
+        adapters: --lora's adapters (`parallel.lora`); None: every weight trains.
 
     Raises:
         BrigadeError: a mode or plan a block refuses (`recompute.modes`, `tensor.parallelize`).
@@ -216,6 +220,9 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     tp_mesh = world.tp_mesh if world.degrees.tp > 1 else None
     cp = _context(world, cp_method)
     modes = split_blocks(blocks, indices, tp_mesh, recompute_mode, sequence_parallel, cp)  # 1. and 2.
+    if adapters is not None:  # 2b. LoRA
+        lora.check_with(float8)
+        lora.apply(blocks, indices, adapters)
     experts.split_experts([blocks[i] for i in indices], world)  # 3. expert parallel
     eager = compiled.compile_blocks(blocks, indices, modes) if compile else []  # 4. compile
     stages = split(blocks, list(cut.balance))

@@ -44,6 +44,34 @@ from brigade.snapshot.ties import aliases_of, filled, to_load
 # Optimizer state keyed per parameter name ("state.blocks.3.w.exp_avg", "param_groups.blocks.3.w.lr"),
 # not by group index: stages hold different groups, and keys must not collide across ranks.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A model with frozen weights (--lora) stores only what trains: the frozen base is rebuilt as
+# the run first built it (its seed, its hf:DIR directory), so a snapshot is the adapters' size.
+# Not strict: the model's frozen keys are missing from what is loaded by design; DCP's load
+# still fails on any key of what trains that the snapshot lacks.
+FROZEN_LEFT_OUT = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True,
+                                   strict=False)
+
+
+def options(model: nn.Module) -> StateDictOptions:
+    """How `model`'s state is read and written: `FROZEN_LEFT_OUT` where some weight is frozen."""
+    return OPTIONS if all(p.requires_grad for p in model.parameters()) else FROZEN_LEFT_OUT
+
+
+def state_dicts(model: nn.Module, optimizer) -> tuple[dict, dict]:
+    """DCP's (model, optimizer) state dicts of `model` by `options(model)`; where frozen weights
+    are left out, so is every other name of one (a tied head's, which DCP keeps)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options(model))
+    if options(model) is FROZEN_LEFT_OUT:
+        trains = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trains}
+    return model_sd, optim_sd
+
+
+def stored_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) of what a snapshot of `model` holds, aliases of a tie included: every
+    parameter, or, where some are frozen (`options`), those that train."""
+    frozen_left_out = options(model) is FROZEN_LEFT_OUT
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad or not frozen_left_out]
 
 
 class LossScale(Protocol):
@@ -96,10 +124,10 @@ class SafeReader(dcp.FileSystemReader):
 
 
 def _param_hashes(model: nn.Module) -> dict[str, str]:
-    """Every parameter's hash over all ranks, a shared one once (its canonical name); a sharded one
+    """Every stored parameter's hash (`stored_params`) over all ranks, a shared one once (its canonical name); a sharded one
     of the whole parameter, gathered (so every layout hashes the same model alike)."""
     tied = aliases_of(model)
-    mine = {name: tensor_sha256(full(p)) for name, p in model.named_parameters() if name not in tied}
+    mine = {name: tensor_sha256(full(p)) for name, p in stored_params(model) if name not in tied}
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
@@ -164,7 +192,7 @@ def load(snapshot: Snapshot, model: nn.Module, optimizer,
     Raises:
         SnapshotError: DCP cannot load it into this model (one line).
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    model_sd, optim_sd = state_dicts(model, optimizer)
     tied = aliases_of(model)
     (model_read, model_fill), (optim_read, optim_fill) = to_load(model_sd, tied), to_load(optim_sd, tied)
     state = {"model": model_read, "optim": optim_read}
@@ -176,7 +204,7 @@ def load(snapshot: Snapshot, model: nn.Module, optimizer,
     except (Exception, CheckpointException) as exc:  # DCP's own error is a BaseException
         raise SnapshotError(f"{snapshot.path}: {first_line(exc)}") from None
     set_state_dict(model, optimizer, model_state_dict=filled(state["model"], model_fill),
-                   optim_state_dict=filled(state["optim"], optim_fill), options=OPTIONS)
+                   optim_state_dict=filled(state["optim"], optim_fill), options=options(model))
     rng_file = snapshot.path / f"rng_{dist.get_rank() if dist.is_initialized() else 0}.json"
     if rng_file.is_file():
         set_rng_state(json.loads(rng_file.read_text()), devices_of(model))
@@ -186,8 +214,13 @@ def load(snapshot: Snapshot, model: nn.Module, optimizer,
 
 
 def load_model_only(path: Path, model: nn.Module) -> None:
-    """Single process, no optimizer: for `generate` and `inspect`."""
-    read, fill = to_load(model.state_dict(), aliases_of(model))
+    """Single process, no optimizer: for `generate` and `inspect`. A model with frozen weights
+    (--lora) reads only what trains; the rest it has already (`options`)."""
+    state_dict = model.state_dict()
+    if options(model) is FROZEN_LEFT_OUT:
+        trains = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        state_dict = {k: v for k, v in state_dict.items() if k in trains}
+    read, fill = to_load(state_dict, aliases_of(model))
     state = {"model": read}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -198,5 +231,5 @@ def load_model_only(path: Path, model: nn.Module) -> None:
             raise
         except (Exception, CheckpointException) as exc:
             raise SnapshotError(f"{path}: {first_line(exc)}") from None
-    model.load_state_dict(filled(state["model"], fill))
+    model.load_state_dict(filled(state["model"], fill), strict=options(model).strict)
 

@@ -31,11 +31,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from brigade import forensics
 from brigade.fsutil import write_atomic
-from brigade.snapshot.collective import OPTIONS, SafeReader, collective_device, devices_of, first_line
+from brigade.snapshot.collective import SafeReader, collective_device, devices_of, first_line, state_dicts, stored_params
 from brigade.snapshot.commit import Abandoned, Commit
 from brigade.snapshot.format import SnapshotError, folder_name, read_pointer
 from brigade.snapshot.rng import rng_state
@@ -223,7 +222,7 @@ def failure_line(step: int, snaps: Path, why: str) -> str:
 def _state(model: nn.Module, optimizer, tmp: Path, rank: int) -> tuple[dict | None, str]:
     """The state dict DCP writes (aliases of a tie left out), after this rank's RNG file; why not."""
     try:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+        model_sd, optim_sd = state_dicts(model, optimizer)
         tied = aliases_of(model)
         write_atomic(tmp / f"rng_{rank}.json", json.dumps(rng_state(devices_of(model))))
     except OSError as exc:
@@ -234,7 +233,7 @@ def _state(model: nn.Module, optimizer, tmp: Path, rank: int) -> tuple[dict | No
 def _param_names(model: nn.Module) -> list[str]:
     """Collective: every rank's parameter names, a tie's aliases left out (what params_sha256 covers)."""
     tied = aliases_of(model)
-    mine = [name for name, _ in model.named_parameters() if name not in tied]
+    mine = [name for name, _ in stored_params(model) if name not in tied]
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return sorted({name for part in parts for name in part})

@@ -95,6 +95,7 @@ def worker(cfg: RunConfig, ev: EvalConfig, own_val_data: str) -> dict:
     from brigade import forensics
     from brigade.data.sampler import Sampler
     from brigade.launcher import groups
+    from brigade.parallel import lora
     from brigade.train.data import build
     from brigade.train.run import resume
     from brigade.train.trainer import Trainer, _batch
@@ -104,7 +105,7 @@ def worker(cfg: RunConfig, ev: EvalConfig, own_val_data: str) -> dict:
     try:
         blocks, loss_fn, train, val, _, weights, _ = build(cfg, val_flag="--data")
         trainer = Trainer(blocks, loss_fn, train, val, parallel=p, optim=cfg.optim, train=cfg.train,
-                          weights=weights, metrics=False)
+                          weights=weights, metrics=False, adapters=lora.spec_of(cfg.model, cfg.train.seed))
         step = resume(trainer, replace(cfg, data=replace(cfg.data, val_data=own_val_data)))
         trainer.model.eval()
         w = trainer.world

@@ -25,6 +25,7 @@ from brigade.models import load_model
 from brigade.models.hf.blocks import Stacked
 from brigade.models.hf.deps import require
 from brigade.models.hf.weights import INDEX, materialize
+from brigade.parallel import lora
 from brigade.parallel.assemble import OwnedBlocks
 from brigade.snapshot.collective import load_model_only
 from brigade.snapshot.format import resolve
@@ -48,6 +49,9 @@ def trained_blocks(found) -> tuple[list[nn.Module], object]:
     spec = load_model(name, meta=True)
     owned = OwnedBlocks(spec.blocks, list(range(len(spec.blocks))))
     materialize(owned, "cpu")
+    if (adapters := lora.from_config(found.manifest.config)) is not None:
+        spec.hf.load(dict(enumerate(spec.blocks)), "cpu")  # the base, as the run read it
+        lora.apply(spec.blocks, list(range(len(spec.blocks))), adapters)
     load_model_only(found.path, owned)
     return spec.blocks, spec.hf
 
@@ -83,6 +87,7 @@ def export(source: str | Path, out: str | Path) -> Path:
         raise BrigadeError(f"--hf {out} already exists: give a new directory (nothing was written)")
     found = resolve(source)
     blocks, hf = trained_blocks(found)
+    lora.merge(blocks)  # a LoRA run's adapters folded into the weights they adapt
     safetensors = require("safetensors.torch")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

@@ -124,10 +124,11 @@ class ProcessModel:
         weights: `(held blocks, device) -> None`, called once every wrapper is in place, for
             blocks built on the meta device (an `hf:DIR` model): they get memory there, and
             `weights` fills them, a DTensor with only its own part.
+        adapters: --lora's adapters (`parallel.lora.LoraSpec`); None: every weight trains.
     """
 
     def __init__(self, blocks: list[nn.Module], loss_fn, cfg: ParallelConfig, world: World,
-                 autocast: torch.dtype | None = None, weights=None, sample=None):
+                 autocast: torch.dtype | None = None, weights=None, sample=None, adapters=None):
         self.world = world
         n_ranks = pipeline_shape(cfg)[0]
         costed = n_ranks > 1 and SCHEDULES[cfg.schedule].costed
@@ -138,7 +139,7 @@ class ProcessModel:
             print(f"brigade: --balance measured: --schedule {schedule} cuts the blocks {list(cut.balance)}, "
                   f"chosen with its plan (--balance {cut_text} repeats it)", flush=True)
         self.assembly = assemble(blocks, cut, world, cfg.recompute, cfg.reshard, autocast, weights,
-                                 cfg.sequence_parallel, cfg.compile, cfg.float8, cfg.cp_method)
+                                 cfg.sequence_parallel, cfg.compile, cfg.float8, cfg.cp_method, adapters)
         if self.assembly.float8 is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"brigade: {self.assembly.float8.line()}", flush=True)
         self.balance, self.owned, self.held = list(cut.balance), self.assembly.owned, self.assembly.held

@@ -26,7 +26,7 @@ from brigade.config.validate import logs
 from brigade.errors import BrigadeError, RunError
 from brigade.launcher import agent, groups
 from brigade.launcher.env import launcher_env, launcher_world, under_launcher
-from brigade.parallel import compiled, context, experts, sequence, tensor
+from brigade.parallel import compiled, context, experts, lora, sequence, tensor
 from brigade.pipeline.plans.schedule import SCHEDULES
 from brigade.pipeline.stages.measured_cut import MEASURED
 from brigade.pipeline.stages.partition import check_chain, choose_balance, parse_balance
@@ -94,6 +94,9 @@ def preflight(cfg: RunConfig, quiet: bool = False, launched: bool = False) -> No
     if cfg.model.model != "gpt" and weights is None:
         check_chain(blocks, train.batch(torch.arange(2))[0])
     tensor.check_plans(blocks, p.tp, cfg.model.model)
+    if (adapters := lora.spec_of(cfg.model, cfg.train.seed)) is not None:
+        lora.targets(blocks, adapters)
+        lora.check_with(p.float8)
     experts.check_model(blocks, p.ep, cfg.model.model)
     sequence.check_length(blocks, p.tp, cfg.data.block_size, p.sequence_parallel)
     context.check_model(blocks, p.cp, context.method_for(p.cp_method, device), p.tp, cfg.data.block_size,
@@ -188,7 +191,7 @@ def _train(cfg: RunConfig, info, fault: Fault | None) -> dict:
     logs_mfu = info.rank == 0 and cfg.train.mfu
     utilization = _utilization(cfg, blocks, loss_fn, train, info) if logs_mfu else None
     trainer = Trainer(blocks, loss_fn, train, val, parallel=cfg.parallel, optim=cfg.optim,
-                      train=cfg.train, weights=weights)
+                      train=cfg.train, weights=weights, adapters=lora.spec_of(cfg.model, cfg.train.seed))
     trainer.utilization = utilization
     injector = FaultInjector(fault, info.rank)
     agent.watch_signals()  # SIGTERM: finish this step, snapshot, leave

@@ -11,7 +11,9 @@ from torch import nn
 from brigade.config import ModelConfig
 from brigade.data.chars import Vocab
 from brigade.errors import BrigadeError
-from brigade.models.gpt import GPTConfig, gpt
+from brigade.models import load_model
+from brigade.models.gpt import GPTConfig
+from brigade.parallel import lora
 from brigade.parallel.assemble import OwnedBlocks
 from brigade.snapshot.collective import load_model_only
 from brigade.snapshot.format import Snapshot, resolve
@@ -61,8 +63,11 @@ def sample_from_snapshot(found: Snapshot, prompt: str, tokens: int, seed: int = 
         raise BrigadeError(f"{found.path}: the manifest's config.model is not a brigade model config: "
                            "the snapshot is damaged or from another version") from None
     vocab = Vocab(manifest.vocab)
-    blocks = gpt(GPTConfig(len(vocab), m.context, m.n_layer, m.n_head, m.n_embd, 0.0, m.tie_embeddings,
-                           m.experts, m.top_k))
+    blocks = load_model("gpt", seed=manifest.config.get("train", {}).get("seed", 0),
+                        gpt_cfg=GPTConfig(len(vocab), m.context, m.n_layer, m.n_head, m.n_embd, 0.0,
+                                          m.tie_embeddings, m.experts, m.top_k)).blocks
+    if (adapters := lora.from_config(manifest.config)) is not None:  # the base from its seed, as trained
+        lora.apply(blocks, list(range(len(blocks))), adapters)
     owned = OwnedBlocks(blocks, list(range(len(blocks))))
     load_model_only(found.path, owned)
     model = nn.Sequential(*blocks).eval()

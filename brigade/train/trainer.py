@@ -90,12 +90,13 @@ class Trainer:
         callbacks: functions called as `cb(trainer, record)` after each step and evaluation.
         weights: fills this process's blocks once placed (`data.Built.weights`: a Hugging Face
             directory's tensors into blocks built without memory); None: the blocks have theirs.
+        adapters: --lora's adapters (`parallel.lora.LoraSpec`), only they train; None: every weight.
     """
 
     def __init__(self, blocks: list[nn.Module], loss_fn, train_data, val_data=None,
                  parallel: ParallelConfig | None = None, optim: OptimConfig | None = None,
                  train: TrainConfig | None = None, optimizer=None, callbacks=(), metrics: bool = True,
-                 weights=None):
+                 weights=None, adapters=None):
         self.parallel = parallel or ParallelConfig(nproc=1)
         self.optim_cfg = optim or OptimConfig()
         self.cfg = train or TrainConfig()
@@ -115,7 +116,7 @@ class Trainer:
         autocast = autocast_dtype(self.cfg.precision, self.cfg.bf16, self.info.device.type)
         self.scaler = LossScaler() if autocast == torch.float16 else None
         self.engine = ProcessModel(blocks, loss_fn, self.parallel, self.world, autocast=autocast,
-                                   weights=weights, sample=self._sample(train_data))
+                                   weights=weights, sample=self._sample(train_data), adapters=adapters)
         self.model = self.engine.owned
         self.experts = ExpertStats(blocks)  # a mixture of experts' figures, each step (none without)
         self.optimizer = (optimizer or adamw(self.optim_cfg))(self.model)
