@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from brigade.config import ModelConfig, ParallelConfig
-from brigade.errors import BrigadeError
 from brigade.config.fielddoc import CP_METHODS, FLOAT8, MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
+from brigade.errors import BrigadeError
 
 Case = tuple  # (schedule, m[, virtual[, recompute]]); virtual 0: the schedule's own V
 

@@ -295,8 +295,8 @@ def _replicated(module: nn.Module, world: World, reshard: bool, mixed: torch.dty
         if d.ep > 1:  # the experts first: a unit of their own over the expert mesh's edp
             experts.shard_experts(module, world, reshard, shard_policy(mixed))
         return shard_stage(module, world.shard_mesh, reshard, mixed)
-    if d.dp * d.cp == 1:
-        return module
+    if d.dp * d.cp == 1 or not any(p.requires_grad for p in module.parameters()):
+        return module  # no replicas, or nothing to reduce (a stage --lora left without adapters)
     device = world.device
     return data_parallel(module, world.group("dpcp"), [device] if device.type == "cuda" else None,
                          ignore=experts.ignored_names(module))
@@ -312,6 +312,9 @@ def _local_stages(stages: list[nn.Module], cut: Cut, world: World) -> dict[int, 
     out = {}
     for s, module in enumerate(stages):
         device = devices[s]
+        if not any(p.requires_grad for p in module.parameters()):  # --lora left it no adapter
+            out[s] = module.to(device)
+            continue
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             out[s] = data_parallel(module.to(device), groups[s], [device] if device.type == "cuda" else None)
     return out

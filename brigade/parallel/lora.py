@@ -38,12 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from brigade.errors import BrigadeError
+from brigade.models.hf.blocks import ADDED
 
 # The attention and MLP projections, by the last parts of their names: the built-in GPT's and
 # the Hugging Face families' (Llama, Qwen, Mistral: q/k/v/o_proj, gate/up/down_proj).
 DEFAULT_TARGETS = ("attn.qkv", "attn.proj", "mlp.0", "mlp.2", "q_proj", "k_proj", "v_proj", "o_proj",
                    "gate_proj", "up_proj", "down_proj")
-ADAPTERS = ("lora_a", "lora_b")
+ADAPTERS = ADDED  # the names of the two parameters an adapted layer gains
 
 
 @dataclass(frozen=True)

@@ -124,8 +124,9 @@ class SafeReader(dcp.FileSystemReader):
 
 
 def _param_hashes(model: nn.Module) -> dict[str, str]:
-    """Every stored parameter's hash (`stored_params`) over all ranks, a shared one once (its canonical name); a sharded one
-    of the whole parameter, gathered (so every layout hashes the same model alike)."""
+    """Every stored parameter's hash (`stored_params`) over all ranks, a shared one once (its
+    canonical name); a sharded one of the whole parameter, gathered (so every layout hashes the
+    same model alike)."""
     tied = aliases_of(model)
     mine = {name: tensor_sha256(full(p)) for name, p in stored_params(model) if name not in tied}
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -34,7 +34,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from brigade import forensics
 from brigade.fsutil import write_atomic
-from brigade.snapshot.collective import SafeReader, collective_device, devices_of, first_line, state_dicts, stored_params
+from brigade.snapshot.collective import (
+    SafeReader,
+    collective_device,
+    devices_of,
+    first_line,
+    state_dicts,
+    stored_params,
+)
 from brigade.snapshot.commit import Abandoned, Commit
 from brigade.snapshot.format import SnapshotError, folder_name, read_pointer
 from brigade.snapshot.rng import rng_state

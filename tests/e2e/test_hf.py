@@ -141,3 +141,20 @@ def test_a_mixture_sharded_over_what_ep_leaves_reads_its_part_and_exports_whole(
     want = _transformers_val_loss(tiny_dir("qwen3_moe", layers=2), text, run)
     assert abs(_val_losses(run)[0] - want) < 1e-4
     _logits_equal_after_export(run, tmp_path / "exported")
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("layout", [["--nproc", "2", "--tp", "2"], ["--nproc", "2", "--shard", "2"]],
+                         ids=["tp2", "shard2"])
+def test_a_lora_fine_tune_starts_at_the_directory_and_exports_merged(tmp_path, text, layout):
+    """--lora 4 on the llama's projections (B zero: the first validation loss is transformers'),
+    each rank reading its part of the frozen base; the loss falls, the snapshot holds the
+    adapters alone, and the export folds them into the weights transformers loads, with the
+    logits of the adapted blocks."""
+    run = tmp_path / "run"
+    _train(run, hf("llama"), text, *layout, "--lora", "4", "--lr", "1e-2")
+    val = _val_losses(run)
+    assert abs(val[0] - _transformers_val_loss(tiny_dir("llama"), text, run)) < 1e-4
+    assert val[8] < val[0] - 0.05, val
+    _logits_equal_after_export(run, tmp_path / "exported")
+    assert abs(val[8] - _transformers_val_loss(str(tmp_path / "exported"), text, run)) < 1e-4

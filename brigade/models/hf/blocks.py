@@ -100,13 +100,20 @@ class Renamed(nn.Module):
     hf_prefixes: dict[str, str]
 
     def memory_names(self) -> dict[str, str]:
-        """Every parameter and persistent buffer of the block → its name in transformers' model."""
-        return {name: hf_name(self.hf_prefixes, name) for name in self.state_dict()}
+        """Every parameter and persistent buffer of the block → its name in transformers' model
+        (but those a wrapper added from outside, `ADDED`: no directory holds them)."""
+        return {name: hf_name(self.hf_prefixes, name) for name in self.state_dict()
+                if name.rsplit(".", 1)[-1] not in ADDED}
 
     def hf_names(self) -> dict[str, str | Stacked]:
         """Every parameter and persistent buffer of the block → its name in the directory (a
         `Stacked` one for a mixture's experts)."""
         return self.memory_names()
+
+
+# The names of parameters a wrapper gives a block's modules from outside: LoRA's adapters
+# (`parallel.lora`), which the base model's directory never holds.
+ADDED = ("lora_a", "lora_b")
 
 
 def hf_name(prefixes: dict[str, str], name: str) -> str:
