@@ -49,6 +49,24 @@ def _coerce(value: object, kind: type, where: str) -> object:
     return value
 
 
+# Keys a TOML file may give as a table: --data's mixture, {path = weight, ...}, is its string
+# `path:weight,...` (`data.mix`) there.
+TABLES = {("data", "data")}
+
+
+def _mixture(table: dict, where: str) -> str:
+    """A mixture's TOML table `{"web.txt" = 0.7, "code.txt" = 0.3}` as --data's `web.txt:0.7,code.txt:0.3`.
+
+    Raises:
+        BrigadeError: a weight that is not a number.
+    """
+    for corpus, weight in table.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise BrigadeError(f"{where}: corpus {corpus!r} has weight {weight!r}: a mixture's table maps "
+                               "each path to a number, as data = {\"a.txt\" = 0.7, \"b.txt\" = 0.3}")
+    return ",".join(f"{corpus}:{weight}" for corpus, weight in table.items())
+
+
 def load_toml(path: str | Path) -> dict[str, dict]:
     """Read and check a TOML config: known sections and keys, right types.
 
@@ -72,6 +90,8 @@ def load_toml(path: str | Path) -> dict[str, dict]:
             if key not in kinds:
                 raise BrigadeError(f"{path}: unknown key {key!r} in [{section}]: expected one of "
                                    f"{', '.join(kinds)}")
+            if (section, key) in TABLES and isinstance(value, dict):
+                value = _mixture(value, f"{path}: [{section}] {key}")
             out.setdefault(section, {})[key] = _coerce(value, kinds[key], f"{path}: [{section}] {key}")
     return out
 

@@ -17,6 +17,7 @@ def _snapshot(out: Path) -> Path:
     return out / "snapshots" / (out / "snapshots" / "LATEST").read_text().strip()
 
 
+@pytest.mark.full
 @pytest.mark.timeout(300)
 def test_lora_snapshots_hold_the_adapters_and_resume_bit_identical(tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
