@@ -84,8 +84,11 @@ def _split(ids: torch.Tensor, block_size: int, val_fraction: float, name: str,
             CharDataset(ids[cut:], block_size, f"validation part{of}"))
 
 
-def _held_out(path: str, vocab: Vocab, block_size: int, flag: str) -> CharDataset:
-    """--val-data's text (`flag`'s) in the training text's vocabulary."""
+def _held_out(path: str, vocab: Vocab, block_size: int, flag: str) -> CharDataset | mix.Mixture:
+    """--val-data's text (`flag`'s) in the training text's vocabulary; several, mixed by weight."""
+    corpora = mix.parse(path, flag)
+    if corpora is not None:
+        return mix.Mixture([_held_out(p, vocab, block_size, flag) for p, _ in corpora], [w for _, w in corpora])
     text = read_text(path, flag)
     unknown = sorted(set(text) - set(vocab.chars))
     if unknown:

@@ -27,7 +27,7 @@ from brigade.errors import BrigadeError
 CYCLE = 1000  # examples in one turn of the corpora: the weights are kept to 1/CYCLE
 
 
-def parse(spec: str) -> list[tuple[str, float]] | None:
+def parse(spec: str, flag: str = "--data") -> list[tuple[str, float]] | None:
     """`a:0.7,b:0.3` as [(a, 0.7), (b, 0.3)]; None for one path without a weight (plain --data).
 
     Raises:
@@ -42,16 +42,16 @@ def parse(spec: str) -> list[tuple[str, float]] | None:
     for item, (path, _, weight) in zip(items, weighted):
         value = _number(weight) if path else None
         if value is None:
-            raise BrigadeError(f"--data {spec}: {item!r} has no weight: give each corpus one, as "
+            raise BrigadeError(f"{flag} {spec}: {item!r} has no weight: give each corpus one, as "
                                "path:weight (--data a.txt:0.7,b.txt:0.3)")
         if value < 0:
-            raise BrigadeError(f"--data {spec}: {path!r} has weight {weight}: weights are numbers ≥ 0")
+            raise BrigadeError(f"{flag} {spec}: {path!r} has weight {weight}: weights are numbers ≥ 0")
         if not Path(path).exists():
-            raise BrigadeError(f"--data {spec}: corpus {path!r} (weight {weight}) not found: give the path "
+            raise BrigadeError(f"{flag} {spec}: corpus {path!r} (weight {weight}) not found: give the path "
                                "of a text, corpus or shard set, or leave it out of the mixture")
         pairs.append((path, value))
     if sum(w for _, w in pairs) <= 0:
-        raise BrigadeError(f"--data {spec}: the weights sum to 0: give at least one corpus a weight above 0")
+        raise BrigadeError(f"{flag} {spec}: the weights sum to 0: give at least one corpus a weight above 0")
     return pairs
 
 

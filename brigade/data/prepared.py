@@ -57,8 +57,7 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
     sets = [_shard_set(path, directory, cache) for (path, _), cache in zip(named, caches)]
     if val_data:
         parts = [(TokenWindows(s, 0, len(s), block_size, "--data"), None) for s in sets]
-        held = _shard_set(val_data, directory, Path(out) / VAL_CACHE)
-        val = TokenWindows(held, 0, len(held), block_size, f"held-out set {val_data!r} ({val_flag})")
+        val = _held_out(val_data, directory, block_size, out, val_flag)
     else:
         parts = [split(s, block_size, val_fraction) for s in sets]
         val = None
@@ -66,6 +65,18 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
         return sets, parts[0][0], val or parts[0][1]
     weights = [w for _, w in corpora]
     return sets, Mixture([t for t, _ in parts], weights), val or Mixture([v for _, v in parts], weights)
+
+
+def _held_out(val_data: str, directory: str, block_size: int, out: str, val_flag: str):
+    """--val-data's windows (`val_flag`'s): one shard set or corpus, tokenized into OUT/tokens-val;
+    several mixed by weight, corpus K's into OUT/tokens-val-K."""
+    corpora = mix.parse(val_data, val_flag)
+    named = corpora or [(val_data, 1.0)]
+    parts = []
+    for k, (path, _) in enumerate(named):
+        held = _shard_set(path, directory, Path(out) / (VAL_CACHE if corpora is None else f"{VAL_CACHE}-{k}"))
+        parts.append(TokenWindows(held, 0, len(held), block_size, f"held-out set {path!r} ({val_flag})"))
+    return parts[0] if corpora is None else Mixture(parts, [w for _, w in corpora])
 
 
 def content_sha256(sets: list[ShardSet]) -> str:

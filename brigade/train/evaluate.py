@@ -88,6 +88,26 @@ def windows(data, batch_size: int, batches: int) -> list[torch.Tensor]:
     return list(tiles[: n * batch_size].view(n, batch_size))
 
 
+def corpora(cfg: RunConfig, ev: EvalConfig, own_val_data: str, val) -> dict[str, tuple[float, object]]:
+    """{corpus: (weight, its validation windows)} where the scored set mixes several (`data.mix`):
+    `--data`'s mixture, else the run's --val-data's, else its --data's held-out parts; {} for one."""
+    from brigade.data.mix import Mixture, parse
+
+    if not isinstance(val, Mixture):
+        return {}
+    spec = ev.data or own_val_data or cfg.data.data
+    return {path: (weight, part) for (path, weight), part in zip(parse(spec), val.parts)}
+
+
+def mixed(got: dict[str, dict]) -> dict:
+    """A mixture's figures from its corpora's: the loss their mean by weight (what the mixture
+    trains on), tokens and batches their sums."""
+    total = sum(g["weight"] for g in got.values())
+    loss = sum(g["weight"] * g["loss"] for g in got.values()) / total
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": sum(g["tokens"] for g in got.values()),
+            "batches": sum(g["batches"] for g in got.values())}
+
+
 def worker(cfg: RunConfig, ev: EvalConfig, own_val_data: str) -> dict:
     """One process of `brigade eval`: the model built and loaded from the newest snapshot (checked
     against the run's configuration, its own --val-data), then every batch of `windows` scored;
@@ -109,17 +129,24 @@ def worker(cfg: RunConfig, ev: EvalConfig, own_val_data: str) -> dict:
         step = resume(trainer, replace(cfg, data=replace(cfg.data, val_data=own_val_data)))
         trainer.model.eval()
         w = trainer.world
-        losses, tokens = [], 0
-        for batch in windows(val, cfg.train.batch_size, ev.batches):
-            x, y = _batch(val, Sampler.shard(batch, w.coords.dp, w.degrees.dp))
-            losses.append(float(trainer.engine.evaluate(x, y)))
-            tokens += int((y != -100).sum()) * w.degrees.dp  # every replica scores as many
+
+        def score(data) -> dict:
+            losses, tokens = [], 0
+            for batch in windows(data, cfg.train.batch_size, ev.batches):
+                x, y = _batch(data, Sampler.shard(batch, w.coords.dp, w.degrees.dp))
+                losses.append(float(trainer.engine.evaluate(x, y)))
+                tokens += int((y != -100).sum()) * w.degrees.dp  # every replica scores as many
+            loss = sum(losses) / len(losses)
+            return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens, "batches": len(losses)}
+
+        parts = corpora(cfg, ev, own_val_data, val)  # a mixture: each corpus on its own windows
+        got = {path: {"weight": weight, **score(part)} for path, (weight, part) in parts.items()}
+        whole = mixed(got) if got else score(val)
         trainer.close()
     finally:
         groups.destroy()
-    loss = sum(losses) / len(losses)
-    return {"rank": info.rank, "step": step, "loss": loss, "perplexity": math.exp(loss), "tokens": tokens,
-            "batches": len(losses), "batch_size": cfg.train.batch_size, "block_size": cfg.data.block_size}
+    return {"rank": info.rank, "step": step, **whole, "batch_size": cfg.train.batch_size,
+            "block_size": cfg.data.block_size, **({"corpora": got} if got else {})}
 
 
 # The layout flags `brigade eval` takes, as `brigade train` names them (their help is the fields').
@@ -167,14 +194,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ev = EvalConfig(args.source, args.data, args.batches)
     cfg, own = run_config(ev, {k: getattr(args, k) for k in LAYOUT if hasattr(args, k)}, args.batch_size)
     built = build(cfg, val_flag="--data")  # the text checked (and a corpus tokenized) here, once
-    windows(built.val, cfg.train.batch_size, ev.batches)  # and that it holds a batch
+    for part in getattr(built.val, "parts", [built.val]):  # and that it (each corpus) holds a batch
+        windows(part, cfg.train.batch_size, ev.batches)
     results = launch_with_events(worker, cfg, ev, own)
     got = {k: v for k, v in results[min(results)].items() if k != "rank"}
     got = {"from": args.source, "data": args.data or "the run's validation set", **got}
     if args.json:
         print(json.dumps(got))
-    else:
-        print(f"brigade eval: {got['from']} at step {got['step']} on {got['data']}: loss {got['loss']:.4f}, "
-              f"perplexity {got['perplexity']:.2f}, {got['tokens']} tokens ({got['batches']} batches of "
-              f"{got['batch_size']} × {got['block_size']})", flush=True)
+        return 0
+    mix = " (the corpora's losses by weight)" if "corpora" in got else ""
+    print(f"brigade eval: {got['from']} at step {got['step']} on {got['data']}: loss {got['loss']:.4f}{mix}, "
+          f"perplexity {got['perplexity']:.2f}, {got['tokens']} tokens ({got['batches']} batches of "
+          f"{got['batch_size']} × {got['block_size']})", flush=True)
+    for path, g in got.get("corpora", {}).items():
+        print(f"  {path} (weight {g['weight']:g}): loss {g['loss']:.4f}, perplexity {g['perplexity']:.2f}, "
+              f"{g['tokens']} tokens ({g['batches']} batches)", flush=True)
     return 0

@@ -70,3 +70,29 @@ def test_a_run_scores_the_same_under_every_layout(run):
     for name, r in got.items():
         assert r["loss"] == pytest.approx(one["loss"], abs=1e-5), name
         assert r["tokens"] == one["tokens"], name
+
+
+@pytest.mark.full
+def test_a_mixture_is_scored_corpus_by_corpus(run, tmp_path):
+    """`--data a:1,b:3`: each corpus scored on its own windows, as `--data` alone scores it, and
+    the mixture's loss their mean by weight."""
+    from brigade.data.text import default_corpus
+
+    text = default_corpus()
+    (tmp_path / "a.txt").write_text(text[:20_000])
+    (tmp_path / "b.txt").write_text(text[20_000:40_000])
+    alone = {}
+    for name in ("a.txt", "b.txt"):
+        done = brigade("eval", "--from", run, "--data", tmp_path / name, "--batches", "2", "--json")
+        assert done.returncode == 0, done.stderr[-2000:]
+        alone[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    done = brigade("eval", "--from", run, "--data", f"{tmp_path / 'a.txt'}:1,{tmp_path / 'b.txt'}:3",
+                   "--batches", "2", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    mix = json.loads(done.stdout.strip().splitlines()[-1])
+    parts = {k.rsplit("/", 1)[-1]: v for k, v in mix["corpora"].items()}
+    assert [parts[n]["weight"] for n in ("a.txt", "b.txt")] == [1, 3]
+    for name, got in alone.items():
+        assert parts[name]["loss"] == pytest.approx(got["loss"], abs=1e-6) and parts[name]["tokens"] == got["tokens"]
+    assert mix["loss"] == pytest.approx((alone["a.txt"]["loss"] + 3 * alone["b.txt"]["loss"]) / 4, abs=1e-6)
+    assert mix["tokens"] == alone["a.txt"]["tokens"] + alone["b.txt"]["tokens"]
