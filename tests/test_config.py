@@ -53,8 +53,8 @@ def test_a_mixture_as_a_toml_table_is_the_flags_string(tmp_path):
     f.write_text('[data]\ndata = {"web.txt" = 0.7, "code.txt" = 3}\n')
     assert config.load_toml(f) == {"data": {"data": "web.txt:0.7,code.txt:3"}}
     f.write_text('[data]\ndata = {"web.txt" = "lots"}\n')
-    with pytest.raises(BrigadeError, match=r"^.*mix.toml: \[data\] data: corpus 'web.txt' has weight 'lots': a "
-                                           r"mixture's table maps each path to a number"):
+    with pytest.raises(BrigadeError, match=r"^.*mix.toml: \[data\] data: corpus 'web.txt' has weight "
+                                           r"'lots': a mixture's table maps each path to a number"):
         config.load_toml(f)
 
 

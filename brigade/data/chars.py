@@ -88,7 +88,8 @@ def _held_out(path: str, vocab: Vocab, block_size: int, flag: str) -> CharDatase
     """--val-data's text (`flag`'s) in the training text's vocabulary; several, mixed by weight."""
     corpora = mix.parse(path, flag)
     if corpora is not None:
-        return mix.Mixture([_held_out(p, vocab, block_size, flag) for p, _ in corpora], [w for _, w in corpora])
+        parts = [_held_out(p, vocab, block_size, flag) for p, _ in corpora]
+        return mix.Mixture(parts, [w for _, w in corpora])
     text = read_text(path, flag)
     unknown = sorted(set(text) - set(vocab.chars))
     if unknown:

@@ -93,6 +93,7 @@ def test_a_mixture_is_scored_corpus_by_corpus(run, tmp_path):
     parts = {k.rsplit("/", 1)[-1]: v for k, v in mix["corpora"].items()}
     assert [parts[n]["weight"] for n in ("a.txt", "b.txt")] == [1, 3]
     for name, got in alone.items():
-        assert parts[name]["loss"] == pytest.approx(got["loss"], abs=1e-6) and parts[name]["tokens"] == got["tokens"]
+        assert parts[name]["loss"] == pytest.approx(got["loss"], abs=1e-6)
+        assert parts[name]["tokens"] == got["tokens"]
     assert mix["loss"] == pytest.approx((alone["a.txt"]["loss"] + 3 * alone["b.txt"]["loss"]) / 4, abs=1e-6)
     assert mix["tokens"] == alone["a.txt"]["tokens"] + alone["b.txt"]["tokens"]
