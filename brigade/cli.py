@@ -204,13 +204,17 @@ def _add_export(sub) -> None:
                         "the trained weights as model.safetensors")
     p.add_argument("--from", dest="source", required=True,
                    help="a run folder (train's --out), for its newest good snapshot, or a snapshot folder")
+    p.add_argument("--adapter", action="store_true",
+                   help="a --lora run's adapters alone, as a PEFT adapter folder (adapter_config.json, "
+                        "adapter_model.safetensors) for peft to load onto the run's hf:DIR; without "
+                        "it, the whole model, the adapters merged into its weights")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from brigade.train.export import export
 
-    print(f"brigade export: wrote {export(args.source, args.hf)}")
+    print(f"brigade export: wrote {export(args.source, args.hf, args.adapter)}")
     return 0
 
 

@@ -56,12 +56,16 @@ def trained_blocks(found) -> tuple[list[nn.Module], object]:
     return spec.blocks, spec.hf
 
 
-def state_of(blocks: list[nn.Module], hf) -> dict[str, torch.Tensor]:
-    """{directory name: tensor} of every block, a tied head left out, in the config's dtype."""
+def dtype_of(hf) -> torch.dtype:
+    """The dtype the directory's config.json names (fp32 where it names none it could be)."""
     dtype = getattr(hf.config, "dtype", None) or getattr(hf.config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        dtype = torch.float32
+    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+
+def state_of(blocks: list[nn.Module], hf) -> dict[str, torch.Tensor]:
+    """{directory name: tensor} of every block, a tied head left out, in the config's dtype."""
+    dtype = dtype_of(hf)
     tied = set(hf.checkpoint.tied)
     out: dict[str, torch.Tensor] = {}
     for block in blocks:
@@ -76,27 +80,47 @@ def state_of(blocks: list[nn.Module], hf) -> dict[str, torch.Tensor]:
     return out
 
 
-def export(source: str | Path, out: str | Path) -> Path:
-    """Write the newest good snapshot of `source` (a run folder, or a snapshot) to `out`.
+def export(source: str | Path, out: str | Path, adapter: bool = False) -> Path:
+    """Write the newest good snapshot of `source` (a run folder, or a snapshot) to `out`: the
+    whole model (a LoRA run's adapters merged into it), or with `adapter` a LoRA run's adapters
+    alone as a PEFT adapter folder (`train.adapter_export`).
 
     Raises:
-        BrigadeError: `out` exists, `source` holds no snapshot or not an hf: run.
+        BrigadeError: `out` exists, `source` holds no snapshot or not an hf: run; `adapter` for a
+            run without --lora.
     """
     out = Path(out)
     if out.exists():
         raise BrigadeError(f"--hf {out} already exists: give a new directory (nothing was written)")
     found = resolve(source)
     blocks, hf = trained_blocks(found)
+    if adapter:
+        from brigade.train.adapter_export import write_adapter
+
+        adapters = lora.from_config(found.manifest.config)
+        if adapters is None:
+            raise BrigadeError(f"--adapter: {found.path} trained every weight (no --lora): export the "
+                               "whole model, without --adapter")
+        return _written(out, lambda tmp: write_adapter(blocks, hf, adapters, tmp, dtype_of(hf)))
     lora.merge(blocks)  # a LoRA run's adapters folded into the weights they adapt
     safetensors = require("safetensors.torch")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         skip = {p for pattern in WEIGHTS for p in hf.directory.glob(pattern)}
         for f in sorted(hf.directory.iterdir()):
             if f.is_file() and f not in skip:
                 shutil.copy2(f, tmp / f.name)
         safetensors.save_file(state_of(blocks, hf), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return _written(out, write)
+
+
+def _written(out: Path, write) -> Path:
+    """`write(tmp)` into a temporary folder beside `out`, renamed `out` once complete; nothing
+    left behind where it fails."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write(tmp)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

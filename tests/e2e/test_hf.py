@@ -92,6 +92,10 @@ def test_fine_tune_resume_sample_and_export(tmp_path, text):
     _logits_equal_after_export(never, tmp_path / "exported")
     again = brigade("export", "--hf", tmp_path / "exported", "--from", never)
     assert again.returncode == 2 and "already exists" in again.stderr
+    whole = brigade("export", "--hf", tmp_path / "adapter", "--adapter", "--from", never)
+    assert whole.returncode == 2
+    assert "trained every weight (no --lora): export the whole model" in whole.stderr
+    assert not (tmp_path / "adapter").exists()
 
 
 @pytest.mark.slow
@@ -130,6 +134,28 @@ def test_a_mixture_of_experts_fine_tunes_over_pp_and_ep_and_exports(tmp_path, te
     assert len(load) == 8 and all(len(layer) == 4 and abs(sum(layer) - 1) < 1e-3 for layer in load[-1])
     _logits_equal_after_export(run, tmp_path / "exported")
     assert abs(val[8] - _transformers_val_loss(str(tmp_path / "exported"), text, run)) < 1e-4
+    _peft_logits_equal(run, tmp_path / "adapter")
+
+
+def _peft_logits_equal(run: Path, out: Path) -> None:
+    """`export --adapter`: a PEFT adapter folder that peft loads onto the directory's own model,
+    giving the adapted blocks' logits."""
+    from brigade.pipeline.stages.side_inputs import whole
+    from brigade.snapshot.format import resolve
+    from brigade.train.export import trained_blocks
+
+    peft = pytest.importorskip("peft")
+    done = brigade("export", "--hf", out, "--adapter", "--from", run)
+    assert done.returncode == 0, done.stderr[-2000:]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and len(config["target_modules"]) == 7 * 2
+    blocks, model = trained_blocks(resolve(run))
+    base = transformers.AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    loaded = peft.PeftModel.from_pretrained(base, str(out)).eval()
+    ids = torch.randint(model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(whole(blocks).eval()(model.inputs(ids)), loaded(input_ids=ids).logits,
+                                   atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
