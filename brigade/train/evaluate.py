@@ -12,7 +12,10 @@ The windows tile the text: block after block of --block-size, none overlapping (
 windows start at every character when trained on; scored, each character is counted once),
 `--batches` global batches of `--batch-size` of them in order (0: every whole batch the text
 holds). Every batch's mean loss is the pipeline's, as a training run's validation loss is
-(`Trainer.evaluate`), so on the run's own validation set and batches the two agree.
+(`Trainer.evaluate`), so on the run's own validation set and batches the two agree. One process
+by default; under dp or micro-batches a batch's loss is the mean of its parts' means, which is the
+mean a token only where every part counts as many targets (a chat corpus's masked prompts do
+not: there the default, one process and one micro-batch, is the per-token mean).
 
 Nothing in RUN is changed but its logs/ (the agent's log of this command) and, for an `hf:DIR`
 model given a corpus, the tokenized cache RUN/tokens-val.
@@ -68,7 +71,8 @@ def run_config(ev: EvalConfig, layout: dict, batch_size: int | None) -> tuple[Ru
     # the run's length as its snapshot's decay ends (the schedule is not this command's concern)
     if found.manifest.lr_end:
         toml["train"]["max_steps"] = found.manifest.lr_end
-    return config.build(argparse.Namespace(**layout), toml), own
+    # one process where the command names no layout (a run's own default is train's, 2)
+    return config.build(argparse.Namespace(**(layout or {"nproc": 1})), toml), own
 
 
 def windows(data, batch_size: int, batches: int) -> list[torch.Tensor]:
@@ -112,6 +116,8 @@ def worker(cfg: RunConfig, ev: EvalConfig, own_val_data: str) -> dict:
     """One process of `brigade eval`: the model built and loaded from the newest snapshot (checked
     against the run's configuration, its own --val-data), then every batch of `windows` scored;
     the figures on every rank."""
+    import torch.distributed as dist
+
     from brigade import forensics
     from brigade.data.sampler import Sampler
     from brigade.launcher import groups
@@ -131,13 +137,16 @@ def worker(cfg: RunConfig, ev: EvalConfig, own_val_data: str) -> dict:
         w = trainer.world
 
         def score(data) -> dict:
-            losses, tokens = [], 0
+            losses, tokens = [], torch.zeros((), dtype=torch.int64, device=w.device)
             for batch in windows(data, cfg.train.batch_size, ev.batches):
                 x, y = _batch(data, Sampler.shard(batch, w.coords.dp, w.degrees.dp))
                 losses.append(float(trainer.engine.evaluate(x, y)))
-                tokens += int((y != -100).sum()) * w.degrees.dp  # every replica scores as many
+                tokens += (y != -100).sum().to(w.device)  # this replica's counted targets
+            if w.degrees.dp > 1:  # every replica's: a masked text counts unevenly
+                dist.all_reduce(tokens, group=w.group("dp"))
             loss = sum(losses) / len(losses)
-            return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens, "batches": len(losses)}
+            return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens),
+                    "batches": len(losses)}
 
         parts = corpora(cfg, ev, own_val_data, val)  # a mixture: each corpus on its own windows
         got = {path: {"weight": weight, **score(part)} for path, (weight, part) in parts.items()}

@@ -41,6 +41,11 @@ def config(family: str, vocab_size: int, layers: int = 4, tie: bool = True, **ex
                eos_token_id=0, pad_token_id=None, **shape)
 
 
+# A ChatML-like template: each message between its role's header and an end marker.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
 def tokenizer(vocab_size: int = 256):
     """A byte-level BPE trained on the built-in corpus, "<|endoftext|>" its end of text."""
     tokenizers = require("tokenizers")
@@ -67,6 +72,7 @@ def write(out: str | Path, family: str = "llama", layers: int = 4, tie: bool = T
                                                                  **extra))
     model.save_pretrained(out)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE  # chats of JSON Lines corpora render (`data.instruct`)
     fast.save_pretrained(out)
     return out
 
