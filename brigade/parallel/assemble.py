@@ -252,7 +252,8 @@ def _chunk_head(blocks: list[nn.Module], cut: Cut, wrapped: dict[int, nn.Module]
         return None
     tp = tp_mesh.size() if tp_mesh is not None else 1
     parts = tp if tp > 1 and sequence_parallel and sequence.takes_part(head, tensor.plan_at(head, tp)) else 1
-    return chunked.install(wrapped[last], head, size, mode, autocast, parts)
+    vocab_parts = tp if tensor.splits_vocab(head, tp) else 1
+    return chunked.install(wrapped[last], head, size, mode, autocast, parts, vocab_parts)
 
 
 def _context(world: World, method: str) -> context.ContextParallel | None:

@@ -63,14 +63,16 @@ class Chunked:
         autocast: the dtype the stages' forwards run under (None: none): the head's too.
         parts: under sequence parallel, the tp processes whose parts of the sequence the head
             gathers (its input is this process's part); 1: the head takes whole sequences.
+        vocab_parts: the tp processes a "vocab" head splits its logits over (1: none): what
+            `helps` counts is the logits a process holds.
     """
 
     def __init__(self, head: nn.Module, chunk: int, mode: str = "auto",
-                 autocast: torch.dtype | None = None, parts: int = 1):
+                 autocast: torch.dtype | None = None, parts: int = 1, vocab_parts: int = 1):
         if chunk < 1:
             raise BrigadeError(f"--loss-chunk {chunk}: must be ≥ 1 positions")
         self.head, self.chunk, self.mode, self.autocast, self.parts = head, chunk, mode, autocast, parts
-        self.vocab = _vocab(head)
+        self.vocab = _vocab(head) // vocab_parts  # this process's logits per position
         self.on = False  # set per pipeline (`Assembly.pipeline`): off under a split backward
         self.waiting = False  # the stage's last forward left the head to the loss
         self.last = 0  # the chunks the last loss ran in, 0 where the stage ran the head (`brigade check`)
@@ -176,7 +178,7 @@ def wanted(head: nn.Module, mode: str) -> bool:
 
 
 def install(stage: nn.Module, head: nn.Module, chunk: int, mode: str = "auto",
-            autocast: torch.dtype | None = None, parts: int = 1) -> Chunked | None:
+            autocast: torch.dtype | None = None, parts: int = 1, vocab_parts: int = 1) -> Chunked | None:
     """Chunk the loss of `head`, the last block of the wrapped last `stage`, in place: the head's
     forward replaced (`Chunked`), its class given `_Deferring`'s call. After every wrapper: the
     head keeps its own (FSDP2's unit, tensor parallel's hooks) and its place in the stage.
@@ -193,7 +195,7 @@ def install(stage: nn.Module, head: nn.Module, chunk: int, mode: str = "auto",
 
     if not wanted(head, mode):
         return None
-    head._chunked = Chunked(head, chunk, mode, autocast, parts)
+    head._chunked = Chunked(head, chunk, mode, autocast, parts, vocab_parts)
     head.__class__ = type(f"Chunked{type(head).__name__}", (_Deferring, type(head)), {})
     if isinstance(stage, FSDPModule) and not isinstance(head, FSDPModule):
         stage.set_reshard_after_forward(False, recurse=False)

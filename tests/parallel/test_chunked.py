@@ -119,6 +119,11 @@ def test_the_auto_rule():
     parts = chunked.Chunked(copy.deepcopy(head), 256, "auto", parts=4)
     parts.vocab = 32_768
     assert parts.chunks(torch.empty(1, 512, 8, device="meta")) == 2  # 2048 positions whole
+    split = chunked.Chunked(copy.deepcopy(head), 1024, "auto", vocab_parts=2)  # V/2 logits each
+    assert split.vocab == 20
+    split.vocab = 128_256 // 2
+    assert split.chunks(torch.empty(1, 1024 * 2, 8, device="meta")) == 2
+    assert split.chunks(torch.empty(1, 1024 * 1, 8, device="meta")) == 1  # 64 Mi ÷ 2 logits
 
 
 def test_targets_of_sequence_parallel_parts():
