@@ -209,12 +209,14 @@ def test_check_tensor_parallel_vocab_split_equals_one_device(sequence_parallel):
 
 @pytest.mark.full
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("stages,dp,shard,reshard", [(2, 2, 1, False), (2, 2, 2, False), (1, 2, 2, False),
-                                                    (2, 2, 2, True)],
-                         ids=["ddp-pp2", "fsdp-pp2", "fsdp-one-stage", "fsdp-reshard"])
-def test_check_data_parallel_equals_one_device(stages, dp, shard, reshard):
+@pytest.mark.parametrize("stages,dp,shard,reshard,tie", [
+    (2, 2, 1, False, True), (2, 2, 2, False, True), (1, 2, 2, False, True), (1, 2, 2, False, False),
+    (2, 2, 2, True, True)],
+    ids=["ddp-pp2", "fsdp-pp2", "fsdp-one-stage", "fsdp-one-stage-untied", "fsdp-reshard"])
+def test_check_data_parallel_equals_one_device(stages, dp, shard, reshard, tie):
     """The head called by the loss as a module: DDP's gradient hooks, FSDP2's gather and
-    reduce-scatter (the tied head left to the stage's root on one stage)."""
+    reduce-scatter (on one stage: the tied head left to the stage's root, the untied one a unit
+    of its own, freed after each forward and gathered again for its backward)."""
     cases = [("1f1b", 2, 1)]
-    results = _check(cases, stages=stages, dp=dp, shard=shard, reshard=reshard)
+    results = _check(cases, stages=stages, dp=dp, shard=shard, reshard=reshard, tie=tie)
     _assert_equal(results, cases)
