@@ -62,6 +62,7 @@ def _compare(blocks, x, y, loss_fn, chunk: int):
     assert grads1.keys() == grads0.keys()
     for name, g in grads0.items():
         torch.testing.assert_close(grads1[name], g, atol=1e-6, rtol=0, msg=name)
+    assert type(blocks[-1]).__name__ == type(ref[-1]).__name__  # messages name it as the model does
     n = -(-T // chunk)
     assert c.last == n and recompute.reruns() - reruns == n  # each chunk made again in backward
     assert out.shape[-1] != chunked._vocab(blocks[-1])  # the stage passed the hidden states on
