@@ -14,8 +14,8 @@ inside the loss instead, on one chunk of positions at a time, each chunk recompu
 
 The model does not change: the head stays in its stage, but a call from the stage passes its
 input on where the loss will run it (`_Deferring`), and the loss calls the real head as a module,
-once a micro-batch, with the target: its forward is the chunk loop (`_HeadForward`). Calling the module keeps
-every hook its wrappers put on it working: FSDP2's gather before it and reduce-scatter after its
+once a micro-batch, with the target: its forward is the chunk loop (`_HeadForward`). Calling the
+module keeps every hook its wrappers put on it working: FSDP2's gather before it and reduce-scatter after its
 backward, DDP's gradient hooks (the head is still the stage's, under its wrapper), tensor
 parallel's on the head's own layers. Each chunk's loss is the model's own loss function on that
 chunk (through `vocab.split_loss` under tp, whose "vocab" head leaves logits split: the chunk's
@@ -27,10 +27,12 @@ Where it runs (`Chunked.defers`, decided by the stage's forward on the head's in
 micro-batch): with a gradient only, where it helps (`helps`: a micro-batch's logits of at least
 `THRESHOLD` elements, over more than one chunk; "on": more than one chunk). Elsewhere the head
 runs in the stage as it always did: under no_grad (evaluation, inference: a pipeline's outputs
-are logits), and for tiny models, whose runs do not change.
-It is off under schedules that split the backward into I and W (zb, zbv, dualpipev): the weight
-pass keeps every chunk's logit gradient until W, so a chunked head would hold what the plain one
-holds, and run its forward twice.
+are logits), and for tiny models, whose runs do not change. It is off under schedules that
+split the backward into I and W (zb, zbv, dualpipev): the weight pass keeps every chunk's logit
+gradient until W, so a chunked head would hold what the plain one holds, and run its forward
+twice. (An `auto` schedule is judged by its plan when the pipeline
+is built.) Under FSDP2 a head left to the stage's root (tied to the embedding on one stage) keeps
+the root gathered from the forward to its backward (`install`).
 """
 
 from __future__ import annotations
