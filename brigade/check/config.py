@@ -6,7 +6,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from brigade.config import ModelConfig, ParallelConfig
-from brigade.config.fielddoc import CP_METHODS, FLOAT8, MODELS, RECOMPUTES, SCHEDULES, VIRTUALS, doc, sentence
+from brigade.config.fielddoc import (
+    CHUNKED_LOSS,
+    CP_METHODS,
+    FLOAT8,
+    MODELS,
+    RECOMPUTES,
+    SCHEDULES,
+    VIRTUALS,
+    doc,
+    sentence,
+)
 from brigade.errors import BrigadeError
 
 Case = tuple  # (schedule, m[, virtual[, recompute]]); virtual 0: the schedule's own V
@@ -48,6 +58,8 @@ class CheckConfig:
     float8: str = doc("", "float8 matmuls in the body's linear layers ({choices}), against the same "
                           "float8 model on one device, micro-batch by micro-batch (each micro-batch's "
                           "scales its own); empty: none", choices=FLOAT8)
+    chunked_loss: str = doc("auto", sentence(ParallelConfig, "chunked_loss"), choices=CHUNKED_LOSS)
+    loss_chunk: int = doc(1024, sentence(ParallelConfig, "loss_chunk"))
     experts: int = doc(0, sentence(ModelConfig, "experts"))
     top_k: int = doc(2, sentence(ModelConfig, "top_k"))
     lora: int = doc(0, "adapters of this rank on the attention and MLP projections, the rest frozen, "
@@ -79,6 +91,7 @@ class CheckResult:
     cp: int = 1
     cp_method: str = ""
     lora: int = 0
+    loss_chunks: int = 0  # the chunks the head's loss ran in (`parallel.chunked`; 0: not chunked)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -10,6 +10,7 @@ import torch
 from brigade.check.config import Case, CheckConfig, adapters_of, case_of
 from brigade.check.reference import has_batchnorm
 from brigade.config.precision import check_float8
+from brigade.config.validate import chunked_loss
 from brigade.errors import BrigadeError
 from brigade.models import ModelSpec, load_model
 from brigade.parallel import lora, recompute, tensor
@@ -143,6 +144,9 @@ def preflight(cfg: CheckConfig, cases: list[Case]) -> None:
         _check_devices(cfg.devices, cfg.stages)
     if cfg.batch_size < 1:
         raise BrigadeError(f"batch size {cfg.batch_size}: need at least 1")
+    if cfg.loss_chunk < 1:
+        raise BrigadeError(f"--loss-chunk {cfg.loss_chunk}: must be ≥ 1 positions")
+    chunked_loss(cfg.chunked_loss)
     if cfg.float8:
         check_float8(cfg.float8)
     spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)

@@ -106,7 +106,8 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     cut = _cut(cfg, spec, schedule, v, x, world.device)
     # the same assembler as brigade train's (the reference, a deep copy, ran unwrapped)
     built = assemble(spec.blocks, cut, world, mode, cfg.reshard, sequence_parallel=cfg.sequence_parallel,
-                     compile=cfg.compile, float8=cfg.float8, cp_method=cfg.cp_method, adapters=adapters)
+                     compile=cfg.compile, float8=cfg.float8, cp_method=cfg.cp_method,
+                     chunked_loss=cfg.chunked_loss, loss_chunk=cfg.loss_chunk, adapters=adapters)
     loss = _step(built, schedule, m, spec.loss_fn, x, y, warm=cfg.compile)
     _compiled_somewhere(cfg, built)
     held = built.held
@@ -115,16 +116,18 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     torch.optim.SGD(built.owned.parameters(), lr=lr).step()
     param_diff = _max_diff([t.detach() for b in held.values() for t in b.state_dict().values()],
                            [t for b in held for t in ref_state[b]])
-    diffs = torch.tensor([abs(loss - ref_loss), grad_diff, param_diff], dtype=torch.float64,
+    chunks = built.chunked.last if built.chunked is not None and built.chunked.on else 0
+    diffs = torch.tensor([abs(loss - ref_loss), grad_diff, param_diff, chunks], dtype=torch.float64,
                          device=world.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     d = diffs.tolist()
     return CheckResult(schedule, m, cfg.stages, cfg.runtime, list(cut.balance), loss, d[0], d[1], d[2],
-                       ref_kind, ok=max(d) <= cfg.atol, virtual=v, dp=cfg.dp,
+                       ref_kind, ok=max(d[:3]) <= cfg.atol, virtual=v, dp=cfg.dp,
                        reference_device=str(ref_device), shard=cfg.shard, recompute=mode, tp=cfg.tp,
                        sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, ep=cfg.ep, cp=cfg.cp,
-                       cp_method=built.context.method if built.context else "", lora=cfg.lora)
+                       cp_method=built.context.method if built.context else "", lora=cfg.lora,
+                       loss_chunks=int(d[3]))
 
 
 def _step(built: Assembly, schedule: str, m: int, loss_fn, x, y, warm: bool = False) -> float:

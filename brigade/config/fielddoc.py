@@ -209,6 +209,18 @@ def _float8_names() -> list[str]:
     return list(FLOAT8_RECIPES)
 
 
+def _chunked_loss_names() -> list[str]:
+    from brigade.config.loss import MODES  # owns the names and what each does
+
+    return list(MODES)
+
+
+def _chunked_loss_help() -> str:
+    from brigade.config.loss import MODES
+
+    return "; ".join(f"{name}: {what}" for name, what in MODES.items())
+
+
 SCHEDULES = Choices(_schedule_names, _schedule_help)
 VIRTUALS = Choices(described=_schedule_virtuals)
 MODELS = Choices(_model_names, more="path/to/file.py:factory, hf:DIR (a Hugging Face directory)")
@@ -217,6 +229,7 @@ RECOMPUTES = Choices(_recompute_names, _recompute_help)
 UPDATES = Choices(_update_names, _update_help)
 LR_SCHEDULES = Choices(_lr_schedule_names, _lr_schedule_help)
 FLOAT8 = Choices(_float8_names)
+CHUNKED_LOSS = Choices(_chunked_loss_names, _chunked_loss_help)
 
 
 def _cp_method_names() -> list[str]:

@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field, fields
 
 from brigade.config.fielddoc import (
+    CHUNKED_LOSS,
     CP_METHODS,
     FLOAT8,
     LOGS,
@@ -109,6 +110,12 @@ class ParallelConfig:
                           "pip install 'brigade[float8]'); the first block and the head stay in full "
                           "precision, and the run's first lines list what converted; empty: none",
                       choices=FLOAT8)
+    chunked_loss: str = doc("auto", "run the head inside the loss, --loss-chunk positions at a time, "
+                                    "each chunk's logits made again in backward, so a step holds one "
+                                    "chunk's logits, not the sequence's, for one more forward of the "
+                                    "head ({choices})", choices=CHUNKED_LOSS)
+    loss_chunk: int = doc(1024, "positions of each sequence (of this process's part, under sequence or "
+                                "context parallel) the chunked head's loss takes at a time")
     pp: int = doc(1, "pipeline stages, one process each (1: no pipeline across processes)")
     local_stages: int = doc(1, "pipeline stages inside each process, one thread and device each")
     schedule: str = doc("1f1b", "the pipeline schedule (brigade schedule draws one)", choices=SCHEDULES)

@@ -30,6 +30,14 @@ def _positive(name: str, value: float, zero_ok: bool = False) -> None:
         raise BrigadeError(f"--{name.replace('_', '-')} {value}: must be {'≥ 0' if zero_ok else '≥ 1'}")
 
 
+def chunked_loss(mode: str) -> None:
+    """--chunked-loss names one of `config.loss.MODES` (`brigade check` asks this too)."""
+    from brigade.config.loss import MODES
+
+    if mode not in MODES:
+        raise BrigadeError(f"--chunked-loss {mode!r}: expected one of {', '.join(MODES)}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Checks that need no model, data, processes or world (see `resolve_layout`); changes nothing.
 
@@ -39,7 +47,8 @@ def validate(cfg: RunConfig) -> None:
     m, d, p, o, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.train
     for name in ("n_layer", "n_head", "n_embd", "context"):
         _positive(name, getattr(m, name))
-    for name in ("nproc", "pp", "local_stages", "microbatches", "threads", "grad_accum", "hang_timeout"):
+    for name in ("nproc", "pp", "local_stages", "microbatches", "threads", "grad_accum", "hang_timeout",
+                 "loss_chunk"):
         _positive(name, getattr(p, name) if hasattr(p, name) else getattr(o, name))
     for name in ("max_steps", "batch_size", "eval_every", "eval_batches", "keep"):
         _positive(name, getattr(t, name))
@@ -49,6 +58,7 @@ def validate(cfg: RunConfig) -> None:
                         ("snapshot_every", t.snapshot_every), ("sample_tokens", t.sample_tokens),
                         ("peak_tflops", t.peak_tflops)):
         _positive(name, value, zero_ok=True)
+    chunked_loss(p.chunked_loss)
     if not 0 <= m.dropout < 1:
         raise BrigadeError(f"--dropout {m.dropout}: must be in [0, 1)")
     if not 0 < d.val_fraction < 1:

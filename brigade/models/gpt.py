@@ -107,6 +107,8 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
+    per_position = True  # each position's logits from that position alone: the loss may chunk it
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln = nn.LayerNorm(cfg.n_embd)

@@ -61,11 +61,13 @@ import torch
 from torch import nn
 
 from brigade.models.hf.weights import materialize
-from brigade.parallel import compiled, context, experts, lora, recompute, sequence, tensor, vocab
+from brigade.parallel import chunked, compiled, context, experts, lora, recompute, sequence, tensor, vocab
 from brigade.parallel import float8 as fp8
 from brigade.parallel.replicate import data_parallel
 from brigade.parallel.shard import shard_policy, shard_stage
 from brigade.pipeline.pipe import LocalPipeline, Pipeline
+from brigade.pipeline.plans.action import W
+from brigade.pipeline.plans.schedule import build
 from brigade.pipeline.stages.partition import split
 from brigade.pipeline.stages.ties import StageTies, aliases, find_shared
 from brigade.world.mesh import World
@@ -138,6 +140,7 @@ class Assembly:
     eager: list[int] = field(default_factory=list)
     float8: fp8.Conversion | None = None  # what --float8 converted (its `line()`)
     context: context.ContextParallel | None = None  # --cp: the cut of every sequence
+    chunked: chunked.Chunked | None = None  # the last stage's head, its loss chunked (held here)
 
     def after_optimizer_step(self) -> None:
         """What the wrappers need once the weights changed: float8's scales for FSDP's float8
@@ -164,9 +167,16 @@ class Assembly:
     def pipeline(self, schedule: str, n_microbatches: int, loss_fn, costs=None):
         """The pipeline that runs these stages under `schedule`: a `Pipeline` over the world's "pp"
         group, or a `LocalPipeline` over the world's devices (local stages). Under tp the loss
-        takes logits a "vocab" head left split (`vocab.split_loss`)."""
+        takes logits a "vocab" head left split (`vocab.split_loss`); where the head's loss is
+        chunked (`parallel.chunked`), the loss runs the head, unless `schedule` splits backwards
+        into I and W (no memory saved there: `chunked`'s docstring)."""
         if self.world.degrees.tp > 1:
             loss_fn = vocab.split_loss(loss_fn)
+        if self.chunked is not None:
+            n_ranks = len(set(self.cut.ranks))
+            plan = build(schedule, n_ranks, n_microbatches, self.cut.virtual, costs)
+            self.chunked.on = not any(a.op == W for acts in plan.values() for a in acts)
+            loss_fn = self.chunked.loss(loss_fn)
         if self.world.local:
             stages = [self.stages[s] for s in range(len(self.cut.ranks))]
             return LocalPipeline(stages, self.world.devices, schedule, n_microbatches, loss_fn,
@@ -182,7 +192,8 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
              reshard: bool = False, autocast: torch.dtype | None = None,
              weights: Callable[[dict[int, nn.Module], torch.device], None] | None = None,
              sequence_parallel: bool = True, compile: bool = False, float8: str = "",
-             cp_method: str = "auto", adapters: lora.LoraSpec | None = None) -> Assembly:
+             cp_method: str = "auto", chunked_loss: str = "auto", loss_chunk: int = 1024,
+             adapters: lora.LoraSpec | None = None) -> Assembly:
     """This process's stages of `blocks`, cut by `cut`, wrapped for `world` in `ORDER`.
 
     Called by every process with the same blocks (built from one seed) and cut.
@@ -203,6 +214,8 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
         compile: compile each held block's forward (`parallel.compiled`).
         float8: a float8 recipe, tensorwise or rowwise ("": none; `parallel.float8`).
         cp_method: under --cp, how attention exchanges (`context.method_for`).
+        chunked_loss: auto, on or off: the head's loss a chunk of `loss_chunk` positions at a
+            time, where the last block is position-wise (`parallel.chunked`).
         adapters: --lora's adapters (`parallel.lora`); None: every weight trains.
 
     Raises:
@@ -232,7 +245,23 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
         {s: _replicated(stages[s], world, reshard, mixed) for s in mine}  # 5. shard or replicate
     if weights is not None:  # after tensor parallel and sharding: each reads only its part
         weights(held, world.device)
-    return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed, eager, converted, cp)
+    chunk = _chunk_head(blocks, cut, wrapped, tp_mesh, sequence_parallel, chunked_loss, loss_chunk,
+                        run_under)
+    return Assembly(world, cut, wrapped, held, owned, ties, modes, run_under, mixed, eager, converted, cp,
+                    chunk)
+
+
+def _chunk_head(blocks: list[nn.Module], cut: Cut, wrapped: dict[int, nn.Module], tp_mesh,
+                sequence_parallel: bool, mode: str, size: int, autocast) -> chunked.Chunked | None:
+    """The head's loss chunked on the last stage, where this process holds it (`chunked.install`):
+    after every wrapper; under sequence parallel the head takes this process's part."""
+    last, head = len(cut.ranks) - 1, blocks[-1]
+    if last not in wrapped or not chunked.wanted(head, mode):
+        return None
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    parts = tp if tp > 1 and sequence_parallel and sequence.takes_part(head, tensor.plan_at(head, tp)) else 1
+    vocab_parts = tp if tensor.splits_vocab(head, tp) else 1
+    return chunked.install(wrapped[last], head, size, mode, autocast, parts, vocab_parts)
 
 
 def _context(world: World, method: str) -> context.ContextParallel | None:

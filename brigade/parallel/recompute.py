@@ -204,11 +204,12 @@ def _unpack(ticket):
 class Recomputed:
     """A block's forward that keeps little and recomputes in backward; set as the block's `forward`.
 
-    In no-grad mode (evaluation) the block runs as it is.
+    `forward`: the block's own (or any function of tensors and parameters: `recomputed`). In
+    no-grad mode (evaluation) it runs as it is.
     """
 
-    def __init__(self, block: nn.Module, mode: str, name: str):
-        self.inner, self.selective, self.name = block.forward, mode == "selective", name
+    def __init__(self, forward, mode: str, name: str):
+        self.inner, self.selective, self.name = forward, mode == "selective", name
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -223,6 +224,13 @@ class Recomputed:
         if counting and frame.outputs:
             frame.holders += counting.keep(_tensors(frame.outputs))  # selective: kept until recomputed
         return out
+
+
+def recomputed(fn, name: str) -> Recomputed:
+    """`fn` made to keep only its inputs and run again in backward, as a block under full
+    recompute (the chunked head's loss runs each chunk so: `parallel.chunked`). `name`: what it
+    is, for messages."""
+    return Recomputed(fn, "full", name)
 
 
 def modes(blocks: list[nn.Module], mode: str) -> list[str]:
@@ -257,5 +265,5 @@ def apply(blocks: list[nn.Module], mode: str, held: Iterable[int] | None = None)
     held = set(range(len(blocks)) if held is None else held)
     for i, (block, m) in enumerate(zip(blocks, chosen)):
         if i in held and m != "none" and not isinstance(block.forward, Recomputed):
-            block.forward = Recomputed(block, m, f"block {i} ({type(block).__name__})")
+            block.forward = Recomputed(block.forward, m, f"block {i} ({type(block).__name__})")
     return chosen

@@ -128,10 +128,11 @@ def boundaries(blocks: list[nn.Module], parts: list[bool], held: list[int], mesh
 
 def _whole_positions(out, mesh):
     """The last block's output with every position: gathered from parts, unless a "vocab" head
-    already gathered them and split its logits along the vocabulary instead (a DTensor)."""
+    already gathered them and split its logits along the vocabulary instead (a DTensor), or it is
+    a loss (a chunked head's, `parallel.chunked`: the head computed it from its parts)."""
     from torch.distributed.tensor import DTensor
 
-    return out if isinstance(out, DTensor) else to_whole(out, mesh)
+    return out if isinstance(out, DTensor) or out.dim() == 0 else to_whole(out, mesh)
 
 
 def reduce_partial_grads(modules) -> None:

@@ -173,3 +173,14 @@ def _levers(d: dict) -> str:
                       for k, v in d["split_backward"].items())
     return (f"{speed}; split backward {split}; final validation loss {losses}: spread "
             f"{100 * d['curves']['final_spread']:.1f} %")
+
+
+@row("the head's loss, plain against chunked (`--chunked-loss`): peak resident memory of its forward and "
+     "backward on the CPU, vocabulary 128 256, sequence 4096, one sample, hidden size 1024, fp32",
+     "head-loss/head_loss.json", "`python -m brigade.results.head_loss`")
+def _head_loss(d: dict) -> str:
+    plain, *chunked = d["rows"]
+    each = "; ".join(f"chunks of {r['chunk']}: {r['peak_bytes']:,} bytes (×{r['ratio']:.2f}), "
+                     f"{r['seconds']:.0f} s" for r in chunked)
+    return (f"plain {plain['peak_bytes']:,} bytes, {plain['seconds']:.0f} s; {each}; losses within "
+            f"{d['max_abs_loss_diff']:.0e}")

@@ -198,6 +198,8 @@ JOBS: dict[str, Job] = {
                           "python -m brigade.results.snapshot_stall --tiny"),
     "kill-campaign": Job("python -m brigade.results.kill_campaign", "faults/kill_campaign.json",
                          "python -m brigade.results.kill_campaign --tiny"),
+    "head-loss": Job("python -m brigade.results.head_loss", "head-loss/head_loss.json",
+                     "python -m brigade.results.head_loss --tiny"),
     "two-hosts": Job("", "two-hosts/two_hosts.json", needs_root=ROOT),
     "doctor-two-hosts": Job("", "two-hosts/doctor.json", needs_root=ROOT),
 }

@@ -139,7 +139,8 @@ class ProcessModel:
             print(f"brigade: --balance measured: --schedule {schedule} cuts the blocks {list(cut.balance)}, "
                   f"chosen with its plan (--balance {cut_text} repeats it)", flush=True)
         self.assembly = assemble(blocks, cut, world, cfg.recompute, cfg.reshard, autocast, weights,
-                                 cfg.sequence_parallel, cfg.compile, cfg.float8, cfg.cp_method, adapters)
+                                 cfg.sequence_parallel, cfg.compile, cfg.float8, cfg.cp_method,
+                                 cfg.chunked_loss, cfg.loss_chunk, adapters)
         if self.assembly.float8 is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"brigade: {self.assembly.float8.line()}", flush=True)
         self.balance, self.owned, self.held = list(cut.balance), self.assembly.owned, self.assembly.held

@@ -67,6 +67,8 @@ def calls(monkeypatch) -> list[tuple[str, object]]:
     monkeypatch.setattr(assembler.context, "ContextParallel", lambda group, mesh, method: f"cp {method}")
     monkeypatch.setattr(assembler.context, "apply", lambda bs, held, cp, parts, tp: seen.append(
         ("context parallel", cp)))
+    monkeypatch.setattr(assembler.lora, "apply", lambda bs, held, spec: seen.append(("lora", spec.rank)))
+    monkeypatch.setattr(assembler.lora, "check_with", lambda float8: None)  # each is tested apart
     monkeypatch.setattr(assembler.experts, "split_experts", lambda held, world: seen.append(
         ("expert parallel", world.degrees.ep)))
     real_compile = assembler.compiled.compile_blocks
@@ -82,15 +84,18 @@ def calls(monkeypatch) -> list[tuple[str, object]]:
 
 
 def test_the_wrappers_come_in_their_one_order(calls):
-    """float8, tensor parallel, context parallel, recompute, expert parallel, compile, then
-    sharding: ORDER, written once, is what runs."""
+    """float8, tensor parallel, context parallel, recompute, LoRA, expert parallel, compile, then
+    sharding: ORDER, written once, is what runs (float8 and LoRA refuse each other in a run:
+    `lora.check_with`, its own test)."""
+    from brigade.parallel.lora import LoraSpec
+
     w = world(Degrees(dp=2, shard=2, pp=2, cp=2, tp=2), rank=4)  # dp rank 0, pp rank 1, cp 0, tp 0
     built = assemble(blocks(), Cut((2, 2), (0, 1)), w, recompute_mode="full", compile=True,
-                     float8="rowwise")
+                     float8="rowwise", adapters=LoraSpec(4))
     assert [what for what, _ in calls] == list(ORDER)
     assert calls == [("float8", "rowwise"), ("tensor parallel", "tp mesh"),
-                     ("context parallel", "cp all-to-all"), ("recompute", "full"), ("expert parallel", 1),
-                     ("compile", [2, 3]), ("shard or replicate", "shard mesh")]
+                     ("context parallel", "cp all-to-all"), ("recompute", "full"), ("lora", 4),
+                     ("expert parallel", 1), ("compile", [2, 3]), ("shard or replicate", "shard mesh")]
     assert sorted(built.held) == [2, 3] and list(built.stages) == [1]  # pipeline rank 1: stage 1
     assert built.modes == ["full"] * 4
 

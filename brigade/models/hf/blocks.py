@@ -244,6 +244,8 @@ class GPT2Decoder(Renamed):
 class Head(Renamed):
     """The final norm and the output head: (B, T, C) → logits (B, T, V)."""
 
+    per_position = True  # each position's logits from that position alone: the loss may chunk it
+
     def __init__(self, norm: nn.Module, lm_head: nn.Linear, norm_name: str, prefix: str, tied: bool = True):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
