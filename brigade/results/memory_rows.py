@@ -184,3 +184,16 @@ def _head_loss(d: dict) -> str:
                      f"{r['seconds']:.0f} s" for r in chunked)
     return (f"plain {plain['peak_bytes']:,} bytes, {plain['seconds']:.0f} s; {each}; losses within "
             f"{d['max_abs_loss_diff']:.0e}")
+
+
+@row("LoRA rank 8 against full fine-tuning: the tiny Llama widened (4 layers, width 128) on chats from "
+     "pydoc's topics, 2 processes (DDP), 60 steps, the same seed; the exports reloaded",
+     "lora/lora.json", "`python -m brigade.results.lora`")
+def _lora(d: dict) -> str:
+    runs = {r["mode"]: r for r in d["runs"]}
+    each = "; ".join(f"{name}: {r['trainable']:,} trainable, optimizer "
+                     f"{max(r['optimizer_bytes']) / _MIB:.2f} MiB and peak {max(r['peak_bytes']) / _MIB:.1f} "
+                     f"MiB a rank, {r['step_s'] * 1e3:.0f} ms a step, held-out loss {r['held_out_loss']:.3f}"
+                     for name, r in (("full", runs["full"]), ("LoRA", runs["lora"])))
+    return (f"{each}; the merged export in transformers and the adapter in peft score within "
+            f"{d['reloaded_delta']:.0e} of brigade eval")

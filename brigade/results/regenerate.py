@@ -200,6 +200,7 @@ JOBS: dict[str, Job] = {
                          "python -m brigade.results.kill_campaign --tiny"),
     "head-loss": Job("python -m brigade.results.head_loss", "head-loss/head_loss.json",
                      "python -m brigade.results.head_loss --tiny"),
+    "lora": Job("python -m brigade.results.lora", "lora/lora.json", "python -m brigade.results.lora --tiny"),
     "two-hosts": Job("", "two-hosts/two_hosts.json", needs_root=ROOT),
     "doctor-two-hosts": Job("", "two-hosts/doctor.json", needs_root=ROOT),
 }
