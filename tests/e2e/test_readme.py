@@ -66,6 +66,7 @@ SHORT = {
     "brigade.results.snapshot_stall": ["--tiny", ""],
     "brigade.results.kill_campaign": ["--tiny", ""],
     "brigade.results.head_loss": ["--tiny", ""],
+    "brigade.results.lora": ["--tiny", ""],
     # its 21 runs (11 layouts) at full size took 6+ minutes on a slow day (bf16 steps are 6-9x fp32's on CPU)
     "brigade.results.footprint": ["--tiny", "", "--steps", "3", "--repeats", "2"],
 }
@@ -236,7 +237,8 @@ BENCHMARKS = ("bench", "tune", "brigade.results.overhead", "brigade.results.spee
               "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound",
               "brigade.results.big_plans", "brigade.results.levers", "brigade.results.data_scale",
               "brigade.results.moe_plan", "brigade.results.experts", "brigade.results.context",
-              "brigade.results.snapshot_stall", "brigade.results.kill_campaign", "brigade.results.head_loss")
+              "brigade.results.snapshot_stall", "brigade.results.kill_campaign", "brigade.results.head_loss",
+              "brigade.results.lora")
 LAUNCHERS = ("torchrun", "srun")
 
 
