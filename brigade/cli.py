@@ -106,7 +106,7 @@ def _add_check(sub) -> None:
     for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "tp", "ep", "cp",
                  "cp_method", "sequence_parallel", "reshard", "recompute", "compile", "float8", "runtime",
                  "devices",
-                 "batch_size", "balance", "balance_by", "seed", "atol", "experts", "top_k"):
+                 "batch_size", "balance", "balance_by", "seed", "atol", "experts", "top_k", "documents"):
         _option(p, CheckConfig, name, **({"choices": closed[name]} if name in closed else {}))
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     _json_arg(p)
@@ -134,7 +134,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         virtual=args.virtual, dp=args.dp, shard=args.shard, reshard=args.reshard,
         recompute=args.recompute, tp=args.tp, sequence_parallel=args.sequence_parallel,
         compile=args.compile, float8=args.float8, experts=args.experts, top_k=args.top_k, ep=args.ep,
-        cp=args.cp, cp_method=args.cp_method,
+        cp=args.cp, cp_method=args.cp_method, documents=args.documents,
     )
     result = run_check(cfg, port=args.port)[0]
     print(json.dumps(result) if args.json else "\n".join(report.lines(cfg, result)))

@@ -49,6 +49,9 @@ class CheckConfig:
                           "scales its own); empty: none", choices=FLOAT8)
     experts: int = doc(0, sentence(ModelConfig, "experts"))
     top_k: int = doc(2, sentence(ModelConfig, "top_k"))
+    documents: bool = doc(False, "pack a few documents into each checked sequence (the gpt and hf:DIR "
+                                 "models): attention within each, positions restarting at each, as "
+                                 "training on a shard set does (--document-mask)")
 
 
 @dataclass
@@ -77,6 +80,12 @@ class CheckResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def model_options(cfg: CheckConfig) -> dict:
+    """What the model's builder is given (`models.load_model`): the command's per-model options,
+    and `documents` where asked for."""
+    return {**cfg.model_options, **({"documents": True} if cfg.documents else {})}
 
 
 def case_of(cfg: CheckConfig, case: Case) -> tuple[str, int, int, str]:

@@ -31,7 +31,7 @@ def is_shard_set(data: str) -> bool:
 
 
 def token_data(data: str, directory: str, block_size: int, val_fraction: float,
-               out: str, val_data: str = "", val_flag: str = "--val-data") -> tuple[
+               out: str, val_data: str = "", val_flag: str = "--val-data", documents: bool = False) -> tuple[
         list[ShardSet], TokenWindows | Mixture, TokenWindows | Mixture]:
     """The shard sets `--data` names or becomes, and their training and validation windows: the
     stream's last `val_fraction` held out; or, given `val_data` (--val-data: a shard set or a
@@ -46,6 +46,7 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
         block_size, val_fraction: as `shards.split`.
         out: the run's folder, where an unprepared corpus is cached.
         val_flag: the option that named `val_data`, for an error's line.
+        documents: the windows' batches say where their documents start (`shards.TokenWindows`).
 
     Raises:
         BrigadeError: as `tokenize.tokenize`, `ShardSet.open` and `shards.split` (either set
@@ -56,11 +57,12 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
     caches = [Path(out) / (CACHE if corpora is None else f"{CACHE}-{k}") for k in range(len(named))]
     sets = [_shard_set(path, directory, cache) for (path, _), cache in zip(named, caches)]
     if val_data:
-        parts = [(TokenWindows(s, 0, len(s), block_size, "--data"), None) for s in sets]
+        parts = [(TokenWindows(s, 0, len(s), block_size, "--data", documents), None) for s in sets]
         held = _shard_set(val_data, directory, Path(out) / VAL_CACHE)
-        val = TokenWindows(held, 0, len(held), block_size, f"held-out set {val_data!r} ({val_flag})")
+        val = TokenWindows(held, 0, len(held), block_size, f"held-out set {val_data!r} ({val_flag})",
+                           documents)
     else:
-        parts = [split(s, block_size, val_fraction) for s in sets]
+        parts = [split(s, block_size, val_fraction, documents) for s in sets]
         val = None
     if corpora is None:
         return sets, parts[0][0], val or parts[0][1]
