@@ -89,5 +89,6 @@ def refuse_documents(cp: int, fix: str = "add --no-document-mask (windows attend
         BrigadeError: one line, naming `what` asked for the masks and `fix`, how to turn them off.
     """
     if cp > 1:
-        raise BrigadeError(f"--cp {cp} with {what}: context parallel takes causal attention without a mask, which would let a window's "
-                           f"documents attend to each other; {fix}, or drop --cp")
+        raise BrigadeError(f"--cp {cp} with {what}: context parallel takes causal attention without a "
+                           f"mask, which would let a window's documents attend to each other; {fix}, "
+                           "or drop --cp")
