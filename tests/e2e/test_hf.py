@@ -141,3 +141,23 @@ def test_a_mixture_sharded_over_what_ep_leaves_reads_its_part_and_exports_whole(
     want = _transformers_val_loss(tiny_dir("qwen3_moe", layers=2), text, run)
     assert abs(_val_losses(run)[0] - want) < 1e-4
     _logits_equal_after_export(run, tmp_path / "exported")
+
+
+@pytest.mark.full
+def test_packed_documents_resume_bit_for_bit_after_a_kill(tmp_path):
+    """A corpus of many short documents, so that windows pack several (attention within each,
+    positions restarting: docs/data.md#documents-in-a-window): a run killed at step 5 resumes
+    from its snapshot to the same final weights as the run never killed (the loader's cursor is
+    the windows', which the masks do not change)."""
+    corpus = tmp_path / "notes.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"note {k}: " + "word " * (k % 17)}) + "\n"
+                              for k in range(600)))
+    never, killed = tmp_path / "never", tmp_path / "killed"
+    _train(never, hf("llama"), corpus, "--nproc", "2", "--pp", "2")
+    _train(killed, hf("llama"), corpus, "--nproc", "2", "--pp", "2", "--max-restarts", "1",
+           "--inject-fault", "kill:rank=1:step=5")
+    assert final_hash(killed) == final_hash(never)
+    from brigade.data.prepared import token_data
+
+    _, train, _ = token_data(str(corpus), tiny_dir("llama"), 32, 0.1, str(never), documents=True)
+    assert int(train.batch(torch.arange(8))[2].max()) >= 1  # the windows do pack documents

@@ -44,6 +44,22 @@ def test_the_flex_block_mask_is_the_boolean_one():
     torch.testing.assert_close(got, docs.attend(q, k, v, ROWS), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_the_compiled_flex_path_is_the_masks_attention():
+    """`attend`'s CUDA path, compiled, run on this CPU's forward (10-20 s to compile): the block
+    mask made once for every layer given the same documents."""
+    rows = torch.cat([ROWS] * 11, dim=1).sort(dim=1).values  # 132 positions: more than one tile
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 132, 16, generator=g) for _ in range(3))
+    with torch.no_grad():
+        first = docs._flex(q, k, v, rows)
+        mask = docs._FLEX["mask"][1]
+        again = docs._flex(q, k, v, rows)
+    assert docs._FLEX["mask"][1] is mask
+    torch.testing.assert_close(first, docs.attend(q, k, v, rows), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(again, first)
+
+
 def _one_by_one(model, ids: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, make) -> torch.Tensor:
     """The mean loss over every token, each document run alone from its first token in the row."""
     total, count = 0.0, 0
