@@ -28,8 +28,10 @@ def test_positions_restart_and_the_mask_stays_within_each_document():
     assert docs.packed(ROWS) is ROWS
 
 
+@pytest.mark.full
 def test_the_flex_block_mask_is_the_boolean_one():
-    """FlexAttention (the GPU's path) on its CPU forward: no backward here, so no gradients."""
+    """FlexAttention (the GPU's path) on its CPU forward, eager: no backward here, so no
+    gradients (importing it costs seconds: the full tier's)."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(3))
@@ -103,7 +105,7 @@ def test_a_packed_gpt_batch_has_the_documents_own_loss_and_gradients():
 def test_a_packed_hugging_face_batch_has_the_documents_own_loss_and_gradients(family):
     from tests.models.hf.dirs import hf
 
-    spec = load_model(hf(family, layers=2), seed=0, documents=True)
+    spec = load_model(hf(family), seed=0, documents=True)  # the directories the other tests write
     _compare(spec, lambda x, rows: spec.hf.inputs(x, documents=rows), lambda x: spec.hf.inputs(x))
 
 
