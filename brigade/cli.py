@@ -106,7 +106,8 @@ def _add_check(sub) -> None:
     for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "tp", "ep", "cp",
                  "cp_method", "sequence_parallel", "reshard", "recompute", "compile", "float8", "runtime",
                  "devices", "chunked_loss", "loss_chunk",
-                 "batch_size", "balance", "balance_by", "seed", "atol", "experts", "top_k", "lora"):
+                 "batch_size", "balance", "balance_by", "seed", "atol", "experts", "top_k", "lora",
+                 "documents"):
         _option(p, CheckConfig, name, **({"choices": closed[name]} if name in closed else {}))
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     _json_arg(p)
@@ -135,7 +136,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         recompute=args.recompute, tp=args.tp, sequence_parallel=args.sequence_parallel,
         compile=args.compile, float8=args.float8, experts=args.experts, top_k=args.top_k, ep=args.ep,
         cp=args.cp, cp_method=args.cp_method, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
-        lora=args.lora,
+        lora=args.lora, documents=args.documents,
     )
     result = run_check(cfg, port=args.port)[0]
     print(json.dumps(result) if args.json else "\n".join(report.lines(cfg, result)))

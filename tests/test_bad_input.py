@@ -119,6 +119,13 @@ CASES = [
      "--cp 2 with --ep 2: context parallel does not compose with expert parallel yet", 2),
     ("cp with local stages", ["train", "--local-stages", "2", "--cp", "2"],
      "--cp 2 with --local-stages 2: context parallel splits each sequence over processes", 2),
+    ("cp with document masks", ["train", "--nproc", "2", "--cp", "2", "--model", "hf:{tmp}/model"],
+     "--cp 2 with document masks (on for an hf:DIR model's shard sets): context parallel takes causal "
+     "attention without a mask", 2),
+    ("check: cp with documents", ["check", "--documents", "--cp", "2"],
+     "--cp 2 with --documents: context parallel takes causal attention without a mask", 2),
+    ("check: documents on a model without them", ["check", "--documents", "--model", "toy"],
+     "--documents with toy: only the gpt and hf:DIR models take packed documents", 2),
     ("check: ep not dividing the experts", ["check", "--experts", "4", "--dp", "3", "--ep", "3",
                                             "--batch-size", "6"],
      "--ep 3 does not divide the 4 experts of block 1: give --ep a divisor of 4", 2),

@@ -65,6 +65,9 @@ class CheckConfig:
     lora: int = doc(0, "adapters of this rank on the attention and MLP projections, the rest frozen, "
                        "on both sides; their B drawn at random, not zero as training starts it, so "
                        "both adapters have gradients to compare; 0: no LoRA")
+    documents: bool = doc(False, "pack a few documents into each checked sequence (the gpt and hf:DIR "
+                                 "models): attention within each, positions restarting at each, as "
+                                 "training on a shard set does (--document-mask)")
 
 
 @dataclass
@@ -95,6 +98,12 @@ class CheckResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def model_options(cfg: CheckConfig) -> dict:
+    """What the model's builder is given (`models.load_model`): the command's per-model options,
+    and `documents` where asked for."""
+    return {**cfg.model_options, **({"documents": True} if cfg.documents else {})}
 
 
 def case_of(cfg: CheckConfig, case: Case) -> tuple[str, int, int, str]:

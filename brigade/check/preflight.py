@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from brigade.check.config import Case, CheckConfig, adapters_of, case_of
+from brigade.check.config import Case, CheckConfig, adapters_of, case_of, model_options
 from brigade.check.reference import has_batchnorm
 from brigade.config.precision import check_float8
 from brigade.config.validate import chunked_loss
@@ -76,6 +76,18 @@ def _check_layout(cfg: CheckConfig, spec: ModelSpec) -> None:
     if cfg.dp > 1 and has_batchnorm(spec.blocks):
         raise BrigadeError(f"{cfg.model} has BatchNorm, whose running statistics DDP takes from replica 0 "
                            "(no single device computes them): check it with --dp 1")
+
+
+def _check_documents(cfg: CheckConfig) -> None:
+    """--documents: on a model whose blocks take packed documents, without --cp."""
+    if not cfg.documents:
+        return
+    if cfg.model != "gpt" and not cfg.model.startswith("hf:"):
+        raise BrigadeError(f"--documents with {cfg.model}: only the gpt and hf:DIR models take packed "
+                           "documents; drop --documents")
+    from brigade.config.context import refuse_documents
+
+    refuse_documents(cfg.cp, "drop --documents", what="--documents")
 
 
 def _check_experts(cfg: CheckConfig, spec: ModelSpec) -> None:
@@ -149,7 +161,8 @@ def preflight(cfg: CheckConfig, cases: list[Case]) -> None:
     chunked_loss(cfg.chunked_loss)
     if cfg.float8:
         check_float8(cfg.float8)
-    spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+    _check_documents(cfg)
+    spec = load_model(cfg.model, seed=cfg.seed, **model_options(cfg))
     if cfg.balance_by not in ("params", "time"):
         raise BrigadeError(f"unknown balance method {cfg.balance_by!r}: expected params or time")
     _check_layout(cfg, spec)

@@ -15,7 +15,7 @@ import copy
 import torch
 from torch import nn
 
-from brigade.models import ModelSpec, moe
+from brigade.models import ModelSpec, documents, moe
 from brigade.pipeline.batches import feed, microbatch
 from brigade.pipeline.stages.side_inputs import whole
 
@@ -79,9 +79,15 @@ def _pieces(x, y, m: int, replicas: int):
 
 
 def _transformers_reference(spec: ModelSpec, x, y, lr: float, device: torch.device):
-    """`reference` for `hf:DIR`: transformers' own model on the batch's token ids."""
+    """`reference` for `hf:DIR`: transformers' own model on the batch's token ids (and, where the
+    rows pack documents, their positions and block-causal mask, which transformers takes as a
+    custom 4-D mask: `models.documents`)."""
     model = spec.hf.original().to(device)
-    loss = spec.loss_fn(model(input_ids=x["input_ids"].to(device)).logits, y.to(device))
+    packing = {}
+    if x.get("documents") is not None:
+        d = x["documents"].to(device)
+        packing = {"attention_mask": documents.block_causal(d), "position_ids": documents.positions(d)}
+    loss = spec.loss_fn(model(input_ids=x["input_ids"].to(device), **packing).logits, y.to(device))
     loss.backward()
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied head's name too
     names = [b.memory_names() for b in spec.blocks]  # transformers' own (a mixture's experts stacked)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from brigade.check.config import Case, CheckConfig, CheckResult, adapters_of, case_of
+from brigade.check.config import Case, CheckConfig, CheckResult, adapters_of, case_of, model_options
 from brigade.check.inputs import sample
 from brigade.check.preflight import local_devices, preflight
 from brigade.check.reference import exact_matmuls, reference
@@ -96,7 +96,7 @@ def run_case(cfg: CheckConfig, case: Case, world: World | None = None, lr: float
     world = world or World(Degrees(), torch.device(_local_devices(cfg)[0]), _local_devices(cfg))
     schedule, m, virtual, mode = case_of(cfg, case)
     v = placement(schedule, cfg.stages, virtual)[0]
-    spec = load_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+    spec = load_model(cfg.model, seed=cfg.seed, **model_options(cfg))
     x, y = spec.make_batch(cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
     ref_device = _reference_device(world)
     # float8's reference cuts the batch as the replicas and their micro-batches do

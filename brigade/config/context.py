@@ -76,3 +76,19 @@ def check_layout(cp: int, method: str, local_stages: int = 1, ep: int = 1, runti
     if ep > 1:
         raise BrigadeError(f"--cp {cp} with --ep {ep}: context parallel does not compose with expert "
                            "parallel yet; use one of them")
+
+
+def refuse_documents(cp: int, fix: str = "add --no-document-mask (windows attend across documents)",
+                     what: str = "document masks (on for an hf:DIR model's shard sets)") -> None:
+    """Document masks (`models.documents`) with --cp > 1: refused. Each process holds a part of
+    the sequence, and both methods take attention without a mask (the all-to-all could carry the
+    whole sequence's documents to where every position meets, but does not yet; torch's ring
+    over a document mask needs FlexAttention's, CUDA only, not wired here).
+
+    Raises:
+        BrigadeError: one line, naming `what` asked for the masks and `fix`, how to turn them off.
+    """
+    if cp > 1:
+        raise BrigadeError(f"--cp {cp} with {what}: context parallel takes causal attention without a "
+                           f"mask, which would let a window's documents attend to each other; {fix}, "
+                           "or drop --cp")

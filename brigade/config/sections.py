@@ -62,6 +62,10 @@ class DataConfig:
     val_fraction: float = doc(0.1, "share of the text held out for the validation loss, between 0 and 1")
     val_data: str = doc("", "a held-out text (an hf:DIR model: a corpus or a shard set) for the validation "
                             "loss instead of --data's last --val-fraction, all of which then trains")
+    document_mask: bool = doc(True, "an hf:DIR model's shard sets: attention stays within each document "
+                                    "a window packs, and positions restart at each "
+                                    "(--no-document-mask: windows attend across documents); a "
+                                    "character text has no documents and is unaffected")
 
 
 @dataclass
@@ -230,12 +234,17 @@ def field_types(cls: type) -> dict[str, type]:
 # the step the learning rate's decay ends on, where the user says so (`config.lr`).
 _HASHED = {"model": None, "data": None, "optim": None, "train": ("batch_size", "seed")}
 _UNHASHED = {"optim": ("decay_steps",)}
+# Keys that change what is trained only for some models: elsewhere left out, so that toggling
+# them does not refuse a resume, and a snapshot written before they existed keeps its hash.
+_HF_ONLY = {"data": ("document_mask",)}
 
 
 def config_subset(cfg: RunConfig) -> dict:
     """The sections and keys a snapshot must match to resume `cfg` (the manifest's `config`)."""
     d = cfg.to_dict()
-    kept = {s: [k for k in d[s] if (keys is None or k in keys) and k not in _UNHASHED.get(s, ())]
+    left = {s: (*_UNHASHED.get(s, ()), *(() if cfg.model.model.startswith("hf:") else _HF_ONLY.get(s, ())))
+            for s in _HASHED}
+    kept = {s: [k for k in d[s] if (keys is None or k in keys) and k not in left[s]]
             for s, keys in _HASHED.items()}
     return {s: {k: d[s][k] for k in names} for s, names in kept.items()}
 

@@ -147,7 +147,7 @@ def expert_parallel(ep: int, experts: int, model: str, local_stages: int = 1) ->
 def _context_parallel(cfg: RunConfig) -> None:
     """--cp: a positive degree over processes (`config.context.check_layout`), a --block-size it
     splits, and, for the built-in gpt under all-to-all, heads it splits; not under an elastic
-    node range."""
+    node range, nor with an hf:DIR model's document masks."""
     from brigade.config import context  # owns the rules
 
     p, m = cfg.parallel, cfg.model
@@ -161,6 +161,8 @@ def _context_parallel(cfg: RunConfig) -> None:
                            "a fixed --nnodes, or drop --cp")
     context.check_length(cfg.data.block_size, p.cp, p.tp if p.sequence_parallel else 1,
                          "ring" if p.cp_method == "ring" else "all-to-all")
+    if m.model.startswith("hf:") and cfg.data.document_mask:
+        context.refuse_documents(p.cp)
     if m.model == "gpt" and p.cp_method != "ring":
         context.check_heads(m.n_head, m.n_head, p.cp, p.tp, where="the gpt (--n-head)")
 

@@ -110,12 +110,14 @@ class Mixture:
         sizes = torch.tensor([len(p) for p in self.parts])[corpus]
         return corpus, (cycle * per + self.nth[place]) % sizes
 
-    def batch(self, indices: torch.Tensor):
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts' batches, each a tuple of tensors of one arity (inputs, targets, and the
+        documents where the parts give them), row by row as the mixture orders them."""
         corpus, example = self.locate(indices.to(torch.int64))
-        xs, ys = [None] * len(indices), [None] * len(indices)
+        rows: list[tuple | None] = [None] * len(indices)
         for k in corpus.unique().tolist():
             where = (corpus == k).nonzero().flatten()
-            x, y = self.parts[k].batch(example[where])
+            got = self.parts[k].batch(example[where])
             for row, i in enumerate(where.tolist()):
-                xs[i], ys[i] = x[row], y[row]
-        return torch.stack(xs), torch.stack(ys)
+                rows[i] = tuple(t[row] for t in got)
+        return tuple(torch.stack(column) for column in zip(*rows))

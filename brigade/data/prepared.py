@@ -31,7 +31,7 @@ def is_shard_set(data: str) -> bool:
 
 
 def token_data(data: str, directory: str, block_size: int, val_fraction: float,
-               out: str, val_data: str = "", val_flag: str = "--val-data") -> tuple[
+               out: str, val_data: str = "", val_flag: str = "--val-data", documents: bool = False) -> tuple[
         list[ShardSet], TokenWindows | Mixture, TokenWindows | Mixture]:
     """The shard sets `--data` names or becomes, and their training and validation windows: the
     stream's last `val_fraction` held out; or, given `val_data` (--val-data: a shard set or a
@@ -46,6 +46,7 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
         block_size, val_fraction: as `shards.split`.
         out: the run's folder, where an unprepared corpus is cached.
         val_flag: the option that named `val_data`, for an error's line.
+        documents: the windows' batches say where their documents start (`shards.TokenWindows`).
 
     Raises:
         BrigadeError: as `tokenize.tokenize`, `ShardSet.open` and `shards.split` (either set
@@ -56,10 +57,10 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
     caches = [Path(out) / (CACHE if corpora is None else f"{CACHE}-{k}") for k in range(len(named))]
     sets = [_shard_set(path, directory, cache) for (path, _), cache in zip(named, caches)]
     if val_data:
-        parts = [(TokenWindows(s, 0, len(s), block_size, "--data"), None) for s in sets]
-        val = _held_out(val_data, directory, block_size, out, val_flag)
+        parts = [(TokenWindows(s, 0, len(s), block_size, "--data", documents), None) for s in sets]
+        val = _held_out(val_data, directory, block_size, out, val_flag, documents)
     else:
-        parts = [split(s, block_size, val_fraction) for s in sets]
+        parts = [split(s, block_size, val_fraction, documents) for s in sets]
         val = None
     if corpora is None:
         return sets, parts[0][0], val or parts[0][1]
@@ -67,15 +68,17 @@ def token_data(data: str, directory: str, block_size: int, val_fraction: float,
     return sets, Mixture([t for t, _ in parts], weights), val or Mixture([v for _, v in parts], weights)
 
 
-def _held_out(val_data: str, directory: str, block_size: int, out: str, val_flag: str):
+def _held_out(val_data: str, directory: str, block_size: int, out: str, val_flag: str, documents: bool):
     """--val-data's windows (`val_flag`'s): one shard set or corpus, tokenized into OUT/tokens-val;
-    several mixed by weight, corpus K's into OUT/tokens-val-K."""
+    several mixed by weight, corpus K's into OUT/tokens-val-K; with their `documents` (as
+    `TokenWindows`)."""
     corpora = mix.parse(val_data, val_flag)
     named = corpora or [(val_data, 1.0)]
     parts = []
     for k, (path, _) in enumerate(named):
         held = _shard_set(path, directory, Path(out) / (VAL_CACHE if corpora is None else f"{VAL_CACHE}-{k}"))
-        parts.append(TokenWindows(held, 0, len(held), block_size, f"held-out set {path!r} ({val_flag})"))
+        parts.append(TokenWindows(held, 0, len(held), block_size, f"held-out set {path!r} ({val_flag})",
+                                  documents))
     return parts[0] if corpora is None else Mixture(parts, [w for _, w in corpora])
 
 

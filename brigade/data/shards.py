@@ -15,6 +15,10 @@ The stream packs documents with the tokenizer's end-of-sequence token between th
 block_size + 1 ids from lo + k · block_size: the windows tile it, and a window may cross from
 one file into the next. The validation part is the stream's last `val_fraction`, cut at a
 fixed token position.
+
+With `documents` (a run's default, `--no-document-mask` off) a batch also says where each of its
+windows' documents start: (B, T) int64, each input token's document counted from 0 at the
+window's first token (`models.documents`), read from documents.bin by binary search.
 """
 
 from __future__ import annotations
@@ -139,6 +143,7 @@ class ShardSet:
             _check_size(folder, s["name"], s["tokens"] * itemsize)
             if "mask" in s:
                 _check_size(folder, s["mask"]["name"], s["tokens"])
+        _check_size(folder, m.documents_file["name"], m.documents * 8)
         return cls(folder, m)
 
     def __len__(self) -> int:
@@ -161,6 +166,12 @@ class ShardSet:
             out.append(data[lo - self.starts[i]: hi - self.starts[i]])
         return np.concatenate(out) if len(out) != 1 else out[0]
 
+    def documents_of(self, start: int, stop: int) -> np.ndarray:
+        """The document of each position in [start, stop), counted from 0 at `start`."""
+        starts = self._map(self.manifest.documents_file["name"], np.dtype("<u8"))
+        at = np.searchsorted(starts, np.arange(start, stop, dtype=np.uint64), side="right")
+        return (at - at[0]).astype(np.int64)
+
 
 def _check_size(folder: Path, name: str, expected: int) -> None:
     path = folder / name
@@ -177,14 +188,17 @@ class TokenWindows:
     next-token targets (targets the loss skips are IGNORE, for instruction data).
 
     Works wherever a `text.CharDataset` does (`len`, `batch(indices) -> (inputs, targets)`);
-    reads only the windows asked for.
+    reads only the windows asked for. With `documents`, `batch` gives (inputs, targets,
+    documents): each input token's document in its window (module docstring).
     """
 
-    def __init__(self, shards: ShardSet, lo: int, hi: int, block_size: int, what: str):
+    def __init__(self, shards: ShardSet, lo: int, hi: int, block_size: int, what: str,
+                 documents: bool = False):
         if hi - lo < block_size + 1:
             raise BrigadeError(f"the {what} has {hi - lo} tokens, fewer than one sequence of "
                                f"{block_size} + 1: use more text or a smaller --block-size")
         self.shards, self.lo, self.hi, self.block_size = shards, lo, hi, block_size
+        self.documents = documents
 
     def __len__(self) -> int:
         return (self.hi - self.lo - 1 - self.block_size) // self.block_size + 1
@@ -193,18 +207,25 @@ class TokenWindows:
         start = self.lo + int(k) * self.block_size
         return self.shards.read(start, start + self.block_size + 1, mask)
 
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ids = torch.from_numpy(np.stack([self.window(k) for k in indices.tolist()]).astype(np.int64))
         x, y = ids[:, :-1], ids[:, 1:].clone()
         if self.shards.manifest.masked:
             counted = np.stack([self.window(k, mask=True) for k in indices.tolist()])[:, 1:]
             y[torch.from_numpy(counted == 0)] = IGNORE
-        return x, y
+        if not self.documents:
+            return x, y
+        starts = [self.lo + int(k) * self.block_size for k in indices.tolist()]
+        docs = np.stack([self.shards.documents_of(s, s + self.block_size) for s in starts])
+        return x, y, torch.from_numpy(docs)
 
 
-def split(shards: ShardSet, block_size: int, val_fraction: float) -> tuple[TokenWindows, TokenWindows]:
+def split(shards: ShardSet, block_size: int, val_fraction: float,
+          documents: bool = False) -> tuple[TokenWindows, TokenWindows]:
     """Training and validation windows: the stream cut at a fixed token position, the last
     `val_fraction` held out.
+
+    `documents`: as `TokenWindows`'.
 
     Raises:
         BrigadeError: too few tokens for one sequence in either part.
@@ -214,8 +235,8 @@ def split(shards: ShardSet, block_size: int, val_fraction: float) -> tuple[Token
         raise BrigadeError(f"the data has {total} tokens, fewer than one sequence of {block_size} + 1: "
                            "use more text or a smaller --block-size")
     cut = int(total * (1 - val_fraction))
-    return (TokenWindows(shards, 0, cut, block_size, "training part of --data"),
-            TokenWindows(shards, cut, total, block_size, "validation part of --data"))
+    return (TokenWindows(shards, 0, cut, block_size, "training part of --data", documents),
+            TokenWindows(shards, cut, total, block_size, "validation part of --data", documents))
 
 
 def remove_tree(path: Path) -> None:

@@ -16,6 +16,7 @@ and uses mean-squared error against random targets (as the tutorial does).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import sys
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brigade.errors import BrigadeError
+from brigade.models.documents import random_documents
 from brigade.models.gpt import GPTConfig, gpt, gpt_loss
 from brigade.models.resnet import resnet50
 from brigade.models.spec import Batch, ModelSpec
@@ -39,11 +41,17 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def _gpt(gpt_cfg: GPTConfig | None, **_) -> ModelSpec:
+def _gpt(gpt_cfg: GPTConfig | None, documents: bool = False, **_) -> ModelSpec:
+    """`documents`: the blocks take packed rows' documents, and the batches pack a few each
+    (`models.documents`)."""
     cfg = gpt_cfg or GPTConfig()
+    if documents:
+        cfg = dataclasses.replace(cfg, documents=True)
 
     def make_batch(n: int, g: torch.Generator) -> Batch:
         seq = torch.randint(cfg.vocab_size, (n, cfg.block_size + 1), generator=g)
+        if cfg.documents:
+            return {"idx": seq[:, :-1], "documents": random_documents(n, cfg.block_size, g)}, seq[:, 1:]
         return seq[:, :-1], seq[:, 1:]
 
     return ModelSpec("gpt", gpt(cfg), gpt_loss, make_batch)
@@ -76,7 +84,8 @@ def load_model(name: str, seed: int = 0, **options) -> ModelSpec:
     """Build a model by built-in name or ``FILE:FACTORY``, with weights drawn from `seed`.
 
     Options: gpt_cfg (GPTConfig) for gpt, image_size for resnet50, width/depth for mlp; for
-    hf:DIR, those of `models.hf.model.load_hf` (meta, dropout, block_size).
+    hf:DIR, those of `models.hf.model.load_hf` (meta, dropout, block_size); documents (gpt,
+    hf:DIR): blocks that take packed rows' documents, and batches that pack a few a row.
 
     Raises:
         BrigadeError: unknown name, missing file or factory, factory failure, or a non-block result.

@@ -7,6 +7,10 @@ gradients (brigade.pipeline.stages.ties). With `experts` each block's feed-forwa
 of experts instead (`brigade.models.moe`: top-k routing, SwiGLU experts of width 2C, the
 load-balancing loss at `aux_coef`).
 
+With `documents` the blocks take a side input of that name, (B, T) int64, each token's document in
+its packed row (`brigade.models.documents`): positions restart at each document and attention
+stays within it. None (or `documents` False: no side input): one sequence a row, as ever.
+
 Each block declares how tensor parallel splits it (`tp_plan`, read by brigade.parallel.tensor):
 attention's fused q/k/v column-wise and its output row-wise, by whole heads; the MLP's up
 column-wise and its down row-wise; under sequence parallel its two norms run on a part of the
@@ -23,7 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brigade.models import documents as docs
 from brigade.models.moe import MoE, MoEConfig
+
+SIDE = ("documents",)  # the side inputs of a GPT with `documents`
 
 
 @dataclass
@@ -38,6 +45,7 @@ class GPTConfig:
     experts: int = 0  # > 0: each block's feed-forward a mixture of experts (`models.moe`)
     top_k: int = 2  # the experts each token goes to
     aux_coef: float = 0.01  # the load-balancing loss's weight (Switch Transformer's)
+    documents: bool = False  # the blocks take the side input `documents` (module docstring)
 
 
 class Embedding(nn.Module):
@@ -49,14 +57,20 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
+        if cfg.documents:
+            self.side_inputs = SIDE
 
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None, *,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) int64 → (B, T, C); `positions` (T,): each token's place in its sequence (brigade
-        hands a part of a sequence its global ones under context parallel), else 0..T−1."""
+        hands a part of a sequence its global ones under context parallel), else 0..T−1;
+        `documents` (B, T): positions restart at each document instead."""
         t = idx.shape[1]
         if positions is None and t > self.block_size:  # given positions: the whole was checked
             raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
         pos = torch.arange(t, device=idx.device) if positions is None else positions
+        if documents is not None:
+            pos = docs.positions(documents)  # (B, T)
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
@@ -71,12 +85,16 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C); `documents` (B, T): attention within each (`models.documents`)."""
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, -1, 3, self.d)  # (B, T, H, 3, D); H: the heads held here
         q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))  # (B, H, T, D) each
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
+        if documents is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
+        else:
+            y = docs.attend(q, k, v, documents, p)
         return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
@@ -86,6 +104,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = SelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
+        if cfg.documents:
+            self.side_inputs = SIDE
         self.tp_plan = {"attn.qkv": ("colwise", cfg.n_head), "attn.proj": ("rowwise", cfg.n_head),
                         "ln1": "sequence", "ln2": "sequence", "attn": "gather"}
         if cfg.experts:  # each expert a SwiGLU of width 2C, whole on every tp process (parallel.tensor)
@@ -101,8 +121,9 @@ class Block(nn.Module):
             nn.Dropout(cfg.dropout),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, *, documents: torch.Tensor | None = None) -> torch.Tensor:
+        # (B, T, C) -> (B, T, C); documents by keyword: sequence parallel's hooks convert only x
+        x = x + self.attn(self.ln1(x), documents=documents)
         return x + self.mlp(self.ln2(x))
 
 

@@ -14,6 +14,9 @@ from brigade.config.lr import decay_end
 from brigade.snapshot.format import Manifest, SnapshotError
 
 _DEFAULTS = config_subset(RunConfig())  # a key a snapshot lacks was written before it, at this
+# ... unless the setting's default is not what runs did before it existed: packed windows
+# attended across documents until --document-mask (on by default) came.
+_BEFORE = {"data": {"document_mask": False}}
 
 
 def run_facts(cfg: RunConfig, cursor: int, epoch: int, vocab: str | None,
@@ -50,7 +53,7 @@ def check_compatible(manifest: Manifest, cfg: RunConfig) -> None:
     saved = manifest.config
     now = config_subset(cfg)
     changed = [f"{s}.{k}" for s in now for k in now[s]
-               if saved.get(s, {}).get(k, _DEFAULTS[s].get(k)) != now[s][k]]
+               if saved.get(s, {}).get(k, _BEFORE.get(s, {}).get(k, _DEFAULTS[s].get(k))) != now[s][k]]
     if not changed:  # a snapshot written before a setting existed, the setting at its default
         return
     what = "another model" if any(c.startswith("model.") for c in changed) else "another configuration"

@@ -117,7 +117,7 @@ def hf_data(cfg: RunConfig, spec: ModelSpec | None = None,
     spec = spec or from_config(cfg.model, cfg.train.seed, meta=True)
     vocab_size, d = spec.hf.config.vocab_size, cfg.data
     sets, train, val = token_data(d.data, str(spec.hf.directory), d.block_size, d.val_fraction,
-                                  cfg.train.out, d.val_data, val_flag)
+                                  cfg.train.out, d.val_data, val_flag, d.document_mask)
     max_id = max(s.manifest.max_id for s in sets)
     if max_id >= vocab_size:
         raise BrigadeError(f"the tokenizer of {spec.hf.directory} gives id {max_id} "
@@ -128,7 +128,8 @@ def hf_data(cfg: RunConfig, spec: ModelSpec | None = None,
 
 class TextInputs:
     """A text dataset whose token ids become a model's inputs by the model file's `text_inputs`
-    (e.g. the ids and a padding mask for a model that takes one as a side input)."""
+    (e.g. the ids and a padding mask for a model that takes one as a side input); a shard set's
+    windows with their documents (`--document-mask`) hand those to it too, by keyword."""
 
     def __init__(self, data, text_inputs):  # a text.CharDataset or a shards.TokenWindows
         self.data, self.text_inputs = data, text_inputs
@@ -137,8 +138,8 @@ class TextInputs:
         return len(self.data)
 
     def batch(self, indices: torch.Tensor):
-        x, y = self.data.batch(indices)
-        return self.text_inputs(x), y
+        x, y, *documents = self.data.batch(indices)
+        return (self.text_inputs(x, documents=documents[0]) if documents else self.text_inputs(x)), y
 
 
 def from_config(m: ModelConfig, seed: int = 0, vocab_size: int | None = None,

@@ -68,7 +68,7 @@ def test_a_wrong_cut_fails_the_check(monkeypatch):
     """The comparison can fail: a decoder that skips its layer's mask (attends to the future)."""
     from brigade.models.hf import blocks
 
-    monkeypatch.setattr(blocks, "layer_mask", lambda padding, window, length, device:
+    monkeypatch.setattr(blocks, "layer_mask", lambda padding, window, length, device, documents=None:
                         torch.ones(1, 1, length, length, dtype=torch.bool, device=device))
     result = run_check(CheckConfig(model=hf("llama"), stages=2, runtime="local", batch_size=4))[0]
     assert not result["ok"] and result["max_abs_loss_diff"] > 1e-3

@@ -56,6 +56,31 @@ def test_windows_tile_the_stream_across_shard_files(tmp_path, model_dir):
     assert sorted(every.flatten().tolist()) == sorted(stream(out)[:12])  # each id an input once
 
 
+def test_windows_say_where_their_documents_start_and_a_mixture_keeps_them(tmp_path, model_dir):
+    """Documents at 0, 5, 8 of "a b c d </s> e f </s> g h a b": each input token's document counted
+    from 0 at its window's first, the end-of-sequence token with the document it ends."""
+    from brigade.data.mix import Mixture
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c d"}, {"text": "e f"}, {"text": "g h a b"}])
+    _, out = run(tmp_path, model_dir, path, shard_tokens=5)
+    shards = ShardSet.open(out)
+    windows = TokenWindows(shards, 0, len(shards), 3, "--data", documents=True)
+    x, y, docs = windows.batch(torch.tensor([0, 1, 2]))  # windows from 0, 3 and 6
+    assert x.tolist() == [ids("a b c"), ids("d </s> e"), ids("f </s> g")]
+    assert docs.tolist() == [[0, 0, 0], [0, 0, 1], [0, 0, 1]]
+    assert len(TokenWindows(shards, 0, len(shards), 3, "--data").batch(torch.tensor([0]))) == 2  # off
+    mixed = Mixture([windows, windows], [1, 1]).batch(torch.tensor([1, 2]))
+    assert len(mixed) == 3 and mixed[2].shape == (2, 3)
+
+
+def test_a_truncated_documents_file_is_refused_in_one_line(tmp_path, model_dir):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c d"}, {"text": "e f"}])
+    _, out = run(tmp_path, model_dir, path)
+    (out / "documents.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(BrigadeError, match=r"documents.bin' has 8 bytes where its manifest says 16"):
+        ShardSet.open(out)
+
+
 def test_prompt_and_completion_mask_the_prompt_out_of_the_targets(tmp_path, model_dir):
     path = write_jsonl(tmp_path / "i.jsonl", [{"prompt": "a b", "completion": "c d"},
                                               {"prompt": "e", "completion": "f g"}])

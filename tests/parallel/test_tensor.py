@@ -111,7 +111,7 @@ def test_planned_weights_are_split_in_half_and_the_rest_stays_whole(sequence):
     assert got["embedding"] == ["Parameter", "Parameter"]
 
 
-def _contiguous_split(self, x):
+def _contiguous_split(self, x, documents=None):
     """GPT attention reading q, k and v as three contiguous thirds of qkv: right on one device
     (another, equally valid, layout of the weight), wrong when tp splits its rows by heads."""
     b, t, _ = x.shape

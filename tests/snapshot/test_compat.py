@@ -72,3 +72,29 @@ def test_the_refusal_fine_tuning_md_quotes_is_the_one_brigade_prints():
     with pytest.raises(SnapshotError) as refused:
         check_compatible(_manifest(cfg), _with(cfg, max_steps=80))
     assert quoted == f"brigade train: error: {refused.value}"
+
+
+def _hf(document_mask: bool = True) -> RunConfig:
+    cfg = RunConfig()
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="hf:some/dir"),
+                               data=dataclasses.replace(cfg.data, document_mask=document_mask))
+
+
+def test_document_masks_on_or_off_are_another_configuration_for_an_hf_model_only():
+    """The windows (and so the cursor) are the same either way, but not what attends to what: a
+    resume keeps the setting it trained with. A snapshot from before the setting existed trained
+    across documents: it resumes with --no-document-mask. The GPT's characters have no documents:
+    the setting is not part of its configuration, nor of its snapshots' hash."""
+    with pytest.raises(SnapshotError, match=r"another configuration \(differs in data.document_mask\)"):
+        check_compatible(_manifest(_hf(True)), _hf(False))
+    check_compatible(_manifest(_hf(False)), _hf(False))
+    new = _manifest(_hf(False))
+    config = {**new.config, "data": {k: v for k, v in new.config["data"].items() if k != "document_mask"}}
+    old = dataclasses.replace(new, config=config, config_hash="written-before")
+    check_compatible(old, _hf(False))
+    with pytest.raises(SnapshotError, match=r"differs in data.document_mask"):
+        check_compatible(old, _hf(True))
+    gpt = RunConfig()
+    assert "document_mask" not in config_subset(gpt)["data"]
+    check_compatible(_manifest(gpt), dataclasses.replace(gpt, data=dataclasses.replace(gpt.data,
+                                                                                       document_mask=False)))

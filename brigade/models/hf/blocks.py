@@ -12,7 +12,11 @@ Side inputs (brigade delivers them to every stage from the batch, see pipeline.s
                          decoder builds the causal mask (with the layer's sliding window, if it
                          has one) from it; None where the batch pads nothing (`layer_mask`)
     position_embeddings  Llama-like only: the rotary (cos, sin), each (B, T, D), computed once per
-                         batch by the family's own rotary module
+                         batch by the family's own rotary module (at each token's place in its
+                         document, where the row packs several)
+    documents            (B, T) int64, each token's document where a row packs several
+                         (`models.documents`): attention stays within it, and GPT-2's positions
+                         restart at each; None where every row is one sequence
 
 `standalone` blocks (what `brigade bench`, `tune` and `plan` time: torch.distributed.pipelining,
 their yardstick, hands each stage one tensor) take no side inputs: each decoder makes its
@@ -22,7 +26,8 @@ tokens (none: `layer_mask`). The layers, and so what is timed, are the same.
 Attention: the layers run transformers' "sdpa" attention, which calls SDPA with is_causal=True
 when it is handed no mask (and has more than one query); a GPU's flash kernel takes only that
 form, never an explicit mask. So a decoder hands its layer no mask unless one says more than
-causality: padding, or a sliding window shorter than the sequence (`layer_mask`).
+causality: padding, packed documents, or a sliding window shorter than the sequence
+(`layer_mask`).
 
 Every block knows the name each of its tensors has in the directory (`hf_names`), so a rank
 reads only its own blocks' tensors and an export writes them back under the same names, and the
@@ -36,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from brigade.models import documents as docs
 
 
 def causal_mask(padding: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -54,7 +61,7 @@ def causal_mask(padding: torch.Tensor, window: int | None = None) -> torch.Tenso
 
 
 def layer_mask(padding: torch.Tensor | None, window: int | None, length: int,
-               device: torch.device) -> torch.Tensor | None:
+               device: torch.device, documents: torch.Tensor | None = None) -> torch.Tensor | None:
     """The mask a decoder layer is handed: None where causality alone is the rule.
 
     Handed None, transformers' sdpa attention calls SDPA with is_causal=True, the only form a
@@ -73,12 +80,15 @@ def layer_mask(padding: torch.Tensor | None, window: int | None, length: int,
         length: the whole sequence's length T (under sequence parallel the hidden states hold
             a part of it; the attention sees all of it).
         device: where a mask is built.
+        documents: (B, T) each token's document in a packed row, or None (one a row): a query
+            attends only within its own (`models.documents.block_causal`).
     """
-    if padding is None and (window is None or window >= length):
+    if padding is None and documents is None and (window is None or window >= length):
         return None
     if padding is None:
         padding = torch.ones(1, length, dtype=torch.bool, device=device)
-    return causal_mask(padding, window)
+    mask = causal_mask(padding, window)
+    return mask if documents is None else mask & docs.block_causal(documents)
 
 
 @dataclass(frozen=True)
@@ -139,28 +149,35 @@ class Embed(Renamed):
 
 
 class GPT2Embed(Renamed):
-    """GPT-2: token ids (B, T) → token + position embeddings (B, T, C), then dropout."""
+    """GPT-2: token ids (B, T) → token + position embeddings (B, T, C), then dropout; given the
+    packed documents (None: one a row) as a side input."""
 
     tp_plan: dict = {}
+    side_inputs = ("documents",)
 
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module, prefix: str):
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module, prefix: str,
+                 standalone: bool = False):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
         self.hf_prefixes = {"wte.": f"{prefix}wte.", "wpe.": f"{prefix}wpe."}
+        if standalone:
+            self.side_inputs = ()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """`positions` (T,): each token's place in its sequence (a part's global ones under
-        context parallel), else 0..T−1."""
+        context parallel), else 0..T−1; `documents` (B, T): restarting at each document."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return self.drop(self.wte(input_ids) + self.wpe(positions[None, :]))
+        pos = positions[None, :] if documents is None else docs.positions(documents)
+        return self.drop(self.wte(input_ids) + self.wpe(pos))
 
 
 class Decoder(Renamed):
-    """Llama-like: one decoder layer, (B, T, C) → (B, T, C), given the rotary (cos, sin) and
-    the padding mask (None: no padding) as side inputs."""
+    """Llama-like: one decoder layer, (B, T, C) → (B, T, C), given the rotary (cos, sin), the
+    padding mask (None: no padding) and the packed documents (None: one a row) as side inputs."""
 
-    side_inputs = ("position_embeddings", "attention_mask")
+    side_inputs = ("position_embeddings", "attention_mask", "documents")
 
     def __init__(self, layer: nn.Module, prefix: str, heads: int, kv_heads: int, window: int | None,
                  rotary: nn.Module | None = None, experts=None):
@@ -210,24 +227,25 @@ class Decoder(Renamed):
                                                              for e in range(n)))
         return names
 
-    def forward(self, x: torch.Tensor, *, position_embeddings=None, attention_mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_embeddings=None, attention_mask=None,
+                documents=None) -> torch.Tensor:
         if position_embeddings is None:  # standalone: a batch of real tokens
             b, t = x.shape[:2]
             positions = torch.arange(t, device=x.device)[None, :].expand(b, -1)
             position_embeddings = self.rotary(x, positions)
         length = position_embeddings[0].shape[1]  # the whole sequence's, even where x holds a part
-        mask = layer_mask(attention_mask, self.window, length, x.device)
+        mask = layer_mask(attention_mask, self.window, length, x.device, documents)
         return self.layer(x, attention_mask=mask, position_embeddings=tuple(position_embeddings))
 
 
 class GPT2Decoder(Renamed):
-    """GPT-2: one block, (B, T, C) → (B, T, C), given the padding mask (None: no padding) as a
-    side input.
+    """GPT-2: one block, (B, T, C) → (B, T, C), given the padding mask (None: no padding) and the
+    packed documents (None: one a row) as side inputs.
 
     Its attention and MLP are `Conv1D`s (weights stored transposed), which tensor parallel's
     plans do not split: it declares no plan, so --tp refuses GPT-2 in one line."""
 
-    side_inputs = ("attention_mask",)
+    side_inputs = ("attention_mask", "documents")
 
     def __init__(self, block: nn.Module, prefix: str, standalone: bool = False):
         super().__init__()
@@ -236,9 +254,10 @@ class GPT2Decoder(Renamed):
         if standalone:
             self.side_inputs = ()
 
-    def forward(self, x: torch.Tensor, *, attention_mask=None) -> torch.Tensor:
-        # No window: a mask only for padding (standalone: a batch of real tokens, so none).
-        return self.layer(x, attention_mask=layer_mask(attention_mask, None, x.shape[1], x.device))
+    def forward(self, x: torch.Tensor, *, attention_mask=None, documents=None) -> torch.Tensor:
+        # No window: a mask only for padding or packing (standalone: one real sequence, so none).
+        mask = layer_mask(attention_mask, None, x.shape[1], x.device, documents)
+        return self.layer(x, attention_mask=mask)
 
 
 class Head(Renamed):

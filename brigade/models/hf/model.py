@@ -5,8 +5,9 @@
                                                  and fills only its own (`spec.hf.load`)
 
 The blocks hold the family's own modules (blocks.py); the batch a model of this kind takes is
-`{"input_ids": (B, T), "attention_mask": (B, T) bool or None, "position_embeddings": (cos, sin)}`
-(GPT-2: no rotary; the mask None where nothing is padding), made from token ids by
+`{"input_ids": (B, T), "attention_mask": (B, T) bool or None, "position_embeddings": (cos, sin),
+"documents": (B, T) int64 or None}` (GPT-2: no rotary; the mask None where nothing is padding,
+the documents None where no row packs several: `models.documents`), made from token ids by
 `spec.text_inputs`, and the loss is the mean next-token cross-entropy, as transformers' causal
 LM loss.
 """
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from brigade.errors import BrigadeError
+from brigade.models.documents import packed, random_documents
+from brigade.models.documents import positions as doc_positions
 from brigade.models.hf import blocks as hb
 from brigade.models.hf import families
 from brigade.models.hf.deps import require
@@ -61,8 +64,10 @@ class HFModel:
             local_files_only=True)
         return model.train()
 
-    def inputs(self, ids: torch.Tensor, padding: torch.Tensor | None = None) -> dict:
-        """Token ids (B, T), and which of them are real tokens → the inputs the blocks take.
+    def inputs(self, ids: torch.Tensor, padding: torch.Tensor | None = None,
+               documents: torch.Tensor | None = None) -> dict:
+        """Token ids (B, T), which of them are real tokens, and their documents → the inputs the
+        blocks take.
 
         The padding is read here, once per batch where the batch is made (on the host, before
         it moves to a device), and a mask that pads nothing becomes the side input None: each
@@ -74,18 +79,25 @@ class HFModel:
             ids: (B, T) token ids.
             padding: (B, T), true (or 1) on real tokens, as a tokenizer's attention_mask; None:
                 every position is a real token (brigade's packed sequences).
+            documents: (B, T) int64, each token's document in its packed row
+                (`models.documents`); None, or one document a row: plain causal attention.
 
         Raises:
-            BrigadeError: `padding` not of the shape of `ids`.
+            BrigadeError: `padding` or `documents` not of the shape of `ids`.
         """
-        if padding is not None and padding.shape != ids.shape:
-            raise BrigadeError(f"a padding mask of shape {tuple(padding.shape)} for token ids of shape "
-                               f"{tuple(ids.shape)}: give one entry per token, true on real tokens")
+        for what, given in (("a padding mask", padding), ("documents", documents)):
+            if given is not None and given.shape != ids.shape:
+                raise BrigadeError(f"{what} of shape {tuple(given.shape)} for token ids of shape "
+                                   f"{tuple(ids.shape)}: give one entry per token")
         if padding is not None and bool(padding.all()):
             padding = None
-        out = {"input_ids": ids, "attention_mask": None if padding is None else padding.bool()}
+        documents = packed(documents)  # read here, once a batch, as the padding is
+        out = {"input_ids": ids, "attention_mask": None if padding is None else padding.bool(),
+               "documents": documents}
         if self.rotary is not None:
             positions = torch.arange(ids.shape[1])[None, :].expand(ids.shape[0], -1)
+            if documents is not None:
+                positions = doc_positions(documents)
             with torch.no_grad():
                 out["position_embeddings"] = self.rotary(torch.zeros(1), positions)
         return out
@@ -117,7 +129,7 @@ def _cut(model: nn.Module, config, family: families.Family, standalone: bool) ->
     """The causal LM's modules as blocks: embedding, each layer, norm + head."""
     base = getattr(model, family.base)
     if family.kind == "gpt2":
-        first = hb.GPT2Embed(base.wte, base.wpe, base.drop, "transformer.")
+        first = hb.GPT2Embed(base.wte, base.wpe, base.drop, "transformer.", standalone)
         layers = [hb.GPT2Decoder(b, f"transformer.h.{j}.", standalone) for j, b in enumerate(base.h)]
         return [first, *layers, hb.Head(base.ln_f, model.lm_head, "ln_f", "transformer.", _tied(config))]
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -156,7 +168,8 @@ def _rotary(base: nn.Module, config) -> nn.Module:
 
 
 def load_hf(name: str, seed: int = 0, meta: bool = False, dropout: float = 0.0,
-            block_size: int = 16, standalone: bool = False, weights: bool = True, **_) -> ModelSpec:
+            block_size: int = 16, standalone: bool = False, weights: bool = True, documents: bool = False,
+            **_) -> ModelSpec:
     """The directory of `name` ("hf:DIR") as blocks.
 
     Args:
@@ -169,6 +182,7 @@ def load_hf(name: str, seed: int = 0, meta: bool = False, dropout: float = 0.0,
         weights: whether the directory must hold weights; False (plan, from the shapes): a
             directory with config.json alone is enough (`checkpoint` None), and weights that
             are there are still checked against the config.
+        documents: the synthetic batches pack a few documents a row (`brigade check --documents`).
 
     Raises:
         BrigadeError: no directory, config.json or weights; an unsupported family or field; a
@@ -196,6 +210,9 @@ def load_hf(name: str, seed: int = 0, meta: bool = False, dropout: float = 0.0,
 
     def make_batch(n: int, g: torch.Generator):
         seq = torch.randint(vocab, (n, block_size + 1), generator=g)
-        return (seq[:, :-1] if standalone else hf.inputs(seq[:, :-1])), seq[:, 1:]
+        if standalone:
+            return seq[:, :-1], seq[:, 1:]
+        packing = random_documents(n, block_size, g) if documents else None
+        return hf.inputs(seq[:, :-1], documents=packing), seq[:, 1:]
 
     return ModelSpec(name, blocks, causal_lm_loss, make_batch, None if standalone else hf.inputs, hf=hf)

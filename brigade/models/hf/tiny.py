@@ -42,7 +42,8 @@ def config(family: str, vocab_size: int, layers: int = 4, tie: bool = True, **ex
 
 
 # A ChatML-like template: each message between its role's header and an end marker.
-CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+CHAT_TEMPLATE = ("{% for m in messages %}"
+                 "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
