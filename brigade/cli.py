@@ -96,53 +96,6 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_check(sub) -> None:
-    from brigade.check.run import CheckConfig
-
-    p = sub.add_parser("check", help="compare a pipeline with a single device, loss and gradients")
-    from brigade.config.recompute import MODES
-
-    closed = {"runtime": ["process", "local"], "balance_by": ["params", "time"], "recompute": list(MODES)}
-    for name in ("model", "stages", "schedule", "microbatches", "virtual", "dp", "shard", "tp", "ep", "cp",
-                 "cp_method", "sequence_parallel", "reshard", "recompute", "compile", "float8", "runtime",
-                 "devices", "chunked_loss", "loss_chunk",
-                 "batch_size", "balance", "balance_by", "seed", "atol", "experts", "top_k", "lora",
-                 "documents"):
-        _option(p, CheckConfig, name, **({"choices": closed[name]} if name in closed else {}))
-    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
-    _json_arg(p)
-    p.set_defaults(func=cmd_check)
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    from brigade.check import report
-    from brigade.check.run import CheckConfig, run_check
-    from brigade.config.validate import experts
-    from brigade.models.gpt import GPTConfig
-    from brigade.pipeline.stages.partition import parse_balance
-
-    experts(args.experts, args.top_k, args.model)
-    moe = {"experts": args.experts, "top_k": args.top_k} if args.experts else {}
-    options = {"gpt_cfg": GPTConfig(block_size=32, **moe)} if args.model == "gpt" else {}
-    if args.model == "resnet50":
-        options = {"image_size": 32}
-    cfg = CheckConfig(
-        model=args.model, stages=args.stages, schedule=args.schedule,
-        microbatches=args.microbatches, runtime=args.runtime, batch_size=args.batch_size,
-        balance=parse_balance(args.balance) if args.balance else None, seed=args.seed,
-        atol=args.atol, model_options=options, balance_by=args.balance_by,
-        devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
-        virtual=args.virtual, dp=args.dp, shard=args.shard, reshard=args.reshard,
-        recompute=args.recompute, tp=args.tp, sequence_parallel=args.sequence_parallel,
-        compile=args.compile, float8=args.float8, experts=args.experts, top_k=args.top_k, ep=args.ep,
-        cp=args.cp, cp_method=args.cp_method, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
-        lora=args.lora, documents=args.documents,
-    )
-    result = run_check(cfg, port=args.port)[0]
-    print(json.dumps(result) if args.json else "\n".join(report.lines(cfg, result)))
-    return 0 if result["ok"] else 1
-
-
 def _add_train(sub) -> None:
     from brigade import config
 
@@ -319,12 +272,13 @@ def build_parser() -> Parser:
     parser.add_argument("--debug", action="store_true", help=_DEBUG)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     from brigade.bench.command import add_bench, add_tune
+    from brigade.check.command import add_check
     from brigade.planner.command import add_plan
     from brigade.train.evaluate import add_eval
 
     for add in (_add_train, _add_tokenize, _add_generate, lambda s: add_eval(s, _json_arg), _add_export,
                 _add_plot, _add_inspect,
-                _add_schedule, _add_check,
+                _add_schedule, lambda s: add_check(s, _option, _json_arg),
                 lambda s: add_bench(s, _json_arg), lambda s: add_tune(s, _json_arg),
                 lambda s: add_plan(s, _option), _add_doctor):
         add(sub)

@@ -82,11 +82,7 @@ def validate(cfg: RunConfig) -> None:
     _speed_levers(cfg)
     _schedule_and_logs(o, t)
     _snapshots(t)
-    _positive("nnodes", p.nnodes)
-    if not 0 <= p.node_rank < p.nnodes:
-        raise BrigadeError(f"--node-rank {p.node_rank}: must be between 0 and --nnodes - 1 ({p.nnodes - 1})")
-    if p.nnodes > 1 and (p.rdzv_endpoint or not p.min_nodes):  # elastic under torchrun: none needed
-        parse_endpoint(p.rdzv_endpoint)
+    _nodes(p)
     _positive("shard", p.shard)
     _tensor_parallel(p)
     if p.recompute not in MODES:
@@ -99,6 +95,15 @@ def validate(cfg: RunConfig) -> None:
         _fsdp_available(p.shard)
     if p.pp > 1 and p.local_stages > 1:
         raise BrigadeError("--pp > 1 with --local-stages > 1 is not supported: use one or the other")
+
+
+def _nodes(p) -> None:
+    """--nnodes, --node-rank and, for several nodes, the rendezvous endpoint."""
+    _positive("nnodes", p.nnodes)
+    if not 0 <= p.node_rank < p.nnodes:
+        raise BrigadeError(f"--node-rank {p.node_rank}: must be between 0 and --nnodes - 1 ({p.nnodes - 1})")
+    if p.nnodes > 1 and (p.rdzv_endpoint or not p.min_nodes):  # elastic under torchrun: none needed
+        parse_endpoint(p.rdzv_endpoint)
 
 
 def _snapshots(t) -> None:

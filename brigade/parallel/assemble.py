@@ -233,9 +233,8 @@ def assemble(blocks: list[nn.Module], cut: Cut, world: World, recompute_mode: st
     tp_mesh = world.tp_mesh if world.degrees.tp > 1 else None
     cp = _context(world, cp_method)
     modes = split_blocks(blocks, indices, tp_mesh, recompute_mode, sequence_parallel, cp)  # 1. and 2.
-    if adapters is not None:  # 2b. LoRA
-        lora.check_with(float8)
-        lora.apply(blocks, indices, adapters)
+    if adapters is not None:  # 2b. LoRA (which refuses --float8)
+        lora.apply(blocks, indices, adapters, float8)
     experts.split_experts([blocks[i] for i in indices], world)  # 3. expert parallel
     eager = compiled.compile_blocks(blocks, indices, modes) if compile else []  # 4. compile
     stages = split(blocks, list(cut.balance))

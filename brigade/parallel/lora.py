@@ -134,12 +134,16 @@ def targets(blocks: list[nn.Module], spec: LoraSpec) -> dict[int, list[str]]:
     return {i: names for i, names in found.items() if names}
 
 
-def apply(blocks: list[nn.Module], held: list[int], spec: LoraSpec) -> int:
+def apply(blocks: list[nn.Module], held: list[int], spec: LoraSpec, float8: str = "") -> int:
     """Adapters on the targeted linear layers of the held blocks `held`, every other parameter
     of theirs frozen, in place. Returns the count of adapter parameters (elements) held here.
 
     Called after tensor and context parallel and before sharding; the adapters' values do not
-    depend on the layout (each A is drawn whole from the seed and its name, then split)."""
+    depend on the layout (each A is drawn whole from the seed and its name, then split).
+
+    Raises:
+        BrigadeError: as `targets`; with --float8 (`check_with`)."""
+    check_with(float8)
     chosen = targets(blocks, spec)
     count = 0
     for i in held:

@@ -67,8 +67,8 @@ def calls(monkeypatch) -> list[tuple[str, object]]:
     monkeypatch.setattr(assembler.context, "ContextParallel", lambda group, mesh, method: f"cp {method}")
     monkeypatch.setattr(assembler.context, "apply", lambda bs, held, cp, parts, tp: seen.append(
         ("context parallel", cp)))
-    monkeypatch.setattr(assembler.lora, "apply", lambda bs, held, spec: seen.append(("lora", spec.rank)))
-    monkeypatch.setattr(assembler.lora, "check_with", lambda float8: None)  # each is tested apart
+    monkeypatch.setattr(assembler.lora, "apply",
+                        lambda bs, held, spec, float8: seen.append(("lora", spec.rank)))
     monkeypatch.setattr(assembler.experts, "split_experts", lambda held, world: seen.append(
         ("expert parallel", world.degrees.ep)))
     real_compile = assembler.compiled.compile_blocks
