@@ -63,8 +63,9 @@ STOP_AFTER = 3  # the stopped run's last step
 LAST_ONLY = ["--snapshot-every", "6"]  # the never-stopped runs' snapshots: the last step's alone
 
 
-# pp 2's world is the default tier's representative (every schedule, one world of 2 processes);
-# the other layouts' worlds (40-260 s each) are the full tier's, which CI runs after the default.
+# pp 2's world is the default tier's representative (two schedules, 1f1b and zbv, one world of 2
+# processes; its other schedules' cases run in the full tier's world); the other layouts' worlds
+# (40-260 s each) are the full tier's, which CI runs after the default.
 
 
 def _marks(layout: str) -> list:
@@ -126,11 +127,26 @@ def _every_schedule(runs: dict) -> dict:
     return hashes
 
 
+def _selected(session, layout: str) -> list[str]:
+    """The schedules this session's tests of `layout` need: its selected cases' (the default tier
+    keeps two of pp 2's, `tests/tiers.py`; the full tier the rest), and the kill's, where its
+    test is selected; every schedule where none is."""
+    wanted = set()
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("layout") == layout and item.originalname == "test_a_stopped_run_resumes_bit_for_bit":
+            wanted.add(params["schedule"])
+        elif params.get("layout") == layout and item.originalname.startswith("test_a_killed_run"):
+            wanted.add(LAYOUTS[layout][2])
+    return [s for s in names() if s in wanted] or names()
+
+
 @pytest.fixture(scope="session")
-def worlds(tmp_path_factory):
-    """Per layout, on first use: one spawned world that runs every schedule's three runs. Session
-    scoped: an xdist worker runs other modules' tests between a layout's cases, and a module
-    scoped fixture would be torn down (and its world started again) at each such switch."""
+def worlds(tmp_path_factory, request):
+    """Per layout, on first use: one spawned world that runs the three runs of every schedule the
+    session's selected tests need (`_selected`). Session scoped: an xdist worker runs other
+    modules' tests between a layout's cases, and a module scoped fixture would be torn down (and
+    its world started again) at each such switch."""
     from brigade.launcher import agent
 
     made: dict[str, tuple[Path, dict] | BaseException] = {}
@@ -144,8 +160,8 @@ def worlds(tmp_path_factory):
             runs = {s: {"plain": _config(root / s / "plain", layout, s, *LAST_ONLY),
                         "stopped": _config(root / s / "stopped", layout, s),
                         **({"again": _config(root / s / "again", layout, s, *LAST_ONLY)} if local else {})}
-                    for s in names()}
-            nproc = runs[names()[0]]["plain"].parallel.nproc
+                    for s in _selected(request.session, layout)}
+            nproc = next(iter(runs.values()))["plain"].parallel.nproc
             try:
                 made[layout] = root, agent.launch(_every_schedule, nproc, runs)[0]
             except (Exception, pytest.fail.Exception) as exc:  # a timeout too: every case of the
