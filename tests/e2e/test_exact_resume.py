@@ -68,10 +68,21 @@ LAST_ONLY = ["--snapshot-every", "6"]  # the never-stopped runs' snapshots: the 
 # (40-260 s each) are the full tier's, which CI runs after the default.
 
 
+# The worlds of 4 processes run one after another, on one xdist worker: two at once (8 processes
+# on 2 cores, each holding the gloo groups of its 24 runs, some 600 threads a process) once drove
+# the load past 300, and both worlds past their timeouts.
+WIDE = "resume-4-processes"
+
+
+def _group(layout: str) -> str:
+    return WIDE if "4" in LAYOUTS[layout][0][:2] else f"resume-{layout}"
+
+
 def _marks(layout: str) -> list:
-    """On the xdist worker that holds the layout's world (one world per layout); the full tier but
-    for pp 2's (tests/tiers.py names the representatives kept in the default)."""
-    return [pytest.mark.xdist_group(f"resume-{layout}")]
+    """On the xdist worker that holds the layout's world (one world per layout; the 4-process ones
+    all on one, `WIDE`); the full tier but for pp 2's (tests/tiers.py names the representatives
+    kept in the default)."""
+    return [pytest.mark.xdist_group(_group(layout))]
 
 
 CASES = [pytest.param(layout, name, id=f"{layout}-{name}", marks=_marks(layout))
@@ -216,7 +227,7 @@ KILLS = [(0, 2), (1, 3), (2, 4), (3, 5), (0, 6), (1, 4), (2, 3), (3, 2), (0, 5),
 
 
 @pytest.mark.full
-@pytest.mark.xdist_group("resume-shard2xpp2")
+@pytest.mark.xdist_group(WIDE)
 @pytest.mark.parametrize("rank,step", KILLS, ids=[f"rank{r}-step{s}" for r, s in KILLS])
 def test_the_kill_campaign_under_shard_2_x_pp_2(worlds, tmp_path, rank, step):
     from brigade.cli import main
