@@ -80,3 +80,14 @@ def test_the_report_names_the_rank():
     row = {"ok": True, "virtual": 1, "balance": [3, 3], "reference": "full batch", "reference_device": "cpu",
            "max_abs_loss_diff": 0.0, "max_abs_grad_diff": 0.0, "max_abs_param_diff": 0.0}
     assert ", LoRA rank 4," in lines(_gpt(stages=2), row)[0]
+
+
+@pytest.mark.full
+@pytest.mark.timeout(400)
+def test_lora_on_compiled_blocks_equals_one_device():
+    """--compile: each block's forward compiled with the adapters' hooks inside it, under zb's
+    split backward (a compiled block's weight gradients come with its input's) on 2 ranks."""
+    cases = [("zb", 3, 1)]
+    cfg = _gpt(stages=2)
+    cfg.compile = True
+    assert _failures(run_check(cfg, cases), cases) == []
