@@ -117,6 +117,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from brigade.train.faults import parse_fault
     from brigade.train.run import run
 
+    if getattr(args, "lora", None) == 0:  # typed (flags left out are absent): 0 is no rank at all
+        raise BrigadeError("--lora 0: the adapters' rank must be ≥ 1 (8 or 16 are usual); leave --lora "
+                           "out to train every weight")
     cfg = config.build(args, world=launcher_world())  # under torchrun or srun, their world
     p = cfg.parallel
     fault = parse_fault(args.inject_fault, world=degrees_of(p).size or p.nproc * p.nnodes,

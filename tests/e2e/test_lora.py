@@ -41,6 +41,7 @@ def test_lora_snapshots_hold_the_adapters_and_resume_bit_identical(tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
+    (["--lora", "0"], "--lora 0: the adapters' rank must be ≥ 1 (8 or 16 are usual); leave --lora out"),
     (["--lora", "-1"], "--lora -1: the adapters' rank must be ≥ 1 (8 or 16 are usual); 0 trains "
                        "every weight"),
     (["--lora", "4", "--lora-targets", "wq"], "--lora-targets wq: 'wq' names no linear layer of the model's "
