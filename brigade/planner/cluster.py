@@ -145,4 +145,10 @@ _UNITS = {
     "crowded_action_s": "seconds per action where a host has more processes than cores, 0: action_s",
     "tp_collective_s": "seconds a tensor-parallel block's collective adds as issued, 0: not counted",
     "crowded_tp_collective_s": "the same where a host has more processes than cores, 0: tp_collective_s",
+    "peak_fp8": "FLOP/s of float8 matmuls, 0 if not known",
+    "matmul_eff": "the share of the matmul peak a matmul reaches, 1: the peak",
+    "attention_eff": "the share of the bf16 peak a fused attention's forward reaches, 1: the peak",
+    "attention_bwd_eff": "the same for its backward, 1: the peak",
+    "mem_eff": "the share of mem_bw a memory-bound kernel reaches, 1: mem_bw",
+    "reserve_frac": "the share of allocated memory the caching allocator holds beyond it, 0: not measured",
 }

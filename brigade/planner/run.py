@@ -212,15 +212,14 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
     at = sizes(rows, cfg.batch_size)
     with quiet_stderr():
         if source(cfg.costs, shape) == FORMULA:
-            costs = from_shapes(shape, min(at), modes, where.device, cfg.precision)
+            costs = from_shapes(shape, min(at), modes, where.device, cfg.precision, compile=cfg.compile,
+                                float8=cfg.float8)
         else:
             timed_in = cfg.precision if where.device.measured else ""  # this machine: its own bf16
             here_tp = where.device.measured and any(r.tp == TP for r in rows)  # on one tp process
             here_shard = where.device.measured and any(r.shard > 1 for r in rows)  # FSDP2's own work
             costs = scaled(measure(load_spec(cfg, m), at, modes, cpu(), timed_in, tp=here_tp,
                                    shard=here_shard, compile=cfg.compile), where.device, cfg.precision)
-    if cfg.compile and costs.source != MEASURED:  # measured elsewhere, or from shapes: the stated factor
-        costs.scale *= cfg.compile_factor
     costs.tensor, costs.attention = tensor, seen
     out, left = _predict_all(cfg, costs, where, rows, tokens_per_sample(shape))
     return {
