@@ -54,17 +54,14 @@ class Rates:
     fp8: float  # float8 matmuls; 0: no float8 peak known
     attention: float
     attention_bwd: float
-    memory: float
-    element: float = 1.0  # bytes moved per byte counted: the meta model is fp32, a half-precision
-    # run's activations are half as large (an under-count where it keeps norms and the loss in fp32)
+    memory: float  # the meta blocks run in the run's precision (`formula.in_dtype`): bytes as moved
 
     @classmethod
     def of(cls, d: DeviceSpec, precision: str) -> Rates:
         """A device's rates for `precision`: its peaks × what each kind reaches (`DeviceSpec`)."""
         peak = d.peak(precision)
         return cls(peak * d.matmul_eff, d.peak_fp8 * d.matmul_eff, peak * d.attention_eff,
-                   peak * d.attention_bwd_eff, d.mem_bw * d.mem_eff,
-                   0.5 if precision in ("bf16", "fp16") else 1.0)
+                   peak * d.attention_bwd_eff, d.mem_bw * d.mem_eff)
 
 
 @dataclass
@@ -83,7 +80,7 @@ class Tally:
         """This phase's seconds at rates `r` (`attention_rate`: the forward's or the backward's)."""
         moved = self.fused_bytes if compiled else self.eager_bytes
         cast = self.cast_fused if compiled else self.cast_eager  # counted in the bytes a run moves
-        return self.matmul_seconds(r) + self.attention / attention_rate + (moved * r.element + cast) / r.memory
+        return self.matmul_seconds(r) + self.attention / attention_rate + (moved + cast) / r.memory
 
     def matmul_seconds(self, r: Rates) -> float:
         return self.matmul / r.matmul + (self.fp8 / r.fp8 if r.fp8 > 0 else self.fp8 / r.matmul)
