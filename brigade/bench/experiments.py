@@ -53,8 +53,8 @@ from brigade.measure.timing import interleaved_rounds, pipeline_step, train_step
 from brigade.models import load_model
 from brigade.parallel.assemble import Cut, assemble
 from brigade.pipeline.pipe import Pipeline
+from brigade.pipeline.plans.costs import Costs
 from brigade.pipeline.plans.cuts import Choice, choose_cut
-from brigade.pipeline.plans.generate import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, placement, stages_on
 from brigade.pipeline.stages.partition import choose_balance, solve, split
 from brigade.train.memory import storage_bytes
