@@ -1,7 +1,7 @@
 #!/bin/sh
 # Mutation testing of the pure plan modules (docs/testing.md, "Mutation testing"): mutmut 3 mutates
 # brigade/pipeline/plans/{action,bounds,registry,schedule,simulate,timeline,validate,virtual,
-# handwritten,generate}.py and brigade/pipeline/transport/{ordering,nccl}.py (the NCCL ordering
+# handwritten,costs,generate}.py and brigade/pipeline/transport/{ordering,nccl}.py (the NCCL ordering
 # proof) one change at a time and runs tests/pipeline/plans and the transport's pure tests against
 # each mutant; a mutant that no test fails on has survived. MUTATION_MODULES names modules under
 # brigade/pipeline (a bare name is one of plans/): MUTATION_MODULES="handwritten" runs only that
@@ -27,7 +27,7 @@ WORK=${MUTATION_WORK:-$(mktemp -d)}
 VENV=${MUTATION_VENV:-$WORK/venv}
 MUTMUT_VERSION=3.8.1
 MODULES=${MUTATION_MODULES:-"action bounds registry schedule simulate timeline validate virtual handwritten
-    generate transport/ordering transport/nccl"}
+    costs generate transport/ordering transport/nccl"}
 
 if [ ! -x "$VENV/bin/mutmut" ]; then
     "$PY" -m venv "$VENV"

@@ -145,3 +145,23 @@ def test_the_testing_pages_figures_are_what_scripts_durations_writes_from_result
     assert durations.refresh_page(check=True), \
         "docs/testing.md's tiers block differs from results/testing/: run `python scripts/durations.py --tiers`"
 
+
+
+def test_the_testing_pages_mutation_figures_are_the_committed_summarys():
+    """docs/testing.md's mutation figures (the totals, the equivalent and killed-since survivors,
+    generate.py's and costs.py's counts, the last run's seconds) are results/mutation/summary.json's."""
+    import json
+
+    summary = json.loads((ROOT / "results" / "mutation" / "summary.json").read_text())
+    text = " ".join((ROOT / "docs" / "testing.md").read_text().split())
+    survivors = [s for m in summary["modules"].values() for s in m["survivors"]]
+    since = sum(s["reason"].startswith("killed since") for s in survivors)
+    wants = [f"{summary['mutants']} mutants, {summary['killed']} killed, {summary['timeout']} timed out",
+             f"{summary['survived']} survived: {summary['survived'] - since} judged equivalent, and {since} ",
+             f"took {summary['seconds']} s"]
+    for name in ("generate", "costs"):
+        m = summary["modules"][f"brigade/pipeline/plans/{name}.py"]
+        wants.append(f"`{name}.py` ({m['mutants']} mutants, " + (
+            f"{m['killed']} killed, {m['survived']} survived" if m["survived"] else "all killed"))
+    for want in wants:
+        assert want in text, f"docs/testing.md does not say {want!r} (results/mutation/summary.json)"

@@ -23,7 +23,7 @@ import math
 import statistics
 from dataclasses import asdict
 
-from brigade.bench.experiments import MP, OURS, PEER, SINGLE, BenchConfig, Case, Shape, shape_of
+from brigade.bench.cases import MP, OURS, PEER, SINGLE, BenchConfig, Case, Shape, shape_of
 from brigade.bench.peers import TORCH_SCHEDULES
 from brigade.measure.stats import median_ci, median_ci_coverage, ratio_ci
 from brigade.pipeline.plans.bounds import balanced_bound, lower_bound

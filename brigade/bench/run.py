@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from brigade.bench import plot
-from brigade.bench.experiments import BenchConfig, scaled_splits, worker
+from brigade.bench.cases import BenchConfig, scaled_splits
+from brigade.bench.experiments import worker
 from brigade.bench.figures import summarise
 from brigade.errors import BrigadeError
 from brigade.host import malloc

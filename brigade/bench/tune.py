@@ -36,16 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from brigade.bench.cases import BenchConfig, scaled_splits
 from brigade.bench.choose import pick_trials, scores
-from brigade.bench.experiments import (
-    BenchConfig,
-    Worker,
-    brigade_pipeline,
-    replica_step,
-    scaled_splits,
-    search_record,
-    worlds,
-)
+from brigade.bench.experiments import Worker, brigade_pipeline, replica_step, search_record, worlds
 from brigade.host.cores import shared_cores
 from brigade.launcher import groups
 from brigade.measure.device import place_model

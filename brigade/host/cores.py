@@ -1,4 +1,4 @@
-"""A host's CPU cores, as a pipeline's ranks share them (`generate.Costs.cores`).
+"""A host's CPU cores, as a pipeline's ranks share them (`plans.costs.Costs.cores`).
 
 A GPU rank has its device to itself. CPU ranks on one host share its cores: four processes on two
 cores each get half of one while all are busy, and a rank that waits lends its core to another.

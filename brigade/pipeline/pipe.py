@@ -25,7 +25,7 @@ from torch import nn
 from brigade.errors import BrigadeError
 from brigade.pipeline.batches import feed, microbatch
 from brigade.pipeline.plans.action import Op
-from brigade.pipeline.plans.generate import median_durations
+from brigade.pipeline.plans.costs import median_durations
 from brigade.pipeline.plans.schedule import SCHEDULES, build, forward_only, placement
 from brigade.pipeline.plans.validate import validate
 from brigade.pipeline.runtime.interpreter import StageRunner, StepResult
@@ -58,7 +58,7 @@ class Pipeline:
             zbv, dualpipev).
         side_inputs: every side input the model's blocks declare → the block, as messages name it
             (`feed.declarations` over all stages); None: gathered from the ranks here, once.
-        costs: what a costed schedule (`auto`) is planned on (`generate.Costs`), the same on
+        costs: what a costed schedule (`auto`) is planned on (`plans.costs.Costs`), the same on
             every rank; None: unit costs. Other schedules ignore it.
         parts: context parallel's cut of every micro-batch and mean of the parts' losses
             (`feed.Feed`, `parallel.context.ContextParallel`); None: whole sequences.
@@ -112,7 +112,7 @@ class Pipeline:
         return feed.merge(parts)
 
     def replan(self, costs) -> None:
-        """Plan the schedule again on `costs` (`generate.Costs`, the same on every rank); the next
+        """Plan the schedule again on `costs` (`plans.costs.Costs`, the same on every rank); the next
         steps run the new plan. Only a costed schedule's plan changes."""
         plan = validate(build(self.schedule, self.n_ranks, self.n_microbatches, self.virtual, costs))
         self.transport.also_run(plan)

@@ -60,7 +60,7 @@ from itertools import accumulate
 
 from brigade.host.cores import shared_cores
 from brigade.pipeline.plans.action import Plan
-from brigade.pipeline.plans.generate import Costs
+from brigade.pipeline.plans.costs import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build
 from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.stages.partition import solve
@@ -255,7 +255,7 @@ def _tp_collective_s(cluster: Cluster, world: int) -> float:
 
 def _pipeline_cores(layout: Layout, cluster: Cluster) -> float:
     """The cores a pipeline's ranks share where a host has more processes than cores, in ranks'
-    worth (`generate.Costs.cores`; each of a rank's tp processes needs a core of its own); 0 on a
+    worth (`plans.costs.Costs.cores`; each of a rank's tp processes needs a core of its own); 0 on a
     device without a core count (a GPU). `Simulation.on_cores` of it: the makespan, or at least
     every rank's work on the host ÷ its cores."""
     if not cluster.device.cores:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from brigade.pipeline.plans.generate import Costs
+from brigade.pipeline.plans.costs import Costs
 from brigade.pipeline.plans.schedule import build
 from brigade.pipeline.plans.simulate import simulate
 from brigade.planner.costs import interpolate
@@ -29,7 +29,7 @@ def predict_pipeline(samples: dict[int, list], batch: int, m: int, schedule: str
         comm_per_sample: seconds to move one sample's activation between ranks.
         row: where a costed schedule's (auto's) costs are kept as `costs`, for `plan_costs`: the
             step that is timed must run the plan that was predicted.
-        cores: the cores the ranks share where they outnumber them (`generate.Costs.cores`): a
+        cores: the cores the ranks share where they outnumber them (`plans.costs.Costs.cores`): a
             costed schedule plans for them.
 
     Returns:

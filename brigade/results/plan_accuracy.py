@@ -164,7 +164,7 @@ def run_case(case: tuple, costs, where, sizes: dict, steps: int) -> dict:
     """One round of one layout: its prediction on `costs` and one `brigade train` of it."""
     from dataclasses import replace
 
-    from brigade.pipeline.plans.generate import Costs
+    from brigade.pipeline.plans.costs import Costs
     from brigade.pipeline.plans.schedule import SCHEDULES, build
     from brigade.planner.predict import predict
     from brigade.planner.space import Layout

@@ -42,7 +42,7 @@ from brigade.parallel import experts, tensor
 from brigade.parallel.assemble import Cut, assemble, sharded
 from brigade.pipeline.batches.microbatch import batch_size_of
 from brigade.pipeline.plans.action import B, F, I, W
-from brigade.pipeline.plans.generate import Costs
+from brigade.pipeline.plans.costs import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build, placement
 from brigade.pipeline.stages.measured_cut import MEASURED, auto_balance
 from brigade.pipeline.stages.partition import choose_balance, parse_balance

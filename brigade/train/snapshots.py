@@ -32,7 +32,7 @@ from brigade import forensics
 from brigade.config import RunConfig
 from brigade.launcher import agent
 from brigade.snapshot.compat import run_facts
-from brigade.snapshot.format import SnapshotError, latest_step, read_pointer
+from brigade.snapshot.format import SnapshotError, folder_name, latest_step, read_pointer
 from brigade.snapshot.writer import Writer, Writing, failure_line
 
 
@@ -58,6 +58,7 @@ class Snapshots:
                              timeout_s=cfg.parallel.hang_timeout, during_write=hook)
         self.last_start = time.monotonic()
         self.last_step = -1  # the step of the last snapshot taken (in flight or complete)
+        self.written_part: int | None = None  # the newest snapshot this rank's part was written of
         self.rank = dist.get_rank()
 
     def take(self, background: bool | None = None, must: bool = False) -> Writing | None:
@@ -134,12 +135,31 @@ class Snapshots:
         name = read_pointer(self.writer.snaps)
         return self.writer.snaps / name if name else None
 
-    def settle_quietly(self) -> None:
-        """Wait for the snapshot in flight, if any, without agreeing on anything (a run that is
-        ending on an error: its newest good snapshot should be on disk when it names it)."""
+    def settle_quietly(self, limit_s: float = 60.0) -> None:
+        """Wait for the newest snapshot to be complete or failed, without agreeing on anything (a
+        run that is ending on an error: its newest good snapshot should be on disk when it names
+        it).
+
+        Rank 0 holds a snapshot in flight until its commit has marked it complete; every other
+        rank only until its own part is written (DCP is done), and may have let go of it steps
+        ago. So those ranks also wait (at most `limit_s` seconds) until LATEST names the newest
+        snapshot their part of which was written, or rank 0 has removed its half-written folder
+        (the commit failed): every rank then names the same newest snapshot.
+        """
         w = self.writer.settle(None)
-        if w is not None and w.error is None and self.rank == 0:
-            self._written(w)
+        if w is not None and w.error is None and not w.abandoned:
+            self.written_part = w.step
+            if self.rank == 0:
+                self._written(w)
+        step = self.written_part
+        if self.rank == 0 or step is None:
+            return
+        snaps = self.writer.snaps
+        pending = [snaps / f".tmp-{folder_name(step)}", snaps / folder_name(step)]
+        deadline = time.monotonic() + limit_s
+        while (latest_step(self.cfg.train.out) or -1) < step and any(p.exists() for p in pending) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def landed(self, limit_s: float = 120.0) -> None:
         """Not collective: wait until the snapshot in flight is complete on disk (LATEST names it)
@@ -167,6 +187,7 @@ class Snapshots:
     def _report(self, w: Writing, agreed_failed: bool | None = None) -> None:
         """A snapshot that ended: logged when complete; a failure said (and acted on) on every rank."""
         if w.error is None and not w.abandoned:
+            self.written_part = w.step
             if self.rank == 0:
                 self._written(w)
             if not agreed_failed:

@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-from brigade.bench.experiments import scaled_splits
+from brigade.bench.cases import scaled_splits
 from brigade.bench.plot import table
 from brigade.models import load_model
 from tests.e2e.helpers import brigade
@@ -113,7 +113,7 @@ def test_tune_searches_schedule_v_m_and_data_parallel_within_a_third_and_writes_
     {"schedule": None, "virtual": 1, "microbatches": 1, "balance": None, "dp": 2, "pp": 1},
 ], ids=["interleaved-V2", "ddp"])
 def test_a_chosen_pipeline_with_two_stages_per_rank_or_data_parallel_trains_from_tune_toml(tmp_path, chosen):
-    from brigade.bench.experiments import BenchConfig
+    from brigade.bench.cases import BenchConfig
     from brigade.bench.run import _train_config
     from brigade.config import to_toml
 
@@ -162,7 +162,7 @@ def test_verify_times_the_chosen_configuration_again_with_the_sweep():
 
 def _raw(ours: list[float], theirs: list[float], single: list[float]) -> dict:
     """A worker's result for single, brigade 1f1b and torch's 1f1b at m = 2 over len(ours) rounds."""
-    from brigade.bench.experiments import Case
+    from brigade.bench.cases import Case
 
     cases = [Case("single", None, 1, 1), Case("brigade", "1f1b", 1, 2),
              Case("torch.distributed.pipelining", "1f1b", 1, 2)]
@@ -173,7 +173,7 @@ def _raw(ours: list[float], theirs: list[float], single: list[float]) -> dict:
 
 
 def test_ratios_per_round_cancel_drift_that_hits_every_configuration():
-    from brigade.bench.experiments import BenchConfig
+    from brigade.bench.cases import BenchConfig
     from brigade.bench.figures import summarise
 
     drift = [1 + 0.5 * k for k in range(10)]  # the machine slows down 5.5× during the run
@@ -194,7 +194,7 @@ def test_ratios_per_round_cancel_drift_that_hits_every_configuration():
 
 
 def test_a_spread_too_large_to_rank_is_said():
-    from brigade.bench.experiments import BenchConfig
+    from brigade.bench.cases import BenchConfig
     from brigade.bench.figures import summarise
     from brigade.bench.run import best_line
 
@@ -208,7 +208,7 @@ def test_a_spread_too_large_to_rank_is_said():
 
 
 def test_fewer_than_six_rounds_never_rank_even_when_every_round_agrees():
-    from brigade.bench.experiments import BenchConfig
+    from brigade.bench.cases import BenchConfig
     from brigade.bench.figures import summarise
 
     data = summarise(BenchConfig(batch_size=8, rounds=5), _raw([1.0] * 5, [1.5] * 5, [2.0] * 5), "cpu")
@@ -218,7 +218,7 @@ def test_fewer_than_six_rounds_never_rank_even_when_every_round_agrees():
 
 
 def test_configurations_are_schedule_virtual_m_with_reasons_for_the_skipped():
-    from brigade.bench.experiments import BenchConfig, cases
+    from brigade.bench.cases import BenchConfig, cases
     from brigade.bench.peers import TORCH_SCHEDULES
 
     cfg = BenchConfig(model="mlp", batch_size=8, splits=[4, 2])
@@ -261,7 +261,7 @@ def test_bench_uses_nccl_only_with_a_gpu_per_process(monkeypatch, gpus, backend)
 
 
 def test_auto_rows_run_on_their_own_cut_and_every_other_row_shares_the_solvers():
-    from brigade.bench.experiments import Case, shape_of
+    from brigade.bench.cases import Case, shape_of
 
     torch_zbv = Case("torch.distributed.pipelining", "zbv", 2, 8)
     assert shape_of(Case("brigade", "auto", 2, 8)) == (2, 8, "auto")
@@ -273,7 +273,7 @@ def test_auto_rows_run_on_their_own_cut_and_every_other_row_shares_the_solvers()
 def test_bench_json_reports_the_cut_auto_chose_and_the_table_says_it():
     """An auto row's balance, costs and bounds are those of its own cut; bench.json names each cut
     by its shape and carries the search; the bench prints one line for it."""
-    from brigade.bench.experiments import BenchConfig, Case
+    from brigade.bench.cases import BenchConfig, Case
     from brigade.bench.figures import summarise
     from brigade.bench.plot import cut_lines
 

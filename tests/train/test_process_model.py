@@ -19,7 +19,7 @@ from torch import nn
 from brigade.config import ParallelConfig
 from brigade.errors import BrigadeError
 from brigade.launcher import agent, groups
-from brigade.pipeline.plans.generate import Costs
+from brigade.pipeline.plans.costs import Costs
 from brigade.train.process_model import ProcessModel, by_device, world_of
 
 CPU = torch.device("cpu")

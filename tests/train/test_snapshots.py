@@ -16,7 +16,9 @@ does (`agent.stop_requested` turns true after step 3):
   another);
 - --snapshot-minutes tiny, --snapshot-every 0: a snapshot after every step, by time;
 - a write failing on rank 1 under --on-snapshot-error warn: said, and training goes on to
-  its end and its last snapshot; under stop: the run ends there, on every rank.
+  its end and its last snapshot; under stop: the run ends there, on every rank;
+- a NaN loss at step 4 while rank 0 still commits snapshot 2 (rank 1 let go of it at step 3):
+  every rank names snapshot 2 as the newest good one (rank 1 once named none: a CI failure).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ CASES = {
     "by-time": (["--snapshot-every", "0", "--snapshot-minutes", "0.00001"], {}, None),
     "warn": (["--snapshot-every", "2", "--on-snapshot-error", "warn"], {2: ("fail", 1)}, None),
     "stop": (["--snapshot-every", "2"], {2: ("fail", 1)}, None),
+    "nan-commit-late": (["--snapshot-every", "2"], {"commit": 1.5, "nan": "nan:rank=1:step=4"}, None),
 }
 
 
@@ -69,7 +72,8 @@ def _runs(root: str) -> dict:
                 count = [0]
                 agent.stop_requested = lambda c=count, n=stop_after: (c.__setitem__(0, c[0] + 1) or c[0] >= n)
             try:
-                got[name] = train_run._train(_config(Path(root) / name, flags), info, None)
+                fault = faults.parse_fault(writes["nan"]) if "nan" in writes else None
+                got[name] = train_run._train(_config(Path(root) / name, flags), info, fault)
             except Exception as exc:  # the case that stops on a failed snapshot
                 got[name] = f"{type(exc).__name__}: {exc}"
             finally:
@@ -195,3 +199,12 @@ def test_a_failed_write_under_stop_ends_the_run_on_every_rank(runs):
         assert "no snapshot is complete yet" in line
     assert "No space left on device" in got[0]["stop"]
     assert not (root / "stop" / "snapshots" / "step_00000002").exists()
+
+
+def test_a_nan_loss_while_rank_0_still_commits_names_that_snapshot_on_every_rank(runs):
+    root, got = runs
+    out = root / "nan-commit-late"
+    for rank in (0, 1):
+        line = got[rank]["nan-commit-late"]
+        assert line.startswith("RunError: the loss is nan at step 4; the newest good snapshot is "
+                               f"step 2 in {out / 'snapshots'}: lower --lr"), line

@@ -50,7 +50,8 @@ from dataclasses import dataclass
 
 from brigade.pipeline.plans.action import V_SHAPE, PlanError
 from brigade.pipeline.plans.bounds import rank_bounds, stage_bound
-from brigade.pipeline.plans.generate import Costs, span
+from brigade.pipeline.plans.costs import Costs
+from brigade.pipeline.plans.generate import span
 from brigade.pipeline.plans.registry import place
 from brigade.pipeline.plans.schedule import build
 from brigade.pipeline.plans.simulate import simulate
@@ -71,7 +72,7 @@ class Choice:
     """The cut `choose_cut` kept and what it knows of it.
 
     balance: blocks per stage (p·V entries). virtual: V. costs: the stages' costs the plan was
-    generated on (`generate.Costs`). makespan: `simulate()`'s, with the transfer delay. score:
+    generated on (`plans.costs.Costs`). makespan: `simulate()`'s, with the transfer delay. score:
     what cuts were compared by (the makespan, or `on_cores`). bound: the cut's `lower_bound`.
     given: the best score of the caller's cuts at this V (None: none given). screened: cuts
     screened by `generate.span`. weighed: cuts weighed by their bound. proven: every cut was
@@ -101,7 +102,7 @@ def cuts(n_blocks: int, n_stages: int) -> Iterator[list[int]]:
 
 def stage_costs(blocks: Sequence[Block], balance: Sequence[int], comm: float = 0.0, limit: int = 0,
                 cores: float = 0.0) -> Costs:
-    """The stages' costs under `balance`: each its blocks' sums, as `generate.Costs` takes them.
+    """The stages' costs under `balance`: each its blocks' sums, as `plans.costs.Costs` takes them.
 
     Raises:
         PlanError: a balance that does not cut these blocks into non-empty stages.
@@ -210,7 +211,7 @@ def choose_cut(blocks: Sequence[Block], ranks: int, microbatches: int, virtuals:
         given: cuts to weigh first (the solver's, the user's); those of another stage count are
             left to the V they fit.
         comm, limit, cores: the transfer delay, the activations a rank may hold (0: any) and the
-            cores the ranks share (0: a device each), as `generate.Costs` takes them.
+            cores the ranks share (0: a device each), as `plans.costs.Costs` takes them.
         budget: the most cuts screened per V. close: how much shorter (relative) a cut not
             screened may at most be once the search stops on the bound.
 

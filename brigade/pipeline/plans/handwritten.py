@@ -26,7 +26,7 @@ from brigade.pipeline.plans.simulate import simulate
 
 
 class Costs(Protocol):
-    """What a plan is priced on: `generate.Costs` (per stage; see there)."""
+    """What a plan is priced on: `plans.costs.Costs` (per stage; see there)."""
 
     forward: tuple[float, ...]
     input_grad: tuple[float, ...]
@@ -45,7 +45,7 @@ def or_handwritten(plan: Plan, p: int, m: int, v: int, costs: Costs) -> Plan:
     of equally short plans the one that holds fewer activations.
 
     Args:
-        plan: auto's own; p, m, v: its sizes; costs: what it was planned on (`generate.Costs`).
+        plan: auto's own; p, m, v: its sizes; costs: what it was planned on (`plans.costs.Costs`).
     """
     def span(candidate: Plan) -> float:
         whole = [costs.whole(s) for s in range(p * v)]

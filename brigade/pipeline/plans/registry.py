@@ -16,7 +16,7 @@ class Schedule:
     """A registered schedule: its name on the command line, its builder, one line for help texts,
     its placement (`PLACEMENTS`) and the stages per rank it runs: `virtual` = that fixed V, or
     None for any V ≥ 1 (then `DEFAULT_VIRTUAL` unless asked), up to `most_virtual` if set. A
-    `costed` schedule's builder also takes `costs=` (`generate.Costs`: what it is planned on); the
+    `costed` schedule's builder also takes `costs=` (`plans.costs.Costs`: what it is planned on); the
     others' plans depend on sizes only."""
 
     name: str

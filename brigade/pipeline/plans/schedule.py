@@ -99,7 +99,7 @@ def build(schedule: str, n_ranks: int, n_microbatches: int, virtual: int = 0, co
     """Build a named schedule's plan over `n_ranks` ranks, `virtual` stages each (0: its default).
 
     Args:
-        costs: what a costed schedule (`auto`) is planned on (`generate.Costs`, per stage; None:
+        costs: what a costed schedule (`auto`) is planned on (`plans.costs.Costs`, per stage; None:
             unit costs); the other schedules' plans do not depend on costs and ignore it.
 
     Raises:

@@ -6,7 +6,7 @@ measured time balances each stage, not each rank's pair of stages under the V pl
 asks how auto's plan fills and drains. `plans.cuts.choose_cut` does, from per-block costs. Here
 each block's forward and backward are timed on one micro-batch (`partition.time_parts`); the two
 halves of a split backward (I and W) are not timed apart, so each is taken as half the backward,
-as `generate.Costs.measured` takes stage 0's. The plan itself is made again on the stages' real
+as `plans.costs.Costs.measured` takes stage 0's. The plan itself is made again on the stages' real
 F, I and W once a step has been traced (`ProcessModel.replan`): only the cut rests on the halves.
 
 Every process of a process group must build the same stages: rank 0 alone measures (the others
@@ -44,7 +44,7 @@ def auto_balance(blocks: Sequence[nn.Module], sample: Any, ranks: int, virtual: 
             are read) cannot run: they get the parameter cut, as without auto.
         sample: one micro-batch of inputs (a tensor or a structure, with its side inputs).
         limit, cores: auto's memory limit (--auto-limit) and the cores its ranks share, as
-            `generate.Costs` takes them.
+            `plans.costs.Costs` takes them.
         device: where to time (the process's device; None: where the blocks are): copies of the
             blocks and of the sample go there, since blocks' costs relative to each other differ
             between a CPU and a GPU.

@@ -2,6 +2,7 @@
 input) costs. Never longer than the cut it is given, within 2 % of the balanced bound where a cut
 allows it, the best over every cut where it says it proved so, and its plans valid."""
 
+import dataclasses
 import itertools
 import math
 import random
@@ -79,12 +80,12 @@ def test_a_cut_is_weighed_by_the_lower_bound_of_its_plan(v):
 def test_span_is_the_step_of_autos_own_plan():
     """What the search screens cuts with is what auto's plan takes, without its memory search."""
     rng = random.Random(0)
-    for p, m, v in [(2, 4, 1), (2, 8, 2), (3, 6, 2), (4, 8, 1)]:
-        c = stage_costs(_random_blocks(rng, 2 * p * v), [2] * (p * v))
+    for (p, m, v), comm in itertools.product([(2, 4, 1), (2, 8, 2), (3, 6, 2), (4, 8, 1)], (0.0, 0.3)):
+        c = dataclasses.replace(stage_costs(_random_blocks(rng, 2 * p * v), [2] * (p * v)), comm=comm)
         plan = auto(p, m, v, c)
-        sim = simulate(plan, list(c.forward), list(c.backward), weight=list(c.weight),
+        sim = simulate(plan, list(c.forward), list(c.backward), comm=comm, weight=list(c.weight),
                        input_grad=list(c.input_grad))
-        assert span(p, m, v, c) == pytest.approx(sim.makespan, rel=1e-9), (p, m, v)
+        assert span(p, m, v, c) == pytest.approx(sim.makespan, rel=1e-9), (p, m, v, comm)
 
 
 @pytest.mark.parametrize("blocks, p, m, v", [(RAMP, 2, 8, 2), (RAMP, 2, 8, 1), (HEAD, 2, 8, 2),

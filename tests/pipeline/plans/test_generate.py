@@ -8,7 +8,7 @@ import pytest
 
 from brigade.pipeline.plans.action import SEND_F, B, F, I, PlanError, W
 from brigade.pipeline.plans.bounds import lower_bound
-from brigade.pipeline.plans.generate import Costs
+from brigade.pipeline.plans.costs import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, V_SHAPE, build, names
 from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.plans.validate import validate
@@ -127,7 +127,7 @@ def test_costs_that_do_not_fit_the_plan_are_refused_in_one_line(costs, match):
 
 def test_measured_costs_take_each_kind_per_stage_and_halve_a_whole_backward():
     from brigade.pipeline.plans.action import Action
-    from brigade.pipeline.plans.generate import median_durations
+    from brigade.pipeline.plans.costs import median_durations
 
     events = [(Action(0, F, 0), 0.0, 1.0), (Action(0, F, 1), 1.0, 4.0), (Action(0, F, 2), 4.0, 6.0),
               (Action(0, B, 0), 6.0, 10.0), (Action(1, I, 0), 0.0, 0.5), (Action(1, W, 0), 0.5, 2.0),

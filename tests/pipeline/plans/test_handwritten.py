@@ -5,7 +5,7 @@ breaks micro-batch order or the memory limit."""
 import pytest
 
 from brigade.pipeline.plans.action import B, F, I, W
-from brigade.pipeline.plans.generate import Costs
+from brigade.pipeline.plans.costs import Costs
 from brigade.pipeline.plans.schedule import build, compute_only
 from brigade.pipeline.plans.simulate import simulate
 from brigade.pipeline.plans.validate import validate
