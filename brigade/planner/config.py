@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from brigade.config.fielddoc import CP_METHODS, MODELS, RECOMPUTES, SCHEDULES, Choices, doc
+from brigade.config.fielddoc import CHUNKED_LOSS, CP_METHODS, MODELS, RECOMPUTES, SCHEDULES, Choices, doc
 
 COST_SOURCES = Choices(lambda: ("auto", "measured", "formula"))
 
@@ -52,6 +52,12 @@ class PlanConfig:
     float8: bool = doc(False, "plan for runs with float8 linear layers (tensorwise scaling): costs from "
                               "shapes run every block's linear layers but the head's at the target's "
                               "float8 peak, with their scaling passes")
+    chunked_loss: str = doc("auto", "plan for runs whose head's loss is chunked as training's "
+                                    "--chunked-loss decides ({choices}): costs from shapes then hold "
+                                    "one chunk's logits, not the sequence's, and run the head's "
+                                    "forward again in its backward", choices=CHUNKED_LOSS)
+    loss_chunk: int = doc(1024, "positions of each sequence a chunk of the head's loss takes, as "
+                                "training's --loss-chunk")
     dp: int = doc(0, "consider only this data-parallel width; 0: every divisor of the world")
     pp: int = doc(0, "consider only this pipeline depth; 0: every divisor of the world")
     shard: int = doc(0, "consider only this shard degree (1: DDP); 0: every divisor of dp")

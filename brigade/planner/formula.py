@@ -70,10 +70,12 @@ ADAMW_BYTES_MOVED = 7  # per parameter byte: read p, g, exp_avg, exp_avg_sq; wri
 
 
 def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec,
-                precision: str = "", compile: bool = False, float8: bool = False) -> ModelCosts:
+                precision: str = "", compile: bool = False, float8: bool = False,
+                loss_chunk: int = 0) -> ModelCosts:
     """Costs of `spec` (built on the meta device) on `target`, from a meta micro-batch of `size`;
     `compile`: its memory-bound ops fused as Inductor fuses them, `float8`: the linear layers of
-    every block but the last (the head's) in float8 (`planner.kernels`)."""
+    every block but the last (the head's) in float8 (`planner.kernels`); `loss_chunk`: the
+    positions of each sequence the head's chunked loss takes at a time (0: not chunked; `_chunked`)."""
     x, y = (to(t, "meta") for t in spec.make_batch(size, torch.Generator().manual_seed(0)))
     rates = Rates.of(target, precision)
     times, held, kept, ops, flops, outs, grouped, rerun = [], [], [], [], [], [], [], []
@@ -96,6 +98,8 @@ def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec
         flops.append((f + b) / size)
         outs.append(out.numel() * out.element_size() / size if torch.is_tensor(out) else 0.0)
         h = out.detach()
+    if loss_chunk:
+        loss_extra = _chunked(times, outs, loss_extra, loss_chunk / tokens_per_sample(spec))
     inputs = [_bytes(x) / size, *outs[:-1]]  # what a recomputed block keeps: its input
     transient = [2 * o for o in outs]  # a block's output and its gradient, side by side; the last
     transient[-1] = max(transient[-1], loss_extra / size)  # block's: its loss's buffers (`_run`)
@@ -114,6 +118,18 @@ def from_shapes(spec: ModelSpec, size: int, modes: list[str], target: DeviceSpec
 def _linears(block) -> set[tuple[int, int]]:
     """The weight shapes of a block's linear layers (what float8 takes in it)."""
     return {tuple(m.weight.shape) for m in block.modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _chunked(times: list, outs: list, loss_extra: float, part: float) -> float:
+    """The head run inside its loss a chunk of `part` of each sequence's positions at a time
+    (`parallel.chunked`): its logits and the loss's buffers are one chunk's, and its forward runs
+    again in the backward (before the input pass). Updates `times` and `outs` in place; the loss's
+    buffers for one chunk. The loss's buffers scale with the positions a chunk takes; the head's
+    input, which it keeps, does not."""
+    f, b, w, i = times[-1]
+    times[-1] = (f, b + f, w, i + f)
+    outs[-1] *= part
+    return loss_extra * part
 
 
 def _mode(mode: str, size: int, times: list, held: list, kept: list, inputs: list, ops: list,

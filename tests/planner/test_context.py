@@ -196,3 +196,27 @@ def test_llama_3_1_8b_at_131072_positions_fits_8_h100s(tmp_path):
     whole = next(r for r in rows if r["label"] == "shard 8, m 1, recompute full")  # the same states
     assert not any(r["fits"] for r in rows if r["layout"]["cp"] == 1)
     assert whole["memory"]["activations"] == pytest.approx(4 * best["memory"]["activations"], rel=0.01)
+
+
+def test_a_chunked_loss_holds_one_chunks_logits_and_runs_the_head_again(tmp_path):
+    """Llama 3.1 8B at 131,072 positions: under --chunked-loss auto (training's default) a step
+    holds one chunk's logits and loss buffers, not the sequence's (128,256 × 131,072 fp32 logits are
+    63 GiB), and the head's forward runs again in the backward; off plans the whole sequence's."""
+    pytest.importorskip("transformers", reason="the hf extra (scripts/setup.sh installs it)")
+    from brigade.errors import BrigadeError
+    from brigade.planner.config import PlanConfig
+    from brigade.planner.run import plan
+    from brigade.results.big_plans import LLAMA31, SIZES
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA31, **SIZES["8B"]}))
+    got = {}
+    for mode in ("auto", "off"):
+        cfg = PlanConfig(model=f"hf:{tmp_path}", seq_len=131072, batch_size=8, gpus_per_node=8,
+                         device="h100", precision="bf16", costs="formula", recompute="full", pp=1, tp=1,
+                         cp=4, shard=2, microbatches="4", chunked_loss=mode)
+        (got[mode],) = plan(cfg)["rows"][:1]
+    logits = 131072 // 4 * 128256 * 4  # a cp rank's quarter of one sequence's fp32 logits
+    assert got["off"]["memory"]["peak"] - got["auto"]["memory"]["peak"] > logits
+    assert got["auto"]["step_s"] > got["off"]["step_s"]
+    with pytest.raises(BrigadeError, match="--loss-chunk 0: a chunk takes at least 1 position"):
+        plan(PlanConfig(model=f"hf:{tmp_path}", seq_len=131072, device="h100", costs="formula", loss_chunk=0))
