@@ -46,6 +46,10 @@ same_hash() {  # a run killed and resumed ends with the uninterrupted run's para
 }
 
 check doctor          "$PY" -m brigade doctor --nproc 1 --out "$OUT/doctor"
+# This GPU's profile for `brigade plan` (docs/plan.md, "A measured GPU profile"): a big bf16
+# matmul's rate, a big copy's bandwidth, the allocator's reserve after a few steps, in
+# OUT/gpu-profile.json; name it as profile = "..." in a --cluster file's [device] table.
+[ -z "${GPU_CHECK_ON_CPU:-}" ] && check gpu-profile "$PY" -m brigade.planner.profile --out "$OUT/gpu-profile.json"
 # The suite's GPU tier (tests/conftest.py): every test marked cuda, with the GPUs visible; its
 # JUnit report in OUT/gpu/pytest-cuda.xml. On a GPU none may skip: a skip there is a GPU test
 # that did not run (on the CPU, GPU_CHECK_ON_CPU=1, every one skips, saying why).

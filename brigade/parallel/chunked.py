@@ -74,7 +74,7 @@ class Chunked:
         if chunk < 1:
             raise BrigadeError(f"--loss-chunk {chunk}: must be ≥ 1 positions")
         self.head, self.chunk, self.mode, self.autocast, self.parts = head, chunk, mode, autocast, parts
-        self.vocab = _vocab(head) // vocab_parts  # this process's logits per position
+        self.vocab = vocab(head) // vocab_parts  # this process's logits per position
         self.on = False  # set per pipeline (`Assembly.pipeline`): off under a split backward
         self.waiting = False  # the stage's last forward left the head to the loss
         self.last = 0  # the chunks the last loss ran in, 0 where the stage ran the head (`brigade check`)
@@ -205,7 +205,7 @@ def install(stage: nn.Module, head: nn.Module, chunk: int, mode: str = "auto",
     return head._chunked
 
 
-def _vocab(head: nn.Module) -> int:
+def vocab(head: nn.Module) -> int:
     """The head's output size: its last linear layer's (a tp "vocab" split counts whole)."""
     linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
     if not linears:

@@ -11,7 +11,7 @@ One graph per block, not one per model: a block's graph is compiled once and eve
 the same shapes reuses it (guards on the code and shapes, not on which block); a pipeline stage
 holds whole blocks, so any cut works. Selective recompute picks the ops it keeps by watching
 them run (`recompute._Record`, a dispatch mode), which a compiled graph hides; a block under
-selective recompute is therefore left eager, and `compile_blocks` says which.
+selective recompute (and "op") is therefore left eager, and `compile_blocks` says which.
 
 A forward that runs under a dispatch mode runs eagerly instead (`_Compiled`): the pipeline
 watches a stage's first forward for random draws under one (`runtime.randomness`), and selective
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from brigade.parallel.recompute import Recomputed
+from brigade.parallel.recompute import SELECTIVE, Recomputed
 
 RECOMPILES = 64  # compiled variants one block's code may have (`compile_blocks`)
 
@@ -82,7 +82,7 @@ def compile_blocks(blocks: list[nn.Module], indices: list[int], modes: list[str]
     eager = []
     for i in indices:
         block = blocks[i]
-        if modes[i] == "selective":
+        if modes[i] in SELECTIVE:
             eager.append(i)
         elif isinstance(block.forward, Recomputed):
             block.forward.inner = _Compiled(block.forward.inner)

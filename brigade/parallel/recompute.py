@@ -6,6 +6,10 @@
     selective  as full, but the outputs of the expensive ops (matmuls, attention without
                dropout) are kept from the forward and replayed, so what runs again is the
                cheap rest (norms, activations, dropout, views)
+    op         as selective, but of the matmuls only the first, third, fifth… of a block's call
+               are kept: every second one runs again (torchtitan's "op" selective policy, which
+               keeps attention and all but every second mm; in a Llama layer the key, output and
+               w3 projections are made again)
 
 Built, as torch.utils.checkpoint's non-reentrant mode is, on `saved_tensors_hooks`: a saved
 tensor becomes a ticket into its block call's `_Frame`, which recomputes on the first ticket
@@ -52,6 +56,9 @@ KEPT = {getattr(_aten, name) for name in (
     "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name)}
 
 
+MATMULS = {getattr(_aten, name) for name in ("mm", "addmm", "bmm", "baddbmm")}
+
+
 def kept(func, args, kwargs) -> bool:
     """Whether selective recompute keeps this op's output: a kept kind that draws no random numbers
     (the planner counts what it keeps by this too, `planner.formula`)."""
@@ -69,22 +76,26 @@ def _detached(out):
 
 
 class _Record(TorchDispatchMode):
-    """In the first forward: note the output of every kept op, in order."""
+    """In the first forward: note the output of every kept op, in order; under `every_second`
+    ("op"), None in place of every second matmul's (made again)."""
 
-    def __init__(self, outputs: list):
+    def __init__(self, outputs: list, every_second: bool = False):
         super().__init__()
-        self.outputs = outputs
+        self.outputs, self.every_second, self.matmuls = outputs, every_second, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if kept(func, args, kwargs):
-            self.outputs.append(_detached(out))
+            self.matmuls += func.overloadpacket in MATMULS
+            again = self.every_second and func.overloadpacket in MATMULS and self.matmuls % 2 == 0
+            self.outputs.append(None if again else _detached(out))
         return out
 
 
 class _Replay(TorchDispatchMode):
-    """In the recompute: hand back each kept op's noted output instead of running it again."""
+    """In the recompute: hand back each kept op's noted output instead of running it again (one
+    noted None: run it again)."""
 
     def __init__(self, outputs: list):
         super().__init__()
@@ -93,9 +104,10 @@ class _Replay(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if kept(func, args, kwargs):
+            noted = next(self.outputs)
             # A fresh alias: autograd sets the recompute's history on what an op returns, and the
             # noted tensor itself must not come to hold that graph.
-            return _detached(next(self.outputs))
+            return func(*args, **kwargs) if noted is None else _detached(noted)
         return func(*args, **kwargs)
 
 
@@ -175,6 +187,7 @@ class _Frame:
         self.outputs = None
 
 
+SELECTIVE = ("selective", "op")  # the modes that keep some ops' outputs (`_Record`)
 _reruns = [0]  # forwards run again in this process, for `reruns`
 
 
@@ -209,7 +222,8 @@ class Recomputed:
     """
 
     def __init__(self, forward, mode: str, name: str):
-        self.inner, self.selective, self.name = forward, mode == "selective", name
+        self.inner, self.selective, self.name = forward, mode in SELECTIVE, name
+        self.every_second = mode == "op"
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -218,11 +232,11 @@ class Recomputed:
         with contextlib.ExitStack() as stack:
             stack.enter_context(saved_tensors_hooks(frame.pack, _unpack))
             if frame.outputs is not None:
-                stack.enter_context(_Record(frame.outputs))
+                stack.enter_context(_Record(frame.outputs, self.every_second))
             out = self.inner(*args, **kwargs)
         counting = held.current()
         if counting and frame.outputs:
-            frame.holders += counting.keep(_tensors(frame.outputs))  # selective: kept until recomputed
+            frame.holders += counting.keep(_tensors([o for o in frame.outputs if o is not None]))  # selective: kept until recomputed
         return out
 
 

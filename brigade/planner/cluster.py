@@ -5,6 +5,8 @@ TOML file:
     devices_per_node = 8
     [device]                 # a built-in name, or every field of DeviceSpec
     name = "h100"            # alone: the table's; with other fields: those override it
+    profile = "gpu.json"     # optional: a measured GPU profile (`planner.profile`), relative
+                             # to the file: its matmul, copy and allocator figures
 
 Each field missing or unknown is one line naming it and what is expected.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 import tomllib
 
 from brigade.errors import BrigadeError
+from brigade.planner import profile
 from brigade.planner.devices import FIELDS, NAMES, OPTIONAL, TABLE, DeviceSpec, device
 
 TOP = ("nodes", "devices_per_node", "device")
@@ -98,7 +101,7 @@ def _device(table, path) -> DeviceSpec:
     """A [device] table: a built-in name alone, or with overrides, or every field."""
     if not isinstance(table, dict):
         raise BrigadeError(f"--cluster {path}: device must be a [device] table, not {table!r}")
-    _known(table, ("name", *FIELDS), path, "device.")
+    _known(table, ("name", "profile", *FIELDS), path, "device.")
     name = table.get("name")
     if not isinstance(name, str) or not name:
         raise BrigadeError(
@@ -119,9 +122,11 @@ def _device(table, path) -> DeviceSpec:
                 f"--cluster {path}: no device.{key} for device {name!r}, which is not "
                 f"built in ({', '.join(TABLE)}, cpu): give {key} ({_UNITS[key]})"
             )
-    if base is not None:
-        return dataclasses.replace(base, **values)
-    return DeviceSpec(name=name, **values)
+    spec = dataclasses.replace(base, **values) if base is not None else DeviceSpec(name=name, **values)
+    if "profile" in table:
+        where = Path(path).parent / str(table["profile"])
+        spec = profile.applied(spec, profile.read(where), set(values))
+    return spec
 
 
 _UNITS = {
@@ -145,4 +150,10 @@ _UNITS = {
     "crowded_action_s": "seconds per action where a host has more processes than cores, 0: action_s",
     "tp_collective_s": "seconds a tensor-parallel block's collective adds as issued, 0: not counted",
     "crowded_tp_collective_s": "the same where a host has more processes than cores, 0: tp_collective_s",
+    "peak_fp8": "FLOP/s of float8 matmuls, 0 if not known",
+    "matmul_eff": "the share of the matmul peak a matmul reaches, 1: the peak",
+    "attention_eff": "the share of the bf16 peak a fused attention's forward reaches, 1: the peak",
+    "attention_bwd_eff": "the same for its backward, 1: the peak",
+    "mem_eff": "the share of mem_bw a memory-bound kernel reaches, 1: mem_bw",
+    "reserve_frac": "the share of allocated memory the caching allocator holds beyond it, 0: not measured",
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from brigade.config.fielddoc import CP_METHODS, MODELS, RECOMPUTES, SCHEDULES, Choices, doc
+from brigade.config.fielddoc import CHUNKED_LOSS, CP_METHODS, MODELS, RECOMPUTES, SCHEDULES, Choices, doc
 
 COST_SOURCES = Choices(lambda: ("auto", "measured", "formula"))
 
@@ -31,7 +31,7 @@ class PlanConfig:
     costs: str = doc(
         "auto",
         "where the blocks' costs come from ({choices}): measured here (then scaled), formula (from "
-        "the model's shapes on the meta device, FLOPs at an assumed share of peak), auto: formula "
+        "the model's shapes on the meta device, each kernel at its published rate), auto: formula "
         "when the model would not fit this machine, else measured",
         choices=COST_SOURCES,
     )
@@ -47,12 +47,17 @@ class PlanConfig:
         "none,full", "recompute modes to consider, comma-separated ({choices})", choices=RECOMPUTES
     )
     compile: bool = doc(False, "plan for runs with --compile: blocks measured here are compiled before "
-                               "they are timed (a measured factor); elsewhere (another device, or "
-                               "costs from shapes) their times are multiplied by --compile-factor")
-    compile_factor: float = doc(0.864, "--compile: a compiled block's time over an eager one's where "
-                                       "it cannot be measured here; the default is torchtitan's "
-                                       "published Llama 3.1 8B on 8 H100 (5,762 → 6,667 tokens/s/GPU "
-                                       "eager bf16 → compiled)")
+                               "they are timed (scaled to another device as measured); costs from "
+                               "shapes fuse the memory-bound ops between two matmuls, as Inductor does")
+    float8: bool = doc(False, "plan for runs with float8 linear layers (tensorwise scaling): costs from "
+                              "shapes run every block's linear layers but the head's at the target's "
+                              "float8 peak, with their scaling passes")
+    chunked_loss: str = doc("auto", "plan for runs whose head's loss is chunked as training's "
+                                    "--chunked-loss decides ({choices}): costs from shapes then hold "
+                                    "one chunk's logits, not the sequence's, and run the head's "
+                                    "forward again in its backward", choices=CHUNKED_LOSS)
+    loss_chunk: int = doc(1024, "positions of each sequence a chunk of the head's loss takes, as "
+                                "training's --loss-chunk")
     dp: int = doc(0, "consider only this data-parallel width; 0: every divisor of the world")
     pp: int = doc(0, "consider only this pipeline depth; 0: every divisor of the world")
     shard: int = doc(0, "consider only this shard degree (1: DDP); 0: every divisor of dp")

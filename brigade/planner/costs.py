@@ -106,6 +106,10 @@ class ModelCosts:
     opt_transient: list[float] = field(default_factory=list)
     opt_foreach: bool = False
     precision: str = ""  # the dtype the times were measured in ("": fp32)
+    # the dtype the memory columns were counted in: "" fp32 (measured here; the memory model halves
+    # them where the run computes in half precision), "bf16" or "fp16" as such a run holds them,
+    # what the model upcasts (norms, the loss's logits) at fp32's size (from shapes, `formula`)
+    memory_dtype: str = ""
     # per block, the seconds FSDP2's own work adds to one gather-forward-gather-backward-reduce
     # cycle of it (`shard_costs`); empty: not measured
     shard_s: list[float] = field(default_factory=list)

@@ -53,6 +53,15 @@ class DeviceSpec:
     has more processes than `cores`, each collective waiting for its partner to get a core (0:
     not counted, and the planner prices tp's collectives by the ring formulas,
     `planner.split_costs`).
+
+    What each kind of kernel reaches, as a share of the peak it runs against (`planner.kernels`;
+    1: the peak itself, an upper bound, where nothing better is known): `matmul_eff` of the
+    matmul peak for the precision (`peak_fp8` under float8, 0: not known); `attention_eff` and
+    `attention_bwd_eff` a fused attention's forward and backward, of the half-precision peak;
+    `mem_eff` a memory-bound kernel's bytes of `mem_bw`. The built-in GPUs' come from published
+    measurements (`KERNELS`, cited in docs/plan.md); "cpu" measures its own (the probe's matmul
+    and copy rates: 1 of what it measured). `reserve_frac`: the share of a step's allocated peak
+    the CUDA caching allocator was measured holding beyond it (`planner.reserve`; 0: not measured).
     """
 
     name: str
@@ -76,6 +85,12 @@ class DeviceSpec:
     crowded_action_s: float = 0.0
     tp_collective_s: float = 0.0
     crowded_tp_collective_s: float = 0.0
+    peak_fp8: float = 0.0
+    matmul_eff: float = 1.0
+    attention_eff: float = 1.0
+    attention_bwd_eff: float = 1.0
+    mem_eff: float = 1.0
+    reserve_frac: float = 0.0
     measured: bool = False  # probed here (cpu), not from a table or a file
 
     def peak(self, precision: str) -> float:
@@ -94,23 +109,44 @@ class DeviceSpec:
         return value
 
 
-def _gpu(name: str, bf16: float, fp32: float, mem: float, nvlink: float, ib: float, hbm: float) -> DeviceSpec:
+def _gpu(name: str, bf16: float, fp32: float, mem: float, nvlink: float, ib: float, hbm: float,
+         **kernels: float) -> DeviceSpec:
     return DeviceSpec(
-        name, bf16 * 1e12, fp32 * 1e12, mem * GB, nvlink / 2 * GB, 3e-6, ib * GB, 8e-6, hbm * GB
+        name, bf16 * 1e12, fp32 * 1e12, mem * GB, nvlink / 2 * GB, 3e-6, ib * GB, 8e-6, hbm * GB, **kernels
     )
 
 
+# What each kind of kernel reaches on the built-in GPUs, as a share of its peak (docs/plan.md has
+# each source): matmuls, the maximum achievable matmul FLOP/s measured by Stas Bekman's
+# mamf-finder (ml-engineering, compute/accelerator: H100 SXM 792.1 of 989, GH200 821.0 of 989
+# for H200's Hopper, A100 SXM 267.9 of 312); attention, FlashAttention-2 as PyTorch's SDPA runs it,
+# head dim 128 at sequence 8k: on H100 SXM5 333 TFLOP/s causal forward and 318 backward
+# (FlashAttention-3 paper, Shah et al. 2024, figures of attention speed), on A100 50-73 % of peak
+# (FlashAttention-2 paper, Dao 2023: its top for the forward, its bottom for the backward);
+# memory-bound kernels, the datasheet bandwidth (1: no published sustained figure taken).
+# Float8's dense peak (H100, H200 datasheets: 1,979 TFLOP/s) at the bf16 matmul share.
+KERNELS = {
+    "h100": dict(matmul_eff=792.1 / 989, attention_eff=333 / 989, attention_bwd_eff=318 / 989,
+                 peak_fp8=1979e12),
+    "h200": dict(matmul_eff=821.0 / 989, attention_eff=333 / 989, attention_bwd_eff=318 / 989,
+                 peak_fp8=1979e12),
+    "a100": dict(matmul_eff=267.9 / 312, attention_eff=0.73, attention_bwd_eff=0.50),
+}
+
+
 TABLE = {  # the dense peaks are `host.peaks.DENSE`'s (TFLOP/s), the one copy of those figures
-    "h100": _gpu("h100", *(f / 1e12 for f in DENSE["h100"]), 80, 900, 50, 3350),
-    "h200": _gpu("h200", *(f / 1e12 for f in DENSE["h200"]), 141, 900, 50, 4800),
-    "a100": _gpu("a100", *(f / 1e12 for f in DENSE["a100"]), 80, 600, 25, 2039),
+    "h100": _gpu("h100", *(f / 1e12 for f in DENSE["h100"]), 80, 900, 50, 3350, **KERNELS["h100"]),
+    "h200": _gpu("h200", *(f / 1e12 for f in DENSE["h200"]), 141, 900, 50, 4800, **KERNELS["h200"]),
+    "a100": _gpu("a100", *(f / 1e12 for f in DENSE["a100"]), 80, 600, 25, 2039, **KERNELS["a100"]),
 }
 NAMES = (*TABLE, "cpu")
 FIELDS = tuple(f.name for f in fields(DeviceSpec) if f.name not in ("name", "measured"))
-# what a --cluster file's own device may leave out (0, or 1 for shared_slowdown: not counted)
+# what a --cluster file's own device may leave out (0, or 1 for shared_slowdown and the kernels'
+# shares: not counted)
 OPTIONAL = ("cores", "shared_slowdown", "all_reduce_bw", "all_gather_bw", "reduce_scatter_bw", "coll_latency",
             "dtensor_step_s", "action_s", "runtime_step_s", "crowded_action_s", "tp_collective_s",
-            "crowded_tp_collective_s")
+            "crowded_tp_collective_s", "peak_fp8", "matmul_eff", "attention_eff", "attention_bwd_eff",
+            "mem_eff", "reserve_frac")
 
 
 def device(name: str, reprobe: bool = False) -> DeviceSpec:

@@ -74,7 +74,10 @@ one. The accuracy benchmark's GPT (4 × 256, shard 2, batch 16) peaks within 5.5
 and 3.1 % in fp32 (`results/plan/accuracy.json`).
 Elsewhere (DDP, no replicas) they are autocast over fp32 parameters, and activations count as
 measured in fp32: an upper bound, as autocast keeps the outputs of norms and softmax, and the
-residual stream after them, in fp32.
+residual stream after them, in fp32. Costs from shapes in bf16 or fp16 (`formula`) are counted as
+the half-precision run holds them, what the model itself upcasts (its norms' fp32, the loss's fp32
+logits, their log-softmax and gradients) at fp32's size (`ModelCosts.memory_dtype`): taken as they
+are under FSDP2's mixed precision, twice them elsewhere (`activation_scale`).
 
 A stage's busiest moment comes from walking its rank's actions in the plan's order (`moments`):
 after each, n micro-batches are held (F done, B or W not), j ≤ n of them are past their I, and
@@ -132,7 +135,7 @@ def rank_memory(
     blocks = rank_blocks(layout, balance, pp_rank)
     whole, mine = own_params(costs, layout, blocks)
     mixed = precision in HALF and layout.degrees.sharded  # FSDP2's mixed precision
-    amb = mb * (0.5 if mixed else 1.0)  # activation bytes per measured (fp32) byte per sample, × mb
+    amb = mb * activation_scale(costs, mixed)  # activation bytes per counted byte per sample, × mb
     at = {s: (moments or {}).get(s) or {(peak_held.get(s, 1), 0, 1)} for s in stages}
     blockwise = by_block(layout, at)  # FSDP its own way, block by block (below)
     if layout.degrees.sharded and not blockwise:  # the stage's whole gradient buffers stand
@@ -168,6 +171,16 @@ def rank_memory(
         peak = mine + 2 * mine + extra + max(backward, stepping)
     return {"params": mine, "grads": mine, "optimizer": 2 * mine, "activations": held + working,
             "split": split, "optimizer_step": stepping - mine, "peak": peak}
+
+
+def activation_scale(costs: ModelCosts, mixed: bool) -> float:
+    """A rank's activation bytes per byte of the costs' columns: counted in fp32 (measured), half
+    of them under FSDP2's mixed precision (`mixed`); counted as a half-precision run holds them
+    (`ModelCosts.memory_dtype`, from shapes), as they are under it, and elsewhere (autocast over
+    fp32 parameters) twice them, the fp32 bound the module docstring counts."""
+    if costs.memory_dtype in HALF:
+        return 1.0 if mixed else 2.0
+    return 0.5 if mixed else 1.0
 
 
 def block_transient(costs: ModelCosts, layout: Layout, blocks: list[int], amb: float, adding: bool) -> float:

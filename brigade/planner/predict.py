@@ -43,8 +43,9 @@ rank's memory (`memory.py`), and whether it fits.
                                                         across pipeline ranks summed over them
                                                         (`reduction.step_syncs`)
 
-Not overlapped: an upper bound where a GPU overlaps the reduction with the backward; on a CPU
-gloo's collectives take the same cores. Where more processes share a host than it has cores
+On a CPU not overlapped: gloo's collectives take the same cores. On a GPU without a pipeline the
+reduction runs beside the compute and only what the compute cannot hide counts
+(`reduction.exposed`); under a pipeline it is counted whole after the makespan (an upper bound). Where more processes share a host than it has cores
 (`DeviceSpec.cores`), the work is time-shared: compute runs `shared_slowdown` slower with every
 core busy, all ranks' compute ÷ the cores is added over what their compute alone would take
 (a tp collective's wait for its partner comes on top: it is not compute, and not hidden behind
@@ -70,6 +71,7 @@ from brigade.planner.costs import MEASURED, ModelCosts, interpolate
 from brigade.planner.expert_parallel import all_to_alls, step_all_to_all_s
 from brigade.planner.memory import HALF, by_block, moments, rank_memory, worst
 from brigade.planner.reduction import after_pipeline, step_syncs
+from brigade.planner.reserve import outside, reserved
 from brigade.planner.space import Layout
 
 
@@ -105,12 +107,14 @@ def predict(
     memory = [rank_memory(costs, layout, balance, held, work, r, at, precision) for r in range(layout.pp)]
     top = worst(memory)
     reduce_s, opt_s = after_pipeline(costs, layout, cluster, balance, memory,
-                                      by_block(layout, at), precision in HALF)
+                                      by_block(layout, at), precision in HALF, makespan)
     sync_s = step_syncs(costs, layout, cluster, balance, groups)
     step = makespan + reduce_s + opt_s + cluster.device.runtime_step_s + sync_s
     a2a_s = step_all_to_all_s(a2a, layout, balance)
     cp_s = step_context_s(ctx, layout, balance)
     flops, limit = sum(costs.flops) * batch, cluster.device.memory
+    top["reserved"] = reserved(top["peak"], cluster.device)  # as the allocator holds it (`reserve`)
+    held_all = top["reserved"] + outside(layout, cluster.device)
     return {
         "layout": layout.to_json(),
         "label": layout.label(),
@@ -129,8 +133,8 @@ def predict(
         "comm_share": (reduce_s + a2a_s + cp_s + sim.makespan - alone) / step,
         "memory": top,
         "memory_per_stage_rank": memory,
-        "fits": top["peak"] <= limit,
-        "over_bytes": max(0.0, top["peak"] - limit),
+        "fits": held_all <= limit,
+        "over_bytes": max(0.0, held_all - limit),
         "source": costs.source,
     }
 

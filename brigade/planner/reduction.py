@@ -2,8 +2,9 @@
 reduction, with a sharded stage's all-gather, over the processes holding the same weights (dp × cp
 under DDP, shard × cp under FSDP2, `memory.shards`), and the experts' apart over edp; FSDP2's own
 work where measured here; the optimizer step; and the trainer's small collectives once a step. All
-on the busiest rank, not overlapped with the backward, and crowded where a host has more processes
-than cores.
+on the busiest rank and crowded where a host has more processes than cores; not overlapped with the
+backward on a CPU (gloo's collectives take the same cores), overlapped on a GPU without a pipeline
+(`exposed`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from brigade.planner.space import Layout
 
 
 def after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: list[int],
-                   memory: list[dict], blockwise: bool, half: bool) -> tuple[float, float]:
+                   memory: list[dict], blockwise: bool, half: bool, compute_s: float = 0.0) -> tuple[float, float]:
     """(seconds of the gradient reduction and FSDP2's own work on it, of the optimizer step)
     after the pipeline's makespan, on the busiest rank; where more processes than cores share a
     host, every rank runs these at once and they take turns (`crowding`): gloo's copies and
@@ -25,7 +26,8 @@ def after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance:
     as much as at its end. `blockwise`: FSDP gathers and reduces each block every micro-batch
     (`memory.by_block`); `half`: it gathers half-precision weights. (Counted uncrowded, as
     waits that leave the core to another rank, HSDP 2 × 2 on 2 cores read 16-25 % fast once
-    FSDP2's own work was priced apart, `shard_costs`.)"""
+    FSDP2's own work was priced apart, `shard_costs`.) `compute_s`: the step's compute, which the
+    reduction runs beside on a GPU without a pipeline (`exposed`)."""
     groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp, layout.ep, layout.cp)
     blocks = [rank_blocks(layout, balance, r) for r in range(layout.pp)]
     # each pp rank's experts, unsharded, where they are reduced apart from the dense weights (ep > 1)
@@ -33,7 +35,10 @@ def after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance:
     # the dense weights' whole gradient: the rank's own less its experts' share, times the shard
     whole_grads = max((m["grads"] - x / expert_shard(layout)) * shards(layout)
                       for m, x in zip(memory, experts))
-    reduce_s = reduction(cluster, layout, groups, whole_grads, 1 + max(map(len, blocks)), blockwise, half)
+    units = 1 + max(map(len, blocks))
+    reduce_s = reduction(cluster, layout, groups, whole_grads, units, blockwise, half)
+    if not cluster.device.cores and layout.pp == 1:
+        reduce_s = exposed(reduce_s, compute_s, units)
     reduce_s += max(expert_reduction(costs, cluster, layout, groups, bs, x, blockwise, half)
                     for bs, x in zip(blocks, experts))
     own_s = _fsdp_own(costs, layout, blocks, blockwise)
@@ -43,6 +48,18 @@ def after_pipeline(costs: ModelCosts, layout: Layout, cluster: Cluster, balance:
         opt_s += cluster.device.dtensor_step_s * count
     crowd = crowding(layout, cluster)
     return (reduce_s + own_s) * crowd, opt_s * crowd
+
+
+def exposed(reduce_s: float, compute_s: float, units: int) -> float:
+    """The seconds of a GPU's gradient reduction (and FSDP2's gathers) that its compute does not hide.
+
+    Without a pipeline a GPU runs DDP's bucketed all-reduces, and FSDP2's per-block all-gathers
+    (the next block's prefetched while this one computes) and reduce-scatters, on their own
+    streams beside the forward and backward: one unit's share (`reduce_s` ÷ `units`: the first
+    block's gather, the last one's reduction) has nothing to hide behind, the rest hides behind
+    the compute but where it takes longer than it."""
+    alone = reduce_s / max(units, 1)
+    return alone + max(reduce_s - alone - compute_s, 0.0)
 
 
 def step_syncs(costs: ModelCosts, layout: Layout, cluster: Cluster, balance: list[int],

@@ -16,6 +16,7 @@ COLUMNS = (
     "optim",
     "activ",
     "peak MiB",
+    "reserved",
     "fits",
     "source",
 )
@@ -40,6 +41,7 @@ def cells(row: dict) -> list[str]:
         _gib(m["optimizer"]),
         _gib(m["activations"]),
         _gib(m["peak"]),
+        _gib(m.get("reserved", m["peak"])),
         fits,
         row["source"],
     ]

@@ -13,6 +13,7 @@ import torch
 
 from brigade.config import ModelConfig, RunConfig
 from brigade.errors import BrigadeError
+from brigade.parallel import chunked
 from brigade.pipeline.batches.sample import tokens_per_sample
 from brigade.pipeline.plans.action import PlanError
 from brigade.pipeline.plans.schedule import SCHEDULES
@@ -196,6 +197,27 @@ def source(asked: str, shape) -> str:
     return FORMULA if weightless or states > host_memory() / 2 else MEASURED
 
 
+def loss_chunk(cfg: PlanConfig, shape) -> int:
+    """The positions of each sequence a chunk of the head's loss takes in the runs planned, 0 where
+    they do not chunk it: as training decides (`parallel.chunked`), a position-wise head, not
+    --chunked-loss off, a sequence longer than a chunk, and under auto a sequence's logits of at
+    least `chunked.THRESHOLD` elements (a micro-batch of one sequence: larger ones chunk too).
+    Schedules that split the backward do not chunk in training; their plans count it all the same.
+
+    Raises:
+        BrigadeError: --loss-chunk below 1.
+    """
+    if cfg.loss_chunk < 1:
+        raise BrigadeError(f"--loss-chunk {cfg.loss_chunk}: a chunk takes at least 1 position; give "
+                           "a positive number, like training's default 1024")
+    head, positions = shape.blocks[-1], tokens_per_sample(shape)
+    if not chunked.wanted(head, cfg.chunked_loss) or positions <= cfg.loss_chunk:
+        return 0
+    if cfg.chunked_loss == "auto" and not chunked.helps(1, positions, chunked.vocab(head)):
+        return 0
+    return cfg.loss_chunk
+
+
 def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
     """Every layout's prediction, ranked (module docstring), and what they were made from."""
     where = target(cfg)
@@ -212,15 +234,14 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
     at = sizes(rows, cfg.batch_size)
     with quiet_stderr():
         if source(cfg.costs, shape) == FORMULA:
-            costs = from_shapes(shape, min(at), modes, where.device, cfg.precision)
+            costs = from_shapes(shape, min(at), modes, where.device, cfg.precision, compile=cfg.compile,
+                                float8=cfg.float8, loss_chunk=loss_chunk(cfg, shape))
         else:
             timed_in = cfg.precision if where.device.measured else ""  # this machine: its own bf16
             here_tp = where.device.measured and any(r.tp == TP for r in rows)  # on one tp process
             here_shard = where.device.measured and any(r.shard > 1 for r in rows)  # FSDP2's own work
             costs = scaled(measure(load_spec(cfg, m), at, modes, cpu(), timed_in, tp=here_tp,
                                    shard=here_shard, compile=cfg.compile), where.device, cfg.precision)
-    if cfg.compile and costs.source != MEASURED:  # measured elsewhere, or from shapes: the stated factor
-        costs.scale *= cfg.compile_factor
     costs.tensor, costs.attention = tensor, seen
     out, left = _predict_all(cfg, costs, where, rows, tokens_per_sample(shape))
     return {

@@ -102,6 +102,18 @@ def _big_plans(d: dict) -> str:
     return "; ".join(parts)
 
 
+@row("brigade plan held against torchtitan's Llama 3.1 H100 benchmark (end of 2024), every row planned from "
+     "config alone: tokens/s per GPU and reserved GiB, planned vs published, and the rows within 15 %",
+     "plan/published_vs_planned.json", "`python -m brigade.results.published`")
+def _published(d: dict) -> str:
+    parts = [f"T{r['table']} {r['model']} {r['label']} on {r['gpus']}: {r['planned_tokens_per_s_per_gpu']:,.0f} vs "
+             f"{r['published_tokens_per_s_per_gpu']:,} tokens/s/GPU ({r['tokens_error']:+.0%}), "
+             f"{r['planned_reserved_gib']:.1f} vs {r['published_gib']} GiB ({r['memory_error']:+.0%})"
+             for r in d["rows"]]
+    within = sum(abs(r["tokens_error"]) <= d["goal"] and abs(r["memory_error"]) <= d["goal"] for r in d["rows"])
+    return f"{within} of {len(d['rows'])} rows within 15 % on both; " + "; ".join(parts)
+
+
 @row("brigade plan of Qwen3-30B-A3B from config.json alone, 2 nodes of 8 H100, sequence 4096, bf16: "
      "parameters in all and active a token, the best layout at each ep, its tokens/s per GPU, all-to-all "
      "seconds a step and peak", "plan/moe_plan.json", "`python -m brigade.results.moe_plan`")

@@ -182,6 +182,8 @@ JOBS: dict[str, Job] = {
                 "python -m brigade.results.plan_accuracy --tiny --steps 4"),
     "big-plans": Job("python -m brigade.results.big_plans", "plan/big_plans.json",
                      "python -m brigade.results.big_plans --tiny"),
+    "published": Job("python -m brigade.results.published", "plan/published_vs_planned.json",
+                     "python -m brigade.results.published --tiny"),
     "moe-plan": Job("python -m brigade.results.moe_plan", "plan/moe_plan.json",
                     "python -m brigade.results.moe_plan --tiny"),
     "long-context": Job("python -m brigade.results.long_context", "plan/long_context.json",

@@ -18,14 +18,16 @@ import torch
 from brigade.check import run as check_run
 from brigade.check.run import CheckConfig, exact_matmuls, run_check
 from brigade.cli import main
+from brigade.config.recompute import MODES
 from brigade.errors import RunError
 from brigade.models.gpt import GPTConfig
 from brigade.pipeline.plans.schedule import SCHEDULES
 
 GRID = [(name, m, v) for name, s in SCHEDULES.items() for v in ([s.virtual] if s.virtual else [1, 2])
         for m in (1, 3, 8)]
-# and each recompute mode over every schedule and V (at m = 3), in the same worlds
-RECOMPUTE = [(name, m, v, mode) for name, m, v in GRID if m == 3 for mode in ("full", "selective")]
+# and each recompute mode (the registry's: one added later is checked too) over every schedule
+# and V (at m = 3), in the same worlds
+RECOMPUTE = [(name, m, v, mode) for name, m, v in GRID if m == 3 for mode in MODES if mode != "none"]
 TINY_GPT = {"gpt_cfg": GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, tie_embeddings=True)}
 USER_MODEL = '''
 import torch

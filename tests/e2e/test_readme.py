@@ -57,6 +57,7 @@ SHORT = {
     "brigade.results.plan_accuracy": ["--tiny", "", "--rounds", "1"],
     "brigade.results.cut_bound": ["--tiny", ""],
     "brigade.results.big_plans": ["--tiny", ""],
+    "brigade.results.published": ["--tiny", ""],
     "brigade.results.long_context": ["--tiny", ""],  # 30 plans of an 8B at full size: 80-90 s
     "brigade.results.moe_plan": ["--tiny", ""],
     "brigade.results.experts": ["--tiny", "", "--steps", "4", "--rounds", "1"],
@@ -235,7 +236,7 @@ README_COMMANDS = {_case(_as_shown(c)) for c in page_commands(README)}
 # the full tier), each way once, checking more.
 BENCHMARKS = ("bench", "tune", "brigade.results.overhead", "brigade.results.speed",
               "brigade.results.footprint", "brigade.results.plan_accuracy", "brigade.results.cut_bound",
-              "brigade.results.big_plans", "brigade.results.levers", "brigade.results.data_scale",
+              "brigade.results.big_plans", "brigade.results.published", "brigade.results.levers", "brigade.results.data_scale",
               "brigade.results.moe_plan", "brigade.results.experts", "brigade.results.context",
               "brigade.results.snapshot_stall", "brigade.results.kill_campaign", "brigade.results.head_loss",
               "brigade.results.lora")

@@ -65,7 +65,7 @@ def _compare(blocks, x, y, loss_fn, chunk: int):
     assert type(blocks[-1]).__name__ == type(ref[-1]).__name__  # messages name it as the model does
     n = -(-T // chunk)
     assert c.last == n and recompute.reruns() - reruns == n  # each chunk made again in backward
-    assert out.shape[-1] != chunked._vocab(blocks[-1])  # the stage passed the hidden states on
+    assert out.shape[-1] != chunked.vocab(blocks[-1])  # the stage passed the hidden states on
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])

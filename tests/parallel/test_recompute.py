@@ -48,7 +48,7 @@ def _grads(setup, mode: str, split: bool) -> tuple[list, int]:
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_recompute_gives_the_gradients_of_keeping_everything_once_per_block(setup, mode, split):
     want, none = _grads(setup, "none", split)
     got, count = _grads(setup, mode, split)
@@ -98,6 +98,34 @@ def test_selective_replays_matmuls_and_recomputes_the_rest(setup, monkeypatch):
     assert ran and not {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm} & set(ran)
 
 
+def test_op_runs_every_second_matmul_again_and_replays_the_others(setup, monkeypatch):
+    """torchtitan's "op" policy: of a block's matmuls the 1st, 3rd, … are replayed, the 2nd, 4th, …
+    run again in the recompute."""
+    calls: list = []
+    real = recompute._Replay.__torch_dispatch__
+
+    def seen(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in recompute.MATMULS:
+            calls.append(func.overloadpacket)
+        return real(self, func, types, args, kwargs)
+
+    ran: list = []
+    original = recompute._Record.__torch_dispatch__
+
+    def noted(self, func, types, args=(), kwargs=None):
+        out = original(self, func, types, args, kwargs)
+        if func.overloadpacket in recompute.MATMULS:
+            ran.append(self.outputs[-1] is None)
+        return out
+
+    monkeypatch.setattr(recompute._Replay, "__torch_dispatch__", seen)
+    monkeypatch.setattr(recompute._Record, "__torch_dispatch__", noted)
+    _grads(setup, "op", split=False)
+    per_block = len(ran) // (len(setup[0]) - 1)
+    assert per_block >= 2 and ran[:per_block] == [k % 2 == 1 for k in range(per_block)]
+    assert len(calls) == len(ran)  # every matmul reaches the replay: half replayed, half run
+
+
 def test_a_block_declares_its_own_mode_and_a_bad_one_is_named():
     blocks = [nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)]
     blocks[1].recompute = "none"
@@ -107,7 +135,7 @@ def test_a_block_declares_its_own_mode_and_a_bad_one_is_named():
     blocks[2].recompute = "some"
     with pytest.raises(BrigadeError, match=r"block 2 \(Linear\) declares recompute 'some': expected one"):
         recompute.modes(blocks, "none")
-    with pytest.raises(BrigadeError, match="--recompute 'half': expected one of none, full, selective"):
+    with pytest.raises(BrigadeError, match="--recompute 'half': expected one of none, full, selective, op"):
         recompute.modes([nn.Linear(2, 2)], "half")
 
 

@@ -18,6 +18,7 @@ from brigade.planner.context import exchanges
 from brigade.planner.devices import TABLE
 from brigade.planner.formula import from_shapes
 from brigade.planner.predict import predict
+from brigade.planner.reduction import exposed
 from brigade.planner.space import Layout, enumerate_layouts
 
 T, C, H = 32, 64, 2  # the tiny GPT's sequence, width and heads (head dim 32)
@@ -123,7 +124,9 @@ def test_the_reduction_runs_over_dp_times_cp():
     where = Cluster(1, 4, H100)
     ddp = predict(costs, Layout(2, 1, 1, "1f1b", 1, 1, "none", cp=2), where, 4, T)
     grads, link = ddp["memory"]["grads"], comm.link(where, [0, 1, 2, 3], "all_reduce")  # whole under DDP
-    assert ddp["reduce_s"] == pytest.approx(comm.all_reduce(grads, 4, *link))
+    # on a GPU beside the backward: what the compute does not hide (`reduction.exposed`)
+    whole = comm.all_reduce(grads, 4, *link)
+    assert ddp["reduce_s"] == pytest.approx(exposed(whole, ddp["pipeline_s"], costs.n_blocks + 1))
     alone = predict(costs, Layout(1, 1, 1, "1f1b", 1, 1, "none", cp=2), Cluster(1, 2, H100), 4, T)
     assert alone["reduce_s"] > 0  # dp 1, but its cp processes share the weights
 
@@ -193,3 +196,27 @@ def test_llama_3_1_8b_at_131072_positions_fits_8_h100s(tmp_path):
     whole = next(r for r in rows if r["label"] == "shard 8, m 1, recompute full")  # the same states
     assert not any(r["fits"] for r in rows if r["layout"]["cp"] == 1)
     assert whole["memory"]["activations"] == pytest.approx(4 * best["memory"]["activations"], rel=0.01)
+
+
+def test_a_chunked_loss_holds_one_chunks_logits_and_runs_the_head_again(tmp_path):
+    """Llama 3.1 8B at 131,072 positions: under --chunked-loss auto (training's default) a step
+    holds one chunk's logits and loss buffers, not the sequence's (128,256 × 131,072 fp32 logits are
+    63 GiB), and the head's forward runs again in the backward; off plans the whole sequence's."""
+    pytest.importorskip("transformers", reason="the hf extra (scripts/setup.sh installs it)")
+    from brigade.errors import BrigadeError
+    from brigade.planner.config import PlanConfig
+    from brigade.planner.run import plan
+    from brigade.results.big_plans import LLAMA31, SIZES
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA31, **SIZES["8B"]}))
+    got = {}
+    for mode in ("auto", "off"):
+        cfg = PlanConfig(model=f"hf:{tmp_path}", seq_len=131072, batch_size=8, gpus_per_node=8,
+                         device="h100", precision="bf16", costs="formula", recompute="full", pp=1, tp=1,
+                         cp=4, shard=2, microbatches="4", chunked_loss=mode)
+        (got[mode],) = plan(cfg)["rows"][:1]
+    logits = 131072 // 4 * 128256 * 4  # a cp rank's quarter of one sequence's fp32 logits
+    assert got["off"]["memory"]["peak"] - got["auto"]["memory"]["peak"] > logits
+    assert got["auto"]["step_s"] > got["off"]["step_s"]
+    with pytest.raises(BrigadeError, match="--loss-chunk 0: a chunk takes at least 1 position"):
+        plan(PlanConfig(model=f"hf:{tmp_path}", seq_len=131072, device="h100", costs="formula", loss_chunk=0))
