@@ -32,17 +32,18 @@ MISSING = {"async_tp": "AsyncTP (tp's all-gathers and reduce-scatters overlapped
                      "inputs its backward keeps) is not modelled: the activations are counted as bf16's"}
 # and by table: what the rows of a table miss beside those (docs/plan.md says why)
 NOTES = {
-    1: "torchtitan's selective recompute ('op' policy) runs every second matmul of a layer again; "
-       "brigade's, which is planned, keeps every matmul's output",
-    2: "the loss's fp32 logits (sequence × 128,256 × 4 bytes, and their gradient) are counted at "
-       "bf16's size; torchtitan shards over dp_shard × cp, brigade over shard alone (shard 1: "
-       "whole states on every GPU)",
-    3: "torchtitan's selective recompute ('op' policy) runs every second matmul of a layer again; "
-       "NCCL's collectives take SMs and memory bandwidth from the compute they overlap (counted free)",
+    1: "NCCL's collectives take SMs and memory bandwidth from the compute they overlap (counted "
+       "free); under compile, what Inductor's partitioner keeps for the backward beyond fusing the "
+       "memory-bound passes is not modelled (the memory is counted as eager's)",
+    2: "torchtitan shards the states over dp_shard × cp, brigade over shard alone (shard 1: whole "
+       "states on every GPU); ring attention's own efficiency (cp's smaller attention kernels) not "
+       "counted",
+    3: "NCCL's collectives take SMs and memory bandwidth from the compute they overlap (counted "
+       "free); under compile, what Inductor's partitioner keeps for the backward beyond fusing the "
+       "memory-bound passes is not modelled (the memory is counted as eager's)",
     4: "NCCL's collectives' share of the SMs (counted free); the allocator's fragmentation (not measured)",
     5: "NCCL's collectives' share of the SMs (counted free); the allocator's fragmentation (not measured)",
-    6: "the loss's fp32 logits counted at bf16's size; ring attention's own efficiency (C smaller "
-       "kernels) not counted",
+    6: "ring attention's own efficiency (cp's smaller attention kernels) not counted",
 }
 ALL = ("the Grand Teton H100's own matmul rate at 500 W (the peak is placed between NVL's and "
        "SXM's, not measured); memory-bound kernels at the datasheet bandwidth (no sustained figure)")
