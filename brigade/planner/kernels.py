@@ -100,7 +100,8 @@ class Fusion:
     written (`pending`, by id, with their bytes), and those read by the current region."""
 
     pending: dict[int, tuple[torch.Tensor, float, int]] = field(default_factory=dict)
-    read: set[int] = field(default_factory=set)
+    # by id, each tensor held: a freed one's id may be another's next, which would read as read
+    read: dict[int, torch.Tensor] = field(default_factory=dict)
     region: int = 0
 
     def written(self, t: torch.Tensor) -> float:
@@ -117,13 +118,13 @@ class Fusion:
                 return 0.0
             cost += self.written(t)
         if id(t) not in self.read:
-            self.read.add(id(t))
+            self.read[id(t)] = t
             cost += _nbytes(t)
         return cost
 
     def boundary(self) -> None:
         self.region += 1
-        self.read = set()
+        self.read = {}
 
 
 class KernelCount(TorchDispatchMode):
