@@ -75,6 +75,16 @@ from brigade.planner.reserve import outside, reserved
 from brigade.planner.space import Layout
 
 
+def _memory(costs: ModelCosts, layout: Layout, cluster: Cluster, balance, held, work: float, at,
+            precision: str) -> tuple[list[dict], dict, float]:
+    """Each pipeline rank's memory, the busiest's (with what the allocator reserves for it,
+    `reserve`), and all the busiest process holds: that and NCCL's own buffers."""
+    memory = [rank_memory(costs, layout, balance, held, work, r, at, precision) for r in range(layout.pp)]
+    top = worst(memory)
+    top["reserved"] = reserved(top["peak"], cluster.device)  # as the allocator holds it (`reserve`)
+    return memory, top, top["reserved"] + outside(layout, cluster.device)
+
+
 def predict(
     costs: ModelCosts, layout: Layout, cluster: Cluster, batch: int, seq_len: int, precision: str = "",
     memory_plan: Plan | None = None, cp_method: str = "auto",
@@ -104,8 +114,7 @@ def predict(
     makespan = _on_cores(sim, plan, per, cut(waits, len(balance), balance)[1], slow, cores)
     held = sim.peak_held if memory_plan is None else simulate(memory_plan, 1.0).peak_held
     at = moments(memory_plan or plan)  # under a split backward, what each stage keeps from I to W too
-    memory = [rank_memory(costs, layout, balance, held, work, r, at, precision) for r in range(layout.pp)]
-    top = worst(memory)
+    memory, top, held_all = _memory(costs, layout, cluster, balance, held, work, at, precision)
     reduce_s, opt_s = after_pipeline(costs, layout, cluster, balance, memory,
                                       by_block(layout, at), precision in HALF, makespan)
     sync_s = step_syncs(costs, layout, cluster, balance, groups)
@@ -113,8 +122,6 @@ def predict(
     a2a_s = step_all_to_all_s(a2a, layout, balance)
     cp_s = step_context_s(ctx, layout, balance)
     flops, limit = sum(costs.flops) * batch, cluster.device.memory
-    top["reserved"] = reserved(top["peak"], cluster.device)  # as the allocator holds it (`reserve`)
-    held_all = top["reserved"] + outside(layout, cluster.device)
     return {
         "layout": layout.to_json(),
         "label": layout.label(),
