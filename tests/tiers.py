@@ -143,7 +143,7 @@ FULL: dict[str, tuple[str, ...]] = {
     "tests/test_watchdog.py::test_pytest_timeout_alone_cannot_end_a_test_blocked_in_c": (),
     "tests/test_gpu_tier.py::test_the_gpu_tier_collects_every_gpu_test_and_each_skips_without_a_gpu": (),
     "tests/test_bad_input.py::test_too_many_processes_warns": (),
-    "tests/test_doctor.py::test_the_doctor_fails_when_data_is_not_delivered": ("none-*", "send-zeros-*"),
+    "tests/test_doctor_group.py::test_the_doctor_fails_when_data_is_not_delivered": ("none-*", "send-zeros-*"),
 }
 
 
