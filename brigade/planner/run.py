@@ -203,6 +203,9 @@ def loss_chunk(cfg: PlanConfig, shape) -> int:
     --chunked-loss off, a sequence longer than a chunk, and under auto a sequence's logits of at
     least `chunked.THRESHOLD` elements (a micro-batch of one sequence: larger ones chunk too).
     Schedules that split the backward do not chunk in training; their plans count it all the same.
+    Under cp a rank chunks its own part of each sequence, as training does, while the chunk's
+    buffers are counted per sample and shared over cp like every activation: 1/cp of what a rank
+    holds (a known gap, small beside the activations at the lengths cp is for).
 
     Raises:
         BrigadeError: --loss-chunk below 1.
