@@ -1,9 +1,9 @@
 """Where the suite's time goes, and how many tests each tier holds: results/testing/ and the block
 of docs/testing.md that shows them.
 
-CI (`.ci/run`) runs the suite in two steps: the README's `python -m pytest` (the default tier),
-then `python -m pytest -m full` (the full tier); the slow tier runs before a submission. Run a
-step (or the slow tier) with a JUnit report, then summarise it into a JSON under results/testing/
+CI (`.ci/run`) runs the suite in three steps: the README's `python -m pytest` (the default tier),
+then `python -m pytest -m full` (the full tier), then `python -m pytest -m slow` (the slow tier).
+Run a step with a JUnit report, then summarise it into a JSON under results/testing/
 (issue 59: find the time where it goes before removing it at the cause):
 
     python -m pytest --junitxml /tmp/default.xml
@@ -19,8 +19,7 @@ each step's time, and writes the reports with BRIGADE_CI_REPORTS=DIR):
     BRIGADE_CI_REPORTS=/tmp/ci bash .ci/run        # in a fresh clone and virtual environment
     python scripts/durations.py /tmp/ci/default.xml --step default --wall-s D --setup-s S
     python scripts/durations.py /tmp/ci/full.xml --step full --wall-s F
-    python -m pytest -m slow --junitxml /tmp/slow.xml
-    python scripts/durations.py /tmp/slow.xml --step slow --wall-s W
+    python scripts/durations.py /tmp/ci/slow.xml --step slow --wall-s W
 
     python scripts/durations.py --tiers
 
@@ -51,9 +50,9 @@ BEGIN, END = "<!-- tiers: written by `python scripts/durations.py` from results/
 BEFORE = "durations-default-deb38ba.json"  # the default tier before tests/tiers.py split it (issue 59)
 RUN_BY = {"default": "`python -m pytest` (the README's; CI's first step)",
           "full": "`python -m pytest -m full` (CI's second step)",
-          "slow": "`python -m pytest -m slow` (before a submission; not yet in CI)",
+          "slow": "`python -m pytest -m slow` (CI's third step)",
           "cuda": "`python -m pytest -m cuda` (scripts/gpu-check.sh, where a GPU is)"}
-# CI's steps after its set-up (.ci/run), then the slow tier: the command each runs and its tiers
+# CI's steps after its set-up (.ci/run): the command each runs and its tiers
 STEPS = {"default": ("`python -m pytest`", ("default",)), "full": ("`python -m pytest -m full`", ("full",)),
          "slow": ("`python -m pytest -m slow`", ("slow",))}
 
@@ -114,18 +113,18 @@ def _slowest(data: dict, n: int = 10) -> str:
 
 def block() -> str:
     """The block of docs/testing.md: the tests per tier, CI's steps as last measured, CI's whole run
-    where both steps were measured together from a fresh clone, and the ten slowest tests of each
+    where its steps were measured together from a fresh clone, and the ten slowest tests of each
     step (the default's also before the split); every figure from a file of results/testing/."""
     counts = json.loads((RESULTS / "tiers.json").read_text())
     text = [f"Tests per tier at {counts['commit']} (`results/testing/tiers.json`):", "",
             "| tier | run by | tests |", "|---|---|---|",
             *(f"| {tier} | {run_by} | {counts['tests'].get(tier, 0)} |" for tier, run_by in RUN_BY.items()),
             "", _steps(counts, runs := {step: _load(f"durations-{step}.json") for step in STEPS}), ""]
-    default, full = runs["default"], runs["full"]
-    if default and full and "setup_s" in default and default["commit"] == full["commit"]:
-        ci = default["setup_s"] + default["wall_s"] + full["wall_s"]
-        text += [f"CI (`.ci/run`: set-up, the default step, the full step) from a fresh clone and virtual "
-                 f"environment at {default['commit']}: {_clock(ci)} in all, "
+    default = runs["default"]
+    if all(runs.values()) and "setup_s" in default and len({r["commit"] for r in runs.values()}) == 1:
+        ci = default["setup_s"] + sum(r["wall_s"] for r in runs.values())
+        text += [f"CI (`.ci/run`: set-up, then the default, full and slow steps) from a fresh clone and "
+                 f"virtual environment at {default['commit']}: {_clock(ci)} in all, "
                  f"{_clock(default['setup_s'])} of it set-up.", ""]
     before = _load(BEFORE)
     if before and default:
@@ -144,9 +143,9 @@ def _run(data: dict) -> str:
 
 
 def _steps(counts: dict, runs: dict[str, dict | None]) -> str:
-    """The table of CI's steps and the slow tier: what each runs, its tests now, its last measured
+    """The table of CI's steps: what each runs, its tests now, its last measured
     wall time (`runs`: each one's durations file, None where there is none)."""
-    rows = ["CI's two steps and the slow tier, each as last measured (`results/testing/durations-STEP.json`; "
+    rows = ["CI's three steps, each as last measured (`results/testing/durations-STEP.json`; "
             "a run's count includes the GPU tier's where it skips there):", "",
             "| step | runs | tests now | wall time on 2 CPU cores | measured at |", "|---|---|---|---|---|"]
     for step, (command, tiers) in STEPS.items():
@@ -171,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("report", type=Path, nargs="?", help="a JUnit XML report (pytest --junitxml)")
     parser.add_argument("--step", choices=list(STEPS),
-                        help="which run it was: CI's default or full step, or the slow tier")
+                        help="which run it was: CI's default, full or slow step")
     parser.add_argument("--wall-s", type=float, help="the run's wall time, as pytest printed it")
     parser.add_argument("--setup-s", type=float, help="where the run was CI's: the set-up before it")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile")

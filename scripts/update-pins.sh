@@ -20,7 +20,7 @@ if [ "$#" -gt 0 ]; then
 fi
 "$venv/bin/python" -m pytest                # the default tier, as the README runs it
 "$venv/bin/python" -m pytest -m full        # the full tier, as CI runs it next
-"$venv/bin/python" -m pytest -m slow        # and the slow tier, as before a submission
+"$venv/bin/python" -m pytest -m slow        # and the slow tier, CI's third step
 {
     sed -n '1,3p' constraints.txt
     "$venv/bin/python" -m pip freeze --exclude-editable | grep -v '^torch=='
