@@ -14,6 +14,7 @@ does not work fails here.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -52,9 +53,10 @@ SHORT = {
     "bench": _SMALL_SWEEP,
     "tune": _SMALL_SWEEP,
     "plan": ["--recompute", "none"],  # one recompute mode measured instead of three (~25 s less each)
+    # (and `TINY_GPT_PLAN` where the plan is of the built-in GPT at its default sizes)
     "brigade.results.speed": ["--repeats", "1"],
     "brigade.results.overhead": ["--tiny", "", "--steps", "2", "--rounds", "1", "--warmup", "1"],
-    "brigade.results.plan_accuracy": ["--tiny", "", "--rounds", "1"],
+    "brigade.results.plan_accuracy": ["--tiny", "", "--rounds", "1", "--steps", "4"],
     "brigade.results.cut_bound": ["--tiny", ""],
     "brigade.results.big_plans": ["--tiny", ""],
     "brigade.results.published": ["--tiny", ""],
@@ -71,6 +73,10 @@ SHORT = {
     # its 21 runs (11 layouts) at full size took 6+ minutes on a slow day (bf16 steps are 6-9x fp32's on CPU)
     "brigade.results.footprint": ["--tiny", "", "--steps", "3", "--repeats", "2"],
 }
+# A plan of the built-in GPT that gives none of its sizes measures the default GPT on this CPU
+# (45-60 s a plan, most of it timing its blocks): the test measures a tiny one, as `train` trains
+# one; the plan's search, memory model and table are the same code whatever the sizes.
+TINY_GPT_PLAN = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32"]
 # What a command is meant to do when it does not succeed (its page says so beside it).
 # The GPU smoke test on a machine without one: its first check fails and it stops (exit 1).
 EXPECTED_EXIT = [("stall:rank=", 1), ("gpu-check.sh", 0 if torch.cuda.is_available() else 1)]
@@ -160,6 +166,10 @@ def shorten(argv: list[str], out: Path) -> list[str]:
     for flag, value in zip(flags[::2], flags[1::2]):
         if flag not in argv:  # a flag the command gives (its --max-steps, say) is part of what it shows
             extra += [flag, value] if value else [flag]
+    model = argv[argv.index("--model") + 1] if "--model" in argv else "gpt"
+    if sub == "plan" and model == "gpt" and "formula" not in argv and \
+            not any(flag in argv for flag in TINY_GPT_PLAN[::2]):
+        extra += TINY_GPT_PLAN
     fault = re.search(r"step=(\d+)", " ".join(argv))
     if sub == "train" and fault and "--max-steps" not in argv:  # run past the step the fault names
         extra[extra.index("--max-steps") + 1] = str(int(fault[1]) + 3)
@@ -374,6 +384,31 @@ def test_readme_command_runs(cmd, tmp_path, trained, capfd, monkeypatch, request
     for r in results:
         assert r.returncode == expected, f"{' '.join(r.args)} → exit {r.returncode}\n{r.stdout[-4000:]}"
         assert "Traceback" not in r.stdout, r.stdout[-4000:]
+    _check_what_it_wrote(_subcommand(shlex.split(cmd)), results[0].stdout, tmp_path)
+
+
+def _check_what_it_wrote(sub: str, stdout: str, cwd: Path) -> None:
+    """A results script's JSON, where it says it wrote one (`wrote PATH.json …`): there, whole, and
+    stamped with the script's own command; then, where its tests define `check_tiny(result)`
+    (`tests/results/test_NAME.py`), what that asks of a tiny run's figures."""
+    if not sub.startswith("brigade.results."):
+        return
+    import importlib
+
+    name = sub.removeprefix("brigade.results.")
+    try:
+        check = getattr(importlib.import_module(f"tests.results.test_{name}"), "check_tiny", None)
+    except ModuleNotFoundError:
+        check = None
+    written = [cwd / p for p in re.findall(r"\bwrote (\S+\.json)\b", stdout)]
+    assert written or check is None, f"{sub} said it wrote no JSON:\n{stdout[-2000:]}"
+    for plot in re.findall(r"\bwrote \S+\.json and (\S+\.png)", stdout):
+        assert (cwd / plot).stat().st_size > 10_000, f"{plot}: a plot of nothing"
+    for path in written:
+        result = json.loads(path.read_text())
+        assert "command" not in result or result["command"].startswith(f"python -m {sub}"), result["command"]
+        if check is not None:
+            check(result)
 
 
 def test_localise_and_shorten(tmp_path):
