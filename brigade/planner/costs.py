@@ -117,6 +117,9 @@ class ModelCosts:
     # each block's attention calls, what context parallel exchanges (`planner.attention`); None: not
     # observed, or no attention (cp exchanges nothing)
     attention: AttentionFacts | None = None
+    # the same costs with the head's loss whole, where these chunk it (`formula._chunked`): what a
+    # layout whose plan splits the backward holds, since training chunks no loss there (`predict`)
+    unchunked: ModelCosts | None = None
 
     @property
     def n_blocks(self) -> int:

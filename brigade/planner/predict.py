@@ -59,7 +59,7 @@ import math
 from itertools import accumulate
 
 from brigade.host.cores import shared_cores
-from brigade.pipeline.plans.action import Plan
+from brigade.pipeline.plans.action import W, Plan
 from brigade.pipeline.plans.costs import Costs
 from brigade.pipeline.plans.schedule import SCHEDULES, build
 from brigade.pipeline.plans.simulate import simulate
@@ -92,7 +92,8 @@ def predict(
     """The figures of one layout (module docstring); every figure's `source` is the costs'.
     `memory_plan`: the plan whose memory to predict, when a run holds memory on another plan than
     the one it is timed on (`auto` before it replans; the accuracy benchmark's case). `cp_method`:
-    how attention exchanges under cp (`context.method`).
+    how attention exchanges under cp (`context.method`). A plan with weight passes (a split
+    backward) is predicted on `costs.unchunked` where there are such: training chunks no loss there.
 
     Raises:
         PlanError: a schedule that cannot run these sizes (the caller leaves the layout out).
@@ -102,13 +103,14 @@ def predict(
     groups = comm.groups(layout.replicate, layout.shard, layout.pp, layout.tp, layout.ep, layout.cp)
     times, waits, a2a, ctx = _per_block(costs, layout, mb, work, cluster, groups, precision, cp_method)
     balance, per = cut(times, layout.pp * layout.virtual)
-    slow = _shared(cluster, layout.world)
-    own = _action_s(cluster, layout.world)  # the runtime's own time, per action
+    slow, own = _shared(cluster, layout.world), _action_s(cluster, layout.world)  # own: the runtime's, per action
     per = [[t * slow + own for t in row] for row in per]
     p2p = _p2p(costs, layout, balance, work, cluster, groups["pp"])
     cores = _pipeline_cores(layout, cluster)
     plan = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual,
                  costed(layout.schedule, per, p2p, cores))
+    if costs.unchunked is not None and any(a.op == W for acts in plan.values() for a in acts):
+        return predict(costs.unchunked, layout, cluster, batch, seq_len, precision, memory_plan, cp_method)
     sim = simulate(plan, per[0], per[1], comm=p2p, weight=per[2], input_grad=per[3])
     alone = simulate(plan, per[0], per[1], weight=per[2], input_grad=per[3]).makespan
     makespan = _on_cores(sim, plan, per, cut(waits, len(balance), balance)[1], slow, cores)
@@ -119,8 +121,7 @@ def predict(
                                       by_block(layout, at), precision in HALF, makespan)
     sync_s = step_syncs(costs, layout, cluster, balance, groups)
     step = makespan + reduce_s + opt_s + cluster.device.runtime_step_s + sync_s
-    a2a_s = step_all_to_all_s(a2a, layout, balance)
-    cp_s = step_context_s(ctx, layout, balance)
+    a2a_s, cp_s = step_all_to_all_s(a2a, layout, balance), step_context_s(ctx, layout, balance)
     flops, limit = sum(costs.flops) * batch, cluster.device.memory
     return {
         "layout": layout.to_json(),

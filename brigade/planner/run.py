@@ -202,7 +202,7 @@ def loss_chunk(cfg: PlanConfig, shape) -> int:
     they do not chunk it: as training decides (`parallel.chunked`), a position-wise head, not
     --chunked-loss off, a sequence longer than a chunk, and under auto a sequence's logits of at
     least `chunked.THRESHOLD` elements (a micro-batch of one sequence: larger ones chunk too).
-    Schedules that split the backward do not chunk in training; their plans count it all the same.
+    Schedules that split the backward do not chunk in training, nor do their plans (`predict`).
     Under cp a rank chunks its own part of each sequence, as training does, while the chunk's
     buffers are counted per sample and shared over cp like every activation: 1/cp of what a rank
     holds (a known gap, small beside the activations at the lengths cp is for).
@@ -237,15 +237,21 @@ def plan(cfg: PlanConfig, base: ModelConfig | None = None) -> dict:
     at = sizes(rows, cfg.batch_size)
     with quiet_stderr():
         if source(cfg.costs, shape) == FORMULA:
+            chunk = loss_chunk(cfg, shape)
             costs = from_shapes(shape, min(at), modes, where.device, cfg.precision, compile=cfg.compile,
-                                float8=cfg.float8, loss_chunk=loss_chunk(cfg, shape))
+                                float8=cfg.float8, loss_chunk=chunk)
+            if chunk:  # what a layout whose plan splits the backward holds: its loss whole
+                costs.unchunked = from_shapes(shape, min(at), modes, where.device, cfg.precision,
+                                              compile=cfg.compile, float8=cfg.float8)
         else:
             timed_in = cfg.precision if where.device.measured else ""  # this machine: its own bf16
             here_tp = where.device.measured and any(r.tp == TP for r in rows)  # on one tp process
             here_shard = where.device.measured and any(r.shard > 1 for r in rows)  # FSDP2's own work
             costs = scaled(measure(load_spec(cfg, m), at, modes, cpu(), timed_in, tp=here_tp,
                                    shard=here_shard, compile=cfg.compile), where.device, cfg.precision)
-    costs.tensor, costs.attention = tensor, seen
+    for each in (costs, costs.unchunked):
+        if each is not None:
+            each.tensor, each.attention = tensor, seen
     out, left = _predict_all(cfg, costs, where, rows, tokens_per_sample(shape))
     return {
         "model": cfg.model,

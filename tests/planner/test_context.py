@@ -220,3 +220,25 @@ def test_a_chunked_loss_holds_one_chunks_logits_and_runs_the_head_again(tmp_path
     assert got["auto"]["step_s"] > got["off"]["step_s"]
     with pytest.raises(BrigadeError, match="--loss-chunk 0: a chunk takes at least 1 position"):
         plan(PlanConfig(model=f"hf:{tmp_path}", seq_len=131072, device="h100", costs="formula", loss_chunk=0))
+
+
+def test_a_schedule_that_splits_the_backward_is_planned_with_its_loss_whole(tmp_path):
+    """Training chunks no loss under a plan with weight passes (`parallel.assemble`): nor does the
+    plan of such a layout, while 1F1B's last stage holds one chunk's logits (a Llama of 2 small
+    layers and Llama 3's vocabulary, whose logits outweigh the rest at 4,096 positions)."""
+    pytest.importorskip("transformers", reason="the hf extra (scripts/setup.sh installs it)")
+    from brigade.planner.config import PlanConfig
+    from brigade.planner.run import plan
+    from brigade.results.big_plans import LLAMA31
+
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
+             "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA31, **small}))
+    last = {}
+    for mode in ("on", "off"):
+        cfg = PlanConfig(model=f"hf:{tmp_path}", seq_len=4096, batch_size=8, gpus_per_node=2, device="h100",
+                         costs="formula", recompute="none", pp=2, schedules="1f1b,zb", microbatches="4",
+                         chunked_loss=mode)
+        last[mode] = {r["layout"]["schedule"]: r["memory_per_stage_rank"][-1]["peak"] for r in plan(cfg)["rows"]}
+    assert last["on"]["zb"] == last["off"]["zb"]
+    assert last["on"]["1f1b"] < last["off"]["1f1b"] - 4096 // 2 * 128256 * 4  # half the logits at least
