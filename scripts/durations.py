@@ -1,9 +1,9 @@
 """Where the suite's time goes, and how many tests each tier holds: results/testing/ and the block
 of docs/testing.md that shows them.
 
-CI (`.ci/run`) runs the suite in three steps: the README's `python -m pytest` (the default tier),
-then `python -m pytest -m full` (the full tier), then `python -m pytest -m slow` (the slow tier).
-Run a step with a JUnit report, then summarise it into a JSON under results/testing/
+CI (`.ci/run`) runs the suite in two steps: the README's `python -m pytest` (the default tier),
+then `python -m pytest -m "full or slow"` (the full and the slow tiers in one run). Run a step with
+a JUnit report, then summarise it into a JSON under results/testing/
 (issue 59: find the time where it goes before removing it at the cause):
 
     python -m pytest --junitxml /tmp/default.xml
@@ -18,8 +18,7 @@ each step's time, and writes the reports with BRIGADE_CI_REPORTS=DIR):
 
     BRIGADE_CI_REPORTS=/tmp/ci bash .ci/run        # in a fresh clone and virtual environment
     python scripts/durations.py /tmp/ci/default.xml --step default --wall-s D --setup-s S
-    python scripts/durations.py /tmp/ci/full.xml --step full --wall-s F
-    python scripts/durations.py /tmp/ci/slow.xml --step slow --wall-s W
+    python scripts/durations.py /tmp/ci/full-slow.xml --step full-slow --wall-s F
 
     python scripts/durations.py --tiers
 
@@ -49,12 +48,12 @@ PAGE = ROOT / "docs" / "testing.md"
 BEGIN, END = "<!-- tiers: written by `python scripts/durations.py` from results/testing/; do not edit -->", "<!-- /tiers -->"
 BEFORE = "durations-default-deb38ba.json"  # the default tier before tests/tiers.py split it (issue 59)
 RUN_BY = {"default": "`python -m pytest` (the README's; CI's first step)",
-          "full": "`python -m pytest -m full` (CI's second step)",
-          "slow": "`python -m pytest -m slow` (CI's third step)",
+          "full": "`python -m pytest -m full` (CI's second step, with the slow tier)",
+          "slow": "`python -m pytest -m slow` (CI's second step, with the full tier)",
           "cuda": "`python -m pytest -m cuda` (scripts/gpu-check.sh, where a GPU is)"}
 # CI's steps after its set-up (.ci/run): the command each runs and its tiers
-STEPS = {"default": ("`python -m pytest`", ("default",)), "full": ("`python -m pytest -m full`", ("full",)),
-         "slow": ("`python -m pytest -m slow`", ("slow",))}
+STEPS = {"default": ("`python -m pytest`", ("default",)),
+         "full-slow": ('`python -m pytest -m "full or slow"`', ("full", "slow"))}
 
 
 def summarise(report: Path, slowest: int = 30) -> dict:
@@ -123,7 +122,7 @@ def block() -> str:
     default = runs["default"]
     if all(runs.values()) and "setup_s" in default and len({r["commit"] for r in runs.values()}) == 1:
         ci = default["setup_s"] + sum(r["wall_s"] for r in runs.values())
-        text += [f"CI (`.ci/run`: set-up, then the default, full and slow steps) from a fresh clone and "
+        text += [f"CI (`.ci/run`: set-up, then its two steps) from a fresh clone and "
                  f"virtual environment at {default['commit']}: {_clock(ci)} in all, "
                  f"{_clock(default['setup_s'])} of it set-up.", ""]
     before = _load(BEFORE)
@@ -132,7 +131,7 @@ def block() -> str:
                  _slowest(before), ""]
     for step, data in runs.items():
         if data:
-            text += [f"The {step} tier's ten slowest, {_run(data)}:", "", _slowest(data), ""]
+            text += [f"The {step} step's ten slowest, {_run(data)}:", "", _slowest(data), ""]
     return "\n".join([BEGIN, *text, END])
 
 
@@ -145,7 +144,7 @@ def _run(data: dict) -> str:
 def _steps(counts: dict, runs: dict[str, dict | None]) -> str:
     """The table of CI's steps: what each runs, its tests now, its last measured
     wall time (`runs`: each one's durations file, None where there is none)."""
-    rows = ["CI's three steps, each as last measured (`results/testing/durations-STEP.json`; "
+    rows = ["CI's two steps, each as last measured (`results/testing/durations-STEP.json`; "
             "a run's count includes the GPU tier's where it skips there):", "",
             "| step | runs | tests now | wall time on 2 CPU cores | measured at |", "|---|---|---|---|---|"]
     for step, (command, tiers) in STEPS.items():
@@ -170,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("report", type=Path, nargs="?", help="a JUnit XML report (pytest --junitxml)")
     parser.add_argument("--step", choices=list(STEPS),
-                        help="which run it was: CI's default, full or slow step")
+                        help="which run it was: CI's default step or its full-slow step")
     parser.add_argument("--wall-s", type=float, help="the run's wall time, as pytest printed it")
     parser.add_argument("--setup-s", type=float, help="where the run was CI's: the set-up before it")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile")

@@ -19,8 +19,7 @@ if [ "$#" -gt 0 ]; then
     exit 0
 fi
 "$venv/bin/python" -m pytest                # the default tier, as the README runs it
-"$venv/bin/python" -m pytest -m full        # the full tier, as CI runs it next
-"$venv/bin/python" -m pytest -m slow        # and the slow tier, CI's third step
+"$venv/bin/python" -m pytest -m "full or slow"   # the full and slow tiers, as CI runs them next
 {
     sed -n '1,3p' constraints.txt
     "$venv/bin/python" -m pip freeze --exclude-editable | grep -v '^torch=='
