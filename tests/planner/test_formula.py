@@ -87,3 +87,31 @@ def test_selective_keeps_the_input_and_the_outputs_of_the_matmuls_and_attention(
         # runs again before I, less than the whole forward
         assert sel[0] == none[0] and sel[2] == none[2]
         assert none[3] <= sel[3] <= none[3] + none[0] * (1 + 1e-9) and sel[1] - none[1] == pytest.approx(sel[3] - none[3])
+
+
+def test_float8_saves_for_the_backward_what_bf16_saves():
+    """The formula counts a --float8 run's activations as its bf16 run's: torchao's float8 linear
+    (tensorwise, dynamic scaling) saves its high-precision input and weight, not float8 copies, and
+    keeps no amax history; its float8 casts live only inside each matmul. If a torchao release
+    changes that, this fails and the formula's memory under --float8 needs the new term."""
+    pytest.importorskip("torchao", reason="the float8 extra (scripts/setup.sh installs it)")
+    from brigade.models.gpt import gpt
+    from brigade.parallel.float8 import convert
+
+    def saved(blocks: list[torch.nn.Module]) -> list[int]:
+        x, out = torch.randn(4, 32, 64, dtype=torch.bfloat16, requires_grad=True), []
+        for block in blocks[1:-1]:
+            got = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: got.append(t) or t, lambda t: t):
+                x = block(x)
+            out.append(sum(t.numel() * t.element_size() for t in got))
+        return out
+
+    torch.manual_seed(0)
+    plain = [b.to(torch.bfloat16) for b in gpt(SMALL)]
+    torch.manual_seed(0)
+    f8 = [b.to(torch.bfloat16) for b in gpt(SMALL)]
+    convert(f8, "tensorwise")
+    assert type(f8[1].mlp[0]).__name__ == "Float8Linear"
+    assert saved(f8) == saved(plain)
+    assert not [n for b in f8 for n, t in b.named_buffers() if "amax" in n]
