@@ -198,8 +198,9 @@ def install(stage: nn.Module, head: nn.Module, chunk: int, mode: str = "auto",
     if not wanted(head, mode):
         return None
     head._chunked = Chunked(head, chunk, mode, autocast, parts, vocab_parts)
-    cls = type(head)  # its name kept: messages name the block as the model does
-    head.__class__ = type(cls.__name__, (_Deferring, cls), {"__module__": cls.__module__})
+    if not isinstance(head, _Deferring):  # a head assembled again (the bench's next case) has it
+        cls = type(head)  # its name kept: messages name the block as the model does
+        head.__class__ = type(cls.__name__, (_Deferring, cls), {"__module__": cls.__module__})
     if isinstance(stage, FSDPModule) and not isinstance(head, FSDPModule):
         stage.set_reshard_after_forward(False, recurse=False)
     return head._chunked

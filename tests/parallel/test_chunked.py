@@ -104,6 +104,21 @@ def test_under_no_grad_the_stage_makes_logits():
     assert stage(x).shape == (2, T, 40)
 
 
+def test_a_head_assembled_again_is_chunked_again():
+    """`brigade bench` assembles the same blocks once per case: a second install takes the new
+    chunk on the head already made to defer (its class is not derived again: that was a TypeError,
+    an inconsistent MRO, which stopped `brigade bench --model gpt`)."""
+    blocks = _gpt(False)
+    stage = split(blocks, [len(blocks)])[0]
+    first = chunked.install(stage, blocks[-1], 4, "on")
+    cls = type(blocks[-1])
+    again = chunked.install(stage, blocks[-1], 8, "on")
+    assert type(blocks[-1]) is cls and blocks[-1]._chunked is again and again is not first
+    again.on = True
+    loss = again.loss(gpt_loss)(stage(torch.randint(40, (2, T))), _targets(40, 2))
+    assert torch.isfinite(loss) and again.last == 2  # 16 positions in chunks of the new 8
+
+
 def test_the_auto_rule():
     """auto: one chunk (the head once, no recompute) below 64 Mi logits a micro-batch, chunks above;
     on: chunks whenever the sequence spans two; sequence parallel counts the whole sequence."""
