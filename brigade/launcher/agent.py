@@ -9,6 +9,7 @@ finish their step, snapshot and leave (`watch_signals`, `stop_requested`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -75,7 +76,7 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec | int | None = None, *args: 
         for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        with _environment(_worker_env(spec, meet)):
+        with _environment(_worker_env(spec, meet)), _ready_to_fork():
             return elastic_launch(_launch_config(spec, meet), _call_and_leave)(fn, *args)
     except ChildFailedError as exc:
         raise RunError(_first_failure(exc)) from None
@@ -127,6 +128,34 @@ def _start_method() -> str:
     import torch.distributed as dist
 
     return "spawn" if torch.cuda.is_available() or dist.is_initialized() else "fork"
+
+
+@contextlib.contextmanager
+def _ready_to_fork():
+    """While the agent starts (and restarts) forked workers: what each would import on its own
+    is imported here once, and the objects the agent holds are frozen out of the cyclic garbage
+    collector, as Python's `gc.freeze` documents for a parent that forks.
+
+    - torch._dynamo (0.6 s here), which a run's first FLOP count (`train.mfu`) pulls in;
+    - frozen, the ~300,000 objects of torch and brigade a worker inherits are no longer walked by
+      each of its full collections (0.1 s each). A tiny run's workers spend much of their time
+      in Python, and its collector with them: the exact-resume world of ep 2 × pp 2 (24 runs in
+      4 processes) took 80 s, 68 s frozen.
+
+    Garbage is collected first, so none is frozen; the agent's objects are unfrozen once its
+    workers are done. Under "spawn" nothing is inherited and nothing is done. No thread starts
+    at the import, so the fork stays safe."""
+    if _start_method() != "fork":
+        yield
+        return
+    import torch._dynamo  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _forget_compile_threads() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -59,14 +60,20 @@ def test_workers_that_compile_after_their_launcher_has_compiled_do_not_hang(tmp_
 
 
 def _what_a_worker_sees() -> tuple:
-    return os.environ.get("BRIGADE_TEST_MARK"), torch.get_num_threads(), int(os.environ["RANK"])
+    inherited = gc.get_freeze_count() > 0 and "torch._dynamo" in sys.modules  # agent._ready_to_fork
+    return os.environ.get("BRIGADE_TEST_MARK"), torch.get_num_threads(), int(os.environ["RANK"]), inherited
 
 
 @pytest.mark.timeout(120)
 def test_a_worker_sees_the_launching_process_environment(monkeypatch):
+    """...and, forked, starts with torch._dynamo loaded and the agent's objects frozen out of its
+    garbage collector; the agent's own are unfrozen once the workers are done."""
     monkeypatch.setenv("BRIGADE_TEST_MARK", "from the caller")
+    frozen = gc.get_freeze_count()
     got = agent.launch(_what_a_worker_sees, 2)
-    assert got == {0: ("from the caller", 1, 0), 1: ("from the caller", 1, 1)}
+    forked = agent._start_method() == "fork"
+    assert got == {0: ("from the caller", 1, 0, forked), 1: ("from the caller", 1, 1, forked)}
+    assert gc.get_freeze_count() == frozen
 
 
 @pytest.mark.parametrize("message", [
