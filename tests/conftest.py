@@ -50,6 +50,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # made by the controller before its workers start, which inherit it.
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["BRIGADE_CACHE_DIR"] = tempfile.mkdtemp(prefix="brigade-test-cache-")
+    # One cache of compiled code for every compile of the run, and of the runs after it: torch's
+    # own default folder, which `brigade check`/`plan`/`bench --compile` use anyway, named so that
+    # `brigade train --compile` uses it too instead of a cold OUT/compile-cache a run (20 s of
+    # compiling saved a tiny run). A graph found there is the code the compiler would write; the
+    # first compile of each graph still compiles, and the test of a run's own cache unsets it.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_default_cache())
     # `--log wandb` (the docs' commands too) writes its runs locally: no test reaches W&B's
     # servers, and none needs an account; MLflow's default is a file store in the run's folder.
     os.environ["WANDB_MODE"] = "offline"
@@ -60,6 +66,16 @@ def pytest_configure(config: pytest.Config) -> None:
     if gpus_hidden(config.getoption("markexpr", "") or "", os.environ):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         config.stash[_HIDDEN] = True
+
+
+def inductor_default_cache() -> str:
+    """Where inductor caches when TORCHINDUCTOR_CACHE_DIR is unset (torch's `default_cache_dir`,
+    written out so the controller need not import torch)."""
+    import getpass
+    import re
+
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -28,7 +28,8 @@ tensors until it ends, as an eager one does.
 
 Compiled code is cached on disk (inductor's FX graph cache and AOTAutograd's cache) under
 `cache_dir(out)`: a restart of the same run, which starts fresh processes, finds its graphs
-there instead of compiling again.
+there instead of compiling again. Where TORCHINDUCTOR_CACHE_DIR is set already, the run keeps
+that folder: a cache the user chose (one that many runs share, as the test suite's does) wins.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def cache_dir(out: str | Path) -> Path:
 
 def use_cache(out: str | Path) -> None:
     """Point inductor's on-disk caches at the run's folder (before anything compiles): the
-    restarts of a run reuse what its first attempt compiled."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir(out))
+    restarts of a run reuse what its first attempt compiled. A TORCHINDUCTOR_CACHE_DIR already
+    set is left as it is (module docstring)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir(out)))
 
 
 class _Compiled:
