@@ -42,7 +42,7 @@ pytestmark = pytest.mark.timeout(600)
 RUN = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "16", "--block-size", "16",
        "--batch-size", "8", "--microbatches", "2", "--dropout", "0.1", "--seed", "21",
        "--max-steps", "6", "--snapshot-every", "2", "--eval-every", "100", "--eval-batches", "1",
-       "--sample-tokens", "0", "--warmup-steps", "2"]
+       "--sample-tokens", "0", "--warmup-steps", "2", "--no-mfu"]
 # layout flags; the rank to kill and the schedule it is killed under. Under dp 2 × pp 2 rank 2
 # is the second replica's first pipeline rank, which under a V holds both ends of the model;
 # under dp 2 × local stages rank 1 is the second replica (all its stages die with it); under shard 2 ×

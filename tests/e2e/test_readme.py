@@ -36,7 +36,7 @@ PREFIXES = ("brigade ", "python -m brigade", "python scripts/", "torchrun ", "sr
             "scripts/setup.sh && ")
 
 # Flags that shorten a command without changing what it shows.
-_SMALL_SWEEP = ["--quick", "", "--repeats", "1", "--batch-size", "4", "--splits", "2", "--image-size", "32",
+_SMALL_SWEEP = ["--quick", "", "--repeats", "1", "--batch-size", "4", "--splits", "2", "--image-size", "16",
                 "--schedules", "1f1b"]
 def _pairs(args: list[str]) -> list[str]:
     """`args` as flag, value pairs, a switch (`--no-mfu`) paired with "" as SHORT writes one."""
