@@ -53,9 +53,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # One cache of compiled code for every compile of the run, and of the runs after it: torch's
     # own default folder, which `brigade check`/`plan`/`bench --compile` use anyway, named so that
     # `brigade train --compile` uses it too instead of a cold OUT/compile-cache a run (20 s of
-    # compiling saved a tiny run). A graph found there is the code the compiler would write; the
-    # first compile of each graph still compiles, and the test of a run's own cache unsets it.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_default_cache())
+    # compiling saved a tiny run; `parallel.compiled.use_cache`). A graph found there is the code
+    # the compiler would write; the first compile of each graph still compiles, and the test of a
+    # run's own cache unsets it.
+    os.environ.setdefault("BRIGADE_COMPILE_CACHE", inductor_default_cache())
     # `--log wandb` (the docs' commands too) writes its runs locally: no test reaches W&B's
     # servers, and none needs an account; MLflow's default is a file store in the run's folder.
     os.environ["WANDB_MODE"] = "offline"

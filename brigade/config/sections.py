@@ -110,7 +110,7 @@ class ParallelConfig:
     compile: bool = doc(False, "compile each block on its own (torch.compile), after tensor parallel "
                                "and recompute, before sharding; the first steps wait for the "
                                "compiler, restarts reuse OUT/compile-cache (or "
-                               "$TORCHINDUCTOR_CACHE_DIR where set)")
+                               "$BRIGADE_COMPILE_CACHE where set)")
     float8: str = doc("", "float8 matmuls in the body's linear layers, through torchao ({choices}; "
                           "pip install 'brigade[float8]'); the first block and the head stay in full "
                           "precision, and the run's first lines list what converted; empty: none",

@@ -28,8 +28,11 @@ tensors until it ends, as an eager one does.
 
 Compiled code is cached on disk (inductor's FX graph cache and AOTAutograd's cache) under
 `cache_dir(out)`: a restart of the same run, which starts fresh processes, finds its graphs
-there instead of compiling again. Where TORCHINDUCTOR_CACHE_DIR is set already, the run keeps
-that folder: a cache the user chose (one that many runs share, as the test suite's does) wins.
+there instead of compiling again. Where BRIGADE_COMPILE_CACHE names a folder, every run compiles
+into that one instead (one cache that many runs share, as the test suite's does). It is
+brigade's own variable because torch writes TORCHINDUCTOR_CACHE_DIR itself, to its default, as
+soon as torch._dynamo is imported, which the agent does before it forks its workers
+(`launcher.agent`): set or not, that variable cannot say what the user chose.
 """
 
 from __future__ import annotations
@@ -51,11 +54,14 @@ def cache_dir(out: str | Path) -> Path:
     return Path(out) / "compile-cache"
 
 
+SHARED = "BRIGADE_COMPILE_CACHE"  # a folder for every run's compiled code (module docstring)
+
+
 def use_cache(out: str | Path) -> None:
     """Point inductor's on-disk caches at the run's folder (before anything compiles): the
-    restarts of a run reuse what its first attempt compiled. A TORCHINDUCTOR_CACHE_DIR already
-    set is left as it is (module docstring)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir(out)))
+    restarts of a run reuse what its first attempt compiled. Or at $BRIGADE_COMPILE_CACHE's,
+    where it is set (module docstring)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get(SHARED) or str(cache_dir(out))
 
 
 class _Compiled:

@@ -386,7 +386,7 @@ def test_a_compiled_run_restarts_from_its_own_compile_cache_and_float8_resumes_i
     from brigade.train.metrics import read_records, training
 
     out = tmp_path / "compiled"
-    own = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}  # not the suite's
+    own = {k: v for k, v in os.environ.items() if k != "BRIGADE_COMPILE_CACHE"}  # not the suite's
     done = train(out, "--compile", "--max-steps", "6", "--nproc", "2", "--pp", "2",
                  "--inject-fault", "kill:rank=1:step=4", "--max-restarts", "1", timeout=560, env=own)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -85,26 +85,27 @@ def test_a_compiled_blocks_weight_gradients_come_with_its_input_gradient():
 
 
 def test_a_runs_compiled_code_is_kept_in_its_folder(tmp_path, monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    """...whatever torch has put in TORCHINDUCTOR_CACHE_DIR (its default, once dynamo is imported)."""
+    monkeypatch.delenv(compiled.SHARED, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torchs-default"))
     compiled.use_cache(tmp_path)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile-cache")
 
 
-def test_a_cache_folder_the_user_set_is_kept(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+def test_a_shared_cache_folder_takes_every_runs_compiled_code(tmp_path, monkeypatch):
+    monkeypatch.setenv(compiled.SHARED, str(tmp_path / "shared"))
     compiled.use_cache(tmp_path / "run")
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "shared")
 
 
 def test_the_suite_compiles_into_torchs_own_cache_folder():
-    """tests/conftest.py names torch's default folder, so `train --compile` in a test shares it
-    with `check --compile` instead of compiling into a cold OUT/compile-cache."""
+    """tests/conftest.py shares torch's default folder, so `train --compile` in a test finds what
+    `check --compile` compiled instead of compiling into a cold OUT/compile-cache."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     from tests.conftest import inductor_default_cache
 
-    assert inductor_default_cache() == default_cache_dir()
-    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    assert inductor_default_cache() == default_cache_dir() == os.environ[compiled.SHARED]
 
 
 CASES = [(name, 3, s.virtual or 2) for name, s in SCHEDULES.items()]  # V 2 where a schedule may choose
