@@ -29,14 +29,33 @@ class Vocab:
         return len(self.chars)
 
     def encode(self, text: str) -> torch.Tensor:
-        index = {c: i for i, c in enumerate(self.chars)}
-        unknown = {c for c in text if c not in index}
-        if unknown:
+        """The ids of `text`'s characters: each character's code point looked up among the
+        vocabulary's by a search over tensors, not a loop in Python over the corpus (every rank
+        of every run encodes its whole text, half a million characters by default, and the loop
+        took 0.2 s of a tiny run's 2).
+
+        Raises:
+            BrigadeError: `text` has characters the vocabulary lacks.
+        """
+        known, ids_of = torch.sort(_code_points(self.chars))
+        codes = _code_points(text)
+        at = torch.searchsorted(known, codes).clamp_(max=max(len(known) - 1, 0))
+        missing = known[at] != codes if len(known) else torch.ones_like(codes, dtype=torch.bool)
+        if missing.any():
+            unknown = {chr(c) for c in codes[missing].tolist()}
             raise BrigadeError(f"characters not in the run's vocabulary: {''.join(sorted(unknown))!r}")
-        return torch.tensor([index[c] for c in text], dtype=torch.long)
+        return ids_of[at] if len(known) else codes
 
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)
+
+
+def _code_points(text: str) -> torch.Tensor:
+    """`text`'s Unicode code points as one int64 tensor (through UTF-32, four bytes a character)."""
+    raw = bytearray(text.encode("utf-32-le"))
+    if not raw:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.frombuffer(raw, dtype=torch.int32).long()
 
 
 def load_text_data(path: str, block_size: int, val_fraction: float, val_path: str = "",

@@ -25,8 +25,21 @@ def test_split_is_deterministic_and_windows_shift_by_one(tmp_path):
 
 
 def test_vocab_rejects_unknown_characters():
-    with pytest.raises(BrigadeError, match="not in the run's vocabulary"):
-        Vocab("ab").encode("abc")
+    with pytest.raises(BrigadeError, match="not in the run's vocabulary: 'cé🙂'"):
+        Vocab("ab").encode("abcé🙂")
+    with pytest.raises(BrigadeError, match="not in the run's vocabulary: 'x'"):
+        Vocab("").encode("x")
+
+
+@pytest.mark.parametrize("chars", ["", "\n ab", "ba", "\té€🙂z"])
+def test_each_character_is_its_index_in_the_vocabulary(chars):
+    """encode searches code points over tensors; it must give what the plain lookup gives, for
+    characters of one to four UTF-8 bytes and for a vocabulary not in sorted order."""
+    text = (chars * 7)[::-1] + chars
+    ids = Vocab(chars).encode(text)
+    assert ids.dtype == torch.long
+    assert ids.tolist() == [chars.index(c) for c in text]
+    assert Vocab(chars).decode(ids) == text
 
 
 def test_a_held_out_text_validates_and_all_of_the_training_text_trains(tmp_path):

@@ -1,11 +1,14 @@
-"""Running brigade as a user does: a subprocess, its output, its exit code."""
+"""Running brigade as a user does: a process of its own, its output, its exit code."""
 
 import contextlib
 import io
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from tests.e2e.zygote import Zygote
 
 # --no-mfu: a process's first count of FLOPs on the meta device imports some 800 modules of torch's
 # (about 1.3 s); tests/train/test_mfu.py and test_outputs_of_a_run count them
@@ -14,8 +17,18 @@ TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--context", "32", 
         "--warmup-steps", "5", "--no-mfu"]
 
 
+_ZYGOTE = Zygote()
+
+
 def brigade(*args, timeout=240, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "brigade", *map(str, args)], capture_output=True,
+    """`python -m brigade ARGS` as a finished process (returncode, stdout, stderr). Forked from the
+    worker's zygote (tests/e2e/zygote.py: brigade imported once, not once a command) unless the
+    call names its own environment, which then reaches a fresh interpreter's imports too."""
+    argv = [*map(str, args)]
+    if env is None:
+        with tempfile.TemporaryDirectory(prefix="brigade-cmd-") as scratch:
+            return _ZYGOTE.run(argv, cwd, timeout, Path(scratch))
+    return subprocess.run([sys.executable, "-m", "brigade", *argv], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=cwd)
 
 
