@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from brigade.data import mix
@@ -30,32 +31,34 @@ class Vocab:
 
     def encode(self, text: str) -> torch.Tensor:
         """The ids of `text`'s characters: each character's code point looked up among the
-        vocabulary's by a search over tensors, not a loop in Python over the corpus (every rank
-        of every run encodes its whole text, half a million characters by default, and the loop
-        took 0.2 s of a tiny run's 2).
+        vocabulary's by a sorted search, not a loop in Python over the corpus (every rank of every
+        run encodes its whole text, half a million characters by default, and the loop took 0.2 s
+        of a tiny run's 2).
+
+        In numpy, not torch: the agent encodes too before it forks its workers, and a torch op
+        this long runs on OpenMP's threads, after which a forked child's first parallel op waits
+        for ever (GNU OpenMP is not fork-safe; `brigade train --threads 2` hung so).
 
         Raises:
             BrigadeError: `text` has characters the vocabulary lacks.
         """
-        known, ids_of = torch.sort(_code_points(self.chars))
+        order = np.argsort(_code_points(self.chars), kind="stable")
+        known = _code_points(self.chars)[order]
         codes = _code_points(text)
-        at = torch.searchsorted(known, codes).clamp_(max=max(len(known) - 1, 0))
-        missing = known[at] != codes if len(known) else torch.ones_like(codes, dtype=torch.bool)
+        at = np.minimum(np.searchsorted(known, codes), max(len(known) - 1, 0))
+        missing = known[at] != codes if len(known) else np.ones(len(codes), dtype=bool)
         if missing.any():
             unknown = {chr(c) for c in codes[missing].tolist()}
             raise BrigadeError(f"characters not in the run's vocabulary: {''.join(sorted(unknown))!r}")
-        return ids_of[at] if len(known) else codes
+        return torch.from_numpy(order[at] if len(known) else codes.astype(np.int64))
 
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)
 
 
-def _code_points(text: str) -> torch.Tensor:
-    """`text`'s Unicode code points as one int64 tensor (through UTF-32, four bytes a character)."""
-    raw = bytearray(text.encode("utf-32-le"))
-    if not raw:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.frombuffer(raw, dtype=torch.int32).long()
+def _code_points(text: str) -> np.ndarray:
+    """`text`'s Unicode code points (through UTF-32, four bytes a character)."""
+    return np.frombuffer(text.encode("utf-32-le"), dtype="<u4").astype(np.int64)
 
 
 def load_text_data(path: str, block_size: int, val_fraction: float, val_path: str = "",

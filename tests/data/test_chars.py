@@ -1,5 +1,8 @@
 """brigade.data.chars: the built-in GPT's characters and its split."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -64,3 +67,28 @@ def test_a_held_out_text_the_model_cannot_read_is_one_line(tmp_path, held, messa
     with pytest.raises(BrigadeError) as refused:
         load_text_data(str(text), 8, 0.2, str(path))
     assert message.format(path=path) in str(refused.value) and "\n" not in str(refused.value)
+
+
+_FORK_AFTER_ENCODE = """
+import os, torch
+from brigade.data.chars import Vocab
+text = "abcdefgh" * 100_000
+Vocab.of(text).encode(text)
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(2)
+    torch.arange(10**6, dtype=torch.int32).long()  # long enough to run on OpenMP's threads
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_process_forked_after_encoding_runs_parallel_ops():
+    """The agent encodes before it forks its workers; a torch op of a whole text would have run
+    on OpenMP's threads there, and a forked worker's first parallel op then waits for ever (GNU
+    OpenMP is not fork-safe: `brigade train --threads 2` hung so). In a fresh interpreter, since
+    a parallel op of the test process itself would hang the child whatever encode does."""
+    done = subprocess.run([sys.executable, "-c", _FORK_AFTER_ENCODE], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
