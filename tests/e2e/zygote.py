@@ -30,9 +30,12 @@ import traceback
 from pathlib import Path
 
 # what `python -m brigade train` imports before it trains (python -X importtime): torch and
-# DTensor, the check and train commands, the launcher
+# DTensor, the check and train commands, the launcher; and torch._dynamo, which the agent imports
+# before it forks its workers (`launcher.agent._ready_to_fork`). Importing it sets
+# TORCHINDUCTOR_CACHE_DIR to torch's default folder; a child takes the caller's environment
+# instead, where the default folder is what torch takes when the variable is unset.
 PRELOAD = ("brigade.cli", "brigade.train.run", "brigade.train.evaluate", "brigade.check.run",
-           "brigade.launcher.agent")
+           "brigade.launcher.agent", "torch._dynamo")
 
 
 def _child(request: dict) -> None:
