@@ -42,8 +42,9 @@ class Vocab:
         Raises:
             BrigadeError: `text` has characters the vocabulary lacks.
         """
-        order = np.argsort(_code_points(self.chars), kind="stable")
-        known = _code_points(self.chars)[order]
+        points = _code_points(self.chars)
+        order = np.argsort(points, kind="stable")
+        known = points[order]
         codes = _code_points(text)
         at = np.minimum(np.searchsorted(known, codes), max(len(known) - 1, 0))
         missing = known[at] != codes if len(known) else np.ones(len(codes), dtype=bool)
